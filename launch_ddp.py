@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Launch src/train_ddp.py under torchrun on 1..N GPUs (or CPU processes), on one or more nodes.
+
+    python launch_ddp.py --demo                              # the bundled demo data
+    python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
+    python launch_ddp.py --num_gpus all --use_amp            # every visible GPU
+    python launch_ddp.py --device cpu --nproc 2              # 2 CPU processes over gloo
+    python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
+
+Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
+launcher only builds and runs the torchrun command (``python -m torch.distributed.run``, so the
+same interpreter is used), forwards SIGINT/SIGTERM to it, and exits with its exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+SRC = ROOT / "src"
+TRAIN_SCRIPT = SRC / "train_ddp.py"
+sys.path.insert(0, str(SRC))
+
+from errors import UserError, exit_on_user_error  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch_ddp.py", add_help=False,
+        description="Run src/train_ddp.py under torchrun. Launcher flags are listed first; "
+                    "every other flag is passed to the trainer (listed after them).")
+    parser.add_argument("-h", "--help", action="store_true", help="show both sets of flags")
+    parser.add_argument("--num_gpus", default=None,
+                        help="GPUs to use on this node: a number or 'all' (default: 1)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: CUDA when a GPU is visible, else the CPU (default: auto)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes per node on the CPU (default: 1)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument("--node_rank", type=int, default=0,
+                        help="this node's rank, 0..nnodes-1; node 0 hosts the rendezvous")
+    parser.add_argument("--master_addr", default="127.0.0.1",
+                        help="address of node 0 (default: 127.0.0.1)")
+    parser.add_argument("--master_port", type=int, default=None,
+                        help="rendezvous port on node 0 (default: a free port on one node, "
+                             "29500 on several)")
+    parser.add_argument("--rdzv_id", default="image-trainer",
+                        help="rendezvous id, the same on every node of one job")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="times torchrun restarts the workers after a failure (default: 0)")
+    parser.add_argument("--dry_run", action="store_true", help="print the command, run nothing")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
+    """Which device the trainer uses and how many processes run on this node."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = args.device if args.device != "auto" else ("cuda" if visible else "cpu")
+    if device == "cuda" and not visible:
+        raise UserError("--device cuda was asked for but no CUDA GPU is visible; "
+                        "use --device cpu (with --nproc N for N processes)")
+    if device == "cpu":
+        if args.num_gpus not in (None, "1") and args.device == "auto":
+            raise UserError(f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
+                            "visible; use --device cpu --nproc N to train on the CPU")
+        if args.nproc < 1:
+            raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+        return device, args.nproc
+    requested = args.num_gpus or "1"
+    if requested == "all":
+        return device, visible
+    if not requested.isdigit() or int(requested) < 1:
+        raise UserError(f"--num_gpus must be a positive number or 'all', got {requested}")
+    if int(requested) > visible:
+        raise UserError(f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
+                        f"are visible; use --num_gpus {visible} (or --num_gpus all)")
+    return device, int(requested)
+
+
+def torchrun_command(args: argparse.Namespace, device: str, nproc: int,
+                     trainer_args: list[str]) -> list[str]:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    port = args.master_port or (29500 if args.nnodes > 1 else free_port())
+    command = [sys.executable, "-m", "torch.distributed.run",
+               f"--nnodes={args.nnodes}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{port}",
+               f"--rdzv-id={args.rdzv_id}", f"--max-restarts={args.max_restarts}"]
+    if args.nnodes > 1:
+        # Ranks are assigned by the rendezvous; node 0 hosts its store at master_addr:port.
+        command += [f"--node-rank={args.node_rank}",
+                    f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}"]
+    return command + [str(TRAIN_SCRIPT), "--device", device, *trainer_args]
+
+
+def print_help(parser: argparse.ArgumentParser) -> None:
+    from config import build_parser as trainer_parser
+
+    parser.print_help()
+    print("\ntrainer flags (passed through to src/train_ddp.py):")
+    trainer_help = trainer_parser().format_help()
+    print(trainer_help[trainer_help.index("options:") + len("options:"):].rstrip())
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run torchrun in its own process group and hand it SIGINT/SIGTERM ourselves, so one
+    Ctrl-C reaches each worker once (through torchrun) instead of from two directions."""
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    code = child.wait()
+    return 128 - code if code < 0 else code
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, trainer_args = parser.parse_known_args(argv)
+    if args.help:
+        print_help(parser)
+        return 0
+    device, nproc = resolve_device_and_nproc(args)
+    command = torchrun_command(args, device, nproc, trainer_args)
+    print("Running: " + shlex.join(command), flush=True)
+    if args.dry_run:
+        return 0
+    from train_ddp import preflight  # bad input: one line and exit 2 here, before torchrun
+
+    preflight(["--device", device, *trainer_args])
+    env = dict(os.environ)
+    # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return run_forwarding_signals(command, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

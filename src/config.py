@@ -1,0 +1,154 @@
+"""Every training option in one frozen dataclass, the argparse parser built from it, and presets.
+
+The config is parsed once in ``main()``, validated, printed, and then only read. It is saved as a
+plain dict in every checkpoint and in the history file. This module does not import torch, so the
+launcher can show the trainer's ``--help`` quickly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from errors import UserError
+
+
+def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that also carries its command-line help."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # Data
+    train_dir: str = _opt("data/train", "training ImageFolder: <dir>/<class>/<image>")
+    val_dir: str = _opt("data/val", "validation ImageFolder with the same class folders")
+    image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
+    num_workers: int | None = _opt(None, "loader worker processes per training process "
+                                         "(default: min(4, CPU cores per process))")
+    crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
+    hflip: float = _opt(0.5, "probability of a horizontal flip in training")
+    # Model
+    model: str = _opt("resnet18", "any timm model name")
+    pretrained: bool = _opt(False, "start from timm's pretrained weights (needs network access)")
+    pretrained_path: str | None = _opt(None, "local timm/torchvision state dict to start from "
+                                             "(the classifier head is replaced)")
+    sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm across processes")
+    # Optimisation
+    epochs: int = _opt(50, "number of epochs")
+    batch_size: int = _opt(32, "images per optimizer step in each process")
+    learning_rate: float = _opt(0.001, "peak learning rate (before --lr_scaling)")
+    weight_decay: float = _opt(0.01, "weight decay")
+    optimizer: str = _opt("adamw", "optimizer", choices=["adamw", "sgd"])
+    momentum: float = _opt(0.9, "momentum for sgd")
+    scheduler: str = _opt("cosine", "learning-rate schedule, stepped every optimizer step",
+                          choices=["cosine", "step", "none"])
+    warmup_epochs: float = _opt(0.0, "linear warm-up length in epochs (fractions allowed)")
+    step_size: int = _opt(30, "epochs between decays for --scheduler step")
+    gamma: float = _opt(0.1, "decay factor for --scheduler step")
+    lr_scaling: str = _opt("none", "scale the learning rate by the world size: "
+                                   "linear (lr*W) or sqrt (lr*sqrt(W))",
+                           choices=["none", "linear", "sqrt"])
+    label_smoothing: float = _opt(0.0, "label smoothing of the training loss")
+    # Precision and device
+    use_amp: bool = _opt(False, "automatic mixed precision (float16 + GradScaler on CUDA; "
+                                "bfloat16 on the CPU, usually slower there)")
+    amp_dtype: str = _opt("float16", "autocast dtype on CUDA", choices=["float16", "bfloat16"])
+    device: str = _opt("auto", "auto: CUDA when visible, else the CPU",
+                       choices=["auto", "cuda", "cpu"])
+    # Outputs, logging, reproducibility
+    checkpoint_dir: str = _opt("checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go")
+    log_dir: str = _opt("logs", "where training_history.json and per-rank logs go")
+    log_interval: int = _opt(20, "steps between progress-bar metric updates (each one syncs)")
+    seed: int = _opt(42, "seed of sample order, augmentation and initial weights")
+    resume: str | None = _opt(None, "continue from this checkpoint, or 'auto': the newest one in "
+                                    "--checkpoint_dir if any, else start fresh")
+    save_every_steps: int = _opt(0, "also write checkpoint_latest.pth every N steps inside an "
+                                    "epoch (0: only at epoch end)")
+    deterministic: bool = _opt(False, "deterministic algorithms: bitwise-reproducible runs and "
+                                      "resumes (slower on CUDA)")
+    check_sync: bool = _opt(False, "after every epoch, verify that all ranks hold identical "
+                                   "parameters and buffers")
+    demo: bool = _opt(False, "write the bundled digits demo data to data/demo and train on it")
+    distributed: bool = _opt(False, "accepted for compatibility; distribution follows torchrun's "
+                                    "environment")
+    dist_timeout_minutes: float = _opt(30.0, "process-group timeout: a hung rank fails the job "
+                                             "after this long")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Defaults that suit the bundled demo (8x8 digit scans written as 32 px PNGs). Flags the user
+# gives explicitly still win over these.
+DEMO_PRESET: dict[str, Any] = {
+    "train_dir": "data/demo/train",
+    "val_dir": "data/demo/val",
+    "image_size": 32,
+    "epochs": 12,
+    "batch_size": 64,
+    "learning_rate": 0.003,
+    "weight_decay": 0.05,
+    "warmup_epochs": 1.0,
+    "crop_scale_min": 0.7,
+    "hflip": 0.0,   # a flipped digit is a different digit
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One ``--flag`` per field; every default is SUPPRESS so we can tell what the user typed."""
+    parser = argparse.ArgumentParser(
+        prog="train_ddp.py",
+        description="Train an image classifier on an ImageFolder dataset, on 1..N processes.",
+        argument_default=argparse.SUPPRESS,
+    )
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        help_text = f"{meta.pop('help')} (default: {f.default})"
+        flag = f"--{f.name}"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+        else:
+            parser.add_argument(flag, type=_field_type(f), help=help_text, **meta)
+    return parser
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    name = str(f.type).replace(" | None", "")
+    return {"int": int, "float": float, "str": str}[name]
+
+
+def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Defaults, then the presets a flag switched on, then what the user typed explicitly."""
+    explicit = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    if explicit.get("demo"):
+        values.update(DEMO_PRESET)
+    values.update(explicit)
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject impossible combinations with one clear line."""
+    positive = {"epochs": cfg.epochs, "batch_size": cfg.batch_size, "image_size": cfg.image_size,
+                "learning_rate": cfg.learning_rate, "log_interval": cfg.log_interval,
+                "dist_timeout_minutes": cfg.dist_timeout_minutes}
+    for name, value in positive.items():
+        if value <= 0:
+            raise UserError(f"--{name} must be positive, got {value}")
+    if cfg.save_every_steps < 0:
+        raise UserError(f"--save_every_steps must be 0 or more, got {cfg.save_every_steps}")
+    if cfg.num_workers is not None and cfg.num_workers < 0:
+        raise UserError(f"--num_workers must be 0 or more, got {cfg.num_workers}")
+    if cfg.warmup_epochs < 0 or cfg.warmup_epochs > cfg.epochs:
+        raise UserError(f"--warmup_epochs must be between 0 and --epochs ({cfg.epochs}), "
+                        f"got {cfg.warmup_epochs}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise UserError(f"--label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if not 0.0 < cfg.crop_scale_min <= 1.0:
+        raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
+    if cfg.pretrained and cfg.pretrained_path:
+        raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")

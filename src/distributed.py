@@ -1,0 +1,158 @@
+"""All rank logic lives here: process-group setup, device choice, logging per rank, reductions.
+
+Training and evaluation code never test ``rank == 0``: they log through the logger set up here
+(console on the main process only, a file per rank) and hand main-process-only work to objects
+built with ``enabled=dist.is_main``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+from errors import UserError
+
+log = logging.getLogger("trainer")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is visible; "
+                        "use --device cpu or check CUDA_VISIBLE_DEVICES and the driver")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} needs GPU {local_rank} but only "
+                        f"{torch.cuda.device_count()} are visible; start fewer processes per node")
+    return torch.device("cuda", local_rank)
+
+
+def cpu_cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+    """Read torchrun's environment (or assume one process) and join the process group."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = choose_device(requested_device, local_rank)
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # torchrun sets OMP_NUM_THREADS=1 for every worker; give each process its share of the
+        # cores instead, so 1 process uses them all and N processes do not oversubscribe.
+        torch.set_num_threads(max(1, cpu_cores_available() // local_world_size))
+
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch_dist.init_process_group(
+            backend, store=_rendezvous_store(world_size), rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, local_rank, world_size, local_world_size, device)
+
+
+def _rendezvous_store(world_size: int) -> torch_dist.Store:
+    """The TCP store for this attempt, namespaced by torchrun's restart count.
+
+    After a torchrun restart, workers that init through env:// read the peer addresses that the
+    dead attempt left in the store and fail in gloo's connectFullMesh ("Connection refused").
+    Prefixing every key with the attempt number gives each restart a clean namespace.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = int(os.environ.get("RANK", 0)) == 0 and not agent_hosts_store
+    store = torch_dist.TCPStore(host, port, world_size=None if agent_hosts_store else world_size,
+                                is_master=is_server, timeout=datetime.timedelta(minutes=5),
+                                wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch_dist.PrefixStore(f"attempt{attempt}", store)
+
+
+def cleanup_distributed() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def setup_logging(log_dir: Path, dist: DistInfo) -> None:
+    """Every rank appends to logs/train_rank_{r}.log; only the main process prints."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    file_handler = logging.FileHandler(log_dir / f"train_rank_{dist.rank}.log")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(message)s"))
+    file_handler.addFilter(_RankFilter(dist.rank))
+    log.addHandler(file_handler)
+    if dist.is_main:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks in place (no-op for one process). Every rank must call it."""
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Max of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's ``obj``, in rank order. Every rank must call it."""
+    if not torch_dist.is_initialized():
+        return [obj]
+    gathered: list = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.barrier()

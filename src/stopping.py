@@ -1,0 +1,64 @@
+"""Stopping on SIGTERM/SIGINT (preemption, Ctrl-C) at a step that every rank agrees on.
+
+A signal only sets a flag. After each optimizer step every rank calls ``agreed()``, a one-number
+all-reduce (MAX) of the flags, so all ranks see the request at the same step even when only one of
+them was signalled; they then save a checkpoint together and leave the loop. A second signal,
+later than the burst a single Ctrl-C produces (the terminal and torchrun both deliver it), exits
+at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Iterator
+
+import torch
+
+from distributed import all_reduce_max
+
+log = logging.getLogger("trainer")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# One Ctrl-C reaches a worker twice: from the terminal and forwarded by torchrun.
+SAME_REQUEST_SECONDS = 2.0
+
+
+class StopRequest:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.signum: int | None = None
+        self.received_at = 0.0
+        self.requested_by_all = False
+
+    def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.received_at = signum, now
+            log.warning(f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
+                        "step and stopping (send it again to exit at once)")
+        elif now - self.received_at > SAME_REQUEST_SECONDS:
+            log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
+            os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopRequest"]:
+        previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank was signalled. Every rank must call it, at the same
+        steps."""
+        flag = torch.tensor([0 if self.signum is None else 1], device=self.device)
+        self.requested_by_all = bool(all_reduce_max(flag).item())
+        return self.requested_by_all
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGTERM)

@@ -1,0 +1,425 @@
+"""Train an image classifier on an ImageFolder dataset with DistributedDataParallel.
+
+Run it through the launcher, under torchrun directly, or alone (world size 1):
+
+    python launch_ddp.py --num_gpus 2 --use_amp
+    torchrun --nproc_per_node=2 src/train_ddp.py --use_amp --distributed
+    python src/train_ddp.py --train_dir data/train --val_dir data/val --use_amp
+    python src/train_ddp.py --demo --device cpu
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import random
+import resource
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import timm
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import (CheckpointError, CheckpointWriter, find_resume_checkpoint,
+                        load_training_checkpoint)
+from config import TrainConfig, parse_config
+from data import (IMAGENET_MEAN, IMAGENET_STD, EpochSampler, ShardSampler, build_datasets,
+                  check_data_folders, default_num_workers, make_loader)
+from demo_data import write_demo_dataset
+from distributed import (DistInfo, all_gather_objects, all_reduce_max, barrier,
+                         cleanup_distributed, cpu_cores_available, log, setup_distributed,
+                         setup_logging)
+from engine import Precision, train_one_epoch, evaluate
+from errors import UserError, exit_on_user_error
+from history import HistoryWriter
+from model import build_model, unwrap_model
+from stopping import StopRequest
+
+DEMO_ROOT = Path("data/demo")
+
+
+# ----------------------------------------------------------------------------- set-up pieces
+
+def prepare_inputs(cfg: TrainConfig) -> None:
+    """Checks (and the demo data) that need no process group; the launcher runs them once
+    before starting torchrun, so bad input is one line and exit code 2, not a torchrun report."""
+    if cfg.demo:
+        write_demo_dataset(DEMO_ROOT)
+    check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
+    resume = find_resume_checkpoint(cfg.resume, Path(cfg.checkpoint_dir))
+    if resume is not None:
+        load_training_checkpoint(resume)
+
+
+def preflight(argv: Sequence[str]) -> None:
+    prepare_inputs(parse_config(argv))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def configure_determinism(cfg: TrainConfig, dist: DistInfo) -> None:
+    if dist.device.type == "cuda":
+        # cudnn.benchmark picks the fastest kernels, which may differ from run to run.
+        torch.backends.cudnn.benchmark = not cfg.deterministic
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
+    if not cfg.use_amp:
+        return Precision(False, torch.float32)
+    if device.type == "cpu":
+        log.warning("WARNING: --use_amp on the CPU uses bfloat16 autocast, which is usually "
+                    "slower than float32 there")
+        return Precision(True, torch.bfloat16)
+    return Precision(True, getattr(torch, cfg.amp_dtype))
+
+
+def build_loaders(cfg: TrainConfig, dist: DistInfo):
+    train_set, val_set, class_names = build_datasets(
+        Path(cfg.train_dir), Path(cfg.val_dir), cfg.image_size, cfg.seed,
+        cfg.crop_scale_min, cfg.hflip)
+    train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
+    if train_sampler.per_rank < cfg.batch_size:
+        raise UserError(f"{cfg.train_dir} has {len(train_set)} images: too few for "
+                        f"--batch_size {cfg.batch_size} on {dist.world_size} process(es); "
+                        "lower --batch_size")
+    workers = (cfg.num_workers if cfg.num_workers is not None
+               else default_num_workers(cpu_cores_available() // dist.local_world_size))
+    pin = dist.device.type == "cuda"
+    train_loader = make_loader(train_set, train_sampler, cfg.batch_size, train=True,
+                               num_workers=workers, pin_memory=pin)
+    val_loader = make_loader(val_set, ShardSampler(len(val_set), dist.rank, dist.world_size),
+                             cfg.batch_size, train=False, num_workers=workers, pin_memory=pin)
+    return train_loader, val_loader, train_sampler, class_names
+
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
+    model = model.to(dist.device)
+    if not dist.is_distributed:
+        return model
+    if cfg.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
+    lr = cfg.learning_rate * scale
+    fused = next(model.parameters()).is_cuda  # the fused kernels exist on CUDA only
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, fused=fused or None)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay,
+                             fused=fused or None)
+
+
+def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int,
+              decay_every: int, gamma: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then the schedule."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "cosine":
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if kind == "step":
+        return gamma ** (step // decay_every)
+    return 1.0
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
+                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    factor = partial(lr_factor, kind=cfg.scheduler,
+                     warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+                     total_steps=cfg.epochs * steps_per_epoch,
+                     decay_every=max(1, cfg.step_size * steps_per_epoch), gamma=cfg.gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict[str, Any]:
+    return {"config": cfg.to_dict(), "world_size": dist.world_size,
+            "device": str(dist.device.type), "class_names": class_names,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "torchvision": torchvision.__version__, "timm": timm.__version__}}
+
+
+# ----------------------------------------------------------------------------- rank state
+
+def rank_state(sums: torch.Tensor | None) -> dict[str, Any]:
+    """This rank's random state and running epoch metrics, as tensors and plain values."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": random.getstate(),
+             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                       *map(_plain, np_state[2:])),
+             "train_sums": None if sums is None else sums.detach().cpu()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def restore_rank_state(state: dict[str, Any]) -> torch.Tensor | None:
+    """Put back what ``rank_state`` saved; returns the running epoch metrics."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return state["train_sums"]
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+class Trainer:
+    """The state of one run and the steps of its loop; ``main()`` below is its table of contents."""
+
+    def __init__(self, cfg: TrainConfig, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(cfg, dist)
+        self.steps_per_epoch = len(self.train_loader)
+        # Every rank builds the same initial weights (DDP would broadcast rank 0's anyway).
+        seed_everything(cfg.seed)
+        model = build_model(cfg.model, len(self.class_names), cfg.pretrained, cfg.pretrained_path)
+        self.model = wrap_model(model, cfg, dist)
+        self.plain_model = unwrap_model(self.model)
+        # From here each rank draws different random numbers (dropout, drop-path): offset by rank.
+        seed_everything(cfg.seed + dist.rank)
+        self.optimizer = build_optimizer(cfg, self.model, dist.world_size)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
+        self.precision = choose_precision(cfg, dist.device)
+        self.scaler = torch.amp.GradScaler(
+            dist.device.type, enabled=self.precision.enabled and self.precision.dtype == torch.float16)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main)
+        self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
+                                     run_header(cfg, dist, self.class_names), enabled=dist.is_main)
+        self.stop = StopRequest(dist.device)
+        self.epoch, self.step, self.best_acc = 0, 0, 0.0
+        self.resumed_sums: torch.Tensor | None = None
+
+    # -- resume ---------------------------------------------------------------------------
+    def resume(self) -> None:
+        path = find_resume_checkpoint(self.cfg.resume, Path(self.cfg.checkpoint_dir))
+        if path is None:
+            return
+        ckpt = load_training_checkpoint(path)
+        self.plain_model.load_state_dict(ckpt["model_state_dict"])
+        self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
+        self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
+        if ckpt.get("scaler_state_dict"):
+            self.scaler.load_state_dict(ckpt["scaler_state_dict"])
+        self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
+        self.best_acc = ckpt.get("best_acc", 0.0)
+        # The checkpoint's own history: records written after it (by the run that crashed)
+        # are dropped, so every epoch appears exactly once.
+        self.history.records = list(ckpt.get("history", []))
+        self.history.save()
+        rank_states = ckpt.get("rank_states") or []
+        same_layout = (len(rank_states) == self.dist.world_size
+                       and ckpt.get("config", {}).get("batch_size") == self.cfg.batch_size)
+        if same_layout:
+            self.resumed_sums = restore_rank_state(rank_states[self.dist.rank])
+        elif self.step:
+            log.warning(f"WARNING: {path} was written by {len(rank_states)} process(es) with "
+                        f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
+                        f"layout, epoch {self.epoch + 1} restarts from its first step")
+            self.step = 0
+        log.info(f"Resumed from {path}: epoch {self.epoch + 1}, step {self.step} of "
+                 f"{self.steps_per_epoch}, best val_acc {self.best_acc:.4f}")
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
+        """Every rank must call this: each contributes its random state and running metrics."""
+        rank_states = all_gather_objects(rank_state(sums))
+        self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
+
+    def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model_state_dict": self.plain_model.state_dict(),
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "scheduler_state_dict": self.scheduler.state_dict(),
+            "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": self.epoch,          # epochs completed
+            "step": self.step,            # optimizer steps done in the next epoch
+            "best_acc": self.best_acc,
+            "class_names": self.class_names,
+            "image_size": self.cfg.image_size,
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+            "model_name": self.cfg.model,
+            "config": self.cfg.to_dict(),
+            "history": self.history.records,
+            "rank_states": rank_states,
+        }
+
+    def on_step_end(self, step: int, sums: torch.Tensor) -> bool:
+        """After every optimizer step: periodic checkpoint, and the agreed stop on a signal."""
+        self.step = step
+        if self.stop.agreed():
+            self.save_checkpoint(sums)
+            return True
+        every = self.cfg.save_every_steps
+        if every and step % every == 0 and step < self.steps_per_epoch:
+            self.save_checkpoint(sums)
+        return False
+
+    # -- one epoch ------------------------------------------------------------------------
+    def run_epoch(self) -> bool:
+        """Train and evaluate one epoch; False if a stop signal ended it early."""
+        # set_epoch reshuffles: without it every epoch would visit samples in the same order.
+        self.sampler.set_epoch(self.epoch, start=self.step * self.cfg.batch_size)
+        started = time.perf_counter()
+        train = train_one_epoch(
+            self.model, self.train_loader, self.optimizer, self.scheduler, self.scaler,
+            self.criterion, self.dist.device, self.precision, start_step=self.step,
+            sums=self.resumed_sums, show_progress=self.dist.is_main,
+            log_interval=self.cfg.log_interval,
+            description=f"epoch {self.epoch + 1}/{self.cfg.epochs}", on_step_end=self.on_step_end)
+        self.resumed_sums = None
+        if self.stop.requested_by_all:
+            return False
+        train_seconds = time.perf_counter() - started
+        val = evaluate(self.plain_model, self.val_loader, self.dist.device, self.precision,
+                       show_progress=self.dist.is_main)
+        if self.cfg.check_sync:
+            check_ranks_in_sync(self.plain_model)
+        self.epoch, self.step = self.epoch + 1, 0
+        is_best = val["val_acc"] > self.best_acc
+        self.best_acc = max(self.best_acc, val["val_acc"])
+        self.history.append(self.epoch_record(train, val, train_seconds, started))
+        self.save_checkpoint(None, is_best)
+        self.log_epoch(is_best)
+        return True
+
+    def epoch_record(self, train: dict, val: dict, train_seconds: float,
+                     started: float) -> dict[str, Any]:
+        return {"epoch": self.epoch,
+                "train_loss": train["train_loss"], "train_acc": train["train_acc"],
+                "val_loss": val["val_loss"], "val_acc": val["val_acc"], "val_top5": val["val_top5"],
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "epoch_seconds": time.perf_counter() - started,
+                "train_images_per_sec": train["train_samples"] / max(train_seconds, 1e-9),
+                "peak_memory_mb": peak_memory_mb(self.dist.device)}
+
+    def log_epoch(self, is_best: bool) -> None:
+        r = self.history.records[-1]
+        log.info(f"epoch {r['epoch']}/{self.cfg.epochs}  train_loss {r['train_loss']:.4f}  "
+                 f"train_acc {r['train_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
+                 f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
+                 f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
+                 f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else ""))
+
+    def fit(self) -> bool:
+        """Train until the last epoch, or until a stop signal; True if the run finished."""
+        while self.epoch < self.cfg.epochs:
+            # A signal that arrived during evaluation is honoured here, at an epoch boundary
+            # whose checkpoint is already written.
+            if self.stop.agreed() or not self.run_epoch():
+                return False
+        return True
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, the largest over all ranks."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return all_reduce_max(torch.tensor([peak], device=device)).item()
+
+
+def check_ranks_in_sync(model: nn.Module) -> None:
+    """Every rank must call this. Stops with one line naming the first tensor that differs."""
+    digests = {name: hashlib.sha1(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+                                  .tobytes()).hexdigest()
+               for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    per_rank = all_gather_objects(digests)
+    for name in digests:
+        values = [d[name] for d in per_rank]
+        if len(set(values)) > 1:
+            ranks = [r for r, v in enumerate(values) if v != values[0]]
+            raise UserError(f"--check_sync: {name} differs between rank 0 and rank(s) {ranks}; "
+                            "the replicas have drifted apart")
+
+
+def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
+    log.info(f"Training {cfg.model} on {len(trainer.class_names)} classes, "
+             f"{len(trainer.train_loader.dataset)} train / "
+             f"{len(trainer.val_loader.dataset)} val images, world size {dist.world_size} "
+             f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
+             f"{trainer.train_loader.num_workers} loader worker(s) per process")
+    log.info("Config: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
+
+
+def log_summary(trainer: Trainer, finished: bool) -> None:
+    cfg = trainer.cfg
+    if not finished:
+        log.info(f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}; checkpoint saved "
+                 f"to {trainer.checkpoints.latest}. Resume with the same command plus "
+                 f"--resume {trainer.checkpoints.latest}")
+        return
+    history = Path(cfg.log_dir) / "training_history.json"
+    log.info(f"Done: best val_acc {trainer.best_acc:.4f}\n"
+             f"  best checkpoint:   {trainer.checkpoints.best}\n"
+             f"  latest checkpoint: {trainer.checkpoints.latest}\n"
+             f"  history:           {history}\n"
+             f"  plot the curves:   python src/utils.py --history {history} --output curves.png")
+
+
+def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:
+    """The first process on each node writes the demo data; the others wait for it."""
+    if cfg.demo and dist.local_rank == 0:
+        write_demo_dataset(DEMO_ROOT)
+    barrier()
+
+
+def run(cfg: TrainConfig, dist: DistInfo) -> int:
+    setup_logging(Path(cfg.log_dir), dist)
+    configure_determinism(cfg, dist)
+    prepare_demo_data(cfg, dist)
+    trainer = Trainer(cfg, dist)
+    trainer.resume()
+    log_run_start(cfg, dist, trainer)
+    with trainer.stop.installed():
+        finished = trainer.fit()
+    log_summary(trainer, finished)
+    return 0 if finished else trainer.stop.exit_code
+
+
+@exit_on_user_error
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
+    try:
+        return run(cfg, dist)
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    sys.exit(main())
