@@ -1,0 +1,88 @@
+"""The AMP path on the CPU (bfloat16 autocast), the CUDA float16 + GradScaler path where a GPU
+exists, and the learning-rate schedule."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from config import parse_config
+from engine import Precision, train_one_epoch
+from train_ddp import choose_precision, lr_factor
+
+
+def tiny_batches(n: int = 4, device: str = "cpu"):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 3, 16, 16, generator=g).to(device),
+             torch.randint(0, 3, (8,), generator=g).to(device)) for _ in range(n)]
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 3))
+
+
+def run_epoch(precision: Precision, device: str = "cpu") -> tuple[dict, nn.Module]:
+    model = tiny_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scaler = torch.amp.GradScaler(device, enabled=precision.dtype == torch.float16)
+    metrics = train_one_epoch(model, tiny_batches(device=device), optimizer, scheduler, scaler,
+                              nn.CrossEntropyLoss(), torch.device(device), precision,
+                              show_progress=False)
+    return metrics, model
+
+
+def test_cpu_amp_uses_bfloat16_autocast_and_warns(caplog):
+    cfg = parse_config(["--use_amp"])
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        precision = choose_precision(cfg, torch.device("cpu"))
+    assert precision == Precision(True, torch.bfloat16)
+    assert "slower" in caplog.text
+    assert choose_precision(parse_config([]), torch.device("cpu")).enabled is False
+
+
+def test_cpu_amp_trains_and_runs_the_forward_in_bfloat16():
+    seen = []
+    metrics, model = run_epoch(Precision(True, torch.bfloat16))
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with Precision(True, torch.bfloat16).autocast(torch.device("cpu")):
+        model(torch.randn(1, 3, 16, 16))
+    assert seen == [torch.bfloat16]
+    assert metrics["train_samples"] == 32 and metrics["steps"] == 4
+    assert math.isfinite(metrics["train_loss"])
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_float16_with_grad_scaler():
+    cfg = parse_config(["--use_amp"])
+    precision = choose_precision(cfg, torch.device("cuda"))
+    assert precision == Precision(True, torch.float16)
+    metrics, _ = run_epoch(precision, device="cuda")
+    assert math.isfinite(metrics["train_loss"]) and metrics["steps"] == 4
+
+
+def test_lr_schedule_warmup_then_cosine_and_step():
+    cosine = dict(kind="cosine", warmup_steps=10, total_steps=110, decay_every=50, gamma=0.1)
+    assert lr_factor(0, **cosine) == pytest.approx(0.1)
+    assert lr_factor(9, **cosine) == pytest.approx(1.0)
+    assert lr_factor(60, **cosine) == pytest.approx(0.5)
+    assert lr_factor(110, **cosine) == pytest.approx(0.0)
+    step = {**cosine, "kind": "step", "warmup_steps": 0}
+    assert [lr_factor(s, **step) for s in (0, 49, 50, 100)] == pytest.approx([1, 1, 0.1, 0.01])
+    assert lr_factor(77, **{**cosine, "kind": "none"}) == 1.0
+
+
+def test_lr_scaling_by_world_size():
+    from train_ddp import build_optimizer
+
+    model = tiny_model()
+    for scaling, expected in (("none", 0.01), ("linear", 0.04), ("sqrt", 0.02)):
+        cfg = parse_config(["--learning_rate", "0.01", "--lr_scaling", scaling])
+        assert build_optimizer(cfg, model, world_size=4).param_groups[0]["lr"] == pytest.approx(
+            expected)

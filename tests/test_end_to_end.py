@@ -1,0 +1,88 @@
+"""The real launcher, torchrun and two gloo processes on a tiny generated dataset."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+from conftest import ROOT, SRC, TINY_FLAGS, run_cli
+from model import ResNet18Animals90
+
+
+def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
+                      "--train_dir", train, "--val_dir", val, "--epochs", "2", *TINY_FLAGS],
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch.distributed.run" in result.stdout.splitlines()[0]      # the printed command
+    assert "Done: best val_acc" in result.stdout
+    assert "python src/utils.py --history" in result.stdout
+
+    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    assert history["world_size"] == 2 and history["device"] == "cpu"
+    assert history["config"]["epochs"] == 2 and "torch" in history["versions"]
+    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
+    for record in history["epochs"]:
+        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_top5", "lr",
+                    "epoch_seconds", "train_images_per_sec", "peak_memory_mb"):
+            assert isinstance(record[key], float), key
+        assert 0.0 <= record["val_acc"] <= record["val_top5"] <= 1.0
+    assert (tmp_path / "logs" / "train_rank_0.log").read_text()
+    assert "rank 1" in (tmp_path / "logs" / "train_rank_1.log").read_text()
+
+    latest = torch.load(tmp_path / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+    best = torch.load(tmp_path / "checkpoints" / "checkpoint_best.pth", weights_only=True)
+    assert latest["epoch"] == 2 and latest["step"] == 0
+    assert latest["class_names"] == ["cat", "dog", "fox"] and latest["image_size"] == 16
+    assert latest["best_acc"] == max(r["val_acc"] for r in history["epochs"])
+    assert best["best_acc"] == latest["best_acc"]
+    assert len(latest["rank_states"]) == 2
+    for key in ("optimizer_state_dict", "scheduler_state_dict", "mean", "std", "config"):
+        assert key in latest
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in latest["model_state_dict"])
+
+
+def test_checkpoint_loads_into_plain_models(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
+                      "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint_best.pth", weights_only=True)
+    weights = state["model_state_dict"]
+
+    ours = ResNet18Animals90(num_classes=3)
+    ours.load_state_dict(weights, strict=True)
+    reference = torchvision.models.resnet18(num_classes=3)
+    reference.load_state_dict(weights, strict=True)
+    ours.eval(), reference.eval()
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(ours(x), reference(x))
+
+
+def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
+    """Two launchers, one CPU process each, meeting through the c10d rendezvous on 127.0.0.1."""
+    from launch_ddp import free_port
+
+    train, val = tiny_dataset
+    port = str(free_port())
+    nodes = []
+    for node_rank in (0, 1):
+        workdir = tmp_path / f"node{node_rank}"
+        workdir.mkdir()
+        nodes.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nnodes", "2",
+             "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port,
+             "--train_dir", str(train), "--val_dir", str(val), "--epochs", "1", *TINY_FLAGS],
+            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    # Exactly one node holds global rank 0, and only it writes the history.
+    written = [tmp_path / f"node{r}" / "logs" / "training_history.json" for r in (0, 1)]
+    written = [path for path in written if path.exists()]
+    assert len(written) == 1
+    assert json.loads(written[0].read_text())["world_size"] == 2
