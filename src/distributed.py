@@ -153,6 +153,18 @@ def all_gather_objects(obj: object) -> list:
     return gathered
 
 
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank. Every rank must call it.
+
+    DDP broadcasts buffers at the start of each forward, but the forward itself then updates them
+    from the local batch, so after the last step of an epoch the ranks differ. Syncing here means
+    every rank evaluates, and rank 0 saves, the same model.
+    """
+    if torch_dist.is_initialized():
+        for buffer in model.buffers():
+            torch_dist.broadcast(buffer, src=0)
+
+
 def barrier() -> None:
     if torch_dist.is_initialized():
         torch_dist.barrier()

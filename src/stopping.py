@@ -32,8 +32,12 @@ class StopRequest:
         self.signum: int | None = None
         self.received_at = 0.0
         self.requested_by_all = False
+        self.owner_pid = os.getpid()
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self.owner_pid:
+            # A forked loader worker inherited this handler: its parent decides when it stops.
+            return
         now = time.monotonic()
         if self.signum is None:
             self.signum, self.received_at = signum, now
@@ -45,6 +49,7 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopRequest"]:
+        self.owner_pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
         try:
             yield self
@@ -62,3 +67,19 @@ class StopRequest:
     @property
     def exit_code(self) -> int:
         return 128 + (self.signum or signal.SIGTERM)
+
+
+# Fault injection for the crash-resume tests: TRAIN_DDP_KILL_AT="EPOCH:STEP[:RANK]" makes that rank
+# (every rank if RANK is left out) SIGKILL itself right after that optimizer step of that epoch
+# (1-based), on the first torchrun attempt only, so the restarted workers run on.
+KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
+
+
+def maybe_inject_fault(epoch: int, step: int, rank: int) -> None:
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kill_epoch, kill_step, *kill_rank = (int(part) for part in spec.split(":"))
+    if (epoch, step) == (kill_epoch, kill_step) and (not kill_rank or kill_rank[0] == rank):
+        log.warning(f"{KILL_AT_ENV}={spec}: killing rank {rank} with SIGKILL")
+        os.kill(os.getpid(), signal.SIGKILL)

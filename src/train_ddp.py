@@ -35,14 +35,14 @@ from config import TrainConfig, parse_config
 from data import (IMAGENET_MEAN, IMAGENET_STD, EpochSampler, ShardSampler, build_datasets,
                   check_data_folders, default_num_workers, make_loader)
 from demo_data import write_demo_dataset
-from distributed import (DistInfo, all_gather_objects, all_reduce_max, barrier,
+from distributed import (DistInfo, all_gather_objects, all_reduce_max, barrier, broadcast_buffers,
                          cleanup_distributed, cpu_cores_available, log, setup_distributed,
                          setup_logging)
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from model import build_model, unwrap_model
-from stopping import StopRequest
+from stopping import StopRequest, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
 
@@ -279,6 +279,7 @@ class Trainer:
     def on_step_end(self, step: int, sums: torch.Tensor) -> bool:
         """After every optimizer step: periodic checkpoint, and the agreed stop on a signal."""
         self.step = step
+        maybe_inject_fault(self.epoch + 1, step, self.dist.rank)
         if self.stop.agreed():
             self.save_checkpoint(sums)
             return True
@@ -303,6 +304,7 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
+        broadcast_buffers(self.plain_model)
         val = evaluate(self.plain_model, self.val_loader, self.dist.device, self.precision,
                        show_progress=self.dist.is_main)
         if self.cfg.check_sync:

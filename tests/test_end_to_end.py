@@ -16,7 +16,8 @@ from model import ResNet18Animals90
 def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
     result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
-                      "--train_dir", train, "--val_dir", val, "--epochs", "2", *TINY_FLAGS],
+                      "--train_dir", train, "--val_dir", val, "--epochs", "2", "--check_sync",
+                      *TINY_FLAGS],
                      cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "torch.distributed.run" in result.stdout.splitlines()[0]      # the printed command

@@ -1,0 +1,215 @@
+"""Crash-safe training: exact resume after SIGKILL, SIGTERM, corrupt and malicious checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, SRC, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+
+TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
+
+
+@pytest.fixture
+def resume_dataset(tmp_path: Path) -> tuple[Path, Path]:
+    """72 training images: 4 steps per epoch at batch 8 on 2 processes (9 on one)."""
+    classes = ["cat", "dog", "fox"]
+    return (write_image_folder(tmp_path / "data" / "train", classes, 24, seed=1),
+            write_image_folder(tmp_path / "data" / "val", classes, 5, seed=2))
+
+
+def train_flags(train: Path, val: Path, *extra: str) -> list[str]:
+    return ["--train_dir", str(train), "--val_dir", str(val), "--deterministic",
+            "--optimizer", "sgd", *TINY_FLAGS, *extra]
+
+
+def launch(workdir: Path, flags: list[str], env: dict[str, str] | None = None,
+           nproc: int = 2) -> subprocess.CompletedProcess:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu",
+                           "--nproc", str(nproc), *flags], cwd=workdir, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def assert_same_tensors(a: object, b: object, where: str = "") -> int:
+    """Bitwise equality of every tensor in two nested structures; returns how many compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+        return 1
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        return sum(assert_same_tensors(a[k], b[k], f"{where}/{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        return sum(assert_same_tensors(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    assert a == b, f"{where}: {a} != {b}"
+    return 0
+
+
+def metrics_without_timings(workdir: Path) -> list[dict]:
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in history["epochs"]]
+
+
+def latest(workdir: Path) -> dict:
+    return torch.load(workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+
+
+def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset, tmp_path):
+    train, val = resume_dataset
+    flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "2")
+    clean = launch(tmp_path / "clean", flags)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+
+    # Rank 1 is SIGKILLed after step 3 of epoch 2; the checkpoint of step 2 is the newest.
+    crashed = launch(tmp_path / "crashed", [*flags, "--max_restarts", "1", "--resume", "auto"],
+                     env={"TRAIN_DDP_KILL_AT": "2:3:1"})
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    log0 = (tmp_path / "crashed" / "logs" / "train_rank_0.log").read_text()
+    assert "killing rank 1 with SIGKILL" in (tmp_path / "crashed" / "logs" /
+                                             "train_rank_1.log").read_text()
+    assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 2 of 4" in log0
+
+    a, b = latest(tmp_path / "clean"), latest(tmp_path / "crashed")
+    compared = assert_same_tensors(a["model_state_dict"], b["model_state_dict"], "model")
+    compared += assert_same_tensors(a["optimizer_state_dict"], b["optimizer_state_dict"], "optim")
+    assert compared > 122 and (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
+    # Every epoch once, with the same metrics as the uninterrupted run.
+    assert metrics_without_timings(tmp_path / "crashed") == metrics_without_timings(
+        tmp_path / "clean")
+    assert [r["epoch"] for r in metrics_without_timings(tmp_path / "crashed")] == [1, 2]
+
+
+def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_path):
+    """One process, killed after step 5 of epoch 1 (checkpoint at step 4), resumed with 2
+    loader workers instead of 0: same weights as the uninterrupted run."""
+    train, val = resume_dataset
+    flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "4")
+    clean = launch(tmp_path / "clean", flags, nproc=1)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:5"})
+    assert killed.returncode != 0
+    assert latest(tmp_path / "resumed")["step"] == 4
+    resumed = launch(tmp_path / "resumed", [*flags, "--resume", "auto", "--num_workers", "2"],
+                     nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epoch 1, step 4 of 9" in resumed.stdout
+    assert_same_tensors(latest(tmp_path / "clean")["model_state_dict"],
+                        latest(tmp_path / "resumed")["model_state_dict"], "model")
+    assert metrics_without_timings(tmp_path / "clean") == metrics_without_timings(
+        tmp_path / "resumed")
+
+
+def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, tmp_path):
+    train, val = resume_dataset
+    # 36 samples per rank at batch 4: 9 steps per epoch, a checkpoint after each one; the
+    # signal is sent once the first is written, so it lands inside epoch 1.
+    flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "1",
+                        "--batch_size", "4")
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    launcher = subprocess.Popen([sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu",
+                                 "--nproc", "2", *flags], cwd=workdir, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "Received SIGTERM" in stdout and "Resume with the same command plus --resume" in stdout
+
+    saved = latest(workdir)
+    assert saved["epoch"] == 0 and 0 < saved["step"] < 9      # a step inside epoch 1
+    for rank in (0, 1):                                        # both ranks stopped cleanly
+        log = (workdir / "logs" / f"train_rank_{rank}.log").read_text()
+        assert f"Stopped at epoch 1, step {saved['step']}" in log
+    resumed = launch(workdir, [*flags, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"epoch 1, step {saved['step']} of 9" in resumed.stdout
+    assert [r["epoch"] for r in metrics_without_timings(workdir)] == [1, 2]
+
+
+def test_history_drops_records_after_the_checkpoint(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
+    assert run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2"], cwd=tmp_path).returncode == 0
+    # Resume from the checkpoint of epoch 1 (the previous latest): epoch 2 is redone, not doubled.
+    prev = tmp_path / "checkpoints" / "checkpoint_latest.prev.pth"
+    assert torch.load(prev, weights_only=True)["epoch"] == 1
+    result = run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2", "--resume", prev],
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
+
+
+def test_corrupt_latest_falls_back_to_previous(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
+    assert run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2"], cwd=tmp_path).returncode == 0
+    latest_path = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    latest_path.write_bytes(latest_path.read_bytes()[:5000])      # a truncated write
+    result = run_cli([SRC / "train_ddp.py", *flags, "--epochs", "3", "--resume", "auto"],
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "corrupt or truncated" in result.stdout + result.stderr
+    assert "falling back to the previous checkpoint" in result.stdout
+    assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 0" in result.stdout
+    assert latest(tmp_path)["epoch"] == 3
+
+
+def test_corrupt_checkpoint_without_fallback_is_one_clear_error(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint at all")
+    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--train_dir", train,
+                      "--val_dir", val, "--resume", bad], cwd=tmp_path)
+    assert_user_error(result, "corrupt")
+    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--train_dir", train,
+                      "--val_dir", val, "--resume", tmp_path / "missing.pth"], cwd=tmp_path)
+    assert_user_error(result, "missing.pth", "no such file")
+
+
+class _Payload:
+    """Unpickling this calls open(path, "w"): a checkpoint that runs code when loaded."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_malicious_checkpoint_is_refused_and_its_code_never_runs(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    marker = tmp_path / "pwned.txt"
+    evil = tmp_path / "evil.pth"
+    torch.save({"model_state_dict": _Payload(marker), "optimizer_state_dict": {}, "epoch": 0},
+               evil)
+    pickle.loads(pickle.dumps(_Payload(tmp_path / "probe.txt"))).close()  # the payload is live
+    assert (tmp_path / "probe.txt").exists()
+
+    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
+                      "--val_dir", val, "--resume", evil], cwd=tmp_path)
+    assert_user_error(result, "refused to load", "weights_only=True")
+    assert not marker.exists()
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
+                      "--val_dir", val, "--epochs", "1", "--resume", "auto", *TINY_FLAGS],
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "no checkpoint in checkpoints, starting a new run" in result.stdout
