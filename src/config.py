@@ -27,6 +27,9 @@ class TrainConfig:
     image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
     num_workers: int | None = _opt(None, "loader worker processes per training process "
                                          "(default: min(4, CPU cores per process))")
+    cache_images: str = _opt("none", "decode every image once and keep it in memory: ram, or gpu "
+                                     "(on the device, augmented there); for datasets that fit",
+                             choices=["none", "ram", "gpu"])
     crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
     hflip: float = _opt(0.5, "probability of a horizontal flip in training")
     # Model
@@ -35,6 +38,8 @@ class TrainConfig:
     pretrained_path: str | None = _opt(None, "local timm/torchvision state dict to start from "
                                              "(the classifier head is replaced)")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm across processes")
+    compile: bool = _opt(False, "compile the model with torch.compile (slow first steps, faster "
+                                "after)")
     # Optimisation
     epochs: int = _opt(50, "number of epochs")
     batch_size: int = _opt(32, "images per optimizer step in each process")

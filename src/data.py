@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision import datasets
 from torchvision.transforms import v2
 
@@ -64,14 +67,28 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
 
 def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
                      hflip: float = 0.5) -> v2.Compose:
+    """Per-sample geometry on uint8 images. Conversion to float and normalization happen once per
+    batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
+    processes."""
     if train:
         geometry = [v2.RandomResizedCrop(image_size, scale=(crop_scale_min, 1.0), antialias=True),
                     v2.RandomHorizontalFlip(hflip)]
     else:
         geometry = [v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
                     v2.CenterCrop(image_size)]
-    return v2.Compose([v2.ToImage(), *geometry, v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return v2.Compose([v2.ToImage(), *geometry])
+
+
+def normalize_batch(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, 3, H, W) in 0..255 -> float32 normalized with the ImageNet mean and std."""
+    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
+    return images.float().div_(255).sub_(mean).div_(std)
+
+
+def collate_normalized(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = default_collate(batch)
+    return normalize_batch(images), labels
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -82,12 +99,13 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class SeededImageDataset(Dataset):
     """An ImageFolder whose items are fetched by ``(index, epoch)`` keys from ``EpochSampler``.
 
-    The transform runs under a torch RNG seeded from (seed, epoch, index) inside ``fork_rng``, so
-    the augmentation of a sample is the same in any worker and the process's own RNG (used by
-    dropout, for instance) is untouched. Plain integer keys (validation) use no seeding.
+    The transform runs with the CPU generator seeded from (seed, epoch, index) and restored
+    afterwards, so the augmentation of a sample is the same in any worker and the process's own
+    random stream (used by dropout, for instance) is untouched. Plain integer keys (validation) use no seeding.
     """
 
-    def __init__(self, folder: datasets.ImageFolder, transform: v2.Compose, seed: int):
+    def __init__(self, folder: datasets.ImageFolder | DecodedImageCache, transform: v2.Compose,
+                 seed: int):
         self.folder = folder
         self.transform = transform
         self.seed = seed
@@ -101,10 +119,52 @@ class SeededImageDataset(Dataset):
             return self.transform(image), label
         index, epoch = key
         image, label = self.folder[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+        # Seed the CPU generator that the transforms draw from, and put its state back after.
+        # (torch.manual_seed and fork_rng would also touch every accelerator's generator:
+        # ~0.3 ms per sample, more than the augmentation itself at small image sizes.)
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(sample_seed(self.seed, epoch, index))
+        try:
             return self.transform(image), label
+        finally:
+            generator.set_state(saved)
 
+
+
+class DecodedImageCache(Dataset):
+    """Every image of an ImageFolder decoded once and kept as one uint8 tensor (N, 3, S, S).
+
+    S = image_size / 0.875, the evaluation resize: each image is resized (shorter side to S) and
+    center-cropped to a square once, so later epochs skip file reads and JPEG decoding and the
+    random crop / flip run on small tensors (the same transforms accept tensors). The sides of
+    non-square images are not seen by the random crop. With ``device`` "cuda" the cache lives
+    on the GPU and the augmentation runs there. Items are ``(image, label)`` like ImageFolder's.
+    """
+
+    def __init__(self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu",
+                 threads: int = 4):
+        side = int(math.ceil(image_size / EVAL_RESIZE_RATIO))
+        paths = [path for path, _ in folder.samples]
+
+        def decode(path: str) -> torch.Tensor:
+            image = ImageOps.fit(folder.loader(path), (side, side), Image.BILINEAR)
+            return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+        # Decoding releases the GIL, so threads scale over the cores.
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            self.images = torch.stack(list(pool.map(decode, paths))).to(device)
+        self.targets = list(folder.targets)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], self.targets[index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.numel() * self.images.element_size()
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -171,7 +231,7 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
                 num_workers: int, pin_memory: bool) -> DataLoader:
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        pin_memory=pin_memory, drop_last=train,
+        pin_memory=pin_memory, drop_last=train, collate_fn=collate_normalized,
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
@@ -179,11 +239,18 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
 
 
 def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
-                   crop_scale_min: float, hflip: float
+                   crop_scale_min: float, hflip: float, cache: str = "none",
+                   cache_device: str = "cpu", threads: int = 4
                    ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
+    """Training and validation datasets; ``cache`` "ram" or "gpu" decodes every image once."""
     class_names = check_data_folders(train_dir, val_dir)
     train_folder = _image_folder(train_dir, "training")
     val_folder = _image_folder(val_dir, "validation")
+    if cache != "none":
+        train_folder = DecodedImageCache(train_folder, image_size, cache_device, threads)
+        val_folder = DecodedImageCache(val_folder, image_size, cache_device, threads)
+        log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
+                 f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB)")
     train_set = SeededImageDataset(
         train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed)
     val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)

@@ -7,8 +7,10 @@ the progress-bar update every ``log_interval`` steps) and summed across ranks wi
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,43 @@ class Precision:
         return torch.autocast(device.type, dtype=self.dtype, enabled=self.enabled)
 
 
+class PhaseTimer:
+    """Wall time spent in each phase of the training step, for the throughput benchmark.
+
+    Disabled (the default) it costs one attribute check per phase. On CUDA, pass
+    ``synchronize=torch.cuda.synchronize`` so each phase's kernels are counted in that phase;
+    that removes the overlap between phases, so time whole runs without the timer.
+    """
+
+    def __init__(self, enabled: bool = False, synchronize: Callable[[], None] | None = None):
+        self.enabled = enabled
+        self.synchronize = synchronize or (lambda: None)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        self.seconds[name] += time.perf_counter() - start
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self._timed(name) if self.enabled else contextlib.nullcontext()
+
+    def iterate(self, batches: Iterable, name: str = "data_wait") -> Iterator:
+        """Yield from ``batches``, counting the time spent waiting for each one."""
+        iterator = iter(batches)
+        while True:
+            with self.phase(name):
+                batch = next(iterator, None)
+            if batch is None:
+                return
+            yield batch
+
+
+NO_TIMER = PhaseTimer(enabled=False)
+
 # Called after every optimizer step with (steps done in this epoch, this rank's running sums);
 # returns True when the epoch must stop there (a preemption signal).
 StepCallback = Callable[[int, torch.Tensor], bool]
@@ -43,7 +82,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     precision: Precision, *, start_step: int = 0,
                     sums: torch.Tensor | None = None, show_progress: bool = True,
                     log_interval: int = 20, description: str = "train",
-                    on_step_end: StepCallback | None = None) -> dict[str, float]:
+                    on_step_end: StepCallback | None = None,
+                    timer: PhaseTimer = NO_TIMER) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
     resume); ``sums`` carries the running metrics of those batches."""
     model.train()
@@ -51,28 +91,32 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
     step = start_step
     bar = tqdm(loader, total=start_step + len(loader), initial=start_step, desc=description,
                disable=not show_progress, dynamic_ncols=True, leave=False)
-    for images, targets in bar:
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        with precision.autocast(device):
-            logits = model(images)
-            loss = criterion(logits, targets)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+    for images, targets in timer.iterate(bar):
+        with timer.phase("forward_backward"):
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            with precision.autocast(device):
+                logits = model(images)
+                loss = criterion(logits, targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+        with timer.phase("optimizer"):
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
         step += 1
 
-        with torch.no_grad():
-            sums[LOSS] += loss.detach().double() * targets.size(0)
-            sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
-            sums[COUNT] += targets.size(0)
-        if show_progress and step % log_interval == 0:
-            bar.set_postfix(loss=f"{sums[LOSS].item() / sums[COUNT].item():.4f}",
-                            acc=f"{sums[CORRECT].item() / sums[COUNT].item():.4f}",
-                            lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-        if on_step_end is not None and on_step_end(step, sums):
+        with timer.phase("metrics_and_hooks"):
+            with torch.no_grad():
+                sums[LOSS] += loss.detach().double() * targets.size(0)
+                sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
+                sums[COUNT] += targets.size(0)
+            if show_progress and step % log_interval == 0:
+                bar.set_postfix(loss=f"{sums[LOSS].item() / sums[COUNT].item():.4f}",
+                                acc=f"{sums[CORRECT].item() / sums[COUNT].item():.4f}",
+                                lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            stop = on_step_end is not None and on_step_end(step, sums)
+        if stop:
             break
     bar.close()
 

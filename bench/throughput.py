@@ -1,0 +1,293 @@
+"""Where does the time of a training step go? The trainer's throughput against the model's ceiling.
+
+    python bench/throughput.py                                   # ResNet18, 32 px, batch 64, 1 and 2 processes
+    python bench/throughput.py --image_size 224 --batch_size 32
+    python bench/throughput.py -- --cache_images ram             # trainer flags after "--"
+
+For each world size it runs, as separate torchrun jobs with the same threads per process:
+
+1. ceiling: a bare loop of forward, backward and optimizer step of the same model, batch, image
+   size and precision on tensors already in memory (DDP at world size > 1, no loader);
+2. trainer: the real training path (the trainer's loader, transforms, sampler, AMP setting, DDP
+   wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files.
+
+It prints a table and writes JSON: images/s of both, efficiency = trainer / ceiling, the share of
+each step spent waiting for data, in forward/backward, in the optimizer, in metrics and hooks,
+and the all-reduce wait not hidden behind backward (from DDP's own timing), the time from start
+to the first step, and on CUDA the achieved TFLOP/s and the fraction of the device's peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+              "V100": 125e12, "4090": 165e12, "3090": 71e12, "T4": 65e12}
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--batch_size", type=int, default=64, help="per process")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before timing starts")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--startup_images", type=int, default=5400,
+                        help="images in the generated training folder, at least (the scan of "
+                             "Animals-90 is part of the time to first step)")
+    parser.add_argument("--output", type=Path, default=Path("bench_results/throughput.json"))
+    parser.add_argument("--worker", choices=["ceiling", "trainer"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    args, trainer_flags = parser.parse_known_args(argv)
+    args.trainer_flags = [f for f in trainer_flags if f != "--"]
+    return args
+
+
+def make_dataset(root: Path, images: int, classes: int, side: int) -> Path:
+    """A generated ImageFolder of JPEG files: noisy colour patches, one colour per class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", images), ("val", max(classes, images // 10))):
+        for i in range(count):
+            label = i % classes
+            folder = root / split / f"class_{label:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            colour = np.array([(label * 97) % 256, (label * 57) % 256, (label * 23) % 256])
+            pixels = np.clip(colour + rng.normal(0, 40, (side, side, 3)), 0, 255)
+            Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=90)
+    return root
+
+
+def run_worker(args: argparse.Namespace, mode: str, world_size: int, data: Path,
+               result: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world_size}", __file__, "--worker", mode,
+               "--result", str(result), "--data", str(data),
+               "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
+               "--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--device", args.device, "--", *args.trainer_flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
+    completed = subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    if completed.returncode != 0:
+        sys.exit(f"{mode} at world size {world_size} failed:\n{completed.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    per_run = (args.warmup + args.steps + 1) * args.batch_size * max(args.world_sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        data = make_dataset(Path(tmp) / "data", max(per_run, args.startup_images), classes=10,
+                            side=int(math.ceil(args.image_size * 1.25)))
+        print(f"Generated {max(per_run, args.startup_images)} training JPEGs in "
+              f"{time.perf_counter() - started:.1f}s", flush=True)
+        rows = []
+        for world_size in args.world_sizes:
+            ceiling = run_worker(args, "ceiling", world_size, data, Path(tmp) / "ceiling.json")
+            trainer = run_worker(args, "trainer", world_size, data, Path(tmp) / "trainer.json")
+            rows.append({"world_size": world_size, "ceiling": ceiling, "trainer": trainer,
+                         "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"]})
+            print_row(rows[-1])
+    report = {"settings": {k: v for k, v in vars(args).items()
+                           if k not in ("worker", "result", "data", "output")},
+              "results": rows}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2, default=str))
+    print(f"Wrote {args.output}")
+    return 0
+
+
+def print_row(row: dict) -> None:
+    c, t = row["ceiling"], row["trainer"]
+    shares = "  ".join(f"{k} {v:.0%}" for k, v in t["step_shares"].items())
+    print(f"\nworld size {row['world_size']} on {t['device']} ({t['threads_per_process']} "
+          f"thread(s)/process, {t['loader_workers']} loader worker(s)/process)")
+    print(f"  ceiling  {c['images_per_sec']:8.1f} img/s   (bare loop, tensors in memory)")
+    print(f"  trainer  {t['images_per_sec']:8.1f} img/s   efficiency {row['efficiency']:.3f}")
+    print(f"  trainer step: {shares}")
+    if t.get("allreduce_wait_share") is not None:
+        print(f"  all-reduce wait not hidden by backward: {t['allreduce_wait_share']:.1%} of a "
+              f"step (ceiling: {c.get('allreduce_wait_share', 0):.1%})")
+    print(f"  time to first step {t['seconds_to_first_step']:.1f}s (of which dataset + model "
+          f"set-up {t['setup_seconds']:.1f}s)")
+    if t.get("tflops") is not None:
+        peak = f", {t['fraction_of_peak']:.1%} of peak" if t.get("fraction_of_peak") else ""
+        print(f"  model FLOPs: {t['tflops']:.1f} TFLOP/s per GPU{peak}")
+
+
+# ----------------------------------------------------------------------------- workers
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One measurement inside torchrun; rank 0 writes the result file."""
+    from config import parse_config
+    from distributed import cleanup_distributed, setup_distributed
+
+    cfg = parse_config(["--train_dir", str(args.data / "train"), "--val_dir",
+                        str(args.data / "val"), "--image_size", str(args.image_size),
+                        "--batch_size", str(args.batch_size), "--model", args.model,
+                        "--device", args.device, "--epochs", "1", "--log_dir",
+                        str(args.result.parent / "logs"), "--checkpoint_dir",
+                        str(args.result.parent / "checkpoints"), *args.trainer_flags])
+    dist = setup_distributed(cfg.device)
+    try:
+        measure = measure_ceiling if args.worker == "ceiling" else measure_trainer
+        result = measure(cfg, dist, args.warmup, args.steps)
+        result.update(device=dist.device.type, world_size=dist.world_size,
+                      threads_per_process=__import__("torch").get_num_threads())
+        if dist.is_main:
+            args.result.write_text(json.dumps(result))
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
+    import torch
+    from torch import nn
+
+    from model import build_model
+    from train_ddp import build_optimizer, choose_precision, wrap_model
+
+    model = wrap_model(build_model(cfg.model, 10), cfg, dist)
+    optimizer = build_optimizer(cfg, model, dist.world_size)
+    precision = choose_precision(cfg, dist.device)
+    scaler = torch.amp.GradScaler(dist.device.type,
+                                  enabled=precision.enabled and precision.dtype == torch.float16)
+    criterion = nn.CrossEntropyLoss()
+    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
+    targets = torch.randint(0, 10, (cfg.batch_size,), device=dist.device)
+    model.train()
+    for step in range(warmup + steps):
+        if step == warmup:
+            synchronize(dist.device)
+            started = time.perf_counter()
+        with precision.autocast(dist.device):
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    synchronize(dist.device)
+    seconds = time.perf_counter() - started
+    return {"images_per_sec": steps * cfg.batch_size * dist.world_size / seconds,
+            "step_seconds": seconds / steps,
+            "allreduce_wait_share": allreduce_wait_share(model, seconds / steps)}
+
+
+def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
+    import torch
+
+    from engine import PhaseTimer, train_one_epoch
+    from train_ddp import Trainer
+
+    setup_started = time.perf_counter()
+    trainer = Trainer(cfg, dist)
+    setup_seconds = time.perf_counter() - setup_started
+    # On CUDA the per-phase synchronisation would slow the step down: time the throughput
+    # without it, then take the breakdown from a second, separately timed pass.
+    timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=dist.device.type == "cpu"))
+    if dist.device.type == "cuda":
+        timed["timer"] = run_trainer_steps(trainer, 1, steps, PhaseTimer(
+            enabled=True, synchronize=torch.cuda.synchronize))["timer"]
+    phases = dict(timed["timer"].seconds)
+    step_total = sum(phases.values())
+    result = {"images_per_sec": steps * cfg.batch_size * dist.world_size / timed["seconds"],
+              "step_seconds": timed["seconds"] / steps,
+              "step_shares": {k: v / step_total for k, v in phases.items()},
+              "allreduce_wait_share": allreduce_wait_share(trainer.model, timed["seconds"] / steps),
+              "seconds_to_first_step": setup_seconds + timed["first_step_seconds"],
+              "setup_seconds": setup_seconds,
+              "loader_workers": trainer.train_loader.num_workers,
+              "train_images": len(trainer.train_loader.dataset)}
+    if dist.device.type == "cuda":
+        result.update(model_flops(trainer, cfg, timed["seconds"] / steps))
+    return result
+
+
+def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
+    """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
+    from engine import train_one_epoch
+
+    clock: dict = {"start": time.perf_counter()}
+
+    def on_step_end(step: int, sums) -> bool:
+        if step == 1:
+            clock["first_step"] = time.perf_counter() - clock["start"]
+        if step == warmup:
+            synchronize(trainer.dist.device)
+            timer.seconds.clear()
+            clock["timed_from"] = time.perf_counter()
+        return trainer.on_step_end(step, sums) or step == warmup + steps
+
+    trainer.sampler.set_epoch(0)
+    train_one_epoch(trainer.model, trainer.train_loader, trainer.optimizer, trainer.scheduler,
+                    trainer.scaler, trainer.criterion, trainer.dist.device, trainer.precision,
+                    show_progress=trainer.dist.is_main, log_interval=trainer.cfg.log_interval,
+                    on_step_end=on_step_end, timer=timer)
+    synchronize(trainer.dist.device)
+    return {"seconds": time.perf_counter() - clock["timed_from"], "timer": timer,
+            "first_step_seconds": clock["first_step"]}
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def allreduce_wait_share(model, step_seconds: float) -> float | None:
+    """The all-reduce time not overlapped with backward, from DDP's own sampled timings."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DistributedDataParallel):
+        return None
+    try:
+        stats = ddp._get_ddp_logging_data()
+        exposed_ns = stats["avg_backward_comm_time"] - stats["avg_backward_compute_comm_overlap_time"]
+    except (AttributeError, KeyError, RuntimeError):
+        return None
+    return max(0.0, exposed_ns / 1e9) / step_seconds
+
+
+def model_flops(trainer, cfg, step_seconds: float) -> dict:
+    """Achieved training FLOP/s per GPU (forward FLOPs x 3) and its fraction of the peak."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size,
+                         device=trainer.dist.device)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        trainer.plain_model(images)
+    achieved = 3 * counter.get_total_flops() / step_seconds
+    name = torch.cuda.get_device_name(trainer.dist.device)
+    peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return {"tflops": achieved / 1e12, "gpu": name,
+            "fraction_of_peak": achieved / peak if peak and cfg.use_amp else None}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
