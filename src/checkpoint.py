@@ -98,6 +98,24 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def check_resume_fits(state: dict[str, Any], path: Path, class_names: list[str],
+                      model_name: str) -> None:
+    """A checkpoint continues only the run it came from: same classes, same model."""
+    saved_classes = state.get("class_names")
+    if saved_classes is not None and saved_classes != class_names:
+        only_saved = sorted(set(saved_classes) - set(class_names))
+        only_data = sorted(set(class_names) - set(saved_classes))
+        raise CheckpointError(f"--resume {path} was trained on {len(saved_classes)} other classes "
+                              f"than the data's {len(class_names)} (only in the checkpoint: "
+                              f"{only_saved[:5] or 'none'}; only in the data: "
+                              f"{only_data[:5] or 'none'}); point --train_dir/--val_dir at the "
+                              "same dataset or start a new run")
+    saved_model = state.get("config", {}).get("model", model_name)
+    if saved_model != model_name:
+        raise CheckpointError(f"--resume {path} holds a {saved_model} model, not --model "
+                              f"{model_name}")
+
+
 def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | None:
     """The file ``--resume`` points at: ``auto`` means the newest checkpoint, if there is one."""
     if resume is None:

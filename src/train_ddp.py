@@ -29,7 +29,7 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, CheckpointWriter, find_resume_checkpoint,
+from checkpoint import (CheckpointWriter, check_resume_fits, find_resume_checkpoint,
                         load_training_checkpoint)
 from config import TrainConfig, parse_config
 from data import (IMAGENET_MEAN, IMAGENET_STD, EpochSampler, ShardSampler, build_datasets,
@@ -54,10 +54,10 @@ def prepare_inputs(cfg: TrainConfig) -> None:
     before starting torchrun, so bad input is one line and exit code 2, not a torchrun report."""
     if cfg.demo:
         write_demo_dataset(DEMO_ROOT)
-    check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
+    class_names = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
     resume = find_resume_checkpoint(cfg.resume, Path(cfg.checkpoint_dir))
     if resume is not None:
-        load_training_checkpoint(resume)
+        check_resume_fits(load_training_checkpoint(resume), resume, class_names, cfg.model)
 
 
 def preflight(argv: Sequence[str]) -> None:
@@ -249,6 +249,7 @@ class Trainer:
         if path is None:
             return
         ckpt = load_training_checkpoint(path)
+        check_resume_fits(ckpt, path, self.class_names, self.cfg.model)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
         self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])

@@ -213,3 +213,15 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Pat
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "no checkpoint in checkpoints, starting a new run" in result.stdout
+
+
+def test_resume_on_other_classes_is_one_clear_error(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    flags = ["--device", "cpu", *TINY_FLAGS, "--epochs", "1"]
+    assert run_cli([SRC / "train_ddp.py", "--train_dir", train, "--val_dir", val, *flags],
+                   cwd=tmp_path).returncode == 0
+    other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
+    other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
+    result = run_cli([ROOT / "launch_ddp.py", "--train_dir", other_train, "--val_dir", other_val,
+                      *flags, "--resume", "auto"], cwd=tmp_path)
+    assert_user_error(result, "other classes", "only in the data: ['ant', 'bee']")
