@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from distributed import all_gather_objects
 from errors import UserError
+from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_rgb,
+                         write_unreadable_list)
 
 log = logging.getLogger("trainer")
 
@@ -63,7 +66,8 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- transforms
 
 def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
-                     hflip: float = 0.5) -> v2.Compose:
+                     hflip: float = 0.5, mean: Sequence[float] = IMAGENET_MEAN,
+                     std: Sequence[float] = IMAGENET_STD) -> v2.Compose:
     if train:
         geometry = [v2.RandomResizedCrop(image_size, scale=(crop_scale_min, 1.0), antialias=True),
                     v2.RandomHorizontalFlip(hflip)]
@@ -71,7 +75,7 @@ def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
         geometry = [v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
                     v2.CenterCrop(image_size)]
     return v2.Compose([v2.ToImage(), *geometry, v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                       v2.Normalize(list(mean), list(std))])
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -179,19 +183,110 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
 
 
 def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
-                   crop_scale_min: float, hflip: float
+                   crop_scale_min: float, hflip: float, *, log_dir: Path | None = None,
+                   rank: int = 0, world_size: int = 1
                    ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
+    """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
+    call this: the decoding check is shared out over ranks (``rank`` of ``world_size``)."""
     class_names = check_data_folders(train_dir, val_dir)
-    train_folder = _image_folder(train_dir, "training")
-    val_folder = _image_folder(val_dir, "validation")
+    train_folder = ReadableImageFolder(train_dir)
+    val_folder = ReadableImageFolder(val_dir)
+    leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
+                         rank, world_size)
     train_set = SeededImageDataset(
         train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed)
     val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)
     return train_set, val_set, class_names
 
 
-def _image_folder(folder: Path, role: str) -> datasets.ImageFolder:
-    try:
-        return datasets.ImageFolder(str(folder))
-    except FileNotFoundError as err:  # a class folder without any image file
-        raise UserError(f"{role} folder {folder}: {err}") from None
+# ----------------------------------------------------------------------------- unreadable files
+
+class ReadableImageFolder(datasets.ImageFolder):
+    """An ImageFolder that reads images as upright RGB, ignores files that are not images, can
+    leave out the files found unreadable at start, and never ends an epoch for one bad file.
+
+    ``class_names`` fixes the label of each class folder (a checkpoint's classes, of which the
+    folder may hold only some); by default the folder's own visible class folders, sorted.
+    """
+
+    def __init__(self, root: Path, class_names: Sequence[str] | None = None):
+        self.wanted_classes = list(class_names) if class_names is not None else None
+        # allow_empty: an empty class folder is reported by check_no_empty_class, with its name,
+        # after the unreadable files are left out too.
+        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file,
+                         allow_empty=True)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        names = self.wanted_classes or find_classes(Path(directory), "image")
+        return names, {name: i for i, name in enumerate(names)}
+
+    def leave_out(self, paths: set[str] | dict[str, Any]) -> None:
+        self.samples = [s for s in self.samples if s[0] not in paths]
+        self.imgs = self.samples
+        self.targets = [target for _, target in self.samples]
+
+    def empty_classes(self) -> list[str]:
+        """Class folders that exist but hold no usable image."""
+        used = set(self.targets)
+        return [name for name, i in self.class_to_idx.items()
+                if i not in used and (Path(self.root) / name).is_dir()]
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        # A file that passed the start-up check can still fail later (replaced, deleted, a disk
+        # error). Hours into a run, one such file must not end it: take the next sample instead.
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self.loader(path)
+            except Exception as err:  # any decoder failure on a user's file
+                log.warning(f"WARNING: could not read {path} ({type(err).__name__}: {err}); "
+                            "using the next image in its place")
+                continue
+            return image, target
+        raise RuntimeError(f"none of the {len(self.samples)} images under {self.root} can be read")
+
+
+def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path | None,
+                         rank: int = 0, world_size: int = 1) -> dict[str, str]:
+    """Find the files that do not decode, leave them out with one warning (the list goes to
+    ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
+    of the files left out. Every rank must call this."""
+    paths = [path for folder in folders.values() for path, _ in folder.samples]
+    unreadable = find_unreadable_shared(paths, rank, world_size)
+    if unreadable:
+        report_unreadable(unreadable, len(paths), log_dir)
+    for role, folder in folders.items():
+        folder.leave_out(unreadable)
+        check_no_empty_class(folder, role)
+    return unreadable
+
+
+def find_unreadable_shared(paths: list[str], rank: int, world_size: int) -> dict[str, str]:
+    """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
+    which distributed.setup_distributed sets); the results are gathered so that every rank leaves
+    out exactly the same files: the samplers index the same list on every rank."""
+    mine = find_unreadable(paths[rank::world_size], workers=torch.get_num_threads())
+    if world_size == 1:
+        return mine
+    merged: dict[str, str] = {}
+    for part in all_gather_objects(mine):
+        merged.update(part)
+    return merged
+
+
+def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:
+    if log_dir is not None:
+        where = f"list in {write_unreadable_list(unreadable, log_dir)}"
+    else:
+        shown = sorted(unreadable)[:3]
+        where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
+    log.warning(f"WARNING: {len(unreadable)} of {total} image files cannot be decoded and are "
+                f"left out ({where})")
+
+
+def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
+    empty = folder.empty_classes()
+    if empty:
+        raise UserError(f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
+                        f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
+                        "images or remove the folder")

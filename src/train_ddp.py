@@ -92,7 +92,8 @@ def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     train_set, val_set, class_names = build_datasets(
         Path(cfg.train_dir), Path(cfg.val_dir), cfg.image_size, cfg.seed,
-        cfg.crop_scale_min, cfg.hflip)
+        cfg.crop_scale_min, cfg.hflip, log_dir=Path(cfg.log_dir), rank=dist.rank,
+        world_size=dist.world_size)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
     if train_sampler.per_rank < cfg.batch_size:
         raise UserError(f"{cfg.train_dir} has {len(train_set)} images: too few for "
