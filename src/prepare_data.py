@@ -71,14 +71,21 @@ def find_class_root(source: Path) -> Path:
     subfolders = visible_subfolders(source)
     if any(_has_direct_images(folder) for folder in subfolders):
         return source
-    if len(subfolders) == 1 and any(_has_direct_images(f) for f in visible_subfolders(subfolders[0])):
-        return subfolders[0]
+    # Only folders holding images count: a zip made on a Mac adds __MACOSX/ full of "._" files.
+    with_images = [folder for folder in subfolders if _holds_images(folder)]
+    if len(with_images) == 1 and any(_has_direct_images(f)
+                                     for f in visible_subfolders(with_images[0])):
+        return with_images[0]
     raise UserError(f"--source {source} holds no class folders with images; expected "
                     f"{source}/<class>/<image files> ({'/'.join(IMAGE_EXTENSIONS)})")
 
 
 def _has_direct_images(folder: Path) -> bool:
     return any(p.is_file() and is_image_file(p) for p in folder.iterdir())
+
+
+def _holds_images(folder: Path) -> bool:
+    return any(is_image_file(name) for _, _, names in os.walk(folder) for name in names)
 
 
 def list_class_files(class_folder: Path) -> tuple[list[Path], int]:

@@ -55,6 +55,9 @@ def test_finds_class_folders_nested_one_level_deeper(tmp_path: Path, capsys):
     download = tmp_path / "animals"
     write_image_folder(download / "animals", ["cat", "dog"], 5, ext="png")
     (download / "name of the animals.txt").write_text("cat\ndog\n")
+    mac = download / "__MACOSX" / "animals" / "cat"       # what a zip made on a Mac adds
+    mac.mkdir(parents=True)
+    (mac / "._img_000.png").write_bytes(b"resource fork")
     prepare_main(["--source", str(download), "--output", str(tmp_path / "data"),
                   "--val_ratio", "0.4"])
     assert sorted(p.name for p in (tmp_path / "data" / "train").iterdir()) == ["cat", "dog"]
