@@ -20,7 +20,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     train = write_image_folder(root / "train", CLASSES, 16, seed=1)
     val = write_image_folder(root / "val", CLASSES, 2, seed=2)
     result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--epochs", "2", *TINY_FLAGS], cwd=root)
+                      "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=root)
     assert result.returncode == 0, result.stdout + result.stderr
     photos = write_image_folder(root / "photos", CLASSES, 3, seed=7, ext="png")
     write_image_folder(root / "photos" / "more" / "deeper", CLASSES, 1, seed=8)  # recursion
