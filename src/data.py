@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +23,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from distributed import all_gather_objects
 from errors import UserError
+from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_rgb,
+                         write_unreadable_list)
 
 log = logging.getLogger("trainer")
 
@@ -79,16 +83,18 @@ def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
     return v2.Compose([v2.ToImage(), *geometry])
 
 
-def normalize_batch(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, 3, H, W) in 0..255 -> float32 normalized with the ImageNet mean and std."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
-    return images.float().div_(255).sub_(mean).div_(std)
+def normalize_batch(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN,
+                    std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """uint8 (N, 3, H, W) in 0..255 -> float32, normalized with ``mean`` and ``std``."""
+    mean_t = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
+    std_t = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    return images.float().div_(255).sub_(mean_t).div_(std_t)
 
 
-def collate_normalized(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_normalized(batch: list[tuple[torch.Tensor, int]], mean: Sequence[float] = IMAGENET_MEAN,
+                       std: Sequence[float] = IMAGENET_STD) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = default_collate(batch)
-    return normalize_batch(images), labels
+    return normalize_batch(images, mean, std), labels
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -228,10 +234,12 @@ def default_num_workers(cores_per_process: int) -> int:
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: bool,
-                num_workers: int, pin_memory: bool) -> DataLoader:
+                num_workers: int, pin_memory: bool, mean: Sequence[float] = IMAGENET_MEAN,
+                std: Sequence[float] = IMAGENET_STD) -> DataLoader:
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        pin_memory=pin_memory, drop_last=train, collate_fn=collate_normalized,
+        pin_memory=pin_memory, drop_last=train,
+        collate_fn=partial(collate_normalized, mean=tuple(mean), std=tuple(std)),
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
@@ -239,13 +247,18 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
 
 
 def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
-                   crop_scale_min: float, hflip: float, cache: str = "none",
+                   crop_scale_min: float, hflip: float, *, log_dir: Path | None = None,
+                   rank: int = 0, world_size: int = 1, cache: str = "none",
                    cache_device: str = "cpu", threads: int = 4
                    ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
-    """Training and validation datasets; ``cache`` "ram" or "gpu" decodes every image once."""
+    """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
+    call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
+    ``cache`` "ram" or "gpu" then decodes every image once (``DecodedImageCache``)."""
     class_names = check_data_folders(train_dir, val_dir)
-    train_folder = _image_folder(train_dir, "training")
-    val_folder = _image_folder(val_dir, "validation")
+    train_folder = ReadableImageFolder(train_dir)
+    val_folder = ReadableImageFolder(val_dir)
+    leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
+                         rank, world_size)
     if cache != "none":
         train_folder = DecodedImageCache(train_folder, image_size, cache_device, threads)
         val_folder = DecodedImageCache(val_folder, image_size, cache_device, threads)
@@ -257,8 +270,94 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
     return train_set, val_set, class_names
 
 
-def _image_folder(folder: Path, role: str) -> datasets.ImageFolder:
-    try:
-        return datasets.ImageFolder(str(folder))
-    except FileNotFoundError as err:  # a class folder without any image file
-        raise UserError(f"{role} folder {folder}: {err}") from None
+# ----------------------------------------------------------------------------- unreadable files
+
+class ReadableImageFolder(datasets.ImageFolder):
+    """An ImageFolder that reads images as upright RGB, ignores files that are not images, can
+    leave out the files found unreadable at start, and never ends an epoch for one bad file.
+
+    ``class_names`` fixes the label of each class folder (a checkpoint's classes, of which the
+    folder may hold only some); by default the folder's own visible class folders, sorted.
+    """
+
+    def __init__(self, root: Path, class_names: Sequence[str] | None = None):
+        self.wanted_classes = list(class_names) if class_names is not None else None
+        # allow_empty: an empty class folder is reported by check_no_empty_class, with its name,
+        # after the unreadable files are left out too.
+        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file,
+                         allow_empty=True)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        names = self.wanted_classes or find_classes(Path(directory), "image")
+        return names, {name: i for i, name in enumerate(names)}
+
+    def leave_out(self, paths: set[str] | dict[str, Any]) -> None:
+        self.samples = [s for s in self.samples if s[0] not in paths]
+        self.imgs = self.samples
+        self.targets = [target for _, target in self.samples]
+
+    def empty_classes(self) -> list[str]:
+        """Class folders that exist but hold no usable image."""
+        used = set(self.targets)
+        return [name for name, i in self.class_to_idx.items()
+                if i not in used and (Path(self.root) / name).is_dir()]
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        # A file that passed the start-up check can still fail later (replaced, deleted, a disk
+        # error). Hours into a run, one such file must not end it: take the next sample instead.
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self.loader(path)
+            except Exception as err:  # any decoder failure on a user's file
+                log.warning(f"WARNING: could not read {path} ({type(err).__name__}: {err}); "
+                            "using the next image in its place")
+                continue
+            return image, target
+        raise RuntimeError(f"none of the {len(self.samples)} images under {self.root} can be read")
+
+
+def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path | None,
+                         rank: int = 0, world_size: int = 1) -> dict[str, str]:
+    """Find the files that do not decode, leave them out with one warning (the list goes to
+    ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
+    of the files left out. Every rank must call this."""
+    paths = [path for folder in folders.values() for path, _ in folder.samples]
+    unreadable = find_unreadable_shared(paths, rank, world_size)
+    if unreadable:
+        report_unreadable(unreadable, len(paths), log_dir)
+    for role, folder in folders.items():
+        folder.leave_out(unreadable)
+        check_no_empty_class(folder, role)
+    return unreadable
+
+
+def find_unreadable_shared(paths: list[str], rank: int, world_size: int) -> dict[str, str]:
+    """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
+    which distributed.setup_distributed sets); the results are gathered so that every rank leaves
+    out exactly the same files: the samplers index the same list on every rank."""
+    mine = find_unreadable(paths[rank::world_size], workers=torch.get_num_threads())
+    if world_size == 1:
+        return mine
+    merged: dict[str, str] = {}
+    for part in all_gather_objects(mine):
+        merged.update(part)
+    return merged
+
+
+def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:
+    if log_dir is not None:
+        where = f"list in {write_unreadable_list(unreadable, log_dir)}"
+    else:
+        shown = sorted(unreadable)[:3]
+        where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
+    log.warning(f"WARNING: {len(unreadable)} of {total} image files cannot be decoded and are "
+                f"left out ({where})")
+
+
+def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
+    empty = folder.empty_classes()
+    if empty:
+        raise UserError(f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
+                        f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
+                        "images or remove the folder")

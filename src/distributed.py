@@ -104,13 +104,13 @@ def cleanup_distributed() -> None:
         torch_dist.destroy_process_group()
 
 
-def setup_logging(log_dir: Path, dist: DistInfo) -> None:
-    """Every rank appends to logs/train_rank_{r}.log; only the main process prints."""
+def setup_logging(log_dir: Path, dist: DistInfo, name: str = "train") -> None:
+    """Every rank appends to logs/{name}_rank_{r}.log; only the main process prints."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
-    file_handler = logging.FileHandler(log_dir / f"train_rank_{dist.rank}.log")
+    file_handler = logging.FileHandler(log_dir / f"{name}_rank_{dist.rank}.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(message)s"))
     file_handler.addFilter(_RankFilter(dist.rank))
     log.addHandler(file_handler)

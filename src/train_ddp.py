@@ -95,7 +95,8 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     cores = max(1, cpu_cores_available() // dist.local_world_size)
     train_set, val_set, class_names = build_datasets(
         Path(cfg.train_dir), Path(cfg.val_dir), cfg.image_size, cfg.seed,
-        cfg.crop_scale_min, cfg.hflip, cache=cfg.cache_images,
+        cfg.crop_scale_min, cfg.hflip, log_dir=Path(cfg.log_dir), rank=dist.rank,
+        world_size=dist.world_size, cache=cfg.cache_images,
         cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu", threads=cores)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
     if train_sampler.per_rank < cfg.batch_size:

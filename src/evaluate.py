@@ -1,0 +1,219 @@
+"""Evaluate a checkpoint on an ImageFolder and write a report of where the model fails.
+
+    python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
+    torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
+
+Writes OUTPUT/metrics.json (top-1, top-5, loss, per-class precision/recall/accuracy, counts and
+the confusion matrix), OUTPUT/confusion_matrix.png and OUTPUT/misclassified.csv, and prints the
+worst classes. The checkpoint is all it needs. Under torchrun each image is evaluated by exactly
+one process and the counts are summed over processes, so the metrics are exact whatever the
+number of processes.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from confusion import format_worst_classes, per_class_metrics, plot_confusion_matrix
+from data import (ReadableImageFolder, SeededImageDataset, ShardSampler,
+                  default_num_workers, find_classes, leave_out_unreadable, make_loader)
+from distributed import (DistInfo, all_gather_objects, all_reduce_sum,
+                         cleanup_distributed, cpu_cores_available, log, setup_distributed,
+                         setup_logging)
+from errors import UserError, exit_on_user_error
+from inference import Classifier, load_classifier
+
+WORST_CLASSES_SHOWN = 10
+
+
+@dataclass
+class EvalCounts:
+    """Everything the report needs, summed (or gathered) over all ranks."""
+    confusion: np.ndarray                           # [K, K] int64, rows true, columns predicted
+    loss_sum: float
+    top5_correct: int
+    misclassified: list[tuple[int, int, float]]     # (dataset index, predicted class, confidence)
+
+    @property
+    def images(self) -> int:
+        return int(self.confusion.sum())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="evaluate.py", description="Evaluate a checkpoint on an ImageFolder: metrics.json, "
+        "confusion_matrix.png, misclassified.csv and the worst classes.")
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="checkpoint written by src/train_ddp.py")
+    parser.add_argument("--data_dir", type=Path, default=Path("data/val"),
+                        help="ImageFolder <dir>/<class>/<image>; its classes must be among the "
+                             "checkpoint's (default: data/val)")
+    parser.add_argument("--output", type=Path, default=Path("logs/eval"),
+                        help="folder for the report files (default: logs/eval)")
+    parser.add_argument("--batch_size", type=int, default=64, help="images per batch per process")
+    parser.add_argument("--num_workers", type=int, default=None,
+                        help="loader workers per process (default: min(4, cores per process))")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: CUDA when visible, else the CPU (default: auto)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise UserError(f"--batch_size must be positive, got {args.batch_size}")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
+    return args
+
+
+def build_eval_folder(data_dir: Path, class_names: list[str], output: Path,
+                      dist: DistInfo) -> tuple[ReadableImageFolder, int]:
+    """The images of ``data_dir`` labelled with the checkpoint's class indices (the folder may
+    hold only some of the classes), and how many unreadable files were left out. Every rank
+    must call this."""
+    present = find_classes(data_dir, "evaluation")
+    unknown = sorted(set(present) - set(class_names))
+    if unknown:
+        raise UserError(f"{data_dir} has class folders the checkpoint does not know: "
+                        f"{unknown[:10]}{' ...' if len(unknown) > 10 else ''}; its classes are "
+                        f"{class_names[:10]}{' ...' if len(class_names) > 10 else ''}")
+    folder = ReadableImageFolder(data_dir, class_names=class_names)
+    unreadable = leave_out_unreadable({"evaluation": folder}, output, dist.rank, dist.world_size)
+    if not folder.samples:
+        raise UserError(f"{data_dir} holds no readable image")
+    return folder, len(unreadable)
+
+
+@torch.no_grad()
+def count_predictions(model: nn.Module, loader, num_classes: int, device: torch.device,
+                      show_progress: bool = True) -> EvalCounts:
+    """Confusion matrix, loss and top-5 over this rank's shard, summed over all ranks, plus every
+    rank's misclassified images. Every rank must call this (it ends with collectives).
+
+    As in engine.evaluate: sums on the device, all-reduced once at the end, never averages of
+    averages; ShardSampler gives each image to exactly one rank, without padding.
+    """
+    model.eval()
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)   # loss sum, top-5 correct
+    misclassified: list[tuple[int, int, float]] = []
+    indices = iter(loader.sampler)  # dataset index of each sample, in the order the loader yields
+    for images, targets in tqdm(loader, desc="evaluate", disable=not show_progress,
+                                dynamic_ncols=True, leave=False):
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        logits = model(images).float()
+        top = logits.topk(min(5, num_classes), dim=1).indices
+        predicted = top[:, 0]
+        confidence = logits.softmax(dim=1).gather(1, predicted[:, None])[:, 0]
+        sums[0] += F.cross_entropy(logits, targets, reduction="sum").double()
+        sums[1] += (top == targets[:, None]).any(dim=1).sum()
+        confusion += torch.bincount(targets * num_classes + predicted,
+                                    minlength=num_classes * num_classes)
+        batch_indices = [next(indices) for _ in range(targets.size(0))]
+        for i in (predicted != targets).nonzero().flatten().tolist():
+            misclassified.append((batch_indices[i], int(predicted[i]), float(confidence[i])))
+    all_reduce_sum(confusion)
+    all_reduce_sum(sums)
+    gathered = sorted(row for rows in all_gather_objects(misclassified) for row in rows)
+    return EvalCounts(confusion.view(num_classes, num_classes).cpu().numpy(),
+                      float(sums[0]), int(sums[1]), gathered)
+
+
+def build_metrics(counts: EvalCounts, class_names: list[str], args: argparse.Namespace,
+                  unreadable: int) -> dict[str, Any]:
+    images = max(counts.images, 1)
+    correct = int(np.trace(counts.confusion))
+    return {
+        "checkpoint": str(args.checkpoint), "data_dir": str(args.data_dir),
+        "images": counts.images, "unreadable_images_left_out": unreadable,
+        "classes": len(class_names), "correct": correct,
+        "misclassified": counts.images - correct,
+        "top1": correct / images, "top5": counts.top5_correct / images,
+        "loss": counts.loss_sum / images,
+        "per_class": per_class_metrics(counts.confusion, class_names),
+        "class_names": class_names,
+        "confusion_matrix": counts.confusion.tolist(),   # rows: true class, columns: predicted
+    }
+
+
+class ReportWriter:
+    """Writes the three report files; a no-op on every process but the main one."""
+
+    def __init__(self, output: Path, enabled: bool):
+        self.output = output
+        self.enabled = enabled
+
+    def write(self, metrics: dict[str, Any], counts: EvalCounts,
+              folder: ReadableImageFolder) -> None:
+        if not self.enabled:
+            return
+        self.output.mkdir(parents=True, exist_ok=True)
+        (self.output / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        self.write_misclassified(counts, folder)
+        plot_confusion_matrix(
+            counts.confusion, metrics["class_names"], self.output / "confusion_matrix.png",
+            f"{metrics['data_dir']}: top-1 {metrics['top1']:.3f}, {metrics['images']} images")
+
+    def write_misclassified(self, counts: EvalCounts, folder: ReadableImageFolder) -> None:
+        """Most confident mistakes first: they are the likeliest label errors in the data."""
+        rows = sorted(counts.misclassified, key=lambda row: -row[2])
+        with open(self.output / "misclassified.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "true_class", "predicted_class", "confidence"])
+            for index, predicted, confidence in rows:
+                path, target = folder.samples[index]
+                writer.writerow([path, folder.classes[target], folder.classes[predicted],
+                                 f"{confidence:.4f}"])
+
+
+def run(args: argparse.Namespace, dist: DistInfo) -> int:
+    setup_logging(args.output, dist, name="evaluate")
+    classifier: Classifier = load_classifier(args.checkpoint, dist.device)
+    folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output,
+                                           dist)
+    dataset = SeededImageDataset(folder, classifier.transform, seed=0)
+    workers = (args.num_workers if args.num_workers is not None
+               else default_num_workers(cpu_cores_available() // dist.local_world_size))
+    loader = make_loader(dataset, ShardSampler(len(dataset), dist.rank, dist.world_size),
+                         args.batch_size, train=False, num_workers=workers,
+                         pin_memory=dist.device.type == "cuda", mean=classifier.mean,
+                         std=classifier.std)
+    log.info(f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
+             f"({dist.world_size} process(es) on {dist.device.type})")
+    counts = count_predictions(classifier.model, loader, len(classifier.class_names),
+                               dist.device, show_progress=dist.is_main)
+    metrics = build_metrics(counts, classifier.class_names, args, unreadable)
+    ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
+    log.info(f"top-1 {metrics['top1']:.4f}  top-5 {metrics['top5']:.4f}  loss "
+             f"{metrics['loss']:.4f}  ({metrics['correct']}/{metrics['images']} correct)")
+    log.info(format_worst_classes(metrics["per_class"], WORST_CLASSES_SHOWN))
+    log.info(f"Wrote {args.output / 'metrics.json'}, {args.output / 'confusion_matrix.png'}, "
+             f"{args.output / 'misclassified.csv'}")
+    return 0
+
+
+@exit_on_user_error
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    dist = setup_distributed(args.device)
+    try:
+        return run(args, dist)
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""A trained classifier loaded from its checkpoint alone: the model, its class names and the
+preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
+
+``train_ddp.Trainer.checkpoint_state`` stores the model name, class names, image size and
+normalisation next to the weights, so no training flag has to be repeated here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchvision.transforms import v2
+
+from checkpoint import CheckpointError, load_checkpoint_file
+from data import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from model import build_model, strip_wrapper_prefixes
+
+# What a checkpoint of this trainer holds and a bare state dict or another tool's file lacks.
+REQUIRED_KEYS = ("model_state_dict", "class_names", "image_size", "model_name")
+
+
+@dataclass(frozen=True)
+class Classifier:
+    model: nn.Module            # in eval mode, on the requested device
+    class_names: list[str]      # index -> name, the order of the model's outputs
+    image_size: int
+    transform: v2.Compose       # the evaluation geometry of training (resize, center crop)
+    mean: tuple[float, ...]     # normalisation, applied per batch (data.normalize_batch)
+    std: tuple[float, ...]
+
+
+def load_classifier(path: Path, device: torch.device) -> Classifier:
+    """The checkpoint's model ready for inference, or one clear error (exit code 2)."""
+    state = load_checkpoint_file(path)  # weights_only=True: a file that runs code is refused
+    check_inference_checkpoint(state, path)
+    class_names = list(state["class_names"])
+    model = build_model(state["model_name"], len(class_names))
+    try:
+        model.load_state_dict(strip_wrapper_prefixes(state["model_state_dict"]))
+    except RuntimeError as err:
+        raise CheckpointError(f"the weights in {path} do not fit {state['model_name']} with "
+                              f"{len(class_names)} classes ({str(err).splitlines()[0]})") from None
+    image_size = int(state["image_size"])
+    return Classifier(model.to(device).eval(), class_names, image_size,
+                      build_transforms(image_size, train=False),
+                      tuple(state.get("mean", IMAGENET_MEAN)), tuple(state.get("std", IMAGENET_STD)))
+
+
+def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a checkpoint of src/train_ddp.py: it has no {', '.join(missing)} "
+            "(a bare state dict or another tool's file?); use checkpoint_best.pth or "
+            "checkpoint_latest.pth from a training run")
+    names = state["class_names"]
+    if not isinstance(names, (list, tuple)) or not names or not all(
+            isinstance(name, str) for name in names):
+        raise CheckpointError(f"{path}: class_names must be a non-empty list of strings")
