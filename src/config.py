@@ -27,6 +27,7 @@ class TrainConfig:
     image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
     num_workers: int | None = _opt(None, "loader worker processes per training process "
                                          "(default: min(4, CPU cores per process))")
+    prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead")
     crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
     hflip: float = _opt(0.5, "probability of a horizontal flip in training")
     # Model
@@ -35,9 +36,15 @@ class TrainConfig:
     pretrained_path: str | None = _opt(None, "local timm/torchvision state dict to start from "
                                              "(the classifier head is replaced)")
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm across processes")
+    grad_checkpointing: bool = _opt(False, "activation checkpointing where timm supports it: "
+                                           "recompute activations in backward instead of "
+                                           "keeping them (less memory, slower steps)")
     # Optimisation
     epochs: int = _opt(50, "number of epochs")
     batch_size: int = _opt(32, "images per optimizer step in each process")
+    accum_steps: int = _opt(1, "micro-batches per optimizer step: each step runs --batch_size "
+                               "images as K forward/backward passes of --batch_size/K, with the "
+                               "gradient of the whole batch")
     learning_rate: float = _opt(0.001, "peak learning rate (before --lr_scaling)")
     weight_decay: float = _opt(0.01, "weight decay")
     optimizer: str = _opt("adamw", "optimizer", choices=["adamw", "sgd"])
@@ -57,6 +64,19 @@ class TrainConfig:
     amp_dtype: str = _opt("float16", "autocast dtype on CUDA", choices=["float16", "bfloat16"])
     device: str = _opt("auto", "auto: CUDA when visible, else the CPU",
                        choices=["auto", "cuda", "cpu"])
+    channels_last: bool = _opt(False, "channels_last memory format on CUDA (faster float16 "
+                                      "convolutions; ignored on the CPU)")
+    # Memory
+    low_memory: bool = _opt(False, "preset for small GPUs (2 GB): --use_amp --channels_last "
+                                   "--grad_checkpointing --auto_micro_batch --num_workers 2 "
+                                   "--prefetch_factor 1; on the CPU it trains in float32. "
+                                   "Flags given explicitly win")
+    auto_micro_batch: bool = _opt(False, "before training, find the largest micro-batch (from "
+                                         "--batch_size/--accum_steps, halving) that fits in "
+                                         "--max_memory_gb; on out-of-memory during training, "
+                                         "halve it and redo the step")
+    max_memory_gb: float | None = _opt(None, "memory budget per process for --auto_micro_batch, "
+                                             "in GiB (default: what the device has)")
     # Outputs, logging, reproducibility
     checkpoint_dir: str = _opt("checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go")
     log_dir: str = _opt("logs", "where training_history.json and per-rank logs go")
@@ -95,6 +115,27 @@ DEMO_PRESET: dict[str, Any] = {
     "hflip": 0.0,   # a flipped digit is a different digit
 }
 
+# What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
+# gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
+# only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
+# nothing on the CPU under this preset (bfloat16 autocast is ~16x slower there, and the
+# micro-batches already bound the memory).
+LOW_MEMORY_PRESET: dict[str, Any] = {
+    "use_amp": True,             # float16 activations: about half the activation memory
+    "channels_last": True,       # the layout float16 convolutions run fastest in
+    "grad_checkpointing": True,  # keep only block inputs; recompute the rest in backward
+    "auto_micro_batch": True,    # find the largest micro-batch that fits; halve on OOM
+    "num_workers": 2,            # each worker is a process holding its own prefetched batches
+    "prefetch_factor": 1,
+}
+
+# The flag that switches each preset on, and the preset.
+PRESETS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "low_memory": LOW_MEMORY_PRESET}
+
+# Switches a preset turns on get a --no_<name> flag, so an explicit flag can turn them off.
+NEGATABLE = sorted({name for preset in PRESETS.values() for name, value in preset.items()
+                    if value is True})
+
 
 def build_parser() -> argparse.ArgumentParser:
     """One ``--flag`` per field; every default is SUPPRESS so we can tell what the user typed."""
@@ -109,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f"--{f.name}"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
+            if f.name in NEGATABLE:
+                parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                                    help=f"turn --{f.name} off (a preset may turn it on)")
         else:
             parser.add_argument(flag, type=_field_type(f), help=help_text, **meta)
     return parser
@@ -123,8 +167,9 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Defaults, then the presets a flag switched on, then what the user typed explicitly."""
     explicit = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
-    if explicit.get("demo"):
-        values.update(DEMO_PRESET)
+    for switch, preset in PRESETS.items():
+        if explicit.get(switch):
+            values.update(preset)
     values.update(explicit)
     cfg = TrainConfig(**values)
     validate(cfg)
@@ -150,5 +195,30 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     if not 0.0 < cfg.crop_scale_min <= 1.0:
         raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
+    if cfg.accum_steps < 1:
+        raise UserError(f"--accum_steps must be at least 1, got {cfg.accum_steps}")
+    if cfg.batch_size % cfg.accum_steps:
+        below = cfg.batch_size - cfg.batch_size % cfg.accum_steps
+        sizes = " or ".join(str(b) for b in (below, below + cfg.accum_steps) if b > 0)
+        raise UserError(f"--batch_size {cfg.batch_size} is not divisible by --accum_steps "
+                        f"{cfg.accum_steps}: every micro-batch must have the same size; use "
+                        f"--batch_size {sizes}, or another --accum_steps")
+    if cfg.prefetch_factor < 1:
+        raise UserError(f"--prefetch_factor must be at least 1, got {cfg.prefetch_factor}")
+    if cfg.max_memory_gb is not None:
+        if cfg.max_memory_gb <= 0:
+            raise UserError(f"--max_memory_gb must be positive, got {cfg.max_memory_gb}")
+        if not cfg.auto_micro_batch:
+            raise UserError("--max_memory_gb is the budget of --auto_micro_batch; add "
+                            "--low_memory or --auto_micro_batch")
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
+
+
+def preset_summary(cfg: TrainConfig, switch: str) -> str:
+    """What a preset chose, and which of its values explicit flags replaced, as one line."""
+    preset = PRESETS[switch]
+    chosen = [f"{k}={v}" for k, v in preset.items() if getattr(cfg, k) == v]
+    kept = [f"{k}={getattr(cfg, k)}" for k, v in preset.items() if getattr(cfg, k) != v]
+    return (f"--{switch} chose: {', '.join(chosen) or 'nothing'}"
+            + (f"; your flags kept: {', '.join(kept)}" if kept else ""))
