@@ -168,13 +168,14 @@ def default_num_workers(cores_per_process: int) -> int:
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: bool,
-                num_workers: int, pin_memory: bool) -> DataLoader:
+                num_workers: int, pin_memory: bool, prefetch_factor: int = 2) -> DataLoader:
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         pin_memory=pin_memory, drop_last=train,
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
-        prefetch_factor=2 if num_workers > 0 else None,
+        # Batches each worker prepares ahead; each one waits in (pinned) host memory.
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
 
 
