@@ -302,6 +302,11 @@ def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
                           image_shape=(3, cfg.image_size, cfg.image_size),
                           num_classes=num_classes, channels_last=channels_last)
         plan.micro_batch = fit_micro_batch(measure, start, cfg.batch_size, budget, device)
+        if device.type == "cuda":
+            # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
+            # the device's limit) from the peak_memory_mb that the history reports.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
     log.info(f"Memory: micro-batch {plan.micro_batch} ({cfg.batch_size // plan.micro_batch} "
