@@ -211,6 +211,12 @@ def validate(cfg: TrainConfig) -> None:
         if not cfg.auto_micro_batch:
             raise UserError("--max_memory_gb is the budget of --auto_micro_batch; add "
                             "--low_memory or --auto_micro_batch")
+    if cfg.sync_bn and cfg.auto_micro_batch:
+        # SyncBatchNorm exchanges statistics inside every forward pass: ranks could neither try
+        # micro-batch sizes on their own nor redo a step after one of them ran out of memory.
+        raise UserError("--sync_bn cannot be combined with --auto_micro_batch (part of "
+                        "--low_memory); choose the micro-batch with --accum_steps instead, or add "
+                        "--no_auto_micro_batch")
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
 

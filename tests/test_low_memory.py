@@ -145,6 +145,9 @@ def test_low_memory_preset_and_explicit_flags_win(caplog):
     assert "float32" in caplog.text
     with pytest.raises(UserError, match="--max_memory_gb"):
         parse_config(["--max_memory_gb", "2"])  # a budget without fitting does nothing
+    with pytest.raises(UserError, match="--sync_bn cannot be combined"):
+        parse_config(["--low_memory", "--sync_bn"])
+    assert parse_config(["--low_memory", "--sync_bn", "--no_auto_micro_batch"]).sync_bn
 
 
 def test_memory_savers_on_a_timm_model_and_a_plain_one(caplog):
