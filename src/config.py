@@ -30,6 +30,7 @@ class TrainConfig:
     cache_images: str = _opt("none", "decode every image once and keep it in memory: ram, or gpu "
                                      "(on the device, augmented there); for datasets that fit",
                              choices=["none", "ram", "gpu"])
+    prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead")
     crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
     hflip: float = _opt(0.5, "probability of a horizontal flip in training")
     # Model
@@ -40,9 +41,15 @@ class TrainConfig:
     sync_bn: bool = _opt(False, "convert BatchNorm to SyncBatchNorm across processes")
     compile: bool = _opt(False, "compile the model with torch.compile (slow first steps, faster "
                                 "after)")
+    grad_checkpointing: bool = _opt(False, "activation checkpointing where timm supports it: "
+                                           "recompute activations in backward instead of "
+                                           "keeping them (less memory, slower steps)")
     # Optimisation
     epochs: int = _opt(50, "number of epochs")
     batch_size: int = _opt(32, "images per optimizer step in each process")
+    accum_steps: int = _opt(1, "micro-batches per optimizer step: each step runs --batch_size "
+                               "images as K forward/backward passes of --batch_size/K, with the "
+                               "gradient of the whole batch")
     learning_rate: float = _opt(0.001, "peak learning rate (before --lr_scaling)")
     weight_decay: float = _opt(0.01, "weight decay")
     optimizer: str = _opt("adamw", "optimizer", choices=["adamw", "sgd"])
@@ -62,6 +69,19 @@ class TrainConfig:
     amp_dtype: str = _opt("float16", "autocast dtype on CUDA", choices=["float16", "bfloat16"])
     device: str = _opt("auto", "auto: CUDA when visible, else the CPU",
                        choices=["auto", "cuda", "cpu"])
+    channels_last: bool = _opt(True, "channels_last memory format on CUDA (faster tensor-core "
+                                     "convolutions; ignored on the CPU; --no_channels_last: off)")
+    # Memory
+    low_memory: bool = _opt(False, "preset for small GPUs (2 GB): --use_amp --channels_last "
+                                   "--grad_checkpointing --auto_micro_batch --num_workers 2 "
+                                   "--prefetch_factor 1; on the CPU it trains in float32. "
+                                   "Flags given explicitly win")
+    auto_micro_batch: bool = _opt(False, "before training, find the largest micro-batch (from "
+                                         "--batch_size/--accum_steps, halving) that fits in "
+                                         "--max_memory_gb; on out-of-memory during training, "
+                                         "halve it and redo the step")
+    max_memory_gb: float | None = _opt(None, "memory budget per process for --auto_micro_batch, "
+                                             "in GiB (default: what the device has)")
     # Outputs, logging, reproducibility
     checkpoint_dir: str = _opt("checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go")
     log_dir: str = _opt("logs", "where training_history.json and per-rank logs go")
@@ -100,6 +120,27 @@ DEMO_PRESET: dict[str, Any] = {
     "hflip": 0.0,   # a flipped digit is a different digit
 }
 
+# What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
+# gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
+# only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
+# nothing on the CPU under this preset (bfloat16 autocast is ~16x slower there, and the
+# micro-batches already bound the memory).
+LOW_MEMORY_PRESET: dict[str, Any] = {
+    "use_amp": True,             # float16 activations: about half the activation memory
+    "channels_last": True,       # the layout float16 convolutions run fastest in
+    "grad_checkpointing": True,  # keep only block inputs; recompute the rest in backward
+    "auto_micro_batch": True,    # find the largest micro-batch that fits; halve on OOM
+    "num_workers": 2,            # each worker is a process holding its own prefetched batches
+    "prefetch_factor": 1,
+}
+
+# The flag that switches each preset on, and the preset.
+PRESETS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "low_memory": LOW_MEMORY_PRESET}
+
+# Switches a preset turns on get a --no_<name> flag, so an explicit flag can turn them off.
+NEGATABLE = sorted({name for preset in PRESETS.values() for name, value in preset.items()
+                    if value is True})
+
 
 def build_parser() -> argparse.ArgumentParser:
     """One ``--flag`` per field; every default is SUPPRESS so we can tell what the user typed."""
@@ -114,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f"--{f.name}"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
+            if f.name in NEGATABLE:
+                parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                                    help=f"turn --{f.name} off (a preset may turn it on)")
         else:
             parser.add_argument(flag, type=_field_type(f), help=help_text, **meta)
     return parser
@@ -128,8 +172,9 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Defaults, then the presets a flag switched on, then what the user typed explicitly."""
     explicit = vars(build_parser().parse_args(argv))
     values: dict[str, Any] = {}
-    if explicit.get("demo"):
-        values.update(DEMO_PRESET)
+    for switch, preset in PRESETS.items():
+        if explicit.get(switch):
+            values.update(preset)
     values.update(explicit)
     cfg = TrainConfig(**values)
     validate(cfg)
@@ -155,5 +200,36 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     if not 0.0 < cfg.crop_scale_min <= 1.0:
         raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
+    if cfg.accum_steps < 1:
+        raise UserError(f"--accum_steps must be at least 1, got {cfg.accum_steps}")
+    if cfg.batch_size % cfg.accum_steps:
+        below = cfg.batch_size - cfg.batch_size % cfg.accum_steps
+        sizes = " or ".join(str(b) for b in (below, below + cfg.accum_steps) if b > 0)
+        raise UserError(f"--batch_size {cfg.batch_size} is not divisible by --accum_steps "
+                        f"{cfg.accum_steps}: every micro-batch must have the same size; use "
+                        f"--batch_size {sizes}, or another --accum_steps")
+    if cfg.prefetch_factor < 1:
+        raise UserError(f"--prefetch_factor must be at least 1, got {cfg.prefetch_factor}")
+    if cfg.max_memory_gb is not None:
+        if cfg.max_memory_gb <= 0:
+            raise UserError(f"--max_memory_gb must be positive, got {cfg.max_memory_gb}")
+        if not cfg.auto_micro_batch:
+            raise UserError("--max_memory_gb is the budget of --auto_micro_batch; add "
+                            "--low_memory or --auto_micro_batch")
+    if cfg.sync_bn and cfg.auto_micro_batch:
+        # SyncBatchNorm exchanges statistics inside every forward pass: ranks could neither try
+        # micro-batch sizes on their own nor redo a step after one of them ran out of memory.
+        raise UserError("--sync_bn cannot be combined with --auto_micro_batch (part of "
+                        "--low_memory); choose the micro-batch with --accum_steps instead, or add "
+                        "--no_auto_micro_batch")
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
+
+
+def preset_summary(cfg: TrainConfig, switch: str) -> str:
+    """What a preset chose, and which of its values explicit flags replaced, as one line."""
+    preset = PRESETS[switch]
+    chosen = [f"{k}={v}" for k, v in preset.items() if getattr(cfg, k) == v]
+    kept = [f"{k}={getattr(cfg, k)}" for k, v in preset.items() if getattr(cfg, k) != v]
+    return (f"--{switch} chose: {', '.join(chosen) or 'nothing'}"
+            + (f"; your flags kept: {', '.join(kept)}" if kept else ""))

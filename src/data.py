@@ -234,7 +234,8 @@ def default_num_workers(cores_per_process: int) -> int:
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: bool,
-                num_workers: int, pin_memory: bool, mean: Sequence[float] = IMAGENET_MEAN,
+                num_workers: int, pin_memory: bool, prefetch_factor: int = 2,
+                mean: Sequence[float] = IMAGENET_MEAN,
                 std: Sequence[float] = IMAGENET_STD) -> DataLoader:
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
@@ -242,7 +243,8 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
         collate_fn=partial(collate_normalized, mean=tuple(mean), std=tuple(std)),
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
-        prefetch_factor=2 if num_workers > 0 else None,
+        # Batches each worker prepares ahead; each one waits in (pinned) host memory.
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
 
 

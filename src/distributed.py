@@ -144,6 +144,20 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """Min of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MIN)
+    return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is True on any rank. Every rank must call it."""
+    if not torch_dist.is_initialized():
+        return flag  # one process: no device round trip
+    return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
+
+
 def all_gather_objects(obj: object) -> list:
     """Every rank's ``obj``, in rank order. Every rank must call it."""
     if not torch_dist.is_initialized():

@@ -3,10 +3,16 @@
 Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
 the progress-bar update every ``log_interval`` steps) and summed across ranks with
 ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+
+Each loaded batch is one optimizer step. A ``MemoryPlan`` may split it into micro-batches: their
+losses are weighted by their share of the batch, so the accumulated gradient is the whole
+batch's, and DDP exchanges gradients once, on the last micro-batch. The loader still yields whole
+batches, so sample order and resuming do not depend on the micro-batch size.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -15,9 +21,13 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from distributed import all_reduce_sum
+from distributed import all_reduce_sum, any_rank
+from memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
+
+log = logging.getLogger("trainer")
 
 # Index of each running sum in the metric tensors.
 LOSS, CORRECT, COUNT = 0, 1, 2          # training: [loss_sum, correct, count]
@@ -83,34 +93,23 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     sums: torch.Tensor | None = None, show_progress: bool = True,
                     log_interval: int = 20, description: str = "train",
                     on_step_end: StepCallback | None = None,
+                    plan: MemoryPlan | None = None,
                     timer: PhaseTimer = NO_TIMER) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
-    resume); ``sums`` carries the running metrics of those batches."""
+    resume); ``sums`` carries the running metrics of those batches. ``plan`` (default: whole
+    batches) sets the micro-batch; the engine halves it on out-of-memory if it allows."""
     model.train()
+    plan = plan or MemoryPlan()
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     step = start_step
     bar = tqdm(loader, total=start_step + len(loader), initial=start_step, desc=description,
                disable=not show_progress, dynamic_ncols=True, leave=False)
     for images, targets in timer.iterate(bar):
-        with timer.phase("forward_backward"):
-            images = images.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            with precision.autocast(device):
-                logits = model(images)
-                loss = criterion(logits, targets)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-        with timer.phase("optimizer"):
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
+        sums += train_step(model, images, targets, optimizer, scaler, criterion, device,
+                           precision, plan, timer)
+        scheduler.step()
         step += 1
-
         with timer.phase("metrics_and_hooks"):
-            with torch.no_grad():
-                sums[LOSS] += loss.detach().double() * targets.size(0)
-                sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
-                sums[COUNT] += targets.size(0)
             if show_progress and step % log_interval == 0:
                 bar.set_postfix(loss=f"{sums[LOSS].item() / sums[COUNT].item():.4f}",
                                 acc=f"{sums[CORRECT].item() / sums[COUNT].item():.4f}",
@@ -123,32 +122,175 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
     total = all_reduce_sum(sums.clone()).tolist()
     return {"train_loss": total[LOSS] / max(total[COUNT], 1),
             "train_acc": total[CORRECT] / max(total[COUNT], 1),
-            "train_samples": int(total[COUNT]), "steps": step}
+            "train_samples": int(total[COUNT]), "steps": step,
+            "micro_batch": plan.micro_batch}
+
+
+def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
+               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               criterion: nn.Module, device: torch.device, precision: Precision,
+               plan: MemoryPlan, timer: PhaseTimer = NO_TIMER) -> torch.Tensor:
+    """One optimizer step on one loaded batch; returns its [loss_sum, correct, count].
+
+    With ``plan.retry_on_oom``, an out-of-memory error on any rank makes every rank drop the
+    step's partial gradients and metrics, put back the BatchNorm statistics, and redo the step
+    from its start with half the micro-batch: no sample is skipped or counted twice.
+    """
+    snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
+    while True:
+        optimizer.zero_grad(set_to_none=True)
+        with timer.phase("forward_backward"):
+            step_sums = accumulate_gradients(model, images, targets, scaler, criterion, device,
+                                             precision, plan)
+        if step_sums is not None:
+            break
+        snapshot.restore()
+        release_memory(device)
+        failed_size = plan.size_for(len(targets))
+        plan.shrink(len(targets))  # every rank: they agreed on the failure
+        _reset_ddp_after_failed_attempt(model)
+        log.warning(f"WARNING: out of memory with micro-batch {failed_size}; redoing this step "
+                    f"with micro-batch {plan.micro_batch}")
+    # The GradScaler unscales the accumulated gradient once, and skips the step if any
+    # micro-batch overflowed in float16.
+    with timer.phase("optimizer"):
+        scaler.step(optimizer)
+        scaler.update()
+    return step_sums
+
+
+def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
+                         scaler: torch.amp.GradScaler, criterion: nn.Module,
+                         device: torch.device, precision: Precision,
+                         plan: MemoryPlan) -> torch.Tensor | None:
+    """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
+    or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).
+
+    DDP exchanges gradients during a backward whose forward ran outside ``no_sync``: here only
+    the last micro-batch's. So a rank that runs out of memory earlier stops and waits at the
+    agreement below, which every rank reaches exactly once per attempt, before that exchange.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    size = plan.size_for(len(targets))
+    chunks = list(zip(images.split(size), targets.split(size)))
+    last_loss, failed = None, False
+    for index, (x, y) in enumerate(chunks):
+        is_last = index == len(chunks) - 1
+        try:
+            x, y = to_device(x, y, device, plan.channels_last)
+            with contextlib.nullcontext() if is_last else _no_sync(model):
+                logits, loss = forward_loss(model, x, y, criterion, precision)
+            record_metrics(sums, logits, loss, y)
+            # Weighted by its share of the batch: the micro-batch gradients add up to the
+            # gradient of the mean loss over the whole batch.
+            weighted = loss * (len(y) / len(targets))
+            if is_last:
+                last_loss = weighted
+            else:
+                scaler.scale(weighted).backward()
+        except RuntimeError as err:
+            if not (plan.retry_on_oom and is_out_of_memory(err)):
+                raise
+            failed = True
+            break
+    if plan.retry_on_oom and any_rank(failed, device):
+        return None
+    return sums if _synced_backward(model, scaler, last_loss, plan) else None
+
+
+def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor,
+                     plan: MemoryPlan) -> bool:
+    """The last micro-batch's backward, where DDP exchanges gradients. False if it ran out of
+    memory and can be redone: only without DDP. Under DDP the other ranks are already inside
+    the gradient exchange, which cannot be called off, so the error ends the run."""
+    try:
+        scaler.scale(loss).backward()
+        return True
+    except RuntimeError as err:
+        if not (plan.retry_on_oom and is_out_of_memory(err)):
+            raise
+        if isinstance(model, DistributedDataParallel):
+            log.error("out of memory during the gradient exchange of the last micro-batch, "
+                      "which cannot be redone on one rank alone; restart with --resume auto "
+                      "(and a smaller --max_memory_gb)")
+            raise
+    return False
+
+
+def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` (accumulate locally, exchange nothing), or nothing for a plain model."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
+    """Put DDP back into the same state on every rank before a step is redone.
+
+    Ranks that reached the last micro-batch ran a synchronised forward whose backward never ran:
+    their DDP reducer still expects that backward and would treat the next one (a ``no_sync``
+    one) as the gradient exchange, on those ranks only, so ranks would call different
+    collectives and hang. ``reducer._reset_state()`` is DDP's own recovery for "a backward that
+    did not succeed" (``DistributedDataParallel._update_process_group`` uses it). Likewise DDP
+    broadcasts buffers at the first forward after a synchronised one, which some ranks had and
+    some had not: every rank broadcasts them at the next forward.
+    """
+    if isinstance(model, DistributedDataParallel):
+        model.reducer._reset_state()
+        model._has_rebuilt_buckets = False
+        model.require_forward_param_sync = True
+
+
+def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
+              channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move one micro-batch to the device (only it: the rest of the batch waits on the host)."""
+    layout = torch.channels_last if channels_last else torch.preserve_format
+    return (images.to(device, non_blocking=True, memory_format=layout),
+            targets.to(device, non_blocking=True))
+
+
+def forward_loss(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
+                 criterion: nn.Module, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+    with precision.autocast(images.device):
+        logits = model(images)
+        loss = criterion(logits, targets)
+    return logits, loss
+
+
+@torch.no_grad()
+def record_metrics(sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor,
+                   targets: torch.Tensor) -> None:
+    sums[LOSS] += loss.detach().double() * targets.size(0)
+    sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
+    sums[COUNT] += targets.size(0)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
-             show_progress: bool = True) -> dict[str, float]:
-    """Loss, top-1 and top-5 over this rank's shard, summed over all ranks.
+             show_progress: bool = True, plan: MemoryPlan | None = None) -> dict[str, float]:
+    """Loss, top-1 and top-5 over this rank's shard, summed over all ranks; loaded batches go
+    through the model in ``plan``'s micro-batches, as in training.
 
     Every rank must call this (the final all-reduce is a collective). Shards are uneven by at
     most one image, which is fine: ``model`` is the unwrapped module, so the forward passes run
     no collectives and no rank waits for another inside the loop.
     """
     model.eval()
+    plan = plan or MemoryPlan()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    for images, targets in tqdm(loader, desc="val", disable=not show_progress,
-                                dynamic_ncols=True, leave=False):
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        with precision.autocast(device):
-            logits = model(images)
-        k = min(5, logits.size(1))
-        top = logits.topk(k, dim=1).indices
-        sums[LOSS] += F.cross_entropy(logits.float(), targets, reduction="sum").double()
-        sums[CORRECT] += (top[:, 0] == targets).sum()
-        sums[TOP5] += (top == targets[:, None]).any(dim=1).sum()
-        sums[COUNT] += targets.size(0)
+    for batch_images, batch_targets in tqdm(loader, desc="val", disable=not show_progress,
+                                            dynamic_ncols=True, leave=False):
+        size = plan.size_for(len(batch_targets))
+        for x, y in zip(batch_images.split(size), batch_targets.split(size)):
+            images, targets = to_device(x, y, device, plan.channels_last)
+            with precision.autocast(device):
+                logits = model(images)
+            k = min(5, logits.size(1))
+            top = logits.topk(k, dim=1).indices
+            sums[LOSS] += F.cross_entropy(logits.float(), targets, reduction="sum").double()
+            sums[CORRECT] += (top[:, 0] == targets).sum()
+            sums[TOP5] += (top == targets[:, None]).any(dim=1).sum()
+            sums[COUNT] += targets.size(0)
     total = all_reduce_sum(sums).tolist()
     count = max(total[COUNT], 1)
     return {"val_loss": total[LOSS] / count, "val_acc": total[CORRECT] / count,

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (CheckpointWriter, check_resume_fits, find_resume_checkpoint,
                         load_training_checkpoint)
-from config import TrainConfig, parse_config
+from config import TrainConfig, parse_config, preset_summary
 from data import (IMAGENET_MEAN, IMAGENET_STD, EpochSampler, ShardSampler, build_datasets,
                   check_data_folders, default_num_workers, make_loader)
 from demo_data import write_demo_dataset
@@ -41,6 +41,7 @@ from distributed import (DistInfo, all_gather_objects, all_reduce_max, barrier, 
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
+from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
 from stopping import StopRequest, maybe_inject_fault
 
@@ -82,6 +83,12 @@ def configure_determinism(cfg: TrainConfig, dist: DistInfo) -> None:
 def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
     if not cfg.use_amp:
         return Precision(False, torch.float32)
+    if device.type == "cpu" and cfg.low_memory:
+        # bfloat16 autocast runs ~16x slower than float32 on the CPU, and the micro-batches
+        # already keep the memory within the budget.
+        log.info("--low_memory on the CPU: training in float32 (bfloat16 autocast is much "
+                 "slower there)")
+        return Precision(False, torch.float32)
     if device.type == "cpu":
         log.warning("WARNING: --use_amp on the CPU uses bfloat16 autocast, which is usually "
                     "slower than float32 there")
@@ -108,18 +115,17 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     if cfg.cache_images == "gpu":   # batches are made on the device by the main process
         workers, pin = 0, False
     train_loader = make_loader(train_set, train_sampler, cfg.batch_size, train=True,
-                               num_workers=workers, pin_memory=pin)
+                               num_workers=workers, pin_memory=pin,
+                               prefetch_factor=cfg.prefetch_factor)
     val_loader = make_loader(val_set, ShardSampler(len(val_set), dist.rank, dist.world_size),
-                             cfg.batch_size, train=False, num_workers=workers, pin_memory=pin)
+                             cfg.batch_size, train=False, num_workers=workers, pin_memory=pin,
+                             prefetch_factor=cfg.prefetch_factor)
     return train_loader, val_loader, train_sampler, class_names
 
 
 def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
     """Device placement, then DDP, then torch.compile; ``unwrap_model`` undoes the wrappers."""
     model = model.to(dist.device)
-    if dist.device.type == "cuda":
-        # Tensor cores prefer NHWC; the first convolution converts the NCHW input batch itself.
-        model = model.to(memory_format=torch.channels_last)
     if dist.is_distributed:
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -227,6 +233,8 @@ class Trainer:
         # Every rank builds the same initial weights (DDP would broadcast rank 0's anyway).
         seed_everything(cfg.seed)
         model = build_model(cfg.model, len(self.class_names), cfg.pretrained, cfg.pretrained_path)
+        enable_memory_savers(model, grad_checkpointing=cfg.grad_checkpointing,
+                             channels_last=cfg.channels_last and dist.device.type == "cuda")
         self.model = wrap_model(model, cfg, dist)
         self.plain_model = unwrap_model(self.model)
         # From here each rank draws different random numbers (dropout, drop-path): offset by rank.
@@ -237,6 +245,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(
             dist.device.type, enabled=self.precision.enabled and self.precision.dtype == torch.float16)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
+        self.plan = build_memory_plan(cfg, dist.device, dist.local_world_size, self.plain_model,
+                                      self.optimizer, self.criterion, self.precision,
+                                      len(self.class_names))
         self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main)
         self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
                                      run_header(cfg, dist, self.class_names), enabled=dist.is_main)
@@ -289,6 +301,7 @@ class Trainer:
             "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "epoch": self.epoch,          # epochs completed
             "step": self.step,            # optimizer steps done in the next epoch
+            "micro_batch": self.plan.micro_batch,   # images per forward/backward pass
             "best_acc": self.best_acc,
             "class_names": self.class_names,
             "image_size": self.cfg.image_size,
@@ -323,14 +336,15 @@ class Trainer:
             self.criterion, self.dist.device, self.precision, start_step=self.step,
             sums=self.resumed_sums, show_progress=self.dist.is_main,
             log_interval=self.cfg.log_interval,
-            description=f"epoch {self.epoch + 1}/{self.cfg.epochs}", on_step_end=self.on_step_end)
+            description=f"epoch {self.epoch + 1}/{self.cfg.epochs}", on_step_end=self.on_step_end,
+            plan=self.plan)
         self.resumed_sums = None
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
         broadcast_buffers(self.plain_model)
         val = evaluate(self.plain_model, self.val_loader, self.dist.device, self.precision,
-                       show_progress=self.dist.is_main)
+                       show_progress=self.dist.is_main, plan=self.plan)
         if self.cfg.check_sync:
             check_ranks_in_sync(self.plain_model)
         self.epoch, self.step = self.epoch + 1, 0
@@ -349,7 +363,8 @@ class Trainer:
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "epoch_seconds": time.perf_counter() - started,
                 "train_images_per_sec": train["train_samples"] / max(train_seconds, 1e-9),
-                "peak_memory_mb": peak_memory_mb(self.dist.device)}
+                "peak_memory_mb": peak_memory_mb(self.dist.device),
+                "micro_batch": self.plan.micro_batch}
 
     def log_epoch(self, is_best: bool) -> None:
         r = self.history.records[-1]
@@ -425,6 +440,8 @@ def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:
 
 def run(cfg: TrainConfig, dist: DistInfo) -> int:
     setup_logging(Path(cfg.log_dir), dist)
+    if cfg.low_memory:
+        log.info(preset_summary(cfg, "low_memory"))
     configure_determinism(cfg, dist)
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)

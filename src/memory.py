@@ -1,0 +1,317 @@
+"""Fitting training into a memory budget: the micro-batch size, what it costs, and recovery from
+out-of-memory errors.
+
+Each loaded batch (``--batch_size`` images per process: one optimizer step) goes through the
+model as micro-batches of ``MemoryPlan.micro_batch`` images, whose gradients the engine adds up.
+This module chooses that size:
+
+* ``measure_micro_batch`` runs one forward and backward on synthetic images and returns what it
+  costs: the bytes the forward pass keeps for backward (counted with ``saved_tensors_hooks``), the
+  input, and the weights, gradients and optimizer state; on CUDA also the allocator's real peak.
+  A CPU with RAM to spare never raises out-of-memory, so there the count is what a budget
+  (``--max_memory_gb``) is checked against.
+* ``fit_micro_batch`` starts at ``--batch_size / --accum_steps`` and halves: it skips the sizes
+  that a linear estimate from a 2-image probe already puts over the budget (a trial would only
+  overshoot it), and tries the others for real, halving on out-of-memory; every rank then takes
+  the smallest size any rank found, so all ranks run the same number of micro-batches.
+
+It never reads files; its only collective is that agreement.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from distributed import all_reduce_min
+from errors import UserError
+
+log = logging.getLogger("trainer")
+
+GIB = 2**30
+
+# What helps when even one image per forward/backward does not fit.
+OOM_HELP = ("what would help: --low_memory (float16 and activation checkpointing), a smaller "
+            "--image_size, a smaller --model, or more memory (a larger --max_memory_gb, or "
+            "closing other programs that use the GPU)")
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass
+class MemoryPlan:
+    """How each loaded batch goes through the model. Mutable on purpose: the engine halves
+    ``micro_batch`` when an out-of-memory error forces it, and the trainer stores the value in
+    checkpoints and history."""
+    micro_batch: int | None = None   # images per forward/backward; None: the whole batch
+    retry_on_oom: bool = False       # on out-of-memory, halve and redo the step (ranks agree)
+    channels_last: bool = False      # move inputs in channels_last layout (the model is too)
+
+    def size_for(self, batch_size: int) -> int:
+        return batch_size if self.micro_batch is None else min(self.micro_batch, batch_size)
+
+    def shrink(self, batch_size: int) -> None:
+        """Halve the micro-batch after an out-of-memory error; one clear error below 1 image."""
+        current = self.size_for(batch_size)
+        if current == 1:
+            raise UserError(f"out of memory even with a micro-batch of 1 during training; "
+                            f"{OOM_HELP}")
+        self.micro_batch = smaller_micro_batch(current, batch_size)
+
+
+def smaller_micro_batch(current: int, batch_size: int) -> int:
+    """The largest divisor of ``batch_size`` that is at most half of ``current`` (1 at least):
+    halving, but every micro-batch of a step keeps the same size."""
+    return max(d for d in range(1, max(1, current // 2) + 1) if batch_size % d == 0)
+
+
+def halving_sizes(start: int, batch_size: int) -> list[int]:
+    """``start`` and each smaller size ``smaller_micro_batch`` leads to, down to 1."""
+    sizes = [start]
+    while sizes[-1] > 1:
+        sizes.append(smaller_micro_batch(sizes[-1], batch_size))
+    return sizes
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or an allocator failure reported as a plain RuntimeError (the
+    CPU's "can't allocate memory", MPS's "out of memory")."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in text
+                                              or "can't allocate memory" in text)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class BufferSnapshot:
+    """A copy of a model's buffers (BatchNorm running statistics). A step that is redone, or a
+    trial forward pass, must not leave its samples counted in those statistics."""
+
+    def __init__(self, model: nn.Module):
+        self.pairs = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.pairs:
+                buffer.copy_(saved)
+
+
+# ----------------------------------------------------------------------------- model set-up
+
+def enable_memory_savers(model: nn.Module, *, grad_checkpointing: bool,
+                         channels_last: bool) -> None:
+    """Activation checkpointing (timm's ``set_grad_checkpointing``) and the channels_last
+    layout. Call before DDP wraps the model: DDP lays out its buckets from the parameters."""
+    if grad_checkpointing:
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, NotImplementedError, AssertionError) as err:
+            log.warning(f"WARNING: {type(model).__name__} has no activation checkpointing in "
+                        f"timm ({err or type(err).__name__}); training without it")
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+
+
+def memory_budget(max_memory_gb: float | None, device: torch.device,
+                  processes_on_device: int) -> int:
+    """Bytes one process may use: ``--max_memory_gb``, else what the device has (on the CPU,
+    the RAM shared by this node's processes)."""
+    if max_memory_gb is not None:
+        return int(max_memory_gb * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, processes_on_device)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one forward and backward of ``size`` images costs, in bytes."""
+    size: int
+    state_bytes: int       # weights, gradients, buffers and optimizer state
+    batch_bytes: int       # the input and what the forward pass keeps for backward
+    peak_bytes: int = 0    # CUDA: the allocator's real peak, plus optimizer state still to come
+
+    @property
+    def total(self) -> int:
+        return max(self.state_bytes + self.batch_bytes, self.peak_bytes)
+
+    def estimate(self, size: int) -> int:
+        """A first estimate for another size: the batch part grows linearly with it."""
+        return self.state_bytes + self.batch_bytes * size // self.size
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer state's bytes, also before it exists (AdamW creates it at its first step)."""
+    existing = sum(tensor_bytes(state.values()) for state in optimizer.state.values())
+    if existing:
+        return existing
+    params = tensor_bytes(p for group in optimizer.param_groups for p in group["params"])
+    if isinstance(optimizer, torch.optim.SGD):
+        slots = 1 if any(group.get("momentum") for group in optimizer.param_groups) else 0
+    else:
+        slots = 2  # Adam/AdamW: two moments per parameter; a safe guess for others
+    return slots * params
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
+    """Counts the distinct storages that the forward pass inside keeps for backward, weights
+    excluded (they are counted once, as state). The dict maps storage address to bytes."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield seen
+
+
+def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
+                        precision: Any, device: torch.device, size: int, *,
+                        image_shape: tuple[int, int, int], num_classes: int,
+                        channels_last: bool = False) -> StepCost:
+    """Run one forward and backward of ``size`` synthetic images on ``model`` (the plain model:
+    no collective runs) and return what it cost.
+
+    Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
+    the loader's position). The model's buffers, its gradients and the random state are left as
+    they were. An out-of-memory error propagates to the caller."""
+    generator = torch.Generator().manual_seed(size)
+    images = torch.randn(size, *image_shape, generator=generator).to(
+        device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+    targets = torch.randint(0, num_classes, (size,), generator=generator).to(device)
+    snapshot, was_training = BufferSnapshot(model), model.training
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model.train()
+            with saved_tensor_bytes(model) as saved, precision.autocast(device):
+                loss = criterion(model(images), targets)
+            loss.backward()
+        batch_bytes = tensor_bytes([images]) + sum(saved.values())
+        peak = 0
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            if not optimizer.state:  # not allocated yet: it will be at the first step
+                peak += optimizer_state_bytes(optimizer)
+    finally:
+        model.zero_grad(set_to_none=True)
+        snapshot.restore()
+        model.train(was_training)
+    state = (2 * tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
+             + optimizer_state_bytes(optimizer))
+    return StepCost(size, state, batch_bytes, peak)
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def _cost_or_oom(measure: Callable[[int], StepCost], size: int,
+                 device: torch.device) -> StepCost | None:
+    try:
+        return measure(size)
+    except RuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+    release_memory(device)  # outside the except block: the traceback no longer pins tensors
+    return None
+
+
+def largest_fitting(measure: Callable[[int], StepCost], start: int, batch_size: int,
+                    budget: int, device: torch.device = torch.device("cpu")) -> tuple[int, str]:
+    """The largest size from ``halving_sizes(start, batch_size)`` whose measured cost fits in
+    ``budget`` bytes, and ``(0, why)`` when not even 1 does. This rank only: no collective."""
+    probe_size = min(2, start)
+    probe = _cost_or_oom(measure, probe_size, device)
+    why = "out of memory"
+    for size in halving_sizes(start, batch_size):
+        if probe is None and size >= probe_size:
+            continue  # the probe ran out of memory: no larger size can fit
+        if probe is not None and size != probe_size and probe.estimate(size) > budget:
+            why = f"estimated {gib(probe.estimate(size))}"
+            log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
+            continue  # a trial would only overshoot the budget
+        cost = probe if size == probe_size else _cost_or_oom(measure, size, device)
+        if cost is not None and cost.total <= budget:
+            log.info(f"micro-batch {size}: needs {gib(cost.total)}, within the budget of "
+                     f"{gib(budget)}")
+            return size, ""
+        why = "out of memory" if cost is None else f"needs {gib(cost.total)}"
+        log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
+    return 0, why
+
+
+def fit_micro_batch(measure: Callable[[int], StepCost], start: int, batch_size: int,
+                    budget: int, device: torch.device) -> int:
+    """``largest_fitting`` on every rank, then the smallest size any rank found. Every rank must
+    call it. Sizes are agreed (rather than each rank using its own) because DDP needs every rank
+    to run the same number of backward passes per step."""
+    local, why = largest_fitting(measure, start, batch_size, budget, device)
+    agreed = int(all_reduce_min(torch.tensor([local], device=device)).item())
+    if agreed == 0:
+        where = why if local == 0 else "on another process"
+        raise UserError(f"out of memory even with a micro-batch of 1 ({where}; budget "
+                        f"{gib(budget)}); {OOM_HELP}")
+    if agreed < local:
+        log.info(f"micro-batch {agreed}: the smallest that fits on every process "
+                 f"(this one fits {local})")
+    return agreed
+
+
+def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
+                      model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
+                      precision: Any, num_classes: int) -> MemoryPlan:
+    """The micro-batch of this run: ``--batch_size / --accum_steps``, or with
+    ``--auto_micro_batch`` the largest that fits, found by trials on ``model`` (the plain,
+    unwrapped model: trials of different sizes on different ranks must run no collective).
+    Every rank must call it."""
+    start = cfg.batch_size // cfg.accum_steps
+    channels_last = cfg.channels_last and device.type == "cuda"
+    plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
+    if cfg.auto_micro_batch:
+        budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)
+        measure = partial(measure_micro_batch, model, optimizer, criterion, precision, device,
+                          image_shape=(3, cfg.image_size, cfg.image_size),
+                          num_classes=num_classes, channels_last=channels_last)
+        plan.micro_batch = fit_micro_batch(measure, start, cfg.batch_size, budget, device)
+        if device.type == "cuda":
+            # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
+            # the device's limit) from the peak_memory_mb that the history reports.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
+    checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
+    log.info(f"Memory: micro-batch {plan.micro_batch} ({cfg.batch_size // plan.micro_batch} "
+             f"forward/backward pass(es) per optimizer step of {cfg.batch_size} images per "
+             f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
+             f"activation checkpointing {checkpointing}"
+             + (", halving on out-of-memory" if plan.retry_on_oom else ""))
+    return plan

@@ -1,0 +1,384 @@
+"""--accum_steps, --low_memory and automatic micro-batch fitting, all on the CPU: out-of-memory
+errors are injected (a model that raises torch.OutOfMemoryError) or come from a memory budget.
+The CUDA-only paths have their own tests at the end, skipped without a GPU."""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import parse_config, preset_summary
+from conftest import ROOT, SRC, TINY_FLAGS, assert_user_error, run_cli
+from engine import Precision, evaluate, train_one_epoch
+from errors import UserError
+from memory import (GIB, MemoryPlan, StepCost, enable_memory_savers, fit_micro_batch,
+                    halving_sizes, is_out_of_memory, largest_fitting, measure_micro_batch)
+
+FP32 = Precision(False, torch.float32)
+CPU = torch.device("cpu")
+HUGE = 2**40  # a budget nothing reaches
+
+
+class OutOfMemoryAt(nn.Module):
+    """Wraps a model: its forward raises torch.OutOfMemoryError (what CUDA raises) at the given
+    call numbers (counted from 0), or for every micro-batch larger than ``limit`` images."""
+
+    def __init__(self, model: nn.Module, calls: tuple[int, ...] = (), limit: int | None = None):
+        super().__init__()
+        self.model, self.fail_calls, self.limit, self.calls = model, set(calls), limit, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.fail_calls or (self.limit is not None and len(x) > self.limit):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
+                                         "(injected)")
+        return self.model(x)
+
+
+def small_model(batch_norm: bool = False) -> nn.Module:
+    """A small CNN; without BatchNorm, micro-batching cannot change its gradients."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d(8) if batch_norm else nn.Identity()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    # A buffer that is not BatchNorm's: DDP broadcasts buffers, which the two-process test needs.
+    model.register_buffer("marker", torch.ones(2))
+    return model
+
+
+def batches(count: int, size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, 12, 12, generator=g), torch.randint(0, 3, (size,), generator=g))
+            for _ in range(count)]
+
+
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model: nn.Module, loader, plan: MemoryPlan | None, optimizer: str = "sgd",
+          scaler: torch.amp.GradScaler | None = None) -> dict:
+    opt = make_optimizer(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
+    return train_one_epoch(model, loader, opt, scheduler, scaler, nn.CrossEntropyLoss(), CPU,
+                           FP32, show_progress=False, plan=plan)
+
+
+def max_difference(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_accumulating_4x8_equals_one_step_on_32(optimizer):
+    whole, accumulated = small_model(), small_model()
+    loader = batches(1, 32)
+    ref = train(whole, loader, None, optimizer)
+    got = train(accumulated, loader, MemoryPlan(8), optimizer)
+    assert max_difference(whole, accumulated) < 1e-5
+    assert (got["steps"], got["train_samples"]) == (ref["steps"], ref["train_samples"]) == (1, 32)
+    assert got["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-6)
+    assert max_difference(small_model(), whole) > 1e-3  # the step did move the weights
+
+
+def test_grad_scaler_unscales_the_accumulated_gradient_once():
+    """The float16 recipe (scale each micro-batch's loss, step and update once) on the CPU,
+    where GradScaler also runs: scaling by a power of two is exact in float32."""
+    whole, accumulated = small_model(), small_model()
+    loader = batches(2, 16)
+    train(whole, loader, None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=True)
+    train(accumulated, loader, MemoryPlan(4), scaler=scaler)
+    assert max_difference(whole, accumulated) < 1e-5
+    assert scaler.get_scale() == 2.0**10  # no overflow, no step skipped
+
+
+def test_evaluation_in_micro_batches_gives_the_same_metrics():
+    model = small_model(batch_norm=True)
+    loader = batches(2, 10)
+    whole = evaluate(model, loader, CPU, FP32, show_progress=False)
+    split = evaluate(model, loader, CPU, FP32, show_progress=False, plan=MemoryPlan(4))
+    assert split["val_samples"] == whole["val_samples"] == 20
+    for key in ("val_loss", "val_acc", "val_top5"):
+        assert split[key] == pytest.approx(whole[key], abs=1e-6)
+
+
+def test_batch_size_not_divisible_by_accum_steps_is_one_clear_error(tmp_path: Path):
+    with pytest.raises(UserError, match="--batch_size 30 is not divisible by --accum_steps 4"):
+        parse_config(["--batch_size", "30", "--accum_steps", "4"])
+    result = run_cli([SRC / "train_ddp.py", "--batch_size", "30", "--accum_steps", "4"],
+                     cwd=tmp_path)
+    assert_user_error(result, "--batch_size 30", "--accum_steps 4", "28 or 32")
+
+
+# ----------------------------------------------------------------------------- the preset
+
+def test_low_memory_preset_and_explicit_flags_win(caplog):
+    from train_ddp import choose_precision
+
+    cfg = parse_config(["--low_memory"])
+    assert (cfg.use_amp, cfg.channels_last, cfg.grad_checkpointing, cfg.auto_micro_batch,
+            cfg.num_workers, cfg.prefetch_factor) == (True, True, True, True, 2, 1)
+    mine = parse_config(["--low_memory", "--no_grad_checkpointing", "--num_workers", "0",
+                         "--max_memory_gb", "2"])
+    assert (mine.grad_checkpointing, mine.num_workers, mine.use_amp) == (False, 0, True)
+    summary = preset_summary(mine, "low_memory")
+    assert "use_amp=True" in summary and "your flags kept: grad_checkpointing=False" in summary
+    # float16 on CUDA; float32 on the CPU, where bfloat16 autocast is ~16x slower.
+    assert choose_precision(cfg, torch.device("cuda")) == Precision(True, torch.float16)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert choose_precision(cfg, CPU) == FP32
+    assert "float32" in caplog.text
+    with pytest.raises(UserError, match="--max_memory_gb"):
+        parse_config(["--max_memory_gb", "2"])  # a budget without fitting does nothing
+    with pytest.raises(UserError, match="--sync_bn cannot be combined"):
+        parse_config(["--low_memory", "--sync_bn"])
+    assert parse_config(["--low_memory", "--sync_bn", "--no_auto_micro_batch"]).sync_bn
+
+
+def test_memory_savers_on_a_timm_model_and_a_plain_one(caplog):
+    from model import build_model
+
+    timm_model = build_model("resnet18", 3)
+    enable_memory_savers(timm_model, grad_checkpointing=True, channels_last=True)
+    assert timm_model.grad_checkpointing
+    assert timm_model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        enable_memory_savers(small_model(), grad_checkpointing=True, channels_last=False)
+    assert "no activation checkpointing" in caplog.text
+
+
+def test_out_of_memory_errors_are_recognised():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
+                                         "DefaultCPUAllocator: can't allocate memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def test_halving_keeps_every_micro_batch_a_divisor():
+    assert halving_sizes(64, 64) == [64, 32, 16, 8, 4, 2, 1]
+    assert halving_sizes(48, 48) == [48, 24, 12, 6, 3, 1]
+    assert halving_sizes(30, 30) == [30, 15, 6, 3, 1]
+    assert halving_sizes(12, 36) == [12, 6, 3, 1]   # from --batch_size 36 --accum_steps 3
+
+
+def fit_with(model: nn.Module, start: int, batch_size: int, budget: int = HUGE) -> int:
+    measure = partial(measure_micro_batch, model, make_optimizer(model, "adamw"),
+                      nn.CrossEntropyLoss(), FP32, CPU, image_shape=(3, 12, 12), num_classes=3)
+    return fit_micro_batch(measure, start, batch_size, budget, CPU)
+
+
+def test_fitting_halves_until_the_injected_limit():
+    assert fit_with(OutOfMemoryAt(small_model(), limit=7), start=48, batch_size=48) == 6
+    assert fit_with(OutOfMemoryAt(small_model(), limit=64), start=16, batch_size=64) == 16
+
+
+def test_fitting_under_a_budget_uses_the_measured_cost_and_leaves_the_model_as_it_was():
+    model = small_model(batch_norm=True)
+    measure = partial(measure_micro_batch, model, make_optimizer(model, "adamw"),
+                      nn.CrossEntropyLoss(), FP32, CPU, image_shape=(3, 12, 12), num_classes=3)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    costs = {m: measure(m) for m in (2, 8, 16)}
+    # What the forward keeps for backward grows with the micro-batch; the state does not.
+    assert costs[16].batch_bytes == pytest.approx(2 * costs[8].batch_bytes, rel=0.05)
+    assert costs[2].state_bytes == costs[16].state_bytes
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert costs[2].state_bytes >= 4 * params      # weights, gradients, two AdamW moments
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))   # BN untouched
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+    budget = (costs[8].total + costs[16].total) // 2
+    tried = []
+
+    def counting(m: int) -> StepCost:
+        tried.append(m)
+        return measure(m)
+
+    assert largest_fitting(counting, 32, 32, budget) == (8, "")
+    # The 2-image probe's estimate ruled out 32 and 16 without running them.
+    assert tried == [2, 8]
+
+
+def test_nothing_fits_is_one_clear_error(tiny_dataset, tmp_path: Path):
+    with pytest.raises(UserError, match="even with a micro-batch of 1 .*--image_size"):
+        fit_with(OutOfMemoryAt(small_model(), limit=0), start=8, batch_size=8)
+    train_dir, val_dir = tiny_dataset
+    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train_dir,
+                      "--val_dir", val_dir, "--low_memory", "--max_memory_gb", "0.01",
+                      *TINY_FLAGS], cwd=tmp_path)
+    assert_user_error(result, "micro-batch of 1", "budget 0.01 GiB", "--image_size")
+    assert not (tmp_path / "checkpoints" / "checkpoint_latest.pth").exists()
+
+
+# ----------------------------------------------------------------------------- OOM in training
+
+def test_out_of_memory_mid_training_halves_and_redoes_the_step():
+    loader = batches(4, 16)
+    reference = small_model()
+    train(reference, loader, MemoryPlan(8, retry_on_oom=True))
+    # Forward calls 0-3 are steps 1-2 (2 micro-batches of 8 each); call 5 is the second
+    # micro-batch of step 3, after the first one's gradient was already accumulated.
+    hit = OutOfMemoryAt(small_model(), calls=(5,))
+    plan = MemoryPlan(8, retry_on_oom=True)
+    metrics = train(hit, loader, plan)
+    assert plan.micro_batch == metrics["micro_batch"] == 4
+    assert (metrics["steps"], metrics["train_samples"]) == (4, 64)
+    assert hit.calls == 4 + 2 + 4 + 4      # steps 1-2, the failed attempt, steps 3-4 by 4
+    assert max_difference(reference, hit.model) < 1e-5   # nothing skipped, nothing twice
+
+
+def test_a_redone_step_leaves_batchnorm_statistics_counted_once():
+    hit = OutOfMemoryAt(small_model(batch_norm=True), calls=(3,))
+    train(hit, batches(2, 16), MemoryPlan(8, retry_on_oom=True))
+    # Step 1: 2 forwards of 8. Step 2: one forward of 8, then the failure; redone as 4 of 4.
+    assert hit.model[1].num_batches_tracked.item() == 2 + 4
+
+
+def test_out_of_memory_with_a_micro_batch_of_1_is_one_clear_error():
+    with pytest.raises(UserError, match="even with a micro-batch of 1 during training"):
+        train(OutOfMemoryAt(small_model(), limit=0), batches(1, 4), MemoryPlan(4, True))
+    with pytest.raises(torch.OutOfMemoryError):  # no retry asked for: the error goes through
+        train(OutOfMemoryAt(small_model(), calls=(0,)), batches(1, 4), MemoryPlan(4))
+
+
+# ----------------------------------------------------------------------------- two processes
+
+def _agreement_worker(rank: int, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    try:
+        result = {}
+        # Fitting: rank 0 fits 16 images, rank 1 only 4; both must use 4.
+        result["fitted"] = fit_with(OutOfMemoryAt(small_model(), limit=(16, 4)[rank]), 16, 16)
+        # Nothing fits on rank 1: both ranks stop with the error, neither hangs.
+        try:
+            fit_with(OutOfMemoryAt(small_model(), limit=(16, 0)[rank]), 16, 16)
+        except UserError as err:
+            result["error"] = str(err)
+        # Training under DDP: rank 1 alone runs out of memory in the last (synchronised)
+        # micro-batch of step 1: both ranks redo it with micro-batches of 4.
+        hit = OutOfMemoryAt(small_model(), calls=(1,) if rank == 1 else ())
+        plan = MemoryPlan(8, retry_on_oom=True)
+        metrics = train(DDP(hit), batches(2, 16, seed=rank), plan)
+        result.update(micro_batch=plan.micro_batch, steps=metrics["steps"],
+                      samples=metrics["train_samples"],
+                      params=[p.detach().flatten().tolist() for p in hit.model.parameters()])
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_agree_on_the_micro_batch_and_redo_steps_together(tmp_path: Path):
+    from launch_ddp import free_port
+
+    mp.spawn(_agreement_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["fitted"] for r in results] == [4, 4]
+    assert "micro-batch of 1 (on another process" in results[0]["error"]
+    assert "micro-batch of 1 (out of memory" in results[1]["error"]
+    assert [(r["micro_batch"], r["steps"], r["samples"]) for r in results] == [(4, 2, 64)] * 2
+
+    # The same two steps in one process, on both ranks' batches at once.
+    reference = small_model()
+    global_batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
+                      for a, b in zip(batches(2, 16, seed=0), batches(2, 16, seed=1))]
+    train(reference, global_batches, None)
+    expected = [p.detach().flatten() for p in reference.parameters()]
+    for r in results:
+        got = [torch.tensor(p) for p in r["params"]]
+        assert max((g - e).abs().max().item() for g, e in zip(got, expected)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path):
+    train_dir, val_dir = tiny_dataset
+    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
+                      "--train_dir", train_dir, "--val_dir", val_dir, "--epochs", "1",
+                      "--low_memory", "--accum_steps", "2", "--max_memory_gb", "4", *TINY_FLAGS],
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "--low_memory chose: use_amp=True, channels_last=True, grad_checkpointing=True" in out
+    assert "your flags kept: num_workers=0" in out
+    assert "training in float32" in out
+    assert "Memory: micro-batch 4 (2 forward/backward pass(es) per optimizer step of 8" in out
+    assert "activation checkpointing on" in out
+
+    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    assert history["config"]["low_memory"] and history["config"]["accum_steps"] == 2
+    assert [r["micro_batch"] for r in history["epochs"]] == [4]
+    latest = torch.load(tmp_path / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+    assert latest["micro_batch"] == 4 and latest["epoch"] == 1
+
+
+# ----------------------------------------------------------------------------- CUDA only
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_float16_channels_last_accumulation():
+    from model import build_model
+
+    device = torch.device("cuda")
+    model = build_model("resnet18", 3)
+    enable_memory_savers(model, grad_checkpointing=True, channels_last=True)
+    model = model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cuda")
+    plan = MemoryPlan(4, retry_on_oom=True, channels_last=True)
+    metrics = train_one_epoch(model, batches(2, 16), opt, scheduler, scaler,
+                              nn.CrossEntropyLoss(), device, Precision(True, torch.float16),
+                              show_progress=False, plan=plan)
+    assert (metrics["steps"], metrics["train_samples"]) == (2, 32)
+    assert torch.isfinite(torch.tensor(metrics["train_loss"]))
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@cuda
+def test_cuda_fitting_meets_a_real_out_of_memory_error():
+    """A memory fraction makes large trials raise torch.cuda.OutOfMemoryError for real."""
+    from memory import optimizer_state_bytes
+    from model import build_model
+
+    device = torch.device("cuda")
+    model = build_model("resnet18", 3).to(device)
+    optimizer = make_optimizer(model, "adamw")
+    measure = partial(measure_micro_batch, model, optimizer, nn.CrossEntropyLoss(), FP32, device,
+                      image_shape=(3, 224, 224), num_classes=3)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.5 * GIB / total, device)
+    try:
+        size = fit_micro_batch(measure, 512, 512, HUGE, device)
+        cost = measure(size)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    assert 1 <= size < 512 and 512 % size == 0
+    # The real peak of the trial that fitted, without the optimizer state it will add later.
+    assert cost.peak_bytes - optimizer_state_bytes(optimizer) <= 1.5 * GIB
