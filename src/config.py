@@ -27,9 +27,11 @@ class TrainConfig:
     image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
     num_workers: int | None = _opt(None, "loader worker processes per training process "
                                          "(default: min(4, CPU cores per process))")
-    cache_images: str = _opt("none", "decode every image once and keep it in memory: ram, or gpu "
-                                     "(on the device, augmented there); for datasets that fit",
-                             choices=["none", "ram", "gpu"])
+    cache_images: str = _opt("auto", "decode every image once and keep it in memory: ram, gpu "
+                                     "(on the device, augmented there), none (read the files "
+                                     "every epoch), or auto (ram when it fits in a quarter of "
+                                     "the free memory)",
+                             choices=["auto", "none", "ram", "gpu"])
     prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead")
     crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
     hflip: float = _opt(0.5, "probability of a horizontal flip in training")

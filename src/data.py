@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -69,18 +70,67 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- transforms
 
+class RandomResizedCropFlip:
+    """torchvision's RandomResizedCrop then RandomHorizontalFlip, on uint8 images, drawing all its
+    random numbers from the torch generator in one call.
+
+    The same distribution and the same bilinear, antialiased resize as the v2 transforms, for a
+    fraction of their cost: their Python dispatch took ~0.25 ms per image, more than the crop
+    itself at small sizes, and on a 2-core machine the augmentation competes with the model for
+    the cores (bench/throughput.py).
+    """
+
+    TRIES = 10  # like torchvision: then fall back to a center crop
+
+    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5):
+        self.size, self.scale, self.hflip = size, scale, hflip
+        self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+        self.ratio = ratio
+
+    def __call__(self, image: Image.Image | torch.Tensor) -> torch.Tensor:
+        if isinstance(image, Image.Image):
+            image = v2.functional.pil_to_tensor(image)
+        height, width = image.shape[-2:]
+        uniforms = torch.rand(2 * self.TRIES + 3).tolist()
+        top, left, h, w = self.crop_box(height, width, uniforms)
+        crop = image[None, :, top:top + h, left:left + w].float()
+        out = torch.nn.functional.interpolate(crop, size=(self.size, self.size), mode="bilinear",
+                                              antialias=True, align_corners=False)[0]
+        if uniforms[-1] < self.hflip:
+            out = out.flip(-1)
+        return out.round_().clamp_(0, 255).to(torch.uint8)
+
+    def crop_box(self, height: int, width: int, u: list[float]) -> tuple[int, int, int, int]:
+        """torchvision's RandomResizedCrop.get_params, fed with uniforms in [0, 1)."""
+        area = height * width
+        for t in range(self.TRIES):
+            target = area * (self.scale[0] + u[2 * t] * (self.scale[1] - self.scale[0]))
+            aspect = math.exp(self.log_ratio[0] + u[2 * t + 1] * (self.log_ratio[1] - self.log_ratio[0]))
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[-3] * (height - h + 1)), int(u[-2] * (width - w + 1)), h, w
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            w, h = width, int(round(width / self.ratio[0]))
+        elif in_ratio > self.ratio[1]:
+            h, w = height, int(round(height * self.ratio[1]))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+
 def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
-                     hflip: float = 0.5) -> v2.Compose:
+                     hflip: float = 0.5) -> v2.Compose | RandomResizedCropFlip:
     """Per-sample geometry on uint8 images. Conversion to float and normalization happen once per
     batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
     processes."""
     if train:
-        geometry = [v2.RandomResizedCrop(image_size, scale=(crop_scale_min, 1.0), antialias=True),
-                    v2.RandomHorizontalFlip(hflip)]
-    else:
-        geometry = [v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
-                    v2.CenterCrop(image_size)]
-    return v2.Compose([v2.ToImage(), *geometry])
+        return RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
+    return v2.Compose([v2.ToImage(),
+                       v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
+                       v2.CenterCrop(image_size)])
 
 
 def normalize_batch(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN,
@@ -139,28 +189,38 @@ class SeededImageDataset(Dataset):
 
 
 class DecodedImageCache(Dataset):
-    """Every image of an ImageFolder decoded once and kept as one uint8 tensor (N, 3, S, S).
+    """Every image of a folder decoded once and kept in memory as a uint8 tensor (3, S, W).
 
-    S = image_size / 0.875, the evaluation resize: each image is resized (shorter side to S) and
-    center-cropped to a square once, so later epochs skip file reads and JPEG decoding and the
-    random crop / flip run on small tensors (the same transforms accept tensors). The sides of
-    non-square images are not seen by the random crop. With ``device`` "cuda" the cache lives
-    on the GPU and the augmentation runs there. Items are ``(image, label)`` like ImageFolder's.
+    Each image is resized once so its shorter side is S = image_size / 0.875 (the evaluation
+    resize; aspect ratio kept), so later epochs skip file reads and JPEG decoding and the random
+    crop / flip run on small tensors (the transforms accept tensors). Training then crops from
+    the resized picture instead of the full-resolution file: the same framing, less detail in
+    the smallest crops. With ``device`` "cuda" the images live on the GPU and are augmented
+    there. Items are ``(image, label)`` like ImageFolder's.
     """
 
     def __init__(self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu",
                  threads: int = 4):
-        side = int(math.ceil(image_size / EVAL_RESIZE_RATIO))
-        paths = [path for path, _ in folder.samples]
+        side = cache_side(image_size)
 
-        def decode(path: str) -> torch.Tensor:
-            image = ImageOps.fit(folder.loader(path), (side, side), Image.BILINEAR)
-            return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+        def decode(path: str) -> torch.Tensor | None:
+            try:
+                image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
+            except Exception as err:  # any decoder failure on a user's file: leave it out
+                log.warning(f"WARNING: could not read {path} ({type(err).__name__}); left out")
+                return None
+            scale = side / min(image.size)
+            image = image.resize((max(side, round(image.width * scale)),
+                                  max(side, round(image.height * scale))), Image.BILINEAR)
+            return v2.functional.pil_to_tensor(image).to(device)
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            self.images = torch.stack(list(pool.map(decode, paths))).to(device)
-        self.targets = list(folder.targets)
+            decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
+        kept = [i for i, image in enumerate(decoded) if image is not None]
+        self.images = [decoded[i] for i in kept]
+        self.targets = [folder.targets[i] for i in kept]
+        self.samples = [folder.samples[i] for i in kept]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -170,7 +230,19 @@ class DecodedImageCache(Dataset):
 
     @property
     def nbytes(self) -> int:
-        return self.images.numel() * self.images.element_size()
+        return sum(image.numel() for image in self.images)
+
+
+def cache_side(image_size: int) -> int:
+    return int(math.ceil(image_size / EVAL_RESIZE_RATIO))
+
+
+def choose_cache(cache: str, num_images: int, image_size: int, budget_bytes: int) -> str:
+    """``auto``: keep decoded images in RAM when they fit the budget (photos taken as 4:3)."""
+    if cache != "auto":
+        return cache
+    estimate = num_images * 3 * cache_side(image_size) ** 2 * 4 // 3
+    return "ram" if estimate <= budget_bytes else "none"
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -229,7 +301,14 @@ class ShardSampler(Sampler):
 
 # ----------------------------------------------------------------------------- loaders
 
-def default_num_workers(cores_per_process: int) -> int:
+def default_num_workers(cores_per_process: int, device_type: str = "cuda",
+                        cached: bool = False) -> int:
+    """Loader workers when the user does not say. With a GPU, up to 4 per process keep it fed.
+    On the CPU the model already uses every core: workers only take cores from it, unless
+    decoding files makes the data costly; images cached in memory are cheapest to augment in the
+    training process itself (measured with bench/throughput.py)."""
+    if device_type == "cpu" and cached:
+        return 0
     return max(0, min(4, cores_per_process))
 
 
@@ -251,21 +330,27 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
 def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
                    crop_scale_min: float, hflip: float, *, log_dir: Path | None = None,
                    rank: int = 0, world_size: int = 1, cache: str = "none",
-                   cache_device: str = "cpu", threads: int = 4
+                   cache_budget_bytes: int = 0, cache_device: str = "cpu", threads: int = 4
                    ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
     """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
     call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
-    ``cache`` "ram" or "gpu" then decodes every image once (``DecodedImageCache``)."""
+    ``cache`` "ram" or "gpu" then decodes every image once (``DecodedImageCache``); "auto"
+    means "ram" when the decoded images fit in ``cache_budget_bytes``."""
     class_names = check_data_folders(train_dir, val_dir)
     train_folder = ReadableImageFolder(train_dir)
     val_folder = ReadableImageFolder(val_dir)
     leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
                          rank, world_size)
+    cache = choose_cache(cache, len(train_folder) + len(val_folder), image_size,
+                         cache_budget_bytes)
     if cache != "none":
+        started = time.perf_counter()
         train_folder = DecodedImageCache(train_folder, image_size, cache_device, threads)
         val_folder = DecodedImageCache(val_folder, image_size, cache_device, threads)
         log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
-                 f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB)")
+                 f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
+                 f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
+                 "every epoch instead")
     train_set = SeededImageDataset(
         train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed)
     val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)

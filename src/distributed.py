@@ -57,6 +57,17 @@ def cpu_cores_available() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory_bytes() -> int:
+    """Memory that can be used without swapping (MemAvailable), for sizing in-memory caches."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     """Read torchrun's environment (or assume one process) and join the process group."""
     rank = int(os.environ.get("RANK", 0))

@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (CheckpointWriter, check_resume_fits, find_resume_checkpoint,
                         load_training_checkpoint)
 from config import TrainConfig, parse_config, preset_summary
-from data import (IMAGENET_MEAN, IMAGENET_STD, EpochSampler, ShardSampler, build_datasets,
+from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
                   check_data_folders, default_num_workers, make_loader)
 from demo_data import write_demo_dataset
-from distributed import (DistInfo, all_gather_objects, all_reduce_max, barrier, broadcast_buffers,
-                         cleanup_distributed, cpu_cores_available, log, setup_distributed,
-                         setup_logging)
+from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
+                         barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
+                         log, setup_distributed, setup_logging)
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
@@ -100,17 +100,21 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     if cfg.cache_images == "gpu" and dist.device.type != "cuda":
         raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
     cores = max(1, cpu_cores_available() // dist.local_world_size)
+    # --cache_images auto: decoded images may take a quarter of this process's share of the RAM.
+    budget = available_memory_bytes() // (4 * dist.local_world_size)
     train_set, val_set, class_names = build_datasets(
         Path(cfg.train_dir), Path(cfg.val_dir), cfg.image_size, cfg.seed,
         cfg.crop_scale_min, cfg.hflip, log_dir=Path(cfg.log_dir), rank=dist.rank,
-        world_size=dist.world_size, cache=cfg.cache_images,
+        world_size=dist.world_size, cache=cfg.cache_images, cache_budget_bytes=budget,
         cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu", threads=cores)
+    cached = isinstance(train_set.folder, DecodedImageCache)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
     if train_sampler.per_rank < cfg.batch_size:
         raise UserError(f"{cfg.train_dir} has {len(train_set)} images: too few for "
                         f"--batch_size {cfg.batch_size} on {dist.world_size} process(es); "
                         "lower --batch_size")
-    workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(cores)
+    workers = (cfg.num_workers if cfg.num_workers is not None
+               else default_num_workers(cores, dist.device.type, cached))
     pin = dist.device.type == "cuda"
     if cfg.cache_images == "gpu":   # batches are made on the device by the main process
         workers, pin = 0, False
