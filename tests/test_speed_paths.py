@@ -26,8 +26,9 @@ def test_cached_batches_have_the_shape_dtype_range_and_labels_of_uncached(tiny_d
     train, val = tiny_dataset
     (x_c, y_c), (vx_c, vy_c), cached_set, classes = first_batches(train, val, "ram")
     (x_u, y_u), (vx_u, vy_u), _, _ = first_batches(train, val, "none")
-    assert cached_set.folder.images.dtype == torch.uint8          # kept compact in memory
-    assert cached_set.folder.images.shape == (48, 3, 19, 19)      # 16 / 0.875, square
+    images = cached_set.folder.images                              # kept compact in memory
+    assert len(images) == 48 and all(i.dtype == torch.uint8 for i in images)
+    assert {tuple(i.shape) for i in images} == {(3, 19, 19)}       # shorter side 16 / 0.875
     for cached, uncached in ((x_c, x_u), (vx_c, vx_u)):
         assert cached.shape == uncached.shape == (8, 3, 16, 16)
         assert cached.dtype == uncached.dtype == torch.float32
@@ -101,3 +102,36 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
         assert sum(shares.values()) == pytest.approx(1.0)
         assert row["trainer"]["seconds_to_first_step"] > 0
     assert report["results"][1]["trainer"]["allreduce_wait_share"] is not None
+
+
+def test_fast_crop_matches_torchvision_resize_and_respects_its_bounds():
+    from torchvision.transforms import v2
+
+    from data import RandomResizedCropFlip
+
+    torch.manual_seed(0)
+    image = torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8)
+    whole = RandomResizedCropFlip(32, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=0.0)(image)
+    reference = v2.functional.resize(image, [32, 32], antialias=True)
+    assert whole.dtype == torch.uint8 and whole.shape == (3, 32, 32)
+    assert (whole.int() - reference.int()).abs().max() <= 1          # same bilinear resize
+
+    crop = RandomResizedCropFlip(16, scale=(0.2, 0.6))
+    for _ in range(200):
+        u = torch.rand(23).tolist()
+        top, left, h, w = crop.crop_box(40, 60, u)
+        assert 0 <= top and top + h <= 40 and 0 <= left and left + w <= 60
+        assert 0.2 * 0.9 <= h * w / 2400 <= 0.6 * 1.1                 # scale bounds, rounding
+        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1                   # ratio bounds, rounding
+    flips = [torch.equal(RandomResizedCropFlip(40, (1, 1), (1, 1), hflip=0.5)(image),
+                         image.flip(-1)) for _ in range(200)]
+    assert 60 < sum(flips) < 140
+
+
+def test_auto_cache_uses_ram_only_when_it_fits():
+    from data import choose_cache
+
+    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30) == "ram"   # ~1.4 GB
+    assert choose_cache("auto", 5400, 224, budget_bytes=2**30) == "none"
+    assert choose_cache("none", 10, 32, budget_bytes=2**40) == "none"
+    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == "ram"          # explicit wins
