@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from train_ddp import preflight  # bad input: one line and exit 2 here, before torchrun
 
-    preflight(["--device", device, *trainer_args])
+    preflight(["--device", device, *trainer_args], world_size=nproc * args.nnodes)
     env = dict(os.environ)
     # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

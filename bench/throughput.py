@@ -167,16 +167,23 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
     from torch import nn
 
+    from memory import enable_memory_savers
     from model import build_model
     from train_ddp import build_optimizer, choose_precision, wrap_model
 
-    model = wrap_model(build_model(cfg.model, 10), cfg, dist)
+    channels_last = cfg.channels_last and dist.device.type == "cuda"   # as the trainer does
+    plain = build_model(cfg.model, 10)
+    enable_memory_savers(plain, grad_checkpointing=cfg.grad_checkpointing,
+                         channels_last=channels_last)
+    model = wrap_model(plain, cfg, dist)
     optimizer = build_optimizer(cfg, model, dist.world_size)
     precision = choose_precision(cfg, dist.device)
     scaler = torch.amp.GradScaler(dist.device.type,
                                   enabled=precision.enabled and precision.dtype == torch.float16)
     criterion = nn.CrossEntropyLoss()
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, 10, (cfg.batch_size,), device=dist.device)
     model.train()
     for step in range(warmup + steps):
@@ -245,7 +252,7 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
     train_one_epoch(trainer.model, trainer.train_loader, trainer.optimizer, trainer.scheduler,
                     trainer.scaler, trainer.criterion, trainer.dist.device, trainer.precision,
                     show_progress=trainer.dist.is_main, log_interval=trainer.cfg.log_interval,
-                    on_step_end=on_step_end, timer=timer)
+                    on_step_end=on_step_end, plan=trainer.plan, timer=timer)
     synchronize(trainer.dist.device)
     return {"seconds": time.perf_counter() - clock["timed_from"], "timer": timer,
             "first_step_seconds": clock["first_step"]}

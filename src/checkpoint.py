@@ -99,8 +99,8 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def check_resume_fits(state: dict[str, Any], path: Path, class_names: list[str],
-                      model_name: str) -> None:
-    """A checkpoint continues only the run it came from: same classes, same model."""
+                      model_name: str, optimizer: str) -> None:
+    """A checkpoint continues only the run it came from: same classes, model and optimizer."""
     saved_classes = state.get("class_names")
     if saved_classes is not None and saved_classes != class_names:
         only_saved = sorted(set(saved_classes) - set(class_names))
@@ -110,10 +110,11 @@ def check_resume_fits(state: dict[str, Any], path: Path, class_names: list[str],
                               f"{only_saved[:5] or 'none'}; only in the data: "
                               f"{only_data[:5] or 'none'}); point --train_dir/--val_dir at the "
                               "same dataset or start a new run")
-    saved_model = state.get("config", {}).get("model", model_name)
-    if saved_model != model_name:
-        raise CheckpointError(f"--resume {path} holds a {saved_model} model, not --model "
-                              f"{model_name}")
+    saved = state.get("config", {})
+    for flag, value in (("model", model_name), ("optimizer", optimizer)):
+        if saved.get(flag, value) != value:
+            raise CheckpointError(f"--resume {path} was trained with --{flag} {saved[flag]}, "
+                                  f"not --{flag} {value}; resume with the same --{flag}")
 
 
 def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | None:

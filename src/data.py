@@ -217,10 +217,17 @@ class DecodedImageCache(Dataset):
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
-        kept = [i for i, image in enumerate(decoded) if image is not None]
-        self.images = [decoded[i] for i in kept]
-        self.targets = [folder.targets[i] for i in kept]
-        self.samples = [folder.samples[i] for i in kept]
+        self.images = [image for image in decoded if image is not None]
+        self.samples = [s for s, image in zip(folder.samples, decoded) if image is not None]
+        self.targets = [target for _, target in self.samples]
+        self.unreadable = {path for (path, _), image in zip(folder.samples, decoded)
+                           if image is None}
+
+    def leave_out(self, paths: set[str]) -> None:
+        keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
+        self.images = [self.images[i] for i in keep]
+        self.samples = [self.samples[i] for i in keep]
+        self.targets = [target for _, target in self.samples]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -320,6 +327,9 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         pin_memory=pin_memory, drop_last=train,
         collate_fn=partial(collate_normalized, mean=tuple(mean), std=tuple(std)),
+        # Its own generator: the loader's worker seeds must not draw from the process's random
+        # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
+        generator=torch.Generator().manual_seed(0),
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.
@@ -343,10 +353,19 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
                          rank, world_size)
     cache = choose_cache(cache, len(train_folder) + len(val_folder), image_size,
                          cache_budget_bytes)
+    # Free memory differs between nodes; every rank must read the same images the same way.
+    if "none" in all_gather_objects(cache):
+        cache = "none"
     if cache != "none":
         started = time.perf_counter()
         train_folder = DecodedImageCache(train_folder, image_size, cache_device, threads)
         val_folder = DecodedImageCache(val_folder, image_size, cache_device, threads)
+        # A file that fails to decode on one rank is left out on all of them: the ranks must
+        # shuffle the same dataset.
+        unreadable = train_folder.unreadable | val_folder.unreadable
+        unreadable = set().union(*all_gather_objects(unreadable))
+        train_folder.leave_out(unreadable)
+        val_folder.leave_out(unreadable)
         log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
                  f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
                  f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "

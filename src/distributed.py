@@ -148,11 +148,20 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
     """Max of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
     if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+def host_group() -> object | None:
+    """A gloo group for small control messages on the host: under NCCL, agreeing on a flag
+    through it costs no GPU synchronisation. None (the default group) without CUDA. Every rank
+    must call it."""
+    if not torch_dist.is_initialized() or torch_dist.get_backend() == "gloo":
+        return None
+    return torch_dist.new_group(backend="gloo")
 
 
 def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:

@@ -209,7 +209,7 @@ def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch
     except RuntimeError as err:
         if not (plan.retry_on_oom and is_out_of_memory(err)):
             raise
-        if isinstance(model, DistributedDataParallel):
+        if _ddp(model) is not None:
             log.error("out of memory during the gradient exchange of the last micro-batch, "
                       "which cannot be redone on one rank alone; restart with --resume auto "
                       "(and a smaller --max_memory_gb)")
@@ -217,11 +217,16 @@ def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch
     return False
 
 
+def _ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of ``model``, also when torch.compile wrapped it, or None."""
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
 def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` (accumulate locally, exchange nothing), or nothing for a plain model."""
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    return contextlib.nullcontext()
+    ddp = _ddp(model)
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
 def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
@@ -235,10 +240,11 @@ def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
     broadcasts buffers at the first forward after a synchronised one, which some ranks had and
     some had not: every rank broadcasts them at the next forward.
     """
-    if isinstance(model, DistributedDataParallel):
-        model.reducer._reset_state()
-        model._has_rebuilt_buckets = False
-        model.require_forward_param_sync = True
+    ddp = _ddp(model)
+    if ddp is not None:
+        ddp.reducer._reset_state()
+        ddp._has_rebuilt_buckets = False
+        ddp.require_forward_param_sync = True
 
 
 def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,

@@ -35,18 +35,20 @@ class ResNet18Animals90(ResNet):
 def build_model(name: str, num_classes: int, pretrained: bool = False,
                 pretrained_path: str | None = None) -> nn.Module:
     """``timm.create_model(name, num_classes=...)``, from hub or local weights if asked."""
-    if pretrained:
-        _require_model_hub(name)
-    try:
-        model = timm.create_model(name, num_classes=num_classes, pretrained=pretrained)
-    except RuntimeError as err:
-        if "Unknown model" in str(err):
-            raise UserError(f"--model {name} is not a timm model name; "
-                            "see timm.list_models() for the choices") from None
-        raise
+    check_model_source(name, pretrained)
+    model = timm.create_model(name, num_classes=num_classes, pretrained=pretrained)
     if pretrained_path:
         load_pretrained_weights(model, Path(pretrained_path))
     return model
+
+
+def check_model_source(name: str, pretrained: bool) -> None:
+    """A timm model name, and for ``pretrained`` a reachable model hub; else one clear error."""
+    if not timm.is_model(name):
+        raise UserError(f"--model {name} is not a timm model name; "
+                        "see timm.list_models() for the choices")
+    if pretrained:
+        _require_model_hub(name)
 
 
 def _require_model_hub(name: str) -> None:

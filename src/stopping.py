@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from distributed import all_reduce_max
+from distributed import all_reduce_max, host_group
 
 log = logging.getLogger("trainer")
 
@@ -27,8 +27,10 @@ SAME_REQUEST_SECONDS = 2.0
 
 
 class StopRequest:
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, distributed: bool):
+        self.distributed = distributed
+        # The flag travels on the host (gloo), so asking every step never waits for the GPU.
+        self.group = host_group() if distributed else None
         self.signum: int | None = None
         self.received_at = 0.0
         self.requested_by_all = False
@@ -60,8 +62,11 @@ class StopRequest:
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled. Every rank must call it, at the same
         steps."""
-        flag = torch.tensor([0 if self.signum is None else 1], device=self.device)
-        self.requested_by_all = bool(all_reduce_max(flag).item())
+        if not self.distributed:
+            self.requested_by_all = self.signum is not None
+            return self.requested_by_all
+        flag = torch.tensor([0 if self.signum is None else 1])
+        self.requested_by_all = bool(all_reduce_max(flag, group=self.group).item())
         return self.requested_by_all
 
     @property

@@ -41,8 +41,9 @@ from distributed import (DistInfo, all_gather_objects, all_reduce_max, available
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
+from image_files import is_image_file
 from memory import build_memory_plan, enable_memory_savers
-from model import build_model, unwrap_model
+from model import build_model, check_model_source, unwrap_model
 from stopping import StopRequest, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
@@ -50,19 +51,43 @@ DEMO_ROOT = Path("data/demo")
 
 # ----------------------------------------------------------------------------- set-up pieces
 
-def prepare_inputs(cfg: TrainConfig) -> None:
+def prepare_inputs(cfg: TrainConfig, world_size: int = 1) -> None:
     """Checks (and the demo data) that need no process group; the launcher runs them once
     before starting torchrun, so bad input is one line and exit code 2, not a torchrun report."""
     if cfg.demo:
         write_demo_dataset(DEMO_ROOT)
     class_names = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
+    device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
+    check_device_options(cfg, device_type)
+    check_model_source(cfg.model, cfg.pretrained)
+    images = sum(1 for path in Path(cfg.train_dir).rglob("*") if is_image_file(path))
+    check_batch_fits(images, cfg, world_size)
     resume = find_resume_checkpoint(cfg.resume, Path(cfg.checkpoint_dir))
     if resume is not None:
-        check_resume_fits(load_training_checkpoint(resume), resume, class_names, cfg.model)
+        check_resume_fits(load_training_checkpoint(resume), resume, class_names, cfg.model,
+                          cfg.optimizer)
 
 
-def preflight(argv: Sequence[str]) -> None:
-    prepare_inputs(parse_config(argv))
+def preflight(argv: Sequence[str], world_size: int = 1) -> None:
+    prepare_inputs(parse_config(argv), world_size)
+
+
+def check_device_options(cfg: TrainConfig, device_type: str) -> None:
+    if device_type == "cuda":
+        return
+    if cfg.cache_images == "gpu":
+        raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
+    if cfg.sync_bn:
+        raise UserError("--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the "
+                        "CPU")
+
+
+def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
+    """Every process needs at least one full batch per epoch (the last partial one is dropped)."""
+    if math.ceil(train_images / world_size) < cfg.batch_size:
+        raise UserError(f"{cfg.train_dir} has {train_images} images: too few for "
+                        f"--batch_size {cfg.batch_size} on {world_size} process(es); "
+                        "lower --batch_size")
 
 
 def seed_everything(seed: int) -> None:
@@ -97,8 +122,7 @@ def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
 
 
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
-    if cfg.cache_images == "gpu" and dist.device.type != "cuda":
-        raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
+    check_device_options(cfg, dist.device.type)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
@@ -108,11 +132,8 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         world_size=dist.world_size, cache=cfg.cache_images, cache_budget_bytes=budget,
         cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu", threads=cores)
     cached = isinstance(train_set.folder, DecodedImageCache)
+    check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
-    if train_sampler.per_rank < cfg.batch_size:
-        raise UserError(f"{cfg.train_dir} has {len(train_set)} images: too few for "
-                        f"--batch_size {cfg.batch_size} on {dist.world_size} process(es); "
-                        "lower --batch_size")
     workers = (cfg.num_workers if cfg.num_workers is not None
                else default_num_workers(cores, dist.device.type, cached))
     pin = dist.device.type == "cuda"
@@ -134,8 +155,12 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        # Gradients written straight into the all-reduce buckets: no copy, less memory.
-        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy, less
+        # memory). broadcast_buffers=False: no collective at every forward; BatchNorm uses batch
+        # statistics in training, and rank 0's running statistics (the ones saved) are the
+        # same either way; broadcast_buffers() hands them to every rank before evaluation.
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                    broadcast_buffers=False)
     if cfg.compile:
         model = compile_model(model)
     return model
@@ -193,7 +218,7 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
 
 # ----------------------------------------------------------------------------- rank state
 
-def rank_state(sums: torch.Tensor | None) -> dict[str, Any]:
+def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any]:
     """This rank's random state and running epoch metrics, as tensors and plain values."""
     np_state = np.random.get_state()
     state = {"torch": torch.get_rng_state(),
@@ -201,8 +226,8 @@ def rank_state(sums: torch.Tensor | None) -> dict[str, Any]:
              "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                        *map(_plain, np_state[2:])),
              "train_sums": None if sums is None else sums.detach().cpu()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":   # this rank's GPU only: a resumed job may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
@@ -210,14 +235,14 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def restore_rank_state(state: dict[str, Any]) -> torch.Tensor | None:
+def restore_rank_state(state: dict[str, Any], device: torch.device) -> torch.Tensor | None:
     """Put back what ``rank_state`` saved; returns the running epoch metrics."""
     torch.set_rng_state(state["torch"])
     random.setstate(_as_tuples(state["python"]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     return state["train_sums"]
 
 
@@ -256,17 +281,26 @@ class Trainer:
         self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main)
         self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
                                      run_header(cfg, dist, self.class_names), enabled=dist.is_main)
-        self.stop = StopRequest(dist.device)
+        self.stop = StopRequest(dist.is_distributed)
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
         path = find_resume_checkpoint(self.cfg.resume, Path(self.cfg.checkpoint_dir))
-        if path is None:
-            return
+        if path is not None:
+            self.load_checkpoint(path)
+        # Only rank 0 writes checkpoints: a rank on another node that finds none (or another
+        # one) would train other weights from another position, and hang at the epoch's end.
+        positions = all_gather_objects((self.epoch, self.step))
+        if len(set(positions)) > 1:
+            raise UserError(f"the processes resume from different positions (epoch, step) "
+                            f"{positions}: --checkpoint_dir must be one folder that every node "
+                            "sees (a shared file system), or give --resume PATH on every node")
+
+    def load_checkpoint(self, path: Path) -> None:
         ckpt = load_training_checkpoint(path)
-        check_resume_fits(ckpt, path, self.class_names, self.cfg.model)
+        check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
         self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
@@ -274,6 +308,9 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler_state_dict"])
         self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
         self.best_acc = ckpt.get("best_acc", 0.0)
+        # A micro-batch halved after an out-of-memory error stays halved.
+        self.plan.micro_batch = min(self.plan.micro_batch,
+                                    ckpt.get("micro_batch", self.plan.micro_batch))
         # The checkpoint's own history: records written after it (by the run that crashed)
         # are dropped, so every epoch appears exactly once.
         self.history.records = list(ckpt.get("history", []))
@@ -282,7 +319,7 @@ class Trainer:
         same_layout = (len(rank_states) == self.dist.world_size
                        and ckpt.get("config", {}).get("batch_size") == self.cfg.batch_size)
         if same_layout:
-            self.resumed_sums = restore_rank_state(rank_states[self.dist.rank])
+            self.resumed_sums = restore_rank_state(rank_states[self.dist.rank], self.dist.device)
         elif self.step:
             log.warning(f"WARNING: {path} was written by {len(rank_states)} process(es) with "
                         f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
@@ -294,7 +331,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
         """Every rank must call this: each contributes its random state and running metrics."""
-        rank_states = all_gather_objects(rank_state(sums))
+        rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -334,7 +371,7 @@ class Trainer:
         """Train and evaluate one epoch; False if a stop signal ended it early."""
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
         self.sampler.set_epoch(self.epoch, start=self.step * self.cfg.batch_size)
-        started = time.perf_counter()
+        first_step, started = self.step, time.perf_counter()
         train = train_one_epoch(
             self.model, self.train_loader, self.optimizer, self.scheduler, self.scaler,
             self.criterion, self.dist.device, self.precision, start_step=self.step,
@@ -354,19 +391,22 @@ class Trainer:
         self.epoch, self.step = self.epoch + 1, 0
         is_best = val["val_acc"] > self.best_acc
         self.best_acc = max(self.best_acc, val["val_acc"])
-        self.history.append(self.epoch_record(train, val, train_seconds, started))
+        # Speed counts the steps this process ran, not those restored from a checkpoint.
+        images_per_sec = ((train["steps"] - first_step) * self.cfg.batch_size
+                          * self.dist.world_size / max(train_seconds, 1e-9))
+        self.history.append(self.epoch_record(train, val, images_per_sec, started))
         self.save_checkpoint(None, is_best)
         self.log_epoch(is_best)
         return True
 
-    def epoch_record(self, train: dict, val: dict, train_seconds: float,
+    def epoch_record(self, train: dict, val: dict, images_per_sec: float,
                      started: float) -> dict[str, Any]:
         return {"epoch": self.epoch,
                 "train_loss": train["train_loss"], "train_acc": train["train_acc"],
                 "val_loss": val["val_loss"], "val_acc": val["val_acc"], "val_top5": val["val_top5"],
                 "lr": self.optimizer.param_groups[0]["lr"],
                 "epoch_seconds": time.perf_counter() - started,
-                "train_images_per_sec": train["train_samples"] / max(train_seconds, 1e-9),
+                "train_images_per_sec": images_per_sec,
                 "peak_memory_mb": peak_memory_mb(self.dist.device),
                 "micro_batch": self.plan.micro_batch}
 

@@ -382,3 +382,21 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
     assert 1 <= size < 512 and 512 % size == 0
     # The real peak of the trial that fitted, without the optimizer state it will add later.
     assert cost.peak_bytes - optimizer_state_bytes(optimizer) <= 1.5 * GIB
+
+
+def test_ddp_is_found_inside_a_compiled_model(tmp_path):
+    """--compile wraps DDP in torch.compile: no_sync and the OOM reset must still reach DDP."""
+    from engine import _ddp, _no_sync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        compiled = torch.compile(ddp)
+        assert _ddp(compiled) is ddp and _ddp(ddp) is ddp
+        assert _ddp(torch.nn.Linear(2, 2)) is None
+        with _no_sync(compiled):
+            assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync
+    finally:
+        dist.destroy_process_group()

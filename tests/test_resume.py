@@ -225,3 +225,15 @@ def test_resume_on_other_classes_is_one_clear_error(tiny_dataset, tmp_path: Path
     result = run_cli([ROOT / "launch_ddp.py", "--train_dir", other_train, "--val_dir", other_val,
                       *flags, "--resume", "auto"], cwd=tmp_path)
     assert_user_error(result, "other classes", "only in the data: ['ant', 'bee']")
+
+
+def test_resume_with_another_optimizer_is_one_clear_error(tiny_dataset, tmp_path: Path):
+    train, val = tiny_dataset
+    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS,
+             "--epochs", "1"]
+    assert run_cli([SRC / "train_ddp.py", *flags], cwd=tmp_path).returncode == 0
+    history = (tmp_path / "logs" / "training_history.json").read_text()
+    result = run_cli([SRC / "train_ddp.py", *flags, "--optimizer", "sgd", "--resume", "auto"],
+                     cwd=tmp_path)
+    assert_user_error(result, "--optimizer adamw", "not --optimizer sgd")
+    assert (tmp_path / "logs" / "training_history.json").read_text() == history
