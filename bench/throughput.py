@@ -206,7 +206,7 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
-    from engine import PhaseTimer, train_one_epoch
+    from engine import PhaseTimer
     from train_ddp import Trainer
 
     setup_started = time.perf_counter()

@@ -17,9 +17,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision import datasets
 from torchvision.transforms import v2
