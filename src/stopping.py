@@ -80,11 +80,17 @@ class StopRequest:
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
 
 
-def maybe_inject_fault(epoch: int, step: int, rank: int) -> None:
+def kill_point(rank: int) -> tuple[int, int] | None:
+    """The (epoch, step) at which this rank must kill itself, read once at start-up."""
     spec = os.environ.get(KILL_AT_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
+        return None
     kill_epoch, kill_step, *kill_rank = (int(part) for part in spec.split(":"))
-    if (epoch, step) == (kill_epoch, kill_step) and (not kill_rank or kill_rank[0] == rank):
-        log.warning(f"{KILL_AT_ENV}={spec}: killing rank {rank} with SIGKILL")
+    return (kill_epoch, kill_step) if not kill_rank or kill_rank[0] == rank else None
+
+
+def maybe_inject_fault(point: tuple[int, int] | None, epoch: int, step: int, rank: int) -> None:
+    if point == (epoch, step):
+        log.warning(f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, "
+                    f"step {step}")
         os.kill(os.getpid(), signal.SIGKILL)

@@ -44,7 +44,7 @@ from history import HistoryWriter
 from image_files import is_image_file
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, check_model_source, unwrap_model
-from stopping import StopRequest, maybe_inject_fault
+from stopping import StopRequest, kill_point, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
 
@@ -282,6 +282,7 @@ class Trainer:
         self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
                                      run_header(cfg, dist, self.class_names), enabled=dist.is_main)
         self.stop = StopRequest(dist.is_distributed)
+        self.kill_point = kill_point(dist.rank)   # fault injection for the resume tests
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
 
@@ -357,7 +358,7 @@ class Trainer:
     def on_step_end(self, step: int, sums: torch.Tensor) -> bool:
         """After every optimizer step: periodic checkpoint, and the agreed stop on a signal."""
         self.step = step
-        maybe_inject_fault(self.epoch + 1, step, self.dist.rank)
+        maybe_inject_fault(self.kill_point, self.epoch + 1, step, self.dist.rank)
         if self.stop.agreed():
             self.save_checkpoint(sums)
             return True
