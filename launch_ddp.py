@@ -8,8 +8,15 @@
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
 
 Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
-launcher only builds and runs the torchrun command (``python -m torch.distributed.run``, so the
-same interpreter is used), forwards SIGINT/SIGTERM to it, and exits with its exit code.
+launcher builds and runs the torchrun command (``python -m torch.distributed.run``, so the same
+interpreter is used), forwards SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the
+run ended: 0 done, 2 bad input, 130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts
+as SIGTERM), or the failing rank's code.
+
+It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
+pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
+own stderr and the ranks' stderr go to LOG_DIR/torchrun.log; the console gets the main rank's
+progress and, when a rank fails, that rank's error line (and a bug's traceback) once.
 """
 from __future__ import annotations
 
@@ -20,6 +27,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -27,7 +37,13 @@ SRC = ROOT / "src"
 TRAIN_SCRIPT = SRC / "train_ddp.py"
 sys.path.insert(0, str(SRC))
 
+from config import parse_config  # noqa: E402
 from errors import UserError, exit_on_user_error  # noqa: E402
+from lifecycle import (REPORT_DIR_ENV, STOP_SIGNALS, die_with_parent, exit_code_for,  # noqa: E402
+                       read_outcomes)
+from preflight import launcher_checks, visible_gpu_count  # noqa: E402
+
+TORCHRUN_LOG = "torchrun.log"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,10 +81,9 @@ def free_port() -> int:
 
 
 def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
-    """Which device the trainer uses and how many processes run on this node."""
-    import torch
-
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Which device the trainer uses and how many processes run on this node. The GPUs are
+    counted without torch (``visible_gpu_count``); each worker then checks its own device."""
+    visible = visible_gpu_count()
     device = args.device if args.device != "auto" else ("cuda" if visible else "cpu")
     if device == "cuda" and not visible:
         raise UserError("--device cuda was asked for but no CUDA GPU is visible; "
@@ -116,18 +131,71 @@ def print_help(parser: argparse.ArgumentParser) -> None:
     print(trainer_help[trainer_help.index("options:") + len("options:"):].rstrip())
 
 
-def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run torchrun in its own process group and hand it SIGINT/SIGTERM ourselves, so one
-    Ctrl-C reaches each worker once (through torchrun) instead of from two directions."""
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
+    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = log_dir / TORCHRUN_LOG
+    with tempfile.TemporaryDirectory(prefix="train_ddp_report_") as reports, \
+            open(log_file, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
+        log.flush()
+        received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
+        return exit_code(code, read_outcomes(Path(reports)), received, log_file)
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str],
+                           stderr) -> tuple[list[int], int]:
+    """Run torchrun in its own session and hand it the stop signals ourselves, so one Ctrl-C
+    reaches each worker once (through torchrun) instead of from two directions. Linux stops
+    torchrun (SIGTERM: a clean stop with a checkpoint) if the launcher dies, however it dies.
+    Returns the signals received and torchrun's exit code."""
+    launcher = os.getpid()
+    child = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True,
+                             preexec_fn=partial(_die_with, launcher))
+    received: list[int] = []
 
     def forward(signum, frame):
+        received.append(signum)
         child.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = child.wait()
-    return 128 - code if code < 0 else code
+    return received, (128 - code if code < 0 else code)
+
+
+def _die_with(parent: int) -> None:
+    """In torchrun, before it starts: SIGTERM when the launcher dies."""
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
+              log_file: Path) -> int:
+    """How the run ended, from what each rank reported (first failure first) and the signals the
+    launcher passed on; a failure is printed as one line naming the rank, after a bug's
+    traceback."""
+    failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
+    if failures:
+        first = failures[0]
+        if first["traceback"]:
+            sys.stderr.write(first["traceback"])
+        reason = first["line"].removeprefix("error: ") or f"exited with code {first['code']}"
+        print(f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
+              f"stderr: {log_file})", file=sys.stderr, flush=True)
+        return first["code"]
+    stops = [o for o in outcomes if o["code"] in (130, 143)]
+    if received or stops:
+        early = [o["line"] for o in stops if o["line"]]
+        if early and len(early) == len(stops):
+            print(early[0], file=sys.stderr, flush=True)
+        return exit_code_for(received[0]) if received else stops[0]["code"]
+    if torchrun_code == 0:
+        return 0
+    print(f"error: torchrun exited with code {torchrun_code} and no rank said why (a rank "
+          f"killed by a signal, or out of memory?); see {log_file}", file=sys.stderr, flush=True)
+    return torchrun_code
 
 
 @exit_on_user_error
@@ -142,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     print("Running: " + shlex.join(command), flush=True)
     if args.dry_run:
         return 0
-    from train_ddp import preflight  # bad input: one line and exit 2 here, before torchrun
-
-    preflight(["--device", device, *trainer_args], world_size=nproc * args.nnodes)
+    # Bad input found without torch: one line and exit 2 here, before torchrun starts.
+    cfg = parse_config(["--device", device, *trainer_args])
+    launcher_checks(cfg, device, world_size=nproc * args.nnodes)
     env = dict(os.environ)
     # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return run_forwarding_signals(command, env)
+    return run_torchrun(command, env, Path(cfg.log_dir))
 
 
 if __name__ == "__main__":

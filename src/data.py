@@ -9,8 +9,11 @@ Two properties make a run reproducible and resumable at any step:
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -25,8 +28,10 @@ from torchvision.transforms import v2
 
 from distributed import all_gather_objects
 from errors import UserError
+from lifecycle import STOP_SIGNALS, die_with_parent
 from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_rgb,
                          write_unreadable_list)
+from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
 log = logging.getLogger("trainer")
 
@@ -37,35 +42,8 @@ EVAL_RESIZE_RATIO = 0.875  # resize to size/0.875, then center-crop to size (the
 
 # ----------------------------------------------------------------------------- folder checks
 
-def find_classes(folder: Path, role: str) -> list[str]:
-    """Class folder names of an ImageFolder, or one clear error."""
-    if not folder.is_dir():
-        raise UserError(f"{role} folder {folder} does not exist")
-    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise UserError(f"{role} folder {folder} has no class folders; expected "
-                        f"{folder}/<class>/<image files>")
-    return classes
-
-
-def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
-    """The class names shared by both folders; any problem is one line naming the fix."""
-    if not train_dir.exists() and not val_dir.exists():
-        raise UserError(
-            f"no dataset found: looked for {train_dir.resolve()} and {val_dir.resolve()}. "
-            "Try the bundled demo with `python launch_ddp.py --demo`, or put your images in "
-            f"{train_dir}/<class>/*.jpg and {val_dir}/<class>/*.jpg "
-            "(or point --train_dir/--val_dir at them)")
-    train_classes = find_classes(train_dir, "training")
-    val_classes = find_classes(val_dir, "validation")
-    if train_classes != val_classes:
-        only_train = sorted(set(train_classes) - set(val_classes))
-        only_val = sorted(set(val_classes) - set(train_classes))
-        raise UserError(f"the class folders of {train_dir} and {val_dir} differ: "
-                        f"missing in validation: {only_train or 'none'}; "
-                        f"missing in training: {only_val or 'none'}")
-    return train_classes
-
+# find_classes and check_data_folders need no torch, so they live in preflight.py, where the
+# launcher runs them too; they are imported above for the data code and its callers.
 
 # ----------------------------------------------------------------------------- transforms
 
@@ -318,6 +296,19 @@ def default_num_workers(cores_per_process: int, device_type: str = "cuda",
     return max(0, min(4, cores_per_process))
 
 
+def quiet_loader_worker(worker_id: int) -> None:
+    """Loader workers leave stopping to their training process, and die with it.
+
+    A signal sent to every process of a job (SLURM and Kubernetes before preemption; torchrun's
+    agent, which signals each rank's whole process group) would otherwise kill them, and the
+    DataLoader would raise "worker killed by signal" inside the step, before the rank could agree
+    on a step and save its checkpoint. The parent-death signal ends them when their training
+    process is gone, however it ended."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+
+
 def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: bool,
                 num_workers: int, pin_memory: bool, prefetch_factor: int = 2,
                 mean: Sequence[float] = IMAGENET_MEAN,
@@ -329,6 +320,7 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
         # Its own generator: the loader's worker seeds must not draw from the process's random
         # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=quiet_loader_worker,
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=num_workers > 0,
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.
@@ -349,7 +341,7 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
     train_folder = ReadableImageFolder(train_dir)
     val_folder = ReadableImageFolder(val_dir)
     leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
-                         rank, world_size)
+                         rank, world_size, cache_dir=log_dir)
     cache = choose_cache(cache, len(train_folder) + len(val_folder), image_size,
                          cache_budget_bytes)
     # Free memory differs between nodes; every rank must read the same images the same way.
@@ -423,12 +415,14 @@ class ReadableImageFolder(datasets.ImageFolder):
 
 
 def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path | None,
-                         rank: int = 0, world_size: int = 1) -> dict[str, str]:
+                         rank: int = 0, world_size: int = 1,
+                         cache_dir: Path | None = None) -> dict[str, str]:
     """Find the files that do not decode, leave them out with one warning (the list goes to
     ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
-    of the files left out. Every rank must call this."""
+    of the files left out. With ``cache_dir``, results are remembered there per file (see
+    ``DecodeCheckCache``). Every rank must call this."""
     paths = [path for folder in folders.values() for path, _ in folder.samples]
-    unreadable = find_unreadable_shared(paths, rank, world_size)
+    unreadable = find_unreadable_shared(paths, rank, world_size, cache_dir)
     if unreadable:
         report_unreadable(unreadable, len(paths), log_dir)
     for role, folder in folders.items():
@@ -437,17 +431,84 @@ def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path 
     return unreadable
 
 
-def find_unreadable_shared(paths: list[str], rank: int, world_size: int) -> dict[str, str]:
+def find_unreadable_shared(paths: list[str], rank: int, world_size: int,
+                           cache_dir: Path | None = None) -> dict[str, str]:
     """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
     which distributed.setup_distributed sets); the results are gathered so that every rank leaves
-    out exactly the same files: the samplers index the same list on every rank."""
-    mine = find_unreadable(paths[rank::world_size], workers=torch.get_num_threads())
-    if world_size == 1:
-        return mine
-    merged: dict[str, str] = {}
-    for part in all_gather_objects(mine):
-        merged.update(part)
-    return merged
+    out exactly the same files: the samplers index the same list on every rank. Files whose
+    result ``cache_dir`` remembers are not decoded again."""
+    cache = DecodeCheckCache(cache_dir)
+    todo = cache.unknown(paths)
+    if world_size > 1:
+        # Ranks on other nodes may remember other files (their own log folder): check every file
+        # that any rank lacks, so each rank learns every result and the shares line up.
+        todo = sorted(set().union(*all_gather_objects(todo)))
+    found = find_unreadable(todo[rank::world_size], workers=torch.get_num_threads())
+    if world_size > 1:
+        found = {path: why for part in all_gather_objects(found) for path, why in part.items()}
+    if todo:
+        cache.remember(todo, found)
+    return {path: why for path in paths if (why := cache.problem(path)) is not None}
+
+
+class DecodeCheckCache:
+    """What the decode check found for each file, keyed by (path, size, modification time), kept
+    in ``folder/image_check_cache.json``. Decoding every image at every start took seconds on a
+    large folder; a file that changes gets a new size or time and is checked again.
+
+    It lives in the run's log folder, which is writable by definition (a dataset may sit on a
+    read-only share) and goes away with the run's logs. Every rank writes the same content,
+    through its own temporary file renamed into place, like the unreadable-files list. Without a
+    folder it remembers nothing.
+    """
+
+    NAME = "image_check_cache.json"
+    VERSION = 1   # bump when the check itself changes: old results are then ignored
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.stats: dict[str, list[int]] = {}
+        self.results: dict[str, list] = {}  # path -> [size, mtime_ns, problem or None]
+        if folder is not None:
+            try:
+                saved = json.loads((folder / self.NAME).read_text())
+                if saved.get("version") == self.VERSION:
+                    self.results = dict(saved["files"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # no cache yet, or a damaged one: check every file again
+
+    def _stat(self, path: str) -> list[int]:
+        if path not in self.stats:
+            try:
+                st = os.stat(path)
+                self.stats[path] = [st.st_size, st.st_mtime_ns]
+            except OSError:
+                self.stats[path] = [-1, -1]
+        return self.stats[path]
+
+    def unknown(self, paths: list[str]) -> list[str]:
+        if self.folder is None:
+            return list(paths)
+        return [p for p in paths
+                if p not in self.results or self.results[p][:2] != self._stat(p)]
+
+    def remember(self, checked: list[str], problems: dict[str, str]) -> None:
+        for path in checked:
+            self.results[path] = [*self._stat(path), problems.get(path)]
+        if self.folder is None:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
+            os.replace(tmp, self.folder / self.NAME)
+        except OSError as err:  # only a cache: the next start checks again
+            log.warning(f"WARNING: could not write {self.folder / self.NAME} ({err})")
+
+    def problem(self, path: str) -> str | None:
+        if path in self.results:
+            return self.results[path][2]
+        return None
 
 
 def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as torch_dist
 
 from errors import UserError
+from lifecycle import die_with_parent
 
 log = logging.getLogger("trainer")
 
@@ -70,6 +72,10 @@ def available_memory_bytes() -> int:
 
 def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
     """Read torchrun's environment (or assume one process) and join the process group."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in its own session: without this, a rank whose agent was
+        # killed would train on, an orphan. SIGTERM stops it like any SIGTERM (a checkpoint).
+        die_with_parent(signal.SIGTERM)
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -25,6 +25,22 @@ CHECK_DRAFT_SIZE = 1  # the smallest scale JPEG decoding offers: 1/8
 PARALLEL_MIN_FILES = 256
 
 
+# Folders that are never classes, in training, evaluation, prediction and preparation alike:
+# hidden ones (.git, .ipynb_checkpoints, .Trash) and the __MACOSX folder that a zip made on a Mac
+# carries next to the real folders, full of "._" resource forks that are not images.
+NOT_CLASS_FOLDERS = frozenset({"__MACOSX"})
+
+
+def is_hidden_folder_name(name: str) -> bool:
+    """A folder name that never holds a class or user images (see ``NOT_CLASS_FOLDERS``)."""
+    return name.startswith(".") or name in NOT_CLASS_FOLDERS
+
+
+def class_folders(root: Path) -> list[Path]:
+    """The class folders of an ImageFolder root, sorted by name: every visible subfolder."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and not is_hidden_folder_name(p.name))
+
+
 def is_image_file(path: str | Path) -> bool:
     """An image by its extension (any case). Hidden files are not: macOS leaves ``._photo.jpg``
     resource forks next to the real photos, and they do not decode."""

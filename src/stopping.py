@@ -1,4 +1,5 @@
-"""Stopping on SIGTERM/SIGINT (preemption, Ctrl-C) at a step that every rank agrees on.
+"""Stopping on SIGTERM/SIGINT/SIGHUP (preemption, Ctrl-C, a closed terminal) at a step that every
+rank agrees on.
 
 A signal only sets a flag. After each optimizer step every rank calls ``agreed()``, a one-number
 all-reduce (MAX) of the flags, so all ranks see the request at the same step even when only one of
@@ -18,11 +19,13 @@ from typing import Iterator
 import torch
 
 from distributed import all_reduce_max, host_group
+from lifecycle import STOP_SIGNALS, exit_code_for
 
 log = logging.getLogger("trainer")
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# One Ctrl-C reaches a worker twice: from the terminal and forwarded by torchrun.
+SIGNALS = STOP_SIGNALS
+# One request can reach a rank twice: a signal sent to every process of a job (SLURM, Kubernetes)
+# arrives directly and again from torchrun's agent, which passes on what it receives.
 SAME_REQUEST_SECONDS = 2.0
 
 
@@ -47,7 +50,7 @@ class StopRequest:
                         "step and stopping (send it again to exit at once)")
         elif now - self.received_at > SAME_REQUEST_SECONDS:
             log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
-            os._exit(128 + signum)
+            os._exit(exit_code_for(signum))
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopRequest"]:
@@ -71,7 +74,7 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGTERM)
+        return exit_code_for(self.signum or signal.SIGTERM)
 
 
 # Fault injection for the crash-resume tests: TRAIN_DDP_KILL_AT="EPOCH:STEP[:RANK]" makes that rank

@@ -33,62 +33,24 @@ from checkpoint import (CheckpointWriter, check_resume_fits, find_resume_checkpo
                         load_training_checkpoint)
 from config import TrainConfig, parse_config, preset_summary
 from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
-                  check_data_folders, default_num_workers, make_loader)
+                  default_num_workers, make_loader)
 from demo_data import write_demo_dataset
 from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
                          barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
                          log, setup_distributed, setup_logging)
 from engine import Precision, train_one_epoch, evaluate
-from errors import UserError, exit_on_user_error
+from errors import UserError
 from history import HistoryWriter
-from image_files import is_image_file
+from lifecycle import run_reporting
 from memory import build_memory_plan, enable_memory_savers
-from model import build_model, check_model_source, unwrap_model
+from model import build_model, unwrap_model
+from preflight import check_batch_fits, check_device_options
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
 
 
 # ----------------------------------------------------------------------------- set-up pieces
-
-def prepare_inputs(cfg: TrainConfig, world_size: int = 1) -> None:
-    """Checks (and the demo data) that need no process group; the launcher runs them once
-    before starting torchrun, so bad input is one line and exit code 2, not a torchrun report."""
-    if cfg.demo:
-        write_demo_dataset(DEMO_ROOT)
-    class_names = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
-    device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
-    check_device_options(cfg, device_type)
-    check_model_source(cfg.model, cfg.pretrained)
-    images = sum(1 for path in Path(cfg.train_dir).rglob("*") if is_image_file(path))
-    check_batch_fits(images, cfg, world_size)
-    resume = find_resume_checkpoint(cfg.resume, Path(cfg.checkpoint_dir))
-    if resume is not None:
-        check_resume_fits(load_training_checkpoint(resume), resume, class_names, cfg.model,
-                          cfg.optimizer)
-
-
-def preflight(argv: Sequence[str], world_size: int = 1) -> None:
-    prepare_inputs(parse_config(argv), world_size)
-
-
-def check_device_options(cfg: TrainConfig, device_type: str) -> None:
-    if device_type == "cuda":
-        return
-    if cfg.cache_images == "gpu":
-        raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
-    if cfg.sync_bn:
-        raise UserError("--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the "
-                        "CPU")
-
-
-def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
-    """Every process needs at least one full batch per epoch (the last partial one is dropped)."""
-    if math.ceil(train_images / world_size) < cfg.batch_size:
-        raise UserError(f"{cfg.train_dir} has {train_images} images: too few for "
-                        f"--batch_size {cfg.batch_size} on {world_size} process(es); "
-                        "lower --batch_size")
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -498,8 +460,8 @@ def run(cfg: TrainConfig, dist: DistInfo) -> int:
     return 0 if finished else trainer.stop.exit_code
 
 
-@exit_on_user_error
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input raises UserError: ``run_reporting`` turns it into one line and exit code 2."""
     cfg = parse_config(argv)
     dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     try:
@@ -510,4 +472,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    sys.exit(main())
+    sys.exit(run_reporting(main))

@@ -1,0 +1,146 @@
+"""How the processes of one run stop together, and how each rank tells the launcher how it ended.
+
+The chain of processes and what ends each one when the one above dies (a parent-death signal, set
+in the child, because a process in its own session survives its parent):
+
+    launch_ddp.py --SIGTERM--> torchrun agent --SIGTERM--> rank --SIGKILL--> its loader workers
+
+SIGTERM lets the agent and the ranks stop the way they stop on any SIGTERM: the ranks agree on a
+step and save a checkpoint. Loader workers hold nothing worth saving.
+
+Under the launcher, torchrun's stderr (its failure reports and tracebacks) and every rank's
+stderr go to a file in the log folder; each rank writes how it ended (exit code, its error line,
+its traceback) to a small JSON file in ``$TRAIN_DDP_REPORT_DIR``, and the launcher prints the
+first failure as one line, with the traceback of a real bug once. No torch here: the launcher
+imports this module.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from errors import EXIT_USER_ERROR, UserError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
+PR_SET_PDEATHSIG = 1
+
+
+def exit_code_for(signum: int) -> int:
+    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) is handled as SIGTERM."""
+    return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent dies. A no-op elsewhere.
+
+    The request is tied to the parent thread that started this process, and is lost if the parent
+    died before it was made: then the process is signalled at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned already (adopted by init)
+        os.kill(os.getpid(), signum)
+
+
+# ----------------------------------------------------------------------------- rank outcomes
+
+def report_dir() -> Path | None:
+    folder = os.environ.get(REPORT_DIR_ENV)
+    return Path(folder) if folder else None
+
+
+def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> None:
+    """This rank's ending, for the launcher: written to a temporary file renamed into place."""
+    rank = int(os.environ.get("RANK", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    record = {"rank": rank, "attempt": attempt, "code": code, "line": line, "traceback": trace,
+              "time": time.time()}
+    path = folder / f"rank{rank}.attempt{attempt}.json"
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the launcher then reports torchrun's exit code and points at the log
+
+
+def read_outcomes(folder: Path) -> list[dict]:
+    """The endings the ranks of the last torchrun attempt wrote, earliest first."""
+    records = []
+    for path in folder.glob("rank*.attempt*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return []
+    last = max(r["attempt"] for r in records)
+    return sorted((r for r in records if r["attempt"] == last), key=lambda r: r["time"])
+
+
+class StoppedEarly(BaseException):
+    """A stop signal that arrived before training started: there is nothing to save yet."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_reporting(main: Callable[[], int]) -> int:
+    """Run a rank's ``main`` and return its exit code; under the launcher, also report it.
+
+    Until training installs its own handlers (``stopping.StopRequest``), a stop signal ends the
+    rank at once. A bad input is one ``error:`` line (exit 2); a bug keeps its traceback. Under
+    the launcher both go to this rank's stderr (the log folder) and to the report, and the
+    launcher prints them once; the main rank's progress bar goes to the console (its stdout).
+    """
+    owner = os.getpid()
+
+    def stop_at_once(signum: int, frame) -> None:
+        if os.getpid() == owner:  # not in a forked child that inherited the handler
+            raise StoppedEarly(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_at_once)
+    folder = report_dir()
+    if folder is not None and int(os.environ.get("RANK", 0)) == 0:
+        sys.stderr = sys.stdout
+    line, trace = "", ""
+    try:
+        code = main()
+    except UserError as err:
+        code, line = EXIT_USER_ERROR, f"error: {err}"
+    except (StoppedEarly, KeyboardInterrupt) as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        code = exit_code_for(signum)
+        line = (f"stopped by {signal.Signals(signum).name} before training started; "
+                "nothing to save")
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+    except BaseException:  # a bug: its traceback, once
+        code, trace = 1, traceback.format_exc()
+        line = f"error: {trace.strip().splitlines()[-1]}"
+    if folder is None:
+        if trace:
+            sys.stderr.write(trace)
+        elif line:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    # Under the launcher: the rank's own stderr is the log file; the launcher prints the line.
+    if trace or line:
+        print(trace or line, file=sys.__stderr__, flush=True)
+    write_outcome(folder, code, line, trace)
+    return code

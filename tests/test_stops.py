@@ -1,0 +1,179 @@
+"""Every way a launcher run ends, through the real launcher with 2 CPU processes and loader workers:
+a signal stops it at an agreed step with a checkpoint and the code 130/143, a worker's bad input is
+one line and exit 2, and a killed launcher leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+
+pytestmark = pytest.mark.slow
+
+# 120 train images, batch 4 on 2 processes: 15 steps per epoch, a few seconds, enough to signal
+# the run in the middle of its first epoch.
+STOP_FLAGS = [*TINY_FLAGS, "--batch_size", "4", "--num_workers", "2", "--cache_images", "none",
+              "--save_every_steps", "1", "--epochs", "2", "--device", "cpu", "--nproc", "2"]
+NOISE = ("Traceback", "ChildFailedError", "SignalException", "torch.distributed.elastic")
+
+
+@pytest.fixture
+def stop_dataset(tmp_path: Path) -> list[str]:
+    """3 classes, plus a __MACOSX folder and a hidden folder that must not become classes."""
+    classes = ["cat", "dog", "fox"]
+    train = write_image_folder(tmp_path / "data" / "train", classes, 40, seed=1)
+    val = write_image_folder(tmp_path / "data" / "val", classes, 4, seed=2)
+    for root in (train, val):
+        (root / "__MACOSX" / "cat").mkdir(parents=True)
+        (root / "__MACOSX" / "cat" / "._img_000.jpg").write_bytes(b"\x00\x05\x16\x07 not a jpeg")
+        (root / ".cache").mkdir()
+    return ["--train_dir", str(train), "--val_dir", str(val)]
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "launch_ddp.py"), *args], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until the run wrote ``path`` (a checkpoint written inside the first epoch)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun, the ranks, their loader workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has stopped; only its parent's wait is missing
+
+
+def wait_for_loader_workers(launcher: subprocess.Popen, timeout: float = 30) -> list[int]:
+    """The launcher's descendants once the ranks' loader workers run (launcher, torchrun, 2
+    ranks, 2 loader workers each: 6 below the launcher)."""
+    deadline = time.monotonic() + timeout
+    while len(pids := descendants(launcher.pid)) < 6:
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.05)
+    return pids
+
+
+def assert_clean(out: str, err: str) -> None:
+    for noise in NOISE:
+        assert noise not in out + err, (noise, out, err)
+
+
+def saved_step(checkpoint: Path) -> tuple[int, int]:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return state["epoch"], state["step"]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_saves_and_resumes(stop_dataset, tmp_path: Path, signum, code):
+    latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
+    wait_for_file(latest, launcher)
+    launcher.send_signal(signum)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == code, (out, err)
+    assert_clean(out, err)
+    assert f"Received {signal.Signals(signum).name}" in out
+    assert "Resume with the same command plus --resume" in out
+    epoch, step = saved_step(latest)
+    assert epoch == 0 and 0 < step < 15   # stopped inside the first epoch, at an agreed step
+    assert "on 3 classes" in out           # __MACOSX and .cache are not classes
+
+    resumed = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
+    assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in resumed.stdout
+    assert saved_step(latest) == (2, 0)
+
+
+def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
+    """What SLURM and Kubernetes do before preemption: SIGTERM to the launcher, torchrun, the
+    ranks and their loader workers at once."""
+    latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
+    wait_for_file(latest, launcher)
+    pids = wait_for_loader_workers(launcher)
+    for pid in [launcher.pid, *pids]:
+        os.kill(pid, signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, (out, err)
+    assert_clean(out, err)
+    assert "Resume with the same command plus --resume" in out
+    assert saved_step(latest)[1] > 0
+
+
+def test_sighup_is_handled_like_sigterm(stop_dataset, tmp_path: Path):
+    latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
+    wait_for_file(latest, launcher)
+    launcher.send_signal(signal.SIGHUP)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, (out, err)
+    assert_clean(out, err)
+    assert "Resume with the same command plus --resume" in out
+
+
+def test_killed_launcher_leaves_no_process_behind(stop_dataset, tmp_path: Path):
+    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
+    wait_for_file(tmp_path / "checkpoints" / "checkpoint_latest.pth", launcher)
+    pids = wait_for_loader_workers(launcher)
+    launcher.kill()
+    launcher.communicate(timeout=10)
+    deadline = time.monotonic() + 30
+    while [pid for pid in pids if alive(pid)]:
+        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
+        time.sleep(0.1)
+
+
+def test_bad_input_found_by_a_worker_is_one_line(stop_dataset, tmp_path: Path):
+    """A corrupt checkpoint is only found when a rank loads it with torch: the launcher prints
+    that rank's line, not torchrun's report."""
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"not a checkpoint")
+    result = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"],
+                     cwd=tmp_path)
+    assert_user_error(result, "rank ", "corrupt", "torchrun.log")
+    assert_clean(result.stdout, result.stderr)
+    assert "ChildFailedError" in (tmp_path / "logs" / "torchrun.log").read_text()
+
+
+def test_unknown_model_is_one_line_from_the_worker(stop_dataset, tmp_path: Path):
+    result = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset,
+                      "--model", "resnet_does_not_exist"], cwd=tmp_path)
+    assert_user_error(result, "not a timm model name")
+    assert_clean(result.stdout, result.stderr)
