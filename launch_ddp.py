@@ -40,7 +40,7 @@ sys.path.insert(0, str(SRC))
 from config import parse_config  # noqa: E402
 from errors import UserError, exit_on_user_error  # noqa: E402
 from lifecycle import (REPORT_DIR_ENV, STOP_SIGNALS, die_with_parent, exit_code_for,  # noqa: E402
-                       read_outcomes)
+                       mark, read_outcomes)
 from preflight import launcher_checks, visible_gpu_count  # noqa: E402
 
 TORCHRUN_LOG = "torchrun.log"
@@ -150,6 +150,7 @@ def run_forwarding_signals(command: list[str], env: dict[str, str],
     torchrun (SIGTERM: a clean stop with a checkpoint) if the launcher dies, however it dies.
     Returns the signals received and torchrun's exit code."""
     launcher = os.getpid()
+    mark("torchrun start")
     child = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True,
                              preexec_fn=partial(_die_with, launcher))
     received: list[int] = []
@@ -161,6 +162,7 @@ def run_forwarding_signals(command: list[str], env: dict[str, str],
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = child.wait()
+    mark("torchrun exited")
     return received, (128 - code if code < 0 else code)
 
 
@@ -200,6 +202,7 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    mark("launcher start")
     parser = build_parser()
     args, trainer_args = parser.parse_known_args(argv)
     if args.help:

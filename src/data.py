@@ -28,9 +28,9 @@ from torchvision.transforms import v2
 
 from distributed import all_gather_objects
 from errors import UserError
-from lifecycle import STOP_SIGNALS, die_with_parent
 from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_rgb,
                          write_unreadable_list)
+from lifecycle import STOP_SIGNALS, die_with_parent, mark
 from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
 log = logging.getLogger("trainer")
@@ -342,6 +342,7 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
     val_folder = ReadableImageFolder(val_dir)
     leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
                          rank, world_size, cache_dir=log_dir)
+    mark("data checked")
     cache = choose_cache(cache, len(train_folder) + len(val_folder), image_size,
                          cache_budget_bytes)
     # Free memory differs between nodes; every rank must read the same images the same way.
@@ -357,6 +358,7 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
         unreadable = set().union(*all_gather_objects(unreadable))
         train_folder.leave_out(unreadable)
         val_folder.leave_out(unreadable)
+        mark("images cached")
         log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
                  f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
                  f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "

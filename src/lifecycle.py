@@ -30,7 +30,22 @@ from errors import EXIT_USER_ERROR, UserError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
+TIMELINE_ENV = "TRAIN_DDP_TIMELINE"
 PR_SET_PDEATHSIG = 1
+_marked: set[str] = set()
+
+
+def mark(event: str, at: float | None = None, once: bool = False) -> None:
+    """Append "time process event" to the file $TRAIN_DDP_TIMELINE names (bench/startup.py reads
+    it to time each phase of a start and an end); nothing without it."""
+    path = os.environ.get(TIMELINE_ENV)
+    if not path or (once and event in _marked):
+        return
+    _marked.add(event)
+    who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "launcher"
+    # One short append per line: lines from several processes do not interleave.
+    with open(path, "a") as timeline:
+        timeline.write(f"{time.time() if at is None else at:.6f} {who} {event}\n")
 
 
 def exit_code_for(signum: int) -> int:

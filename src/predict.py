@@ -22,7 +22,7 @@ from torchvision.transforms import v2
 from data import default_num_workers, normalize_batch
 from distributed import choose_device, cpu_cores_available
 from errors import UserError, exit_on_user_error
-from image_files import IMAGE_EXTENSIONS, is_image_file, open_rgb
+from image_files import IMAGE_EXTENSIONS, is_hidden_folder_name, is_image_file, open_rgb
 from inference import Classifier, load_classifier
 
 
@@ -60,7 +60,8 @@ def collect_images(inputs: Sequence[Path]) -> list[Path]:
     for item in inputs:
         if item.is_dir():
             found = sorted(p for p in item.rglob("*") if p.is_file() and is_image_file(p)
-                           and not any(part.startswith(".") for part in p.relative_to(item).parts))
+                           and not any(is_hidden_folder_name(part)
+                                       for part in p.relative_to(item).parent.parts))
             if not found:
                 raise UserError(f"{item} holds no image files ({'/'.join(IMAGE_EXTENSIONS)})")
             files += found

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from errors import UserError, exit_on_user_error
-from image_files import IMAGE_EXTENSIONS, is_image_file
+from image_files import IMAGE_EXTENSIONS, class_folders, is_hidden_folder_name, is_image_file
 
 SPLITS = ("train", "val")
 STAGING = ".prepare_data.partial"
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- finding classes
 
 def visible_subfolders(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """Subfolders that can be classes (the shared rule: not hidden, not __MACOSX)."""
+    return class_folders(folder)
 
 
 def find_class_root(source: Path) -> Path:
@@ -93,7 +94,7 @@ def list_class_files(class_folder: Path) -> tuple[list[Path], int]:
     listing order) and the number of other files, which are left out."""
     images, others = [], 0
     for dirpath, dirnames, names in os.walk(class_folder, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if not is_hidden_folder_name(d)]
         for name in names:
             path = Path(dirpath, name)
             if not path.is_file():

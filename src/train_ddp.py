@@ -9,6 +9,10 @@ Run it through the launcher, under torchrun directly, or alone (world size 1):
 """
 from __future__ import annotations
 
+import time
+
+IMPORTS_STARTED = time.time()  # for bench/startup.py: what the imports below cost
+
 import hashlib
 import math
 import os
@@ -16,7 +20,6 @@ import platform
 import random
 import resource
 import sys
-import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -41,7 +44,7 @@ from distributed import (DistInfo, all_gather_objects, all_reduce_max, available
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError
 from history import HistoryWriter
-from lifecycle import run_reporting
+from lifecycle import mark, run_reporting
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
 from preflight import check_batch_fits, check_device_options
@@ -320,6 +323,7 @@ class Trainer:
     def on_step_end(self, step: int, sums: torch.Tensor) -> bool:
         """After every optimizer step: periodic checkpoint, and the agreed stop on a signal."""
         self.step = step
+        mark("first step done", once=True)
         maybe_inject_fault(self.kill_point, self.epoch + 1, step, self.dist.rank)
         if self.stop.agreed():
             self.save_checkpoint(sums)
@@ -453,23 +457,31 @@ def run(cfg: TrainConfig, dist: DistInfo) -> int:
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)
     trainer.resume()
+    mark("model ready")
     log_run_start(cfg, dist, trainer)
     with trainer.stop.installed():
         finished = trainer.fit()
     log_summary(trainer, finished)
+    mark("summary logged")
     return 0 if finished else trainer.stop.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Bad input raises UserError: ``run_reporting`` turns it into one line and exit code 2."""
+    mark("worker start", at=IMPORTS_STARTED)
+    mark("imports done")
     cfg = parse_config(argv)
     dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
+    mark("process group ready")
     try:
         return run(cfg, dist)
     finally:
         cleanup_distributed()
+        mark("process group destroyed")
 
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    sys.exit(run_reporting(main))
+    code = run_reporting(main)
+    mark("worker exit")
+    sys.exit(code)

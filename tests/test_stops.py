@@ -167,7 +167,7 @@ def test_bad_input_found_by_a_worker_is_one_line(stop_dataset, tmp_path: Path):
     checkpoint.write_bytes(b"not a checkpoint")
     result = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"],
                      cwd=tmp_path)
-    assert_user_error(result, "rank ", "corrupt", "torchrun.log")
+    assert_user_error(result, "rank ", "checkpoint_latest.pth", "torchrun.log")
     assert_clean(result.stdout, result.stderr)
     assert "ChildFailedError" in (tmp_path / "logs" / "torchrun.log").read_text()
 

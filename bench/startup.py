@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""How long a launcher run takes to start and to end, next to what importing torch costs, and a
+short run against timm, side by side on this machine.
+
+    python bench/startup.py                          # the digits demo at 32 px, 1 process
+    python bench/startup.py --nproc 2
+    python bench/startup.py --timm_train ~/pytorch-image-models/train.py
+
+Prints:
+  * ``python -c "import torch, torchvision, timm"``, measured before and after the runs;
+  * the time from starting the launcher to the end of the first training step, for a first start
+    (no decode-check cache) and a second one, with the phases in between (launcher, torchrun's
+    agent, the worker's imports, process group, data scan and check, image cache, model);
+  * the end: from the last line the main rank logs to the launcher's exit, by phase;
+  * the wall time of 3 epochs through the launcher against timm's own ``train.py`` with the same
+    settings (model, image size, batch size, epochs, optimizer, 2 loader workers). timm's pip
+    package does not ship train.py: give its path with --timm_train (from a clone of
+    pytorch-image-models); without it the comparison is against a minimal one-process loop built
+    from timm's own data pipeline, optimizer and model, and says so.
+
+The phases come from the timeline the launcher and the ranks write when $TRAIN_DDP_TIMELINE names
+a file (``lifecycle.mark``). Other work on the machine slows every number: compare the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from demo_data import write_demo_dataset  # noqa: E402
+from lifecycle import TIMELINE_ENV  # noqa: E402
+
+START_PHASES = [  # (name, event that ends it); each phase starts where the previous one ended
+    ("launcher (python, flags, checks)", "torchrun start"),
+    ("torchrun agent (start, rendezvous)", "worker start"),
+    ("worker imports (torch, torchvision, timm)", "imports done"),
+    ("process group", "process group ready"),
+    ("data scan + decode check", "data checked"),
+    ("image cache (decode into RAM)", "images cached"),
+    ("model, optimizer, resume", "model ready"),
+    ("first training step", "first step done"),
+]
+END_PHASES = [
+    ("process group teardown", "process group destroyed"),
+    ("worker exit (interpreter teardown)", "worker exit"),
+    ("torchrun agent notices and exits", "torchrun exited"),
+    ("launcher exit", "launcher exit"),
+]
+
+MINIMAL_TIMM_LOOP = r'''
+import sys, time
+import torch, timm
+from timm.data import create_dataset, create_loader
+from timm.optim import create_optimizer_v2
+
+train_dir, val_dir, epochs, batch, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+train = create_dataset("", root=train_dir, is_training=True)
+val = create_dataset("", root=val_dir)
+train_loader = create_loader(train, input_size=(3, 32, 32), batch_size=batch, is_training=True,
+                             num_workers=workers, persistent_workers=True)
+val_loader = create_loader(val, input_size=(3, 32, 32), batch_size=batch, is_training=False,
+                           num_workers=workers, persistent_workers=True)
+model = timm.create_model("resnet18", num_classes=len(train.reader.class_to_idx))
+optimizer = create_optimizer_v2(model, "adamw", lr=0.001, weight_decay=0.01)
+loss_fn = torch.nn.CrossEntropyLoss()
+for epoch in range(epochs):
+    model.train()
+    for images, targets in train_loader:
+        loss = loss_fn(model(images), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for images, targets in val_loader:
+            correct += (model(images).argmax(1) == targets).sum().item()
+    print(f"epoch {epoch + 1}: val_acc {correct / len(val):.3f}", flush=True)
+'''
+
+
+def timed(command: list[str], **kwargs) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.time()
+    result = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    elapsed = time.time() - started
+    if result.returncode != 0:
+        sys.exit(f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
+                 f"{result.stderr[-2000:]}")
+    return elapsed, result
+
+
+def import_seconds() -> float:
+    return timed([sys.executable, "-c", "import torch, torchvision, timm"])[0]
+
+
+def launcher_run(data: Path, work: Path, nproc: int, epochs: int, batch: int,
+                 workers: int | None) -> dict[str, float]:
+    """One launcher run; returns {event: seconds since the launcher was started}."""
+    timeline = work / f"timeline_{time.time_ns()}.txt"
+    env = {**os.environ, TIMELINE_ENV: str(timeline)}
+    command = [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nproc",
+               str(nproc), "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
+               "--image_size", "32", "--batch_size", str(batch), "--epochs", str(epochs),
+               "--learning_rate", "0.001", "--optimizer", "adamw", "--log_interval", "50"]
+    if workers is not None:
+        command += ["--num_workers", str(workers)]
+    started = time.time()
+    elapsed, _ = timed(command, cwd=work, env=env)
+    events = {"launcher exit": elapsed}
+    for line in timeline.read_text().splitlines():
+        stamp, who, event = line.split(" ", 2)
+        if who in ("launcher", "rank0"):
+            events.setdefault(event, float(stamp) - started)
+    return events
+
+
+def phases(events: dict[str, float], table: list[tuple[str, str]], start: float
+           ) -> list[tuple[str, float]]:
+    rows, previous = [], start
+    for name, event in table:
+        if event in events:
+            rows.append((name, events[event] - previous))
+            previous = events[event]
+    return rows
+
+
+def show_start(title: str, events: dict[str, float], imports: float) -> None:
+    first = events["first step done"]
+    print(f"{title}: launcher start -> end of first step {first:.2f} s "
+          f"= {first / imports:.2f} x the import time")
+    for name, seconds in phases(events, START_PHASES, 0.0):
+        print(f"    {name:<44}{seconds:6.2f} s")
+
+
+def show_end(events: dict[str, float]) -> None:
+    last = events["summary logged"]
+    print(f"end: last rank log line -> launcher exit {events['launcher exit'] - last:.2f} s")
+    for name, seconds in phases(events, END_PHASES, last):
+        print(f"    {name:<44}{seconds:6.2f} s")
+
+
+def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, float]:
+    if args.timm_train:
+        command = [sys.executable, str(args.timm_train), "--data-dir", str(data),
+                   "--train-split", "train", "--val-split", "val", "--model", "resnet18",
+                   "--num-classes", "10", "--img-size", "32", "-b", str(args.batch_size),
+                   "--epochs", str(args.epochs), "-j", "2", "--opt", "adamw", "--lr", "0.001",
+                   "--weight-decay", "0.01", "--sched", "cosine", "--warmup-epochs", "0",
+                   "--output", str(work / "timm_output")]
+        return "timm's train.py", timed(command, cwd=work)[0]
+    command = [sys.executable, "-c", MINIMAL_TIMM_LOOP, str(data / "train"), str(data / "val"),
+               str(args.epochs), str(args.batch_size), "2"]
+    return ("a minimal one-process timm loop (timm's train.py not given: --timm_train)",
+            timed(command, cwd=work)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=1, help="launcher processes (default: 1)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--num_workers", type=int, default=None,
+                        help="the launcher run's loader workers (default: the trainer's choice)")
+    parser.add_argument("--timm_train", type=Path, default=None,
+                        help="timm's train.py, from a clone of pytorch-image-models")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
+        work = Path(tmp)
+        data = work / "digits"
+        write_demo_dataset(data)
+        images = sum(1 for _ in (data / "train").rglob("*.png"))
+        before = import_seconds()
+        cold = launcher_run(data, work, args.nproc, args.epochs, args.batch_size,
+                            args.num_workers)
+        timm_name, timm_seconds = timm_run(args, data, work)
+        warm = launcher_run(data, work, args.nproc, 1, args.batch_size, args.num_workers)
+        after = import_seconds()
+
+    imports = (before + after) / 2
+    print(f"python -c 'import torch, torchvision, timm': {before:.2f} s before the runs, "
+          f"{after:.2f} s after (mean {imports:.2f} s)")
+    show_start("first start (decode check from scratch)", cold, imports)
+    show_start("second start (decode check remembered)", warm, imports)
+    show_end(warm)
+    print(f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
+          f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
+          f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}")
+
+
+if __name__ == "__main__":
+    main()
