@@ -73,8 +73,8 @@ def test_more_gpus_than_visible_names_both_numbers(monkeypatch):
     import launch_ddp
     from errors import UserError
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # The launcher counts GPUs without torch (preflight.visible_gpu_count).
+    monkeypatch.setattr(launch_ddp, "visible_gpu_count", lambda: 2)
     args = argparse.Namespace(device="auto", num_gpus="4", nproc=1)
     with pytest.raises(UserError, match=r"--num_gpus 4 asked for 4 GPUs but only 2 are visible"):
         launch_ddp.resolve_device_and_nproc(args)
