@@ -8,10 +8,11 @@
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
 
 Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
-launcher builds and runs the torchrun command (``python -m torch.distributed.run``, so the same
-interpreter is used), forwards SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the
-run ended: 0 done, 2 bad input, 130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts
-as SIGTERM), or the failing rank's code.
+launcher builds and runs the torchrun command (``python -m torch.distributed.run`` with the same
+interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
+SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the run ended: 0 done, 2 bad input,
+130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts as SIGTERM), or the failing rank's
+code.
 
 It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
 pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
@@ -35,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 SRC = ROOT / "src"
 TRAIN_SCRIPT = SRC / "train_ddp.py"
+QUICK_EXIT = SRC / "quick_exit.py"
 sys.path.insert(0, str(SRC))
 
 from config import parse_config  # noqa: E402
@@ -111,7 +113,9 @@ def torchrun_command(args: argparse.Namespace, device: str, nproc: int,
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     port = args.master_port or (29500 if args.nnodes > 1 else free_port())
-    command = [sys.executable, "-m", "torch.distributed.run",
+    # python -m torch.distributed.run, through src/quick_exit.py: no interpreter teardown at
+    # its end (seconds, after importing torch).
+    command = [sys.executable, str(QUICK_EXIT), "-m", "torch.distributed.run",
                f"--nnodes={args.nnodes}", f"--nproc-per-node={nproc}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{port}",
                f"--rdzv-id={args.rdzv_id}", f"--max-restarts={args.max_restarts}"]

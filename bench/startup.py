@@ -63,10 +63,11 @@ from timm.optim import create_optimizer_v2
 train_dir, val_dir, epochs, batch, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 train = create_dataset("", root=train_dir, is_training=True)
 val = create_dataset("", root=val_dir)
-train_loader = create_loader(train, input_size=(3, 32, 32), batch_size=batch, is_training=True,
-                             num_workers=workers, persistent_workers=True)
-val_loader = create_loader(val, input_size=(3, 32, 32), batch_size=batch, is_training=False,
-                           num_workers=workers, persistent_workers=True)
+# On the CPU, as timm's train.py runs there (--device cpu --no-prefetcher).
+cpu = dict(use_prefetcher=False, device=torch.device("cpu"), num_workers=workers,
+           persistent_workers=True)
+train_loader = create_loader(train, input_size=(3, 32, 32), batch_size=batch, is_training=True, **cpu)
+val_loader = create_loader(val, input_size=(3, 32, 32), batch_size=batch, is_training=False, **cpu)
 model = timm.create_model("resnet18", num_classes=len(train.reader.class_to_idx))
 optimizer = create_optimizer_v2(model, "adamw", lr=0.001, weight_decay=0.01)
 loss_fn = torch.nn.CrossEntropyLoss()
@@ -134,7 +135,7 @@ def phases(events: dict[str, float], table: list[tuple[str, str]], start: float
 def show_start(title: str, events: dict[str, float], imports: float) -> None:
     first = events["first step done"]
     print(f"{title}: launcher start -> end of first step {first:.2f} s "
-          f"= {first / imports:.2f} x the import time")
+          f"= {first / imports:.2f} x the import time ({imports:.2f} s)")
     for name, seconds in phases(events, START_PHASES, 0.0):
         print(f"    {name:<44}{seconds:6.2f} s")
 
@@ -143,7 +144,7 @@ def show_end(events: dict[str, float]) -> None:
     last = events["summary logged"]
     print(f"end: last rank log line -> launcher exit {events['launcher exit'] - last:.2f} s")
     for name, seconds in phases(events, END_PHASES, last):
-        print(f"    {name:<44}{seconds:6.2f} s")
+        print(f"    {name:<44}{seconds:6.2f} s", flush=True)
 
 
 def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, float]:
@@ -153,7 +154,7 @@ def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, flo
                    "--num-classes", "10", "--img-size", "32", "-b", str(args.batch_size),
                    "--epochs", str(args.epochs), "-j", "2", "--opt", "adamw", "--lr", "0.001",
                    "--weight-decay", "0.01", "--sched", "cosine", "--warmup-epochs", "0",
-                   "--output", str(work / "timm_output")]
+                   "--device", "cpu", "--no-prefetcher", "--output", str(work / "timm_output")]
         return "timm's train.py", timed(command, cwd=work)[0]
     command = [sys.executable, "-c", MINIMAL_TIMM_LOOP, str(data / "train"), str(data / "val"),
                str(args.epochs), str(args.batch_size), "2"]
@@ -178,21 +179,21 @@ def main() -> None:
         write_demo_dataset(data)
         images = sum(1 for _ in (data / "train").rglob("*.png"))
         before = import_seconds()
+        print(f"python -c 'import torch, torchvision, timm': {before:.2f} s", flush=True)
         cold = launcher_run(data, work, args.nproc, args.epochs, args.batch_size,
                             args.num_workers)
+        show_start("first start (decode check from scratch)", cold, before)
+        show_end(cold)
         timm_name, timm_seconds = timm_run(args, data, work)
+        print(f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
+              f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
+              f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}",
+              flush=True)
         warm = launcher_run(data, work, args.nproc, 1, args.batch_size, args.num_workers)
         after = import_seconds()
-
-    imports = (before + after) / 2
-    print(f"python -c 'import torch, torchvision, timm': {before:.2f} s before the runs, "
-          f"{after:.2f} s after (mean {imports:.2f} s)")
-    show_start("first start (decode check from scratch)", cold, imports)
-    show_start("second start (decode check remembered)", warm, imports)
-    show_end(warm)
-    print(f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
-          f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
-          f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}")
+        print(f"python -c 'import torch, torchvision, timm' again: {after:.2f} s", flush=True)
+        show_start("second start (decode check remembered)", warm, (before + after) / 2)
+        show_end(warm)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from distributed import (DistInfo, all_gather_objects, all_reduce_max, available
 from engine import Precision, train_one_epoch, evaluate
 from errors import UserError
 from history import HistoryWriter
-from lifecycle import mark, run_reporting
+from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
 from preflight import check_batch_fits, check_device_options
@@ -484,4 +484,4 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     code = run_reporting(main)
     mark("worker exit")
-    sys.exit(code)
+    exit_now(code)

@@ -22,7 +22,7 @@ def dry_run(tmp_path: Path, *flags: str) -> list[str]:
 
 def test_single_node_cpu_command(tmp_path: Path):
     cmd = dry_run(tmp_path, "--device", "cpu", "--nproc", "2", "--epochs", "3", "--use_amp")
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:4] == [str(ROOT / "src" / "quick_exit.py"), "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in cmd and "--nnodes=1" in cmd and "--max-restarts=0" in cmd
     assert "--rdzv-backend=c10d" in cmd
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
