@@ -227,3 +227,15 @@ def test_loader_workers_ignore_stop_signals(tmp_path: Path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "still here" in result.stdout, result.stderr
+
+
+def test_sighup_stops_like_sigterm():
+    """A closed terminal: the same agreed stop with a checkpoint, and exit code 143."""
+    from stopping import StopRequest
+
+    stop = StopRequest(distributed=False)
+    with stop.installed():
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.agreed()
+    assert stop.exit_code == 143

@@ -136,17 +136,6 @@ def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
     assert saved_step(latest)[1] > 0
 
 
-def test_sighup_is_handled_like_sigterm(stop_dataset, tmp_path: Path):
-    latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
-    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
-    wait_for_file(latest, launcher)
-    launcher.send_signal(signal.SIGHUP)
-    out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 143, (out, err)
-    assert_clean(out, err)
-    assert "Resume with the same command plus --resume" in out
-
-
 def test_killed_launcher_leaves_no_process_behind(stop_dataset, tmp_path: Path):
     launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
     wait_for_file(tmp_path / "checkpoints" / "checkpoint_latest.pth", launcher)
@@ -170,10 +159,3 @@ def test_bad_input_found_by_a_worker_is_one_line(stop_dataset, tmp_path: Path):
     assert_user_error(result, "rank ", "checkpoint_latest.pth", "torchrun.log")
     assert_clean(result.stdout, result.stderr)
     assert "ChildFailedError" in (tmp_path / "logs" / "torchrun.log").read_text()
-
-
-def test_unknown_model_is_one_line_from_the_worker(stop_dataset, tmp_path: Path):
-    result = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset,
-                      "--model", "resnet_does_not_exist"], cwd=tmp_path)
-    assert_user_error(result, "not a timm model name")
-    assert_clean(result.stdout, result.stderr)
