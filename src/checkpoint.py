@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from errors import UserError
-from run_folder import atomic_write
+from run_folder import BEST_NAME, LATEST_NAME, atomic_write
 
 log = logging.getLogger("trainer")
 
-LATEST = "checkpoint_latest.pth"
-BEST = "checkpoint_best.pth"
+LATEST, BEST = LATEST_NAME, BEST_NAME
 
 
 class CheckpointError(UserError):

@@ -29,8 +29,8 @@ from errors import UserError
 
 LOCK_NAME = ".lock"
 # What a run leaves in --checkpoint_dir (see checkpoint.py) and in --log_dir (history.py).
-BEST_NAME = "checkpoint_best.pth"
-CHECKPOINT_FILES = ("checkpoint_latest.pth", "checkpoint_latest.prev.pth", BEST_NAME)
+LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
+CHECKPOINT_FILES = (LATEST_NAME, "checkpoint_latest.prev.pth", BEST_NAME)
 HISTORY_NAME = "training_history.json"
 # errno values that mean "no room to write": a full disk, or a full quota.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
