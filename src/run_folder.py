@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import socket
@@ -34,6 +35,10 @@ CHECKPOINT_FILES = (LATEST_NAME, "checkpoint_latest.prev.pth", BEST_NAME)
 HISTORY_NAME = "training_history.json"
 # errno values that mean "no room to write": a full disk, or a full quota.
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+# errno values of a file system without flock (some network file systems).
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+log = logging.getLogger("trainer")
 
 
 class FolderBusy(UserError):
@@ -71,14 +76,22 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
+            if err.errno in NO_LOCKS:
+                log.warning(f"WARNING: the file system of {self.path.parent} does not support "
+                            "file locks: nothing stops a second run from using it at the same "
+                            "time")
+                return
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise folder_busy(self.path.parent, read_holder(self.path)) from None
-        started = datetime.datetime.now().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n"
-                 .encode())
         self._fd = fd
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n"
+                     .encode())
+        except OSError:
+            pass   # a full disk: the lock holds all the same; only the holder's name is missing
 
     def release(self) -> None:
         # The file stays: deleting a lock file races with a process that has just opened it.
@@ -195,7 +208,11 @@ def claim_run_folder(checkpoint_dir: Path, log_dir: Path, *, resume: str | None,
         except UserError as err:
             lock.release()
             error = str(err)
-    error = agree(error)
+    try:
+        error = agree(error)
+    except BaseException:
+        lock.release()
+        raise
     if error is not None:
         lock.release()
         raise UserError(error)
