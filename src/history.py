@@ -1,8 +1,8 @@
 """logs/training_history.json: the run's config and environment, and one record per epoch.
 
-Rewritten atomically by the main process with every checkpoint (so the file and the newest
-checkpoint agree, and a run started with --overwrite replaces the earlier run's history at the
-same moment as its checkpoints). On resume it is rebuilt from the history stored in the
+Rewritten atomically by the main process right after every checkpoint (so the file and the
+newest checkpoint agree, and a run started with --overwrite replaces the earlier run's history
+together with its checkpoints). On resume it is rebuilt from the history stored in the
 checkpoint, so records after the checkpoint's position are dropped and every epoch appears
 exactly once.
 """

@@ -345,8 +345,10 @@ class Trainer:
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         error = None
         try:
-            self.history.save()
+            # The checkpoint first: a resume rebuilds the history from it, so a failure between
+            # the two loses nothing.
             self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
+            self.history.save()
         except UserError as err:   # a full disk on the main process
             error = str(err)
         # Every rank stops with the main process's error line, instead of waiting for it at the

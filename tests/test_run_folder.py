@@ -305,7 +305,8 @@ def train_main(argv: list, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_second_run_resume_override_and_overwrite_in_one_folder(tiny_dataset, tmp_path, capsys):
+def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(tiny_dataset, tmp_path,
+                                                                          capsys, monkeypatch):
     train, val = tiny_dataset
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS,
@@ -331,6 +332,17 @@ def test_second_run_resume_override_and_overwrite_in_one_folder(tiny_dataset, tm
     group = torch.load(ckpt / "checkpoint_latest.pth",
                        weights_only=True)["optimizer_state_dict"]["param_groups"][0]
     assert (group["lr"], group["initial_lr"]) == (0.05, 0.05)
+
+    # The disk fills at the next epoch's checkpoint: one line, the checkpoints and the history's
+    # records intact (the resume itself rewrites the history's header with its own config).
+    kept = {p: p.read_bytes() for p in ckpt.glob("checkpoint_*.pth")}
+    monkeypatch.setattr(checkpoint.torch, "save", fail_after_writing(4096))
+    code, err = train_main([*longer, "--epochs", "3"], capsys)
+    monkeypatch.undo()
+    assert code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert f"no space left on the device to write {ckpt / 'checkpoint_latest.pth'}" in err
+    assert {p: p.read_bytes() for p in kept} == kept and not list(ckpt.glob(".*.tmp"))
+    assert json.loads((logs / "training_history.json").read_text())["epochs"] == records
 
     # --overwrite: a new 1-epoch run replaces the checkpoints and the history.
     assert train_main([*flags, "--overwrite", "--learning_rate", "0.02"], capsys)[0] == 0
