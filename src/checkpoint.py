@@ -7,7 +7,6 @@ saved from the unwrapped model, so ``torch.load(path, weights_only=True)`` loads
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,11 @@ from typing import Any
 import torch
 
 from errors import UserError
+from run_folder import BEST_NAME, LATEST_NAME, atomic_write
 
 log = logging.getLogger("trainer")
 
-LATEST = "checkpoint_latest.pth"
-BEST = "checkpoint_best.pth"
+LATEST, BEST = LATEST_NAME, BEST_NAME
 
 
 class CheckpointError(UserError):
@@ -36,27 +35,23 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
 
     A crash at any moment leaves either the old file or the new one, never a torn one. With
     ``keep_previous`` the file being replaced is kept as ``previous_path(path)``, so a latest
-    checkpoint damaged later (a bad disk, a truncated copy) still has a fallback.
+    checkpoint damaged later (a bad disk, a truncated copy) still has a fallback. A full disk is
+    one error line naming the file and the space it needs; the partial file is removed and the
+    checkpoints already there are left as they were.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if keep_previous and path.exists():
-        os.replace(path, previous_path(path))
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic_write(path, lambda f: torch.save(obj, f), lambda: tensor_bytes(obj),
+                 keep_previous_as=previous_path(path) if keep_previous else None)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames themselves durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a nested structure: about what ``torch.save`` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load_checkpoint_file(path: Path) -> dict[str, Any]:
@@ -117,6 +112,80 @@ def check_resume_fits(state: dict[str, Any], path: Path, class_names: list[str],
                                   f"not --{flag} {value}; resume with the same --{flag}")
 
 
+# Flags that change what the optimisation does: resuming under other values is silently another
+# run. --epochs may grow (continuing a finished run); --optimizer is checked above (its state does
+# not carry over to another optimizer); --accum_steps only splits the same batch.
+SCHEDULE_FLAGS = ("learning_rate", "lr_scaling", "scheduler", "warmup_epochs", "step_size",
+                  "gamma", "weight_decay", "momentum", "label_smoothing")
+
+
+def saved_world_size(state: dict[str, Any]) -> int | None:
+    """How many processes wrote the checkpoint (older ones record it as their rank states)."""
+    return state.get("world_size") or len(state.get("rank_states") or []) or None
+
+
+def changed_settings(state: dict[str, Any], config: dict[str, Any],
+                     world_size: int) -> list[str]:
+    """``--flag saved -> new`` for each flag that changes the schedule or the optimisation."""
+    saved = state.get("config") or {}
+    changes = []
+    for flag in SCHEDULE_FLAGS:
+        if flag not in saved or saved[flag] == config[flag]:
+            continue
+        if flag in ("step_size", "gamma") and "step" not in (saved.get("scheduler"),
+                                                             config["scheduler"]):
+            continue   # only the step schedule reads them
+        if flag == "momentum" and config["optimizer"] != "sgd":
+            continue   # only sgd reads it
+        changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
+    processes = saved_world_size(state)
+    if "batch_size" in saved and processes:
+        before, after = saved["batch_size"] * processes, config["batch_size"] * world_size
+        if before != after:
+            changes.append(f"batch per optimizer step (--batch_size x processes) "
+                           f"{saved['batch_size']}x{processes}={before} -> "
+                           f"{config['batch_size']}x{world_size}={after}")
+    return changes
+
+
+def check_resume_settings(state: dict[str, Any], path: Path, config: dict[str, Any],
+                          world_size: int, override: bool) -> list[str]:
+    """Refuse a resume whose flags change the run's schedule or optimisation, unless
+    ``override``; returns the changes (to apply and log)."""
+    changes = changed_settings(state, config, world_size)
+    if changes and not override:
+        raise CheckpointError(f"--resume {path}: these flags differ from the run being resumed "
+                              f"and would change its schedule or optimisation: "
+                              f"{'; '.join(changes)}; resume with the saved values, or add "
+                              "--resume_override to apply the new ones")
+    return changes
+
+
+def optimisation_settings(optimizer: torch.optim.Optimizer,
+                          scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, Any]:
+    """The hyperparameters a freshly built optimizer and scheduler hold (from the flags); taken
+    before a checkpoint's state replaces them, to put them back under --resume_override."""
+    keys = ("initial_lr", "weight_decay", "momentum")
+    return {"groups": [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups],
+            "base_lrs": list(scheduler.base_lrs)}
+
+
+def apply_optimisation_settings(optimizer: torch.optim.Optimizer,
+                                scheduler: torch.optim.lr_scheduler.LambdaLR,
+                                settings: dict[str, Any]) -> None:
+    """Put the flags' hyperparameters back over a loaded state, keeping the optimizer's moments
+    and the step count. The schedule's shape comes from the flags already (its lambda is built
+    from them); its base learning rates and the learning rate of the next step are set here."""
+    for group, fresh in zip(optimizer.param_groups, settings["groups"]):
+        group.update(fresh)
+    scheduler.base_lrs = list(settings["base_lrs"])
+    # What LambdaLR.step() sets after ``last_epoch`` steps, under the new schedule.
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | None:
     """The file ``--resume`` points at: ``auto`` means the newest checkpoint, if there is one."""
     if resume is None:
@@ -134,11 +203,16 @@ def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | N
 
 
 class CheckpointWriter:
-    """Writes latest/best checkpoints; a no-op on every process but the main one."""
+    """Writes latest/best checkpoints; a no-op on every process but the main one.
 
-    def __init__(self, checkpoint_dir: Path, enabled: bool):
+    With ``replace_previous_run`` (``--overwrite``) the earlier run's checkpoints are removed at
+    this run's first save, not before: a run that fails at start-up leaves them as they were.
+    """
+
+    def __init__(self, checkpoint_dir: Path, enabled: bool, replace_previous_run: bool = False):
         self.dir = checkpoint_dir
         self.enabled = enabled
+        self.replace_previous_run = replace_previous_run
 
     @property
     def latest(self) -> Path:
@@ -151,6 +225,12 @@ class CheckpointWriter:
     def save(self, state: dict[str, Any], is_best: bool) -> None:
         if not self.enabled:
             return
-        atomic_save(state, self.latest, keep_previous=True)
+        atomic_save(state, self.latest, keep_previous=not self.replace_previous_run)
+        if self.replace_previous_run:
+            # The earlier run's best and fallback must not pass for this run's. Removed once this
+            # run's latest is written, so a failed first save leaves the earlier run whole.
+            for old in (self.best, previous_path(self.latest)):
+                old.unlink(missing_ok=True)
+            self.replace_previous_run = False
         if is_best:
             atomic_save(state, self.best)

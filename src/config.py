@@ -91,6 +91,14 @@ class TrainConfig:
     seed: int = _opt(42, "seed of sample order, augmentation and initial weights")
     resume: str | None = _opt(None, "continue from this checkpoint, or 'auto': the newest one in "
                                     "--checkpoint_dir if any, else start fresh")
+    overwrite: bool = _opt(False, "start a new run in a --checkpoint_dir / --log_dir that hold an "
+                                  "earlier run's results, replacing its checkpoints and "
+                                  "training_history.json (at this run's first checkpoint); "
+                                  "without it such a start is refused")
+    resume_override: bool = _opt(False, "when resuming, apply flags that change the schedule or "
+                                        "the optimisation (learning rate, scheduler, warm-up, "
+                                        "weight decay, momentum, label smoothing, batch per "
+                                        "step) instead of refusing them")
     save_every_steps: int = _opt(0, "also write checkpoint_latest.pth every N steps inside an "
                                     "epoch (0: only at epoch end)")
     deterministic: bool = _opt(False, "deterministic algorithms: bitwise-reproducible runs and "
@@ -120,6 +128,12 @@ DEMO_PRESET: dict[str, Any] = {
     "warmup_epochs": 1.0,
     "crop_scale_min": 0.7,
     "hflip": 0.0,   # a flipped digit is a different digit
+    # The demo keeps its results apart, and a second --demo trains again from scratch (what
+    # running a demo twice should show) instead of replacing a real run's results or printing
+    # "done" at once. --resume auto continues an interrupted demo instead.
+    "checkpoint_dir": "checkpoints/demo",
+    "log_dir": "logs/demo",
+    "overwrite": True,
 }
 
 # What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
@@ -178,6 +192,10 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
         if explicit.get(switch):
             values.update(preset)
     values.update(explicit)
+    if explicit.get("demo") and "overwrite" not in explicit and (
+            "resume" in explicit or "checkpoint_dir" in explicit or "log_dir" in explicit):
+        # The demo starts over only in its own folders, and never when asked to resume.
+        values["overwrite"] = False
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg
@@ -224,6 +242,12 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("--sync_bn cannot be combined with --auto_micro_batch (part of "
                         "--low_memory); choose the micro-batch with --accum_steps instead, or add "
                         "--no_auto_micro_batch")
+    if cfg.overwrite and cfg.resume == "auto":
+        raise UserError("--overwrite starts a new run and --resume auto continues the one in "
+                        "--checkpoint_dir: give one of them")
+    if cfg.resume_override and cfg.resume is None:
+        raise UserError("--resume_override applies new flags to a resumed run; add --resume auto "
+                        "(or --resume PATH)")
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
 

@@ -1,15 +1,18 @@
 """logs/training_history.json: the run's config and environment, and one record per epoch.
 
-Rewritten atomically after every epoch by the main process. On resume it is rebuilt from the
-history stored in the checkpoint, so records after the checkpoint's position are dropped and
-every epoch appears exactly once.
+Rewritten atomically by the main process right after every checkpoint (so the file and the
+newest checkpoint agree, and a run started with --overwrite replaces the earlier run's history
+together with its checkpoints). On resume it is rebuilt from the history stored in the
+checkpoint, so records after the checkpoint's position are dropped and every epoch appears
+exactly once.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from run_folder import atomic_write
 
 
 class HistoryWriter:
@@ -23,19 +26,14 @@ class HistoryWriter:
         self.records: list[dict[str, Any]] = list(records or [])
 
     def append(self, record: dict[str, Any]) -> None:
+        """Add an epoch's record; the file is written by ``save``, with the checkpoint."""
         self.records.append(record)
-        self.save()
 
     def save(self) -> None:
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({**self.header, "epochs": self.records}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        text = json.dumps({**self.header, "epochs": self.records}, indent=2).encode()
+        atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
 
 
 def read_history(path: Path) -> dict[str, Any]:

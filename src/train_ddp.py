@@ -32,8 +32,9 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointWriter, check_resume_fits, find_resume_checkpoint,
-                        load_training_checkpoint)
+from checkpoint import (CheckpointWriter, apply_optimisation_settings, check_resume_fits,
+                        check_resume_settings, find_resume_checkpoint, load_training_checkpoint,
+                        optimisation_settings)
 from config import TrainConfig, parse_config, preset_summary
 from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
                   default_num_workers, make_loader)
@@ -48,6 +49,7 @@ from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
 from preflight import check_batch_fits, check_device_options
+from run_folder import claim_run_folder
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
@@ -243,7 +245,8 @@ class Trainer:
         self.plan = build_memory_plan(cfg, dist.device, dist.local_world_size, self.plain_model,
                                       self.optimizer, self.criterion, self.precision,
                                       len(self.class_names))
-        self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main)
+        self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main,
+                                            replace_previous_run=cfg.overwrite)
         self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
                                      run_header(cfg, dist, self.class_names), enabled=dist.is_main)
         self.stop = StopRequest(dist.is_distributed)
@@ -267,9 +270,16 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         ckpt = load_training_checkpoint(path)
         check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
+        changes = check_resume_settings(ckpt, path, self.cfg.to_dict(), self.dist.world_size,
+                                        override=self.cfg.resume_override)
+        from_flags = optimisation_settings(self.optimizer, self.scheduler)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
         self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
+        if changes:   # --resume_override: the new values, over the loaded moments and step count
+            apply_optimisation_settings(self.optimizer, self.scheduler, from_flags)
+            log.info(f"--resume_override: applied {'; '.join(changes)}; learning rate now "
+                     f"{self.optimizer.param_groups[0]['lr']:.3g}")
         if ckpt.get("scaler_state_dict"):
             self.scaler.load_state_dict(ckpt["scaler_state_dict"])
         self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
@@ -298,7 +308,19 @@ class Trainer:
     def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
         """Every rank must call this: each contributes its random state and running metrics."""
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
-        self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
+        error = None
+        try:
+            # The checkpoint first: a resume rebuilds the history from it, so a failure between
+            # the two loses nothing.
+            self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
+            self.history.save()
+        except UserError as err:   # a full disk on the main process
+            error = str(err)
+        # Every rank stops with the main process's error line, instead of waiting for it at the
+        # next collective.
+        error = all_gather_objects(error)[0]
+        if error is not None:
+            raise UserError(error)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -316,6 +338,7 @@ class Trainer:
             "std": list(IMAGENET_STD),
             "model_name": self.cfg.model,
             "config": self.cfg.to_dict(),
+            "world_size": self.dist.world_size,   # with batch_size: the batch of one step
             "history": self.history.records,
             "rank_states": rank_states,
         }
@@ -451,6 +474,21 @@ def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:
 
 def run(cfg: TrainConfig, dist: DistInfo) -> int:
     setup_logging(Path(cfg.log_dir), dist)
+    with claim_checkpoint_dir(cfg, dist):
+        return train(cfg, dist)
+
+
+def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
+    """One run per checkpoint folder, never over another run's results: the main process locks
+    the folder and checks it; every rank takes part in sharing the verdict."""
+    return claim_run_folder(
+        Path(cfg.checkpoint_dir), Path(cfg.log_dir), resume=cfg.resume, overwrite=cfg.overwrite,
+        enabled=dist.is_main, agree=lambda error: all_gather_objects(error)[0],
+        # Workers restarted by torchrun find their own run's checkpoints, not another's.
+        first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
+def train(cfg: TrainConfig, dist: DistInfo) -> int:
     if cfg.low_memory:
         log.info(preset_summary(cfg, "low_memory"))
     configure_determinism(cfg, dist)
