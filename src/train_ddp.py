@@ -38,12 +38,13 @@ from demo_data import write_demo_dataset
 from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
                          barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
                          log, setup_distributed, setup_logging)
-from engine import Precision, train_one_epoch, evaluate
+from engine import Precision, configure_backends, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from image_files import is_image_file
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, check_model_source, unwrap_model
+from optim import restore_optimizer_state
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
@@ -94,15 +95,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def configure_determinism(cfg: TrainConfig, dist: DistInfo) -> None:
-    if dist.device.type == "cuda":
-        # cudnn.benchmark picks the fastest kernels, which may differ from run to run.
-        torch.backends.cudnn.benchmark = not cfg.deterministic
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
 
 
 def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
@@ -303,7 +295,7 @@ class Trainer:
         ckpt = load_training_checkpoint(path)
         check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
-        self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
+        restore_optimizer_state(self.optimizer, ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
         if ckpt.get("scaler_state_dict"):
             self.scaler.load_state_dict(ckpt["scaler_state_dict"])
@@ -487,7 +479,7 @@ def run(cfg: TrainConfig, dist: DistInfo) -> int:
     setup_logging(Path(cfg.log_dir), dist)
     if cfg.low_memory:
         log.info(preset_summary(cfg, "low_memory"))
-    configure_determinism(cfg, dist)
+    configure_backends(dist.device, cfg.deterministic)
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)
     trainer.resume()
