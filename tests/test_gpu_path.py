@@ -511,3 +511,133 @@ def test_cuda_any_rank_does_not_synchronise_the_device(tmp_path):
             torch.cuda.set_sync_debug_mode("default")
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the self-check
+
+def gpu_check_module():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+    return gpu_check
+
+
+def test_gpu_check_without_cuda_checks_nothing_and_exits_0(monkeypatch, capsys, tmp_path):
+    gc = gpu_check_module()
+    monkeypatch.setattr(gc, "visible_gpus", lambda: (0, ""))
+    assert gc.main(["--output", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines() == ["gpu_check: no CUDA device visible; nothing was checked"]
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_gpu_check_isolates_checks_and_builds_its_table(tmp_path):
+    import time
+
+    gc = gpu_check_module()
+    ran = []
+
+    def passes(ctx):
+        ran.append("passes")
+        return {"img/s": 11234.5, "ratio": 0.91234}
+
+    def fails(ctx):
+        ran.append("fails")
+        raise gc.CheckFailed("peak 2100 MiB is over the 2.0 GiB budget", {"peak MiB": 2100.0})
+
+    def crashes(ctx):
+        ran.append("crashes")
+        raise KeyError("epochs")
+
+    def exits(ctx):   # bench/throughput.py's run_worker calls sys.exit on failure
+        ran.append("exits")
+        raise SystemExit("worker failed")
+
+    checks = [gc.Check("a_pass", passes), gc.Check("b_fail", fails),
+              gc.Check("c_error", crashes), gc.Check("d_exit", exits, measurement=True),
+              gc.Check("e_two_gpus", passes, gpus=2), gc.Check("f_measured", passes,
+                                                              measurement=True)]
+    ctx = gc.Context(tmp_path, gpus=1, gpu_name="NVIDIA H100 80GB HBM3",
+                     deadline=time.monotonic() + 60)
+    results = gc.run_checks(checks, ctx, jobs=2)
+    assert [(r.name, r.status) for r in results] == [
+        ("a_pass", "pass"), ("b_fail", "FAIL"), ("c_error", "ERROR"), ("d_exit", "ERROR"),
+        ("e_two_gpus", "skip"), ("f_measured", "pass")]
+    assert sorted(ran) == sorted(["passes", "fails", "crashes", "exits", "passes"])
+    assert results[1].figures == {"peak MiB": 2100.0} and "KeyError" in results[2].detail
+
+    table = gc.format_table(results).splitlines()
+    assert table[0].split() == ["check", "status", "time", "figures"]
+    row = next(line for line in table if line.startswith("a_pass"))
+    assert "pass" in row and "img/s 11234" in row and "ratio 0.912" in row
+    assert any("-> peak 2100 MiB is over" in line for line in table)
+    assert any("-> needs 2 GPUs, 1 visible" in line for line in table)
+    assert table[-1] == "2 pass, 1 FAIL, 2 ERROR, 1 skip"
+
+    report = json.loads(json.dumps(gc.build_report(results, ctx, 12.0), default=str))
+    assert report["passed"] is False and report["gpus"] == 1
+    assert [r["status"] for r in report["results"]] == [r.status for r in results]
+
+    late = gc.Context(tmp_path, gpus=1, gpu_name="x", deadline=time.monotonic() + 5)
+    assert gc.run_checks([gc.Check("late", passes)], late)[0].detail == "out of time"
+
+
+def test_gpu_check_covers_the_cuda_paths():
+    gc = gpu_check_module()
+    names = [c.name for c in gc.all_checks()]
+    assert len(names) == len(set(names))
+    for wanted in ("cuda_ws1_fp16_gradscaler", "nccl_ws2", "bf16", "channels_last_off",
+                   "cache_gpu", "cache_ram", "cache_none", "compile", "low_memory_224",
+                   "resume_cpu_to_gpu", "resume_gpu_to_cpu", "sigterm_resume_deterministic",
+                   "pytest_cuda", "throughput_224_cache_gpu", "throughput_224_cache_ram",
+                   "throughput_224_cache_none"):
+        assert wanted in names, wanted
+    measured = {c.name for c in gc.all_checks() if c.measurement}
+    assert measured == {"low_memory_224", "throughput_224_cache_gpu", "throughput_224_cache_ram",
+                        "throughput_224_cache_none"}
+
+
+def test_gpu_check_figures_and_comparison():
+    gc = gpu_check_module()
+    assert gc.bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gc.bf16_peak_tflops("NVIDIA H200") == 989.0
+    assert gc.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gc.bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gc.bf16_peak_tflops("NVIDIA GeForce RTX 2080") is None
+    figures = gc.throughput_figures(11_000.0, "NVIDIA H100 80GB HBM3")
+    assert figures["TFLOP/s"] == pytest.approx(11_000 * 3 * 1.82e9 / 1e12)
+    assert figures["of bf16 peak"] == pytest.approx(figures["TFLOP/s"] / 989.0)
+    assert gc.throughput_figures(1.0, "unknown")["of bf16 peak"] == "unknown device peak"
+
+    a = {"model": {"w": torch.ones(2), "b": torch.zeros(1)}, "state": {0: {"step": torch.tensor(3.)}}}
+    b = copy.deepcopy(a)
+    assert all(gc.bitwise_equal(x, y) for _, x, y in gc.zip_tensors(a, b))
+    b["model"]["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    del b["state"][0]["step"]
+    differ = [name for name, x, y in gc.zip_tensors(a, b) if not gc.bitwise_equal(x, y)]
+    assert differ == ["model.w", "state.0.step"]
+
+
+def test_gpu_check_reads_what_a_run_wrote(tmp_path):
+    gc = gpu_check_module()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def run(code: int, losses: list[float]) -> "gc.Run":
+        records = [{"train_loss": x, "val_loss": x, "val_acc": 0.5, "train_images_per_sec": 9.0,
+                    "peak_memory_mb": 100.0} for x in losses]
+        (logs / "training_history.json").write_text(json.dumps({"epochs": records}))
+        return gc.Run(tmp_path, code, 3.0, "", "Traceback ...\nRuntimeError: boom\n")
+
+    assert gc.expect_finished(run(0, [1.0, 0.5]), 2)["peak MiB"] == 100.0
+    with pytest.raises(gc.CheckFailed, match="exit code 1: .*RuntimeError: boom"):
+        gc.expect_finished(run(1, [1.0]), 1)
+    with pytest.raises(gc.CheckFailed, match="1 epochs, expected 2"):
+        gc.expect_finished(run(0, [1.0]), 2)
+    with pytest.raises(gc.CheckFailed, match="non-finite"):
+        gc.expect_finished(run(0, [1.0, float("nan")]), 2)
+    command = gc.launcher_command(gc.Context(tmp_path, 2, "x", 0.0), tmp_path / "r",
+                                  tmp_path / "data", ["--use_amp"], gpus=2)
+    assert command[1:6] == [str(ROOT / "launch_ddp.py"), "--device", "cuda", "--num_gpus", "2"]
+    assert str(tmp_path / "r" / "checkpoints") in command and command[-1] == "--use_amp"
