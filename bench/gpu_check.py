@@ -259,8 +259,10 @@ def start(ctx: Context, name: str, data: Path, flags: Sequence[str], gpus: int =
     command = launcher_command(ctx, folder, data, flags, gpus, device)
     (folder / "command.txt").write_text(" ".join(command) + "\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, cwd=folder, env=env, stdout=open(folder / "stdout.txt", "w"),
-                               stderr=open(folder / "stderr.txt", "w"), start_new_session=True)
+    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
+        # Its own session: a timeout can stop it without touching this script.
+        process = subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=err,
+                                   start_new_session=True)
     return process, folder
 
 

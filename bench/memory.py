@@ -42,7 +42,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     from config import parse_config
     from engine import configure_backends, train_one_epoch
-    from memory import ResidentMemory, build_memory_plan, cpu_baseline, enable_memory_savers
+    from memory import (ResidentMemory, build_memory_plan, cpu_baseline, enable_memory_savers,
+                        resident_training_state)
     from model import build_model
     from train_ddp import build_optimizer, choose_precision
     resident = ResidentMemory()
@@ -70,8 +71,13 @@ def worker(args: argparse.Namespace) -> dict:
     scaler = torch.amp.GradScaler(device.type,
                                   enabled=precision.enabled and precision.dtype == torch.float16)
     criterion = torch.nn.CrossEntropyLoss()
-    # The same baseline the fitting takes inside build_memory_plan (both modes, for comparison).
-    baseline = cpu_baseline(model, optimizer, resident) if device.type == "cpu" else None
+    # The baseline the fitting takes inside build_memory_plan; in normal mode the same figure
+    # without cpu_baseline's allocator setting (the trainer makes it only when fitting).
+    baseline = None
+    if device.type == "cpu" and resident.available:
+        baseline = (cpu_baseline(model, optimizer, resident) if cfg.auto_micro_batch
+                    else resident.reset_peak() and
+                    resident.current() - resident_training_state(model, optimizer))
     plan = build_memory_plan(cfg, device, 1, model, optimizer, criterion, precision,
                              args.num_classes)
     g = torch.Generator().manual_seed(0)
