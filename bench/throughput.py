@@ -150,8 +150,12 @@ def worker_main(args: argparse.Namespace) -> int:
                         "--device", args.device, "--epochs", "1", "--log_dir",
                         str(args.result.parent / "logs"), "--checkpoint_dir",
                         str(args.result.parent / "checkpoints"), *args.trainer_flags])
+    from engine import configure_backends
+
     dist = setup_distributed(cfg.device)
     try:
+        # The trainer's kernel choices (cudnn.benchmark, determinism) for both measurements.
+        configure_backends(dist.device, cfg.deterministic)
         measure = measure_ceiling if args.worker == "ceiling" else measure_trainer
         result = measure(cfg, dist, args.warmup, args.steps)
         result.update(device=dist.device.type, world_size=dist.world_size,

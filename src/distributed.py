@@ -91,11 +91,12 @@ def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 3
 
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         torch_dist.init_process_group(
             backend, store=_rendezvous_store(world_size), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=device if device.type == "cuda" else None,
+            timeout=timeout, device_id=device if device.type == "cuda" else None,
         )
+        host_group(timeout)   # now, with the job's timeout; later calls reuse it
     return DistInfo(rank, local_rank, world_size, local_world_size, device)
 
 
@@ -161,13 +162,24 @@ def all_reduce_max(tensor: torch.Tensor, group: object | None = None) -> torch.T
     return tensor
 
 
-def host_group() -> object | None:
+# The gloo twin of the default NCCL group, as (default group, twin); creating a group is a
+# collective, so it is made once (by setup_distributed) and reused by every host-side agreement.
+_host_group: list[tuple[object, object]] = []
+
+
+def host_group(timeout: datetime.timedelta | None = None) -> object | None:
     """A gloo group for small control messages on the host: under NCCL, agreeing on a flag
-    through it costs no GPU synchronisation. None (the default group) without CUDA. Every rank
-    must call it."""
+    through it costs no GPU synchronisation. None (the default group) without CUDA.
+
+    Made at the first call for the current default group, with ``timeout`` (setup_distributed
+    passes --dist_timeout_minutes; without it gloo's default of 30 minutes), and reused after.
+    Every rank must make that first call, at the same point."""
     if not torch_dist.is_initialized() or torch_dist.get_backend() == "gloo":
         return None
-    return torch_dist.new_group(backend="gloo")
+    world = torch_dist.group.WORLD
+    if not _host_group or _host_group[0][0] is not world:   # a new job in this process
+        _host_group[:] = [(world, torch_dist.new_group(backend="gloo", timeout=timeout))]
+    return _host_group[0][1]
 
 
 def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
@@ -177,11 +189,14 @@ def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is True on any rank. Every rank must call it."""
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank. Every rank must call it.
+
+    The flag is a host bool, so it travels as a CPU tensor over the host group: under NCCL a
+    CUDA tensor and ``.item()`` would make the host wait for all the GPU work queued so far."""
     if not torch_dist.is_initialized():
-        return flag  # one process: no device round trip
-    return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
+        return flag
+    return bool(all_reduce_max(torch.tensor([int(flag)]), group=host_group()).item())
 
 
 def all_gather_objects(obj: object) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ class Precision:
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, dtype=self.dtype, enabled=self.enabled)
+
+
+def configure_backends(device: torch.device, deterministic: bool) -> None:
+    """The kernel choices of a run, shared by the trainer and the benchmarks (whose figures must
+    be the trainer's). Call before the first CUDA computation."""
+    if device.type == "cuda":
+        # cudnn.benchmark picks the fastest kernels, which may differ from run to run.
+        torch.backends.cudnn.benchmark = not deterministic
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
 
 class PhaseTimer:
@@ -166,18 +178,22 @@ def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.
     """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
     or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).
 
-    DDP exchanges gradients during a backward whose forward ran outside ``no_sync``: here only
-    the last micro-batch's. So a rank that runs out of memory earlier stops and waits at the
-    agreement below, which every rank reaches exactly once per attempt, before that exchange.
+    Ranks agree twice, on the host, at points every rank reaches exactly once per attempt:
+    after copying the inputs, before the first forward (under DDP a forward may run a
+    collective: the bucket rebuild after a redone step, so a rank that failed in its copy must
+    not skip it while the others are in it); and after the forwards, before the last
+    micro-batch's backward where DDP exchanges gradients (a rank that ran out of memory in an
+    earlier micro-batch stops and waits there).
     """
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     size = plan.size_for(len(targets))
-    chunks = list(zip(images.split(size), targets.split(size)))
+    chunks = _inputs_on_device(images, targets, size, device, plan)
+    if plan.retry_on_oom and any_rank(chunks is None):
+        return None
     last_loss, failed = None, False
     for index, (x, y) in enumerate(chunks):
         is_last = index == len(chunks) - 1
         try:
-            x, y = to_device(x, y, device, plan.channels_last)
             with contextlib.nullcontext() if is_last else _no_sync(model):
                 logits, loss = forward_loss(model, x, y, criterion, precision)
             record_metrics(sums, logits, loss, y)
@@ -193,9 +209,24 @@ def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.
                 raise
             failed = True
             break
-    if plan.retry_on_oom and any_rank(failed, device):
+    del chunks   # each micro-batch's input can go once its backward ran
+    if plan.retry_on_oom and any_rank(failed):
         return None
     return sums if _synced_backward(model, scaler, last_loss, plan) else None
+
+
+def _inputs_on_device(images: torch.Tensor, targets: torch.Tensor, size: int,
+                      device: torch.device, plan: MemoryPlan
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every micro-batch of the batch on the device (the fitting counts the whole batch's
+    inputs there), or None if that ran out of memory and the plan retries."""
+    try:
+        return [to_device(x, y, device, plan.channels_last)
+                for x, y in zip(images.split(size), targets.split(size))]
+    except RuntimeError as err:
+        if not (plan.retry_on_oom and is_out_of_memory(err)):
+            raise
+        return None
 
 
 def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor,
@@ -249,7 +280,7 @@ def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
 
 def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
               channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move one micro-batch to the device (only it: the rest of the batch waits on the host)."""
+    """Move one micro-batch to the device, in the model's memory layout."""
     layout = torch.channels_last if channels_last else torch.preserve_format
     return (images.to(device, non_blocking=True, memory_format=layout),
             targets.to(device, non_blocking=True))

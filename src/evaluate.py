@@ -120,11 +120,16 @@ def count_predictions(model: nn.Module, loader, num_classes: int, device: torch.
         confidence = logits.softmax(dim=1).gather(1, predicted[:, None])[:, 0]
         sums[0] += F.cross_entropy(logits, targets, reduction="sum").double()
         sums[1] += (top == targets[:, None]).any(dim=1).sum()
-        confusion += torch.bincount(targets * num_classes + predicted,
-                                    minlength=num_classes * num_classes)
+        # index_add_, not bincount: bincount on CUDA reads the largest value back to the host.
+        confusion.index_add_(0, targets * num_classes + predicted,
+                             torch.ones_like(targets, dtype=confusion.dtype))
+        # The per-image list needs the batch's predictions on the host: one copy per batch
+        # (one GPU synchronisation), not one per misclassified image.
+        host = torch.stack([predicted.double(), confidence.double(),
+                            (predicted != targets).double()]).cpu()
         batch_indices = [next(indices) for _ in range(targets.size(0))]
-        for i in (predicted != targets).nonzero().flatten().tolist():
-            misclassified.append((batch_indices[i], int(predicted[i]), float(confidence[i])))
+        for i in host[2].nonzero().flatten().tolist():
+            misclassified.append((batch_indices[i], int(host[0, i]), float(host[1, i])))
     all_reduce_sum(confusion)
     all_reduce_sum(sums)
     gathered = sorted(row for rows in all_gather_objects(misclassified) for row in rows)

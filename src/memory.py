@@ -7,9 +7,11 @@ This module chooses that size:
 
 * ``measure_micro_batch`` runs one forward and backward on synthetic images and returns what it
   costs: the bytes the forward pass keeps for backward (counted with ``saved_tensors_hooks``), the
-  input, and the weights, gradients and optimizer state; on CUDA also the allocator's real peak.
-  A CPU with RAM to spare never raises out-of-memory, so there the count is what a budget
-  (``--max_memory_gb``) is checked against.
+  loaded batch's inputs, and the weights, gradients and optimizer state; and the real peak: on
+  CUDA the allocator's, on the CPU the process's resident high-water mark above what it held
+  before training (``ResidentMemory``). A CPU with RAM to spare never raises out-of-memory, so
+  there the measured peak is what a budget (``--max_memory_gb``) is checked against: the count
+  of saved tensors misses what the CPU kernels and the allocator hold (~half of the real peak).
 * ``fit_micro_batch`` starts at ``--batch_size / --accum_steps`` and halves: it skips the sizes
   that a linear estimate from a 2-image probe already puts over the budget (a trial would only
   overshoot it), and tries the others for real, halving on out-of-memory; every rank then takes
@@ -20,10 +22,12 @@ It never reads files; its only collective is that agreement.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -83,14 +87,28 @@ def halving_sizes(start: int, batch_size: int) -> list[int]:
     return sizes
 
 
+# How memory exhaustion reads when it is not torch's own OutOfMemoryError, lower-cased: the CPU
+# allocator; MPS; cuDNN, which reports a convolution whose workspace cannot be allocated as having
+# no usable algorithm or engine; cuBLAS failing to allocate its handle or workspace.
+OUT_OF_MEMORY_MESSAGES = (
+    "out of memory",
+    "can't allocate memory",
+    "unable to find a valid cudnn algorithm",
+    "was unable to find an engine",            # cuDNN v8/v9 frontend: "GET was unable to ..."
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "cublas_status_alloc_failed",
+)
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or an allocator failure reported as a plain RuntimeError (the
-    CPU's "can't allocate memory", MPS's "out of memory")."""
+    """CUDA's OutOfMemoryError, or memory exhaustion reported as a plain RuntimeError: the CPU's
+    "can't allocate memory", MPS's "out of memory", and on CUDA the cuDNN and cuBLAS errors that
+    usually mean their workspace did not fit (so fitting and the retry halve instead of crash)."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text
-                                              or "can't allocate memory" in text)
+    return isinstance(err, RuntimeError) and any(m in text for m in OUT_OF_MEMORY_MESSAGES)
 
 
 def release_memory(device: torch.device) -> None:
@@ -147,16 +165,19 @@ class StepCost:
     """What one forward and backward of ``size`` images costs, in bytes."""
     size: int
     state_bytes: int       # weights, gradients, buffers and optimizer state
-    batch_bytes: int       # the input and what the forward pass keeps for backward
-    peak_bytes: int = 0    # CUDA: the allocator's real peak, plus optimizer state still to come
+    batch_bytes: int       # what the forward pass keeps for backward (the input aside)
+    peak_bytes: int = 0    # the real peak, the inputs aside (0: not measured), plus the
+                           # optimizer state still to come
+    input_bytes: int = 0   # the loaded batch's inputs on the device during a step
 
     @property
     def total(self) -> int:
-        return max(self.state_bytes + self.batch_bytes, self.peak_bytes)
+        return max(self.state_bytes + self.batch_bytes, self.peak_bytes) + self.input_bytes
 
     def estimate(self, size: int) -> int:
-        """A first estimate for another size: the batch part grows linearly with it."""
-        return self.state_bytes + self.batch_bytes * size // self.size
+        """A first estimate for another size: the batch part grows linearly with it (the
+        inputs of the loaded batch do not: every micro-batch size holds all of them)."""
+        return self.state_bytes + self.batch_bytes * size // self.size + self.input_bytes
 
 
 def tensor_bytes(tensors) -> int:
@@ -176,11 +197,103 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return slots * params
 
 
+def batch_input_bytes(batch_size: int, image_size: int, device: torch.device,
+                      cache_images: str, channels_last: bool) -> int:
+    """Bytes of one loaded batch's float32 inputs that sit in ``device`` memory during its step.
+
+    The engine copies every micro-batch of a step to the device before the first forward (so
+    that an out-of-memory error there is agreed on before any collective), so the whole batch
+    is on the device, not one micro-batch. On the CPU that is the loaded batch itself. With
+    ``--cache_images gpu`` the loader already yields the batch on the device; the engine's
+    channels_last copy of it is a second one. (While the next batch is collated, uint8 copies
+    live for a moment too, but then the activations of the step before are already freed.)"""
+    copies = 2 if device.type == "cuda" and cache_images == "gpu" and channels_last else 1
+    return copies * batch_size * 3 * image_size * image_size * 4
+
+
+class ResidentMemory:
+    """This process's resident memory on Linux: ``VmRSS`` and its high-water mark ``VmHWM``
+    from /proc/self/status, the mark reset through /proc/self/clear_refs (Linux 4.0+).
+
+    Before each reset, glibc's ``malloc_trim`` hands freed heap pages back to the system: trials
+    run from large to small, and memory a larger trial freed but glibc kept would otherwise be
+    reused by the next one without raising the mark, hiding part of its peak.
+    ``getrusage``'s ru_maxrss cannot serve: it never goes down."""
+
+    STATUS = Path("/proc/self/status")
+    CLEAR_REFS = Path("/proc/self/clear_refs")
+
+    def __init__(self) -> None:
+        self.available = self.STATUS.is_file() and self.reset_peak()
+
+    @staticmethod
+    def _trim() -> None:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: nothing to hand back
+            pass
+
+    @staticmethod
+    def return_freed_blocks() -> None:
+        """From now on, glibc maps every block of 128 KiB or more on its own and unmaps it when
+        freed. By default it raises that threshold as blocks are freed (up to 32 MiB), then
+        serves tensors from its heap and keeps freed ones resident: a training run then holds
+        more than its trial measured (~30-90 MB here). Costs page faults (a few % on the CPU)."""
+        try:
+            ctypes.CDLL(None).mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            pass
+
+    def reset_peak(self) -> bool:
+        self._trim()
+        try:
+            self.CLEAR_REFS.write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def _field(self, name: str) -> int:
+        for line in self.STATUS.read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024   # kB
+        raise RuntimeError(f"{name} not in {self.STATUS}")
+
+    def current(self) -> int:
+        return self._field("VmRSS")
+
+    def peak(self) -> int:
+        return self._field("VmHWM")
+
+
+def resident_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the weights, buffers and existing optimizer state: resident before the trials,
+    yet part of what the budget covers."""
+    existing = sum(tensor_bytes(state.values()) for state in optimizer.state.values())
+    return tensor_bytes(model.parameters()) + tensor_bytes(model.buffers()) + existing
+
+
+def cpu_baseline(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 resident: ResidentMemory) -> int | None:
+    """What this process holds that the CPU budget does not cover (the interpreter, the
+    libraries, the dataset and its cache): the resident memory now, less the training state.
+    None where the resident memory cannot be measured. The budget then covers the same things
+    as on CUDA, where the allocator counts neither the libraries nor the CUDA context."""
+    if not resident.available:
+        return None
+    resident.return_freed_blocks()   # so that training holds what the trials measure
+    resident.reset_peak()   # also trims: what glibc keeps from building the model is not held
+    return resident.current() - resident_training_state(model, optimizer)
+
+
 @contextlib.contextmanager
-def saved_tensor_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
+def saved_tensor_bytes(model: nn.Module,
+                       exclude: torch.Tensor | None = None) -> Iterator[dict[int, int]]:
     """Counts the distinct storages that the forward pass inside keeps for backward, weights
-    excluded (they are counted once, as state). The dict maps storage address to bytes."""
+    and ``exclude`` (the input) left out: they are counted once, elsewhere. The dict maps
+    storage address to bytes."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if exclude is not None:
+        weights.add(exclude.untyped_storage().data_ptr())
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,17 +309,29 @@ def saved_tensor_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
 def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
                         precision: Any, device: torch.device, size: int, *,
                         image_shape: tuple[int, int, int], num_classes: int,
-                        channels_last: bool = False) -> StepCost:
+                        channels_last: bool = False, loaded_input_bytes: int = 0,
+                        cpu_baseline_bytes: int | None = None,
+                        resident: ResidentMemory | None = None) -> StepCost:
     """Run one forward and backward of ``size`` synthetic images on ``model`` (the plain model:
     no collective runs) and return what it cost.
+
+    ``loaded_input_bytes``: the loaded batch's inputs on the device during a step
+    (``batch_input_bytes``), counted instead of the trial's own input when larger. On the CPU,
+    with ``cpu_baseline_bytes`` (``cpu_baseline``) and ``resident``, the real peak is the
+    resident high-water mark of the trial above that baseline.
 
     Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
     the loader's position). The model's buffers, its gradients and the random state are left as
     they were. An out-of-memory error propagates to the caller."""
+    measure_rss = (device.type == "cpu" and cpu_baseline_bytes is not None
+                   and resident is not None and resident.available)
+    if measure_rss:
+        resident.reset_peak()
     generator = torch.Generator().manual_seed(size)
     images = torch.randn(size, *image_shape, generator=generator).to(
         device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     targets = torch.randint(0, num_classes, (size,), generator=generator).to(device)
+    image_bytes = tensor_bytes([images])
     snapshot, was_training = BufferSnapshot(model), model.training
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -214,13 +339,22 @@ def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, crit
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model.train()
-            with saved_tensor_bytes(model) as saved, precision.autocast(device):
+            # As in every micro-batch after a step's first: the accumulated gradients are
+            # already there during the forward pass (and backward adds into them).
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+            with saved_tensor_bytes(model, exclude=images) as saved, precision.autocast(device):
                 loss = criterion(model(images), targets)
             loss.backward()
-        batch_bytes = tensor_bytes([images]) + sum(saved.values())
+        batch_bytes = sum(saved.values())
         peak = 0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
+        elif measure_rss:
+            peak = resident.peak() - cpu_baseline_bytes
+        if peak:
+            peak -= image_bytes   # counted with the inputs below
             if not optimizer.state:  # not allocated yet: it will be at the first step
                 peak += optimizer_state_bytes(optimizer)
     finally:
@@ -229,7 +363,7 @@ def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, crit
         model.train(was_training)
     state = (2 * tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
              + optimizer_state_bytes(optimizer))
-    return StepCost(size, state, batch_bytes, peak)
+    return StepCost(size, state, batch_bytes, peak, max(image_bytes, loaded_input_bytes))
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -298,9 +432,16 @@ def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
     plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
     if cfg.auto_micro_batch:
         budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)
+        resident = ResidentMemory()
         measure = partial(measure_micro_batch, model, optimizer, criterion, precision, device,
                           image_shape=(3, cfg.image_size, cfg.image_size),
-                          num_classes=num_classes, channels_last=channels_last)
+                          num_classes=num_classes, channels_last=channels_last,
+                          loaded_input_bytes=batch_input_bytes(
+                              cfg.batch_size, cfg.image_size, device, cfg.cache_images,
+                              channels_last),
+                          cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
+                          if device.type == "cpu" else None,
+                          resident=resident)
         plan.micro_batch = fit_micro_batch(measure, start, cfg.batch_size, budget, device)
         if device.type == "cuda":
             # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near

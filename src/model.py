@@ -84,11 +84,16 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
     return next(name for name, module in root.named_modules() if module is target)
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # DDP, torch.compile
+
+
 def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes from keys."""
+    """Remove the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes from the start
+    of keys, however nested (``_orig_mod.module.``). Only from the start: a model's own
+    submodule may be called ``module`` or end in it (``...submodule.weight``)."""
     def clean(key: str) -> str:
-        for prefix in ("module.", "_orig_mod."):
-            key = key.replace(prefix, "")
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
         return key
     return {clean(k): v for k, v in state.items()}
 

@@ -42,12 +42,13 @@ from demo_data import write_demo_dataset
 from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
                          barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
                          log, setup_distributed, setup_logging)
-from engine import Precision, train_one_epoch, evaluate
+from engine import Precision, configure_backends, train_one_epoch, evaluate
 from errors import UserError
 from history import HistoryWriter
 from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
+from optim import restore_optimizer_state
 from preflight import check_batch_fits, check_device_options
 from run_folder import claim_run_folder
 from stopping import StopRequest, kill_point, maybe_inject_fault
@@ -61,15 +62,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def configure_determinism(cfg: TrainConfig, dist: DistInfo) -> None:
-    if dist.device.type == "cuda":
-        # cudnn.benchmark picks the fastest kernels, which may differ from run to run.
-        torch.backends.cudnn.benchmark = not cfg.deterministic
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
 
 
 def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
@@ -274,7 +266,7 @@ class Trainer:
                                         override=self.cfg.resume_override)
         from_flags = optimisation_settings(self.optimizer, self.scheduler)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
-        self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
+        restore_optimizer_state(self.optimizer, ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
         if changes:   # --resume_override: the new values, over the loaded moments and step count
             apply_optimisation_settings(self.optimizer, self.scheduler, from_flags)
@@ -491,7 +483,7 @@ def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
 def train(cfg: TrainConfig, dist: DistInfo) -> int:
     if cfg.low_memory:
         log.info(preset_summary(cfg, "low_memory"))
-    configure_determinism(cfg, dist)
+    configure_backends(dist.device, cfg.deterministic)
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)
     trainer.resume()

@@ -1,0 +1,54 @@
+"""Optimizer state across runs: a resumed optimizer runs with this run's own kernels and its
+parameters' device, dtype and memory layout, whatever the checkpoint was written with."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Param-group options that choose how the update runs, not what it computes: they belong to
+# the run (its device, its precision), not to the checkpoint.
+IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def restore_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, then this run's implementation options back in
+    every param group, and every state tensor shaped like its parameter.
+
+    ``load_state_dict`` restores the saved groups whole, ``fused``/``foreach`` included, and
+    keeps each state tensor's saved strides. So a checkpoint written on another device or
+    memory layout breaks the resumed run: a CPU checkpoint resumed on CUDA loses ``fused`` while
+    the GradScaler passes ``grad_scale`` ("Expected grad_scale and found_inf to be None"); a
+    channels_last switch makes CUDA's fused kernel refuse mismatched layouts; a CUDA checkpoint
+    resumed on the CPU brings ``fused=True`` back, and the CPU fused kernel pairs channels_last
+    moments with contiguous parameters element by element: silently wrong updates.
+
+    Values are kept exactly: moments are copied into tensors laid out like their parameter
+    (``empty_like`` keeps its device, dtype and strides; ``copy_`` maps element to element by
+    index), and ``step`` keeps its value where this run's options want it: on the parameter's
+    device as float32 for fused or capturable kernels, else on the host (as torch.optim keeps it
+    so that no kernel launch is needed to count steps).
+    """
+    own = [{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}
+           for group in optimizer.param_groups]
+    optimizer.load_state_dict(state_dict)
+    with torch.no_grad():
+        for group, options in zip(optimizer.param_groups, own):
+            group.update(options)
+            step_on_device = bool(group.get("fused") or group.get("capturable"))
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                for key, value in (state or {}).items():
+                    if torch.is_tensor(value):
+                        state[key] = _like_param(key, value, param, step_on_device)
+
+
+def _like_param(key: str, value: torch.Tensor, param: torch.Tensor,
+                step_on_device: bool) -> torch.Tensor:
+    if key == "step":
+        return (value.to(device=param.device, dtype=torch.float32) if step_on_device
+                else value.to("cpu"))
+    if value.shape != param.shape:   # a per-parameter scalar or the like: its device only
+        return value.to(param.device)
+    dtype = param.dtype if value.is_floating_point() else value.dtype
+    return torch.empty_like(param, dtype=dtype).copy_(value)
