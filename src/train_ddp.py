@@ -10,6 +10,7 @@ Run it through the launcher, under torchrun directly, or alone (world size 1):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import platform
@@ -160,10 +161,19 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
         # statistics in training, and rank 0's running statistics (the ones saved) are the
         # same either way; broadcast_buffers() hands them to every rank before evaluation.
         model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                    broadcast_buffers=False)
+                    **no_forward_buffer_sync())
     if cfg.compile:
         model = compile_model(model)
     return model
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
+    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def compile_model(model: nn.Module) -> nn.Module:

@@ -94,3 +94,27 @@ def test_help_into_a_closed_pipe_ends_quietly(tool: Path):
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
     # 141 (128 + SIGPIPE) where the tool noticed; argparse's own help swallows the error.
     assert code in (0, 141), (code, stderr)
+
+
+def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
+    """torch 2.14 warns at every DDP built with broadcast_buffers; the trainer's choice of
+    flag keeps the behaviour (no buffer broadcast in each forward) without the warning."""
+    import warnings
+
+    import torch.distributed as torch_dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from train_ddp import no_forward_buffer_sync
+
+    store = torch_dist.FileStore(str(tmp_path / "store"), 1)
+    torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = DDP(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)),
+                      **no_forward_buffer_sync())
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+        # Whichever name this torch knows, buffers are not synced in each forward.
+        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+    finally:
+        torch_dist.destroy_process_group()
