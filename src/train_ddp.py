@@ -346,8 +346,12 @@ class Trainer:
         self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+        weights = self.plain_model.state_dict()
         return {
-            "model_state_dict": self.plain_model.state_dict(),
+            "model_state_dict": weights,
+            # The key timm's load_checkpoint / validate.py / create_model(checkpoint_path=)
+            # read. The same dict: torch.save stores each tensor once, so the file does not grow.
+            "state_dict": weights,
             "optimizer_state_dict": self.optimizer.state_dict(),
             "scheduler_state_dict": self.scheduler.state_dict(),
             "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,

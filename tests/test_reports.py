@@ -12,11 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SRC, write_image_folder
+from conftest import ROOT, SRC, TINY_FLAGS, write_image_folder
 from checkpoint import CheckpointError, load_checkpoint_file
 from confusion import FULL_MATRIX_MAX_CLASSES, most_confused_pairs
 from evaluate import main as evaluate_main
 from model import build_model
+
+
+@pytest.fixture(autouse=True)
+def restore_trainer_logger():
+    """The tools' main() set up the "trainer" logger for their run; give other tests theirs
+    back."""
+    import logging
+
+    logger = logging.getLogger("trainer")
+    saved = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in logger.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    logger.handlers[:] = saved[0]
+    logger.propagate, logger.level = saved[1], saved[2]
 
 
 def test_most_confused_pairs_by_count_then_matrix_order():
@@ -118,3 +134,26 @@ def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
         assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
     finally:
         torch_dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatch):
+    """timm's load_checkpoint (what its validate.py calls) and create_model(checkpoint_path=)
+    read the `state_dict` key of a checkpoint written by a real training run."""
+    import timm
+    from timm.models import load_checkpoint
+
+    from train_ddp import main as train_main
+
+    train, val = tiny_dataset
+    monkeypatch.chdir(tmp_path)
+    assert train_main(["--device", "cpu", "--train_dir", str(train), "--val_dir", str(val),
+                       "--epochs", "1", *TINY_FLAGS]) == 0
+    best = tmp_path / "checkpoints" / "checkpoint_best.pth"
+    saved = torch.load(best, map_location="cpu", weights_only=True)
+    model = timm.create_model("resnet18", num_classes=3)
+    load_checkpoint(model, str(best))          # strict: every key must match
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved["model_state_dict"][name]), name
+    built = timm.create_model("resnet18", num_classes=3, checkpoint_path=str(best))
+    assert torch.equal(built.fc.weight, saved["model_state_dict"]["fc.weight"])
