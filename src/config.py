@@ -144,25 +144,49 @@ NEGATABLE = sorted({name for preset in PRESETS.values() for name, value in prese
                     if value is True})
 
 
+# How ``--help`` groups the flags; every field of TrainConfig is in exactly one group.
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("train_dir", "val_dir", "demo", "image_size", "num_workers", "cache_images",
+             "prefetch_factor", "crop_scale_min", "hflip"),
+    "model": ("model", "pretrained", "pretrained_path", "compile"),
+    "optimisation": ("epochs", "batch_size", "accum_steps", "learning_rate", "weight_decay",
+                     "optimizer", "momentum", "scheduler", "warmup_epochs", "step_size", "gamma",
+                     "lr_scaling", "label_smoothing"),
+    "precision and memory": ("use_amp", "amp_dtype", "channels_last", "low_memory",
+                             "auto_micro_batch", "max_memory_gb", "grad_checkpointing"),
+    "distributed": ("device", "sync_bn", "dist_timeout_minutes", "check_sync", "distributed"),
+    "checkpoints and logging": ("checkpoint_dir", "log_dir", "log_interval", "resume",
+                                "save_every_steps", "seed", "deterministic"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """One ``--flag`` per field; every default is SUPPRESS so we can tell what the user typed."""
+    """One ``--flag`` per field, in HELP_GROUPS's groups; every default is SUPPRESS so we can
+    tell what the user typed."""
     parser = argparse.ArgumentParser(
         prog="train_ddp.py",
         description="Train an image classifier on an ImageFolder dataset, on 1..N processes.",
         argument_default=argparse.SUPPRESS,
     )
-    for f in dataclasses.fields(TrainConfig):
-        meta = dict(f.metadata)
-        help_text = f"{meta.pop('help')} (default: {f.default})"
-        flag = f"--{f.name}"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
-            if f.name in NEGATABLE:
-                parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
-                                    help=f"turn --{f.name} off (a preset may turn it on)")
-        else:
-            parser.add_argument(flag, type=_field_type(f), help=help_text, **meta)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for title, names in HELP_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_flag(group, fields[name])
     return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    meta = dict(f.metadata)
+    help_text = f"{meta.pop('help')} (default: {f.default})"
+    flag = f"--{f.name}"
+    if f.type in ("bool", bool):
+        group.add_argument(flag, action="store_true", help=help_text)
+        if f.name in NEGATABLE:
+            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                               help=f"turn --{f.name} off (a preset may turn it on)")
+    else:
+        group.add_argument(flag, type=_field_type(f), help=help_text, **meta)
 
 
 def _field_type(f: dataclasses.Field) -> type:

@@ -157,3 +157,21 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
         assert torch.equal(tensor, saved["model_state_dict"][name]), name
     built = timm.create_model("resnet18", num_classes=3, checkpoint_path=str(best))
     assert torch.equal(built.fc.weight, saved["model_state_dict"]["fc.weight"])
+
+
+def test_help_lists_every_trainer_flag_once_in_its_group():
+    import dataclasses
+
+    from config import HELP_GROUPS, TrainConfig, build_parser
+
+    grouped = [name for names in HELP_GROUPS.values() for name in names]
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert sorted(grouped) == sorted(fields)      # none left out, none twice
+    help_text = build_parser().format_help()
+    titles = [f"{title}:" for title in HELP_GROUPS]
+    assert all(title in help_text.splitlines() for title in titles), help_text
+    # Each flag appears under its own group's title.
+    for title, names in HELP_GROUPS.items():
+        section = help_text.split(f"\n{title}:\n", 1)[1].split("\n\n", 1)[0]
+        for name in names:
+            assert f"--{name}" in section, (title, name)
