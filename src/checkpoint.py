@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -59,21 +61,37 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            raise CheckpointError(
-                f"refused to load {path}: it contains Python objects other than tensors and "
-                "plain values, which could run code when unpickled (loaded with "
-                "weights_only=True); only load checkpoints from sources you trust") from None
-        raise CheckpointError(f"checkpoint {path} is corrupt ({err})") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated "
-                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-                              ) from None
+        with warnings.catch_warnings():
+            # torch warns about the pickle protocol of any non-zip file before failing on it;
+            # the error below says what the file is.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as err:  # a damaged file can make the unpickler raise almost anything
+        raise _load_error(path, err) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict")
     return obj
+
+
+def _load_error(path: Path, err: Exception) -> CheckpointError:
+    """Name what is wrong with a file that ``torch.load`` refused."""
+    message = str(err)
+    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in message:
+        # A real pickle naming classes or functions: loading it could run code.
+        return CheckpointError(
+            f"refused to load {path}: it contains Python objects other than tensors and "
+            "plain values, which could run code when unpickled (loaded with "
+            "weights_only=True); only load checkpoints from sources you trust")
+    if not zipfile.is_zipfile(path):
+        # torch.save writes a zip archive (since torch 1.6); its index sits at the end, so a
+        # truncated copy is no longer a zip either.
+        return CheckpointError(f"{path} is not a readable PyTorch checkpoint: corrupt or "
+                               f"truncated, or another kind of file ({path.stat().st_size} "
+                               "bytes); give a .pth file written by src/train_ddp.py")
+    first_line = message.splitlines()[0] if message else type(err).__name__
+    return CheckpointError(f"checkpoint {path} is corrupt ({first_line})")
 
 
 def load_training_checkpoint(path: Path) -> dict[str, Any]:

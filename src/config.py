@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from errors import UserError
@@ -158,25 +160,53 @@ NEGATABLE = sorted({name for preset in PRESETS.values() for name, value in prese
                     if value is True})
 
 
+# How ``--help`` groups the flags; every field of TrainConfig is in exactly one group.
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("train_dir", "val_dir", "demo", "image_size", "num_workers", "cache_images",
+             "prefetch_factor", "crop_scale_min", "hflip"),
+    "model": ("model", "pretrained", "pretrained_path", "compile"),
+    "optimisation": ("epochs", "batch_size", "accum_steps", "learning_rate", "weight_decay",
+                     "optimizer", "momentum", "scheduler", "warmup_epochs", "step_size", "gamma",
+                     "lr_scaling", "label_smoothing"),
+    "precision and memory": ("use_amp", "amp_dtype", "channels_last", "low_memory",
+                             "auto_micro_batch", "max_memory_gb", "grad_checkpointing"),
+    "distributed": ("device", "sync_bn", "dist_timeout_minutes", "check_sync", "distributed"),
+    "checkpoints and logging": ("checkpoint_dir", "log_dir", "log_interval", "resume",
+                                "save_every_steps", "seed", "deterministic"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """One ``--flag`` per field; every default is SUPPRESS so we can tell what the user typed."""
+    """One ``--flag`` per field, in HELP_GROUPS's groups; every default is SUPPRESS so we can
+    tell what the user typed."""
     parser = argparse.ArgumentParser(
         prog="train_ddp.py",
         description="Train an image classifier on an ImageFolder dataset, on 1..N processes.",
         argument_default=argparse.SUPPRESS,
     )
-    for f in dataclasses.fields(TrainConfig):
-        meta = dict(f.metadata)
-        help_text = f"{meta.pop('help')} (default: {f.default})"
-        flag = f"--{f.name}"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
-            if f.name in NEGATABLE:
-                parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
-                                    help=f"turn --{f.name} off (a preset may turn it on)")
-        else:
-            parser.add_argument(flag, type=_field_type(f), help=help_text, **meta)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    run_files = parser.add_argument_group("run files")
+    for action in run_file_parser()._actions:
+        run_files.add_argument(*action.option_strings, help=action.help,
+                               **({"action": "store_true"} if action.nargs == 0 else {}))
+    for title, names in HELP_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_flag(group, fields[name])
     return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    meta = dict(f.metadata)
+    help_text = f"{meta.pop('help')} (default: {f.default})"
+    flag = f"--{f.name}"
+    if f.type in ("bool", bool):
+        group.add_argument(flag, action="store_true", help=help_text)
+        if f.name in NEGATABLE:
+            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false",
+                               help=f"turn --{f.name} off (a preset may turn it on)")
+    else:
+        group.add_argument(flag, type=_field_type(f), help=help_text, **meta)
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -184,13 +214,95 @@ def _field_type(f: dataclasses.Field) -> type:
     return {"int": int, "float": float, "str": str}[name]
 
 
+# Flags of launch_ddp.py that a run file may also hold (the launcher reads them; the trainer
+# accepts and ignores them, so one file serves both), with the YAML types each accepts.
+LAUNCHER_KEYS: dict[str, tuple[type, ...]] = {
+    "num_gpus": (int, str), "nproc": (int,), "nnodes": (int,), "node_rank": (int,),
+    "master_addr": (str,), "master_port": (int,), "rdzv_id": (str,), "max_restarts": (int,),
+}
+
+
+def run_file_parser() -> argparse.ArgumentParser:
+    """The flags that name a run file or print the resolved configuration; understood by the
+    launcher and the trainer alike, before their other flags."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML run file: keys are flag names (trainer or launcher); flags "
+                             "on the command line win")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the resolved configuration as YAML and exit")
+    return parser
+
+
+def read_run_file(path: Path) -> dict[str, Any]:
+    """The flag values of a YAML run file, each checked against its flag's type, or one error
+    naming the key and the file."""
+    import yaml  # only runs that name a file pay for the import
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"--config {path}: not a readable YAML file "
+                        f"({str(err).splitlines()[0]})") from None
+    if not path.is_file():
+        raise UserError(f"--config {path}: no such file")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of flag names to values, found "
+                        f"a {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key in LAUNCHER_KEYS:
+            expected = LAUNCHER_KEYS[key]
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise UserError(f"--config {path}: {key} must be "
+                                f"{' or '.join(t.__name__ for t in expected)}, got {value!r}")
+        elif key in fields:
+            value = _checked_file_value(path, fields[key], value)
+        else:
+            close = difflib.get_close_matches(key.replace("-", "_"), [*fields, *LAUNCHER_KEYS],
+                                              n=1)
+            raise UserError(f"--config {path}: unknown key '{key}'"
+                            + (f" (did you mean '{close[0]}'?)" if close else
+                               "; keys are the flag names without '--', see --help"))
+        values[key] = value
+    return values
+
+
+def _checked_file_value(path: Path, f: dataclasses.Field, value: Any) -> Any:
+    """``value`` as the field's type (YAML's 3 becomes 3.0 for a float flag), or one error."""
+    type_name = str(f.type)
+    optional = "None" in type_name
+    if value is None and optional:
+        return None
+    kind = _field_type(f) if type_name.replace(" | None", "") != "bool" else bool
+    # YAML reads 3 as an int: accept it for a float, but never a bool for a number.
+    accepted = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        raise UserError(f"--config {path}: {f.name} must be {kind.__name__}"
+                        f"{' or null' if optional else ''}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"--config {path}: {f.name} must be one of {', '.join(choices)}, "
+                        f"got {value!r}")
+    return float(value) if kind is float else value
+
+
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Defaults, then the presets a flag switched on, then what the user typed explicitly."""
-    explicit = vars(build_parser().parse_args(argv))
+    """Defaults, then the presets switched on, then the run file (``--config``), then what the
+    user typed explicitly: the command line wins."""
+    run_flags, rest = run_file_parser().parse_known_args(argv)
+    from_file = read_run_file(run_flags.config) if run_flags.config else {}
+    explicit = vars(build_parser().parse_args(rest))
+    chosen = {**from_file, **explicit}
     values: dict[str, Any] = {}
     for switch, preset in PRESETS.items():
-        if explicit.get(switch):
+        if chosen.get(switch):
             values.update(preset)
+    values.update({k: v for k, v in from_file.items() if k not in LAUNCHER_KEYS})
     values.update(explicit)
     if explicit.get("demo") and "overwrite" not in explicit and (
             "resume" in explicit or "checkpoint_dir" in explicit or "log_dir" in explicit):
@@ -199,6 +311,14 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg
+
+
+def config_yaml(cfg: TrainConfig, launcher: dict[str, Any] | None = None) -> str:
+    """The resolved configuration as a run file: ``--config`` of this text repeats the run."""
+    import yaml
+
+    header = "# Resolved configuration; rerun with: python launch_ddp.py --config <this file>\n"
+    return header + yaml.safe_dump({**(launcher or {}), **cfg.to_dict()}, sort_keys=False)
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -3,9 +3,10 @@
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
 
-Writes OUTPUT/metrics.json (top-1, top-5, loss, per-class precision/recall/accuracy, counts and
-the confusion matrix), OUTPUT/confusion_matrix.png and OUTPUT/misclassified.csv, and prints the
-worst classes. The checkpoint is all it needs. Under torchrun each image is evaluated by exactly
+Writes OUTPUT/metrics.json (top-1, top-5, loss, per-class precision/recall/accuracy and counts),
+OUTPUT/confusion_matrix.csv (the whole matrix), OUTPUT/misclassified.csv and a drawing: up to 100
+classes the full matrix (OUTPUT/confusion_matrix.png, also inlined in metrics.json), above that the
+most-confused pairs and the worst classes (OUTPUT/confusion_summary.png). Prints the worst classes. The checkpoint is all it needs. Under torchrun each image is evaluated by exactly
 one process and the counts are summed over processes, so the metrics are exact whatever the
 number of processes.
 """
@@ -15,6 +16,7 @@ import argparse
 import csv
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from confusion import format_worst_classes, per_class_metrics, plot_confusion_matrix
+from confusion import (FULL_MATRIX_MAX_CLASSES, format_worst_classes, per_class_metrics,
+                       plot_confusion_matrix, plot_confusion_summary, write_confusion_csv)
 from data import (ReadableImageFolder, SeededImageDataset, ShardSampler,
                   default_num_workers, find_classes, leave_out_unreadable, make_loader)
 from distributed import (DistInfo, all_gather_objects, all_reduce_sum,
@@ -150,7 +153,11 @@ def build_metrics(counts: EvalCounts, class_names: list[str], args: argparse.Nam
         "loss": counts.loss_sum / images,
         "per_class": per_class_metrics(counts.confusion, class_names),
         "class_names": class_names,
-        "confusion_matrix": counts.confusion.tolist(),   # rows: true class, columns: predicted
+        # rows: true class, columns: predicted. Inlined only while it stays readable; the CSV
+        # always has it.
+        **({"confusion_matrix": counts.confusion.tolist()}
+           if len(class_names) <= FULL_MATRIX_MAX_CLASSES else {}),
+        "confusion_matrix_csv": "confusion_matrix.csv",
     }
 
 
@@ -162,15 +169,26 @@ class ReportWriter:
         self.enabled = enabled
 
     def write(self, metrics: dict[str, Any], counts: EvalCounts,
-              folder: ReadableImageFolder) -> None:
+              folder: ReadableImageFolder) -> list[Path]:
+        """The files written, in the order a reader wants them."""
         if not self.enabled:
-            return
+            return []
         self.output.mkdir(parents=True, exist_ok=True)
-        (self.output / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        files = [self.output / "metrics.json", self.output / "confusion_matrix.csv",
+                 self.output / "misclassified.csv"]
+        files[0].write_text(json.dumps(metrics, indent=2) + "\n")
+        class_names = metrics["class_names"]
+        write_confusion_csv(counts.confusion, class_names, files[1])
         self.write_misclassified(counts, folder)
-        plot_confusion_matrix(
-            counts.confusion, metrics["class_names"], self.output / "confusion_matrix.png",
-            f"{metrics['data_dir']}: top-1 {metrics['top1']:.3f}, {metrics['images']} images")
+        title = f"{metrics['data_dir']}: top-1 {metrics['top1']:.3f}, {metrics['images']} images"
+        if len(class_names) <= FULL_MATRIX_MAX_CLASSES:
+            files.append(self.output / "confusion_matrix.png")
+            plot_confusion_matrix(counts.confusion, class_names, files[-1], title)
+        else:
+            files.append(self.output / "confusion_summary.png")
+            plot_confusion_summary(counts.confusion, class_names, metrics["per_class"],
+                                   files[-1], title)
+        return files
 
     def write_misclassified(self, counts: EvalCounts, folder: ReadableImageFolder) -> None:
         """Most confident mistakes first: they are the likeliest label errors in the data."""
@@ -198,15 +216,19 @@ def run(args: argparse.Namespace, dist: DistInfo) -> int:
                          std=classifier.std)
     log.info(f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
              f"({dist.world_size} process(es) on {dist.device.type})")
+    started = time.perf_counter()
     counts = count_predictions(classifier.model, loader, len(classifier.class_names),
                                dist.device, show_progress=dist.is_main)
+    evaluated = time.perf_counter()
     metrics = build_metrics(counts, classifier.class_names, args, unreadable)
-    ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
+    written = ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
+    log.info(f"Timing: evaluation pass {evaluated - started:.2f}s, report "
+             f"{time.perf_counter() - evaluated:.2f}s")
     log.info(f"top-1 {metrics['top1']:.4f}  top-5 {metrics['top5']:.4f}  loss "
              f"{metrics['loss']:.4f}  ({metrics['correct']}/{metrics['images']} correct)")
     log.info(format_worst_classes(metrics["per_class"], WORST_CLASSES_SHOWN))
-    log.info(f"Wrote {args.output / 'metrics.json'}, {args.output / 'confusion_matrix.png'}, "
-             f"{args.output / 'misclassified.csv'}")
+    if written:
+        log.info("Wrote " + ", ".join(map(str, written)))
     return 0
 
 

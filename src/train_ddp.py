@@ -14,6 +14,7 @@ import time
 IMPORTS_STARTED = time.time()  # for bench/startup.py: what the imports below cost
 
 import hashlib
+import inspect
 import math
 import os
 import platform
@@ -119,10 +120,19 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
         # statistics in training, and rank 0's running statistics (the ones saved) are the
         # same either way; broadcast_buffers() hands them to every rank before evaluation.
         model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                    broadcast_buffers=False)
+                    **no_forward_buffer_sync())
     if cfg.compile:
         model = compile_model(model)
     return model
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
+    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def compile_model(model: nn.Module) -> nn.Module:
@@ -315,8 +325,12 @@ class Trainer:
             raise UserError(error)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
+        weights = self.plain_model.state_dict()
         return {
-            "model_state_dict": self.plain_model.state_dict(),
+            "model_state_dict": weights,
+            # The key timm's load_checkpoint / validate.py / create_model(checkpoint_path=)
+            # read. The same dict: torch.save stores each tensor once, so the file does not grow.
+            "state_dict": weights,
             "optimizer_state_dict": self.optimizer.state_dict(),
             "scheduler_state_dict": self.scheduler.state_dict(),
             "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,

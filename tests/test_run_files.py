@@ -1,0 +1,63 @@
+"""YAML run files: --config sets any flag, the command line wins, bad keys and types are one
+error naming the key and the file, and the resolved configuration reruns to itself."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from config import LAUNCHER_KEYS, config_yaml, parse_config
+from errors import UserError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_file_sets_flags_and_the_command_line_wins(tmp_path: Path):
+    run = write(tmp_path, "epochs: 3\nlearning_rate: 1\nuse_amp: true\nbatch_size: 16\n"
+                          "nproc: 2\nmax_memory_gb: null\n")
+    cfg = parse_config(["--config", str(run), "--epochs", "5"])
+    assert (cfg.epochs, cfg.learning_rate, cfg.use_amp, cfg.batch_size) == (5, 1.0, True, 16)
+    assert isinstance(cfg.learning_rate, float)
+
+
+def test_a_preset_switched_on_in_the_file_applies_under_the_files_values(tmp_path: Path):
+    cfg = parse_config(["--config", str(write(tmp_path, "demo: true\nepochs: 2\n"))])
+    assert cfg.demo and cfg.image_size == 32 and cfg.epochs == 2   # preset, then the file
+
+
+@pytest.mark.parametrize("text, phrases", [
+    ("epoch: 3\n", ["unknown key 'epoch'", "did you mean 'epochs'"]),
+    ("epochs: three\n", ["epochs must be int", "'three'"]),
+    ("use_amp: 1\n", ["use_amp must be bool"]),
+    ("batch_size: true\n", ["batch_size must be int"]),
+    ("optimizer: adam\n", ["optimizer must be one of adamw, sgd"]),
+    ("nproc: two\n", ["nproc must be int"]),
+    ("- epochs\n", ["expected a mapping"]),
+    ("epochs: [1\n", ["not a readable YAML file"]),
+])
+def test_bad_keys_and_types_name_the_key_and_the_file(tmp_path: Path, text: str,
+                                                       phrases: list[str]):
+    run = write(tmp_path, text)
+    with pytest.raises(UserError) as err:
+        parse_config(["--config", str(run)])
+    message = str(err.value)
+    assert str(run) in message and "\n" not in message
+    for phrase in phrases:
+        assert phrase in message, message
+
+
+def test_a_missing_file_is_one_error(tmp_path: Path):
+    with pytest.raises(UserError, match="no such file"):
+        parse_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_the_resolved_configuration_reruns_to_the_same_configuration(tmp_path: Path):
+    cfg = parse_config(["--low_memory", "--epochs", "7", "--no_channels_last",
+                        "--resume", "auto", "--learning_rate", "0.02"])
+    resolved = write(tmp_path, config_yaml(cfg, {"nproc": 2}))
+    assert parse_config(["--config", str(resolved)]) == cfg
+    assert set(LAUNCHER_KEYS) >= {"nproc"}
