@@ -172,7 +172,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                              "auto_micro_batch", "max_memory_gb", "grad_checkpointing"),
     "distributed": ("device", "sync_bn", "dist_timeout_minutes", "check_sync", "distributed"),
     "checkpoints and logging": ("checkpoint_dir", "log_dir", "log_interval", "resume",
-                                "save_every_steps", "seed", "deterministic"),
+                                "resume_override", "overwrite", "save_every_steps", "seed",
+                                "deterministic"),
 }
 
 
@@ -304,8 +305,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
             values.update(preset)
     values.update({k: v for k, v in from_file.items() if k not in LAUNCHER_KEYS})
     values.update(explicit)
-    if explicit.get("demo") and "overwrite" not in explicit and (
-            "resume" in explicit or "checkpoint_dir" in explicit or "log_dir" in explicit):
+    if chosen.get("demo") and "overwrite" not in chosen and (
+            chosen.get("resume") or "checkpoint_dir" in chosen or "log_dir" in chosen):
         # The demo starts over only in its own folders, and never when asked to resume.
         values["overwrite"] = False
     cfg = TrainConfig(**values)
