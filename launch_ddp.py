@@ -22,6 +22,7 @@ progress and, when a rank fails, that rank's error line (and a bug's traceback) 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -39,7 +40,8 @@ TRAIN_SCRIPT = SRC / "train_ddp.py"
 QUICK_EXIT = SRC / "quick_exit.py"
 sys.path.insert(0, str(SRC))
 
-from config import parse_config  # noqa: E402
+from config import (LAUNCHER_FLAGS_ENV, LAUNCHER_KEYS, config_yaml, parse_config,  # noqa: E402
+                    read_run_file, run_file_parser)
 from errors import UserError, exit_on_user_error  # noqa: E402
 from lifecycle import (REPORT_DIR_ENV, STOP_SIGNALS, die_with_parent, exit_code_for,  # noqa: E402
                        mark, read_outcomes)
@@ -204,6 +206,24 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
     return torchrun_code
 
 
+def launcher_defaults(run_file: dict) -> dict:
+    """The launcher's own keys of a run file, as its parser's defaults (``device`` is both a
+    launcher and a trainer flag)."""
+    defaults = {k: v for k, v in run_file.items() if k in LAUNCHER_KEYS or k == "device"}
+    if "num_gpus" in defaults:
+        defaults["num_gpus"] = str(defaults["num_gpus"])
+    return defaults
+
+
+def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
+    """The launcher flags that a run file must hold to repeat this run."""
+    flags = {"num_gpus": args.num_gpus, "nproc": nproc if args.num_gpus is None else None,
+             "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+             "master_port": args.master_port, "rdzv_id": args.rdzv_id,
+             "max_restarts": args.max_restarts}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     mark("launcher start")
@@ -212,15 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.help:
         print_help(parser)
         return 0
+    # A run file's launcher keys are defaults that the command line overrides; the file itself
+    # goes to the workers unchanged (they read its trainer keys).
+    run_flags, _ = run_file_parser().parse_known_args(trainer_args)
+    if run_flags.config:
+        parser.set_defaults(**launcher_defaults(read_run_file(run_flags.config)))
+        args, trainer_args = parser.parse_known_args(argv)
     device, nproc = resolve_device_and_nproc(args)
+    # Bad input found without torch: one line and exit 2 here, before torchrun starts.
+    cfg = parse_config(["--device", device, *trainer_args])
+    if run_flags.print_config:
+        print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
+        return 0
     command = torchrun_command(args, device, nproc, trainer_args)
     print("Running: " + shlex.join(command), flush=True)
     if args.dry_run:
         return 0
-    # Bad input found without torch: one line and exit 2 here, before torchrun starts.
-    cfg = parse_config(["--device", device, *trainer_args])
     launcher_checks(cfg, device, world_size=nproc * args.nnodes)
     env = dict(os.environ)
+    env[LAUNCHER_FLAGS_ENV] = json.dumps(resolved_launcher_flags(args, nproc))
     # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return run_torchrun(command, env, Path(cfg.log_dir))

@@ -314,6 +314,22 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def print_config_requested(argv: Sequence[str] | None) -> bool:
+    return run_file_parser().parse_known_args(argv)[0].print_config
+
+
+# The launcher hands its resolved flags to the workers here (JSON), so the configuration a run
+# writes repeats the launcher's part too.
+LAUNCHER_FLAGS_ENV = "TRAIN_DDP_LAUNCHER_FLAGS"
+
+
+def launcher_flags_from_env() -> dict[str, Any]:
+    import json
+    import os
+
+    return json.loads(os.environ.get(LAUNCHER_FLAGS_ENV, "{}"))
+
+
 def config_yaml(cfg: TrainConfig, launcher: dict[str, Any] | None = None) -> str:
     """The resolved configuration as a run file: ``--config`` of this text repeats the run."""
     import yaml

@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (CheckpointWriter, apply_optimisation_settings, check_resume_fits,
                         check_resume_settings, find_resume_checkpoint, load_training_checkpoint,
                         optimisation_settings)
-from config import TrainConfig, parse_config, preset_summary
+from config import (TrainConfig, config_yaml, launcher_flags_from_env, parse_config,
+                    preset_summary, print_config_requested)
 from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
                   default_num_workers, make_loader)
 from demo_data import write_demo_dataset
@@ -51,7 +52,7 @@ from memory import build_memory_plan, enable_memory_savers
 from model import build_model, unwrap_model
 from optim import restore_optimizer_state
 from preflight import check_batch_fits, check_device_options
-from run_folder import claim_run_folder
+from run_folder import atomic_write, claim_run_folder
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
 DEMO_ROOT = Path("data/demo")
@@ -484,6 +485,15 @@ def run(cfg: TrainConfig, dist: DistInfo) -> int:
         return train(cfg, dist)
 
 
+def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
+    """<log_dir>/config.yaml: ``python launch_ddp.py --config`` of it repeats this run."""
+    if dist.is_main:
+        path = Path(cfg.log_dir) / "config.yaml"
+        text = config_yaml(cfg, launcher_flags_from_env()).encode()
+        atomic_write(path, lambda f: f.write(text), lambda: len(text))
+        log.info(f"Configuration: {path} (rerun: python launch_ddp.py --config {path})")
+
+
 def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     """One run per checkpoint folder, never over another run's results: the main process locks
     the folder and checks it; every rank takes part in sharing the verdict."""
@@ -495,6 +505,7 @@ def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
 
 
 def train(cfg: TrainConfig, dist: DistInfo) -> int:
+    write_run_config(cfg, dist)
     if cfg.low_memory:
         log.info(preset_summary(cfg, "low_memory"))
     configure_backends(dist.device, cfg.deterministic)
@@ -515,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mark("worker start", at=IMPORTS_STARTED)
     mark("imports done")
     cfg = parse_config(argv)
+    if print_config_requested(argv):
+        print(config_yaml(cfg, launcher_flags_from_env()), end="")
+        return 0
     dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
     mark("process group ready")
     try:

@@ -61,3 +61,37 @@ def test_the_resolved_configuration_reruns_to_the_same_configuration(tmp_path: P
     resolved = write(tmp_path, config_yaml(cfg, {"nproc": 2}))
     assert parse_config(["--config", str(resolved)]) == cfg
     assert set(LAUNCHER_KEYS) >= {"nproc"}
+
+
+def test_launcher_bad_key_is_one_line_and_exit_2(tmp_path: Path):
+    from conftest import ROOT, assert_user_error, run_cli
+
+    run = write(tmp_path, "epochs: 2\nlerning_rate: 0.1\n")
+    result = run_cli([ROOT / "launch_ddp.py", "--config", run], cwd=tmp_path)
+    assert_user_error(result, "unknown key 'lerning_rate'", str(run))
+
+
+@pytest.mark.slow
+def test_a_run_from_a_file_writes_the_config_that_repeats_it(tiny_dataset, tmp_path: Path):
+    """Through the launcher: the file's launcher key (nproc) and trainer keys are used, the
+    command line wins, and <log_dir>/config.yaml resolves to the same configuration."""
+    import yaml
+
+    from conftest import ROOT, run_cli
+
+    train, val = tiny_dataset
+    run = write(tmp_path, f"train_dir: {train}\nval_dir: {val}\nimage_size: 16\nbatch_size: 8\n"
+                          "num_workers: 0\nepochs: 3\nnproc: 2\ndevice: cpu\n"
+                          "learning_rate: 0.01\n")
+    result = run_cli([ROOT / "launch_ddp.py", "--config", run, "--epochs", "1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "world size 2" in result.stdout
+    written = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
+    assert written["epochs"] == 1 and written["nproc"] == 2 and written["learning_rate"] == 0.01
+    printed = [run_cli([ROOT / "launch_ddp.py", "--config", path, "--print_config"], cwd=tmp_path)
+               for path in (tmp_path / "logs" / "config.yaml", run)]
+    assert printed[0].returncode == 0, printed[0].stderr
+    assert yaml.safe_load(printed[0].stdout) == written
+    # The original file without the command line's --epochs 1 differs only there.
+    assert {k: v for k, v in yaml.safe_load(printed[1].stdout).items() if k != "epochs"} == \
+        {k: v for k, v in written.items() if k != "epochs"}
