@@ -93,7 +93,8 @@ def test_compile_wraps_the_model_and_unwraps_for_checkpoints():
 @pytest.mark.slow
 def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
-    # TORCH_LOGS=dynamo: torch.compile says when it traced and compiled a frame.
+    # TORCH_LOGS=dynamo: torch.compile says when it traced a frame and compiled its graph (with
+    # DDP, through DDP's graph-splitting wrapper around inductor, so no backend name is checked).
     result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
                       "--train_dir", train, "--val_dir", val, "--epochs", "1",
                       "--cache_images", "ram", "--compile", *TINY_FLAGS], cwd=tmp_path,
@@ -102,7 +103,7 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
     assert "Cached 63 decoded images in ram" in result.stdout
     output = result.stdout + result.stderr
     assert "torchdynamo done tracing forward" in output
-    assert "done compiler function inductor" in output
+    assert "done compiler function" in output
     state = torch.load(tmp_path / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
     assert not any("_orig_mod" in k or k.startswith("module.") for k in state["model_state_dict"])
 
