@@ -45,7 +45,7 @@ from distributed import (DistInfo, all_gather_objects, all_reduce_max, available
                          barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
                          log, setup_distributed, setup_logging)
 from engine import Precision, configure_backends, train_one_epoch, evaluate
-from errors import UserError
+from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan, enable_memory_savers
@@ -521,8 +521,11 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     return 0 if finished else trainer.stop.exit_code
 
 
+@exit_on_user_error
 def main(argv: Sequence[str] | None = None) -> int:
-    """Bad input raises UserError: ``run_reporting`` turns it into one line and exit code 2."""
+    """Bad input is one line and exit code 2, like every tool's ``main``. The command line runs
+    the undecorated function under ``run_reporting``, which also reports the line to the
+    launcher."""
     mark("worker start", at=IMPORTS_STARTED)
     mark("imports done")
     cfg = parse_config(argv)
@@ -540,6 +543,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    code = run_reporting(main)
+    code = run_reporting(main.__wrapped__)
     mark("worker exit")
     exit_now(code)

@@ -1,9 +1,15 @@
-"""Shared helpers: tiny generated image folders and running the real command-line tools."""
+"""Shared helpers: tiny generated image folders, running the real tools (in this process or as
+a user would, in a new interpreter), and one trained run shared by the tests that need one."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # launch_ddp
 
 # Distinct colours per class: a trivially separable problem a tiny run can learn.
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 40), (200, 40, 200)]
+CLASSES = ["cat", "dog", "fox"]
 
 
 def write_image_folder(root: Path, classes: list[str], per_class: int, size: int = 16,
@@ -33,13 +40,15 @@ def write_image_folder(root: Path, classes: list[str], per_class: int, size: int
     return root
 
 
+def write_tiny_dataset(root: Path) -> tuple[Path, Path]:
+    """3 classes, 16 train and 5 val images each (15 val: not a multiple of 2)."""
+    return (write_image_folder(root / "data" / "train", CLASSES, 16, seed=1),
+            write_image_folder(root / "data" / "val", CLASSES, 5, seed=2))
+
+
 @pytest.fixture
 def tiny_dataset(tmp_path: Path) -> tuple[Path, Path]:
-    """3 classes, 16 train and 5 val images each (15 val: not a multiple of 2)."""
-    classes = ["cat", "dog", "fox"]
-    train = write_image_folder(tmp_path / "data" / "train", classes, 16, seed=1)
-    val = write_image_folder(tmp_path / "data" / "val", classes, 5, seed=2)
-    return train, val
+    return write_tiny_dataset(tmp_path)
 
 
 # Flags that make a training run on the tiny dataset take seconds.
@@ -47,9 +56,13 @@ TINY_FLAGS = ["--image_size", "16", "--batch_size", "8", "--num_workers", "0",
               "--learning_rate", "0.01", "--log_interval", "1"]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` the way a user would, capturing its output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# ----------------------------------------------------------------------------- new interpreters
+
+def run_cli(args: list, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` the way a user would, capturing its output; ``env``: variables
+    set on top of this process's environment."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env, **kwargs)
 
@@ -62,3 +75,101 @@ def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> Non
     assert len(error_lines) == 1, result.stderr
     for phrase in phrases:
         assert phrase in error_lines[0], error_lines[0]
+
+
+# ----------------------------------------------------------------------------- in this process
+
+@contextlib.contextmanager
+def restored_process_state() -> Iterator[None]:
+    """What a tool's ``main`` changes in its process and a test must not leak to the next one:
+    the "trainer" logger's handlers (``setup_logging``), the deterministic-algorithms switch."""
+    logger = logging.getLogger("trainer")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    torch = sys.modules.get("torch")    # not imported here: the plotting tests run without it
+    deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
+    try:
+        yield
+    finally:
+        for handler in logger.handlers:
+            if handler not in handlers:
+                handler.close()
+        logger.handlers[:] = handlers
+        logger.propagate, logger.level = propagate, level
+        torch = sys.modules.get("torch")
+        # Only when it changed: setting it imports torch._inductor (seconds).
+        if torch is not None and torch.are_deterministic_algorithms_enabled() != deterministic:
+            torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    with restored_process_state():
+        yield
+
+
+def run_main(main: Callable[[list[str]], int], argv: Sequence, cwd: Path | None = None) -> int:
+    """A tool's ``main`` in this process, as its command line would run it (in ``cwd``): its
+    return value, or the code it exits with (2 for a user error)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(restored_process_state())
+        if cwd is not None:
+            stack.enter_context(pytest.MonkeyPatch.context()).chdir(cwd)
+        try:
+            return main([str(a) for a in argv])
+        except SystemExit as exit_:
+            return exit_.code
+
+
+def user_error_line(main: Callable[[list[str]], int], argv: Sequence, capsys,
+                    cwd: Path | None = None) -> str:
+    """Runs ``main`` in this process; asserts it exits with code 2 and one error line on stderr,
+    without a traceback, and returns that line."""
+    capsys.readouterr()
+    code = run_main(main, argv, cwd)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(lines) == 1, (code, out, err)
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def run_train(argv: Sequence, cwd: Path) -> int:
+    """``python src/train_ddp.py ARGV`` in this process (world size 1), in ``cwd``."""
+    import train_ddp
+
+    return run_main(train_ddp.main, ["--device", "cpu", *argv], cwd)
+
+
+# ----------------------------------------------------------------------------- a shared run
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished 2-epoch, single-process run on the tiny dataset. Shared by every test of the
+    session: read it, or ``copy_to`` a folder of your own before resuming or changing it."""
+    root: Path
+    train: Path
+    val: Path
+
+    @property
+    def best(self) -> Path:
+        return self.root / "checkpoints" / "checkpoint_best.pth"
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--train_dir", str(self.train), "--val_dir", str(self.val), *TINY_FLAGS]
+
+    def copy_to(self, workdir: Path) -> Path:
+        """The run's checkpoints and logs in ``workdir``, as if it had run there."""
+        for name in ("checkpoints", "logs"):
+            shutil.copytree(self.root / name, workdir / name)
+        return workdir
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> TrainedRun:
+    root = tmp_path_factory.mktemp("trained_run")
+    train_dir, val_dir = write_tiny_dataset(root)
+    run = TrainedRun(root, train_dir, val_dir)
+    code = run_train([*run.flags, "--epochs", "2"], cwd=root)
+    assert code == 0
+    return run

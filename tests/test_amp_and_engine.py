@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from config import parse_config
-from engine import Precision, train_one_epoch
+from engine import Precision, evaluate, train_one_epoch
 from train_ddp import choose_precision, lr_factor
 
 
@@ -26,8 +26,9 @@ def tiny_model() -> nn.Module:
                          nn.Linear(8, 3))
 
 
-def run_epoch(precision: Precision, device: str = "cpu") -> tuple[dict, nn.Module]:
-    model = tiny_model().to(device)
+def run_epoch(precision: Precision, device: str = "cpu",
+              model: nn.Module | None = None) -> tuple[dict, nn.Module]:
+    model = (model or tiny_model()).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision.dtype == torch.float16)
@@ -46,16 +47,24 @@ def test_cpu_amp_uses_bfloat16_autocast_and_warns(caplog):
     assert choose_precision(parse_config([]), torch.device("cpu")).enabled is False
 
 
-def test_cpu_amp_trains_and_runs_the_forward_in_bfloat16():
-    seen = []
-    metrics, model = run_epoch(Precision(True, torch.bfloat16))
+def test_cpu_amp_trains_and_evaluates_with_the_forward_in_bfloat16():
+    """The engine's own forwards run under autocast: a hook on the first layer, registered
+    before the engine is called, sees bfloat16 outputs at every training and evaluation step."""
+    model, seen = tiny_model(), []
     model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    with Precision(True, torch.bfloat16).autocast(torch.device("cpu")):
-        model(torch.randn(1, 3, 16, 16))
-    assert seen == [torch.bfloat16]
+    bf16 = Precision(True, torch.bfloat16)
+    metrics, model = run_epoch(bf16, model=model)
+    assert seen == [torch.bfloat16] * 4                              # one forward per step
     assert metrics["train_samples"] == 32 and metrics["steps"] == 4
     assert math.isfinite(metrics["train_loss"])
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    seen.clear()
+    val = evaluate(model, tiny_batches(2), torch.device("cpu"), bf16, show_progress=False)
+    assert seen == [torch.bfloat16] * 2 and val["val_samples"] == 16
+    # And without AMP the same forwards stay in float32: the hook does tell them apart.
+    seen.clear()
+    run_epoch(Precision(False, torch.float32), model=model)
+    assert seen == [torch.float32] * 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,5 @@
-"""The real launcher, torchrun and two gloo processes on a tiny generated dataset."""
+"""What a finished run leaves behind: in one process, and through the real launcher, torchrun
+and two gloo processes on a tiny generated dataset."""
 from __future__ import annotations
 
 import json
@@ -6,13 +7,45 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torchvision
 
-from conftest import ROOT, SRC, TINY_FLAGS, run_cli
+from conftest import ROOT, TINY_FLAGS, run_cli
 from model import ResNet18Animals90
 
 
+def check_run_outputs(workdir: Path, world_size: int) -> None:
+    """The history, per-rank logs and checkpoints of a finished 2-epoch run in ``workdir``."""
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())
+    assert history["world_size"] == world_size and history["device"] == "cpu"
+    assert history["config"]["epochs"] == 2 and "torch" in history["versions"]
+    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
+    for record in history["epochs"]:
+        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_top5", "lr",
+                    "epoch_seconds", "train_images_per_sec", "peak_memory_mb"):
+            assert isinstance(record[key], float), key
+        assert 0.0 <= record["val_acc"] <= record["val_top5"] <= 1.0
+    for rank in range(world_size):
+        assert f"rank {rank}" in (workdir / "logs" / f"train_rank_{rank}.log").read_text()
+
+    latest = torch.load(workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+    best = torch.load(workdir / "checkpoints" / "checkpoint_best.pth", weights_only=True)
+    assert latest["epoch"] == 2 and latest["step"] == 0
+    assert latest["class_names"] == ["cat", "dog", "fox"] and latest["image_size"] == 16
+    assert latest["best_acc"] == max(r["val_acc"] for r in history["epochs"])
+    assert best["best_acc"] == latest["best_acc"]
+    assert len(latest["rank_states"]) == world_size
+    for key in ("optimizer_state_dict", "scheduler_state_dict", "mean", "std", "config"):
+        assert key in latest
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in latest["model_state_dict"])
+
+
+def test_single_process_run_leaves_checkpoints_history_and_logs(trained_run):
+    check_run_outputs(trained_run.root, world_size=1)
+
+
+@pytest.mark.slow
 def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
     result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
@@ -24,36 +57,11 @@ def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_p
     assert "Done: best val_acc" in result.stdout
     assert "python src/utils.py --history" in result.stdout
 
-    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
-    assert history["world_size"] == 2 and history["device"] == "cpu"
-    assert history["config"]["epochs"] == 2 and "torch" in history["versions"]
-    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
-    for record in history["epochs"]:
-        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_top5", "lr",
-                    "epoch_seconds", "train_images_per_sec", "peak_memory_mb"):
-            assert isinstance(record[key], float), key
-        assert 0.0 <= record["val_acc"] <= record["val_top5"] <= 1.0
-    assert (tmp_path / "logs" / "train_rank_0.log").read_text()
-    assert "rank 1" in (tmp_path / "logs" / "train_rank_1.log").read_text()
-
-    latest = torch.load(tmp_path / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
-    best = torch.load(tmp_path / "checkpoints" / "checkpoint_best.pth", weights_only=True)
-    assert latest["epoch"] == 2 and latest["step"] == 0
-    assert latest["class_names"] == ["cat", "dog", "fox"] and latest["image_size"] == 16
-    assert latest["best_acc"] == max(r["val_acc"] for r in history["epochs"])
-    assert best["best_acc"] == latest["best_acc"]
-    assert len(latest["rank_states"]) == 2
-    for key in ("optimizer_state_dict", "scheduler_state_dict", "mean", "std", "config"):
-        assert key in latest
-    assert not any(k.startswith(("module.", "_orig_mod.")) for k in latest["model_state_dict"])
+    check_run_outputs(tmp_path, world_size=2)
 
 
-def test_checkpoint_loads_into_plain_models(tiny_dataset, tmp_path: Path):
-    train, val = tiny_dataset
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    state = torch.load(tmp_path / "checkpoints" / "checkpoint_best.pth", weights_only=True)
+def test_checkpoint_loads_into_plain_models(trained_run):
+    state = torch.load(trained_run.best, weights_only=True)
     weights = state["model_state_dict"]
 
     ours = ResNet18Animals90(num_classes=3)
@@ -65,6 +73,7 @@ def test_checkpoint_loads_into_plain_models(tiny_dataset, tmp_path: Path):
     torch.testing.assert_close(ours(x), reference(x))
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
     """Two launchers, one CPU process each, meeting through the c10d rendezvous on 127.0.0.1."""
     from launch_ddp import free_port

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from PIL import Image
 from torch import nn
 
 import inference
-from conftest import SRC, assert_user_error, run_cli, write_image_folder
+from conftest import SRC, assert_user_error, run_cli, user_error_line, write_image_folder
 from evaluate import main as evaluate_main
 from model import build_model
 
@@ -31,19 +30,6 @@ class ChannelMeans(nn.Module):
         return x.mean(dim=(2, 3))
 
 
-@pytest.fixture(autouse=True)
-def restore_trainer_logger():
-    """evaluate.main sets up the "trainer" logger for its run; give other tests theirs back."""
-    logger = logging.getLogger("trainer")
-    saved = list(logger.handlers), logger.propagate, logger.level
-    yield
-    for handler in logger.handlers:
-        if handler not in saved[0]:
-            handler.close()
-    logger.handlers[:] = saved[0]
-    logger.propagate, logger.level = saved[1], saved[2]
-
-
 def solid_images(folder: Path, colours: list[tuple[int, int, int]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for i, colour in enumerate(colours):
@@ -56,7 +42,7 @@ def hand_checkpoint(path: Path, model_name: str = "channel_means", weights=None)
     return path
 
 
-def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+def run_evaluate(argv: list[str], capsys) -> tuple[int, str, str]:
     try:
         code = evaluate_main([str(a) for a in argv])
     except SystemExit as exit_:
@@ -74,7 +60,7 @@ def test_report_matches_a_hand_computed_confusion_matrix(tmp_path: Path, monkeyp
     (data / "c" / "notes.txt").write_text("not an image")
     checkpoint = hand_checkpoint(tmp_path / "ckpt.pth")
 
-    code, out, _ = run_main(["--checkpoint", checkpoint, "--data_dir", data, "--output",
+    code, out, _ = run_evaluate(["--checkpoint", checkpoint, "--data_dir", data, "--output",
                              tmp_path / "eval", "--num_workers", "0", "--device", "cpu"], capsys)
     assert code == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
@@ -108,13 +94,14 @@ def random_checkpoint(path: Path) -> Path:
     return hand_checkpoint(path, "resnet18", build_model("resnet18", len(CLASSES)).state_dict())
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun_write_the_report_of_one(tmp_path: Path, capsys):
     data = write_image_folder(tmp_path / "val", CLASSES, per_class=5, seed=3)   # 15: uneven shards
     (data / "b" / "broken.jpg").write_bytes(b"not a jpeg")
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
     common = ["--checkpoint", checkpoint, "--data_dir", data, "--batch_size", "4",
               "--num_workers", "0", "--device", "cpu"]
-    code, single_out, _ = run_main([*common, "--output", tmp_path / "one"], capsys)
+    code, single_out, _ = run_evaluate([*common, "--output", tmp_path / "one"], capsys)
     double = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                       SRC / "evaluate.py", *common, "--output", tmp_path / "two"], cwd=tmp_path)
     assert code == 0
@@ -143,33 +130,27 @@ def test_missing_checkpoint_is_one_error_line(tmp_path: Path):
     assert_user_error(result, "nope.pth", "does not exist")
 
 
-def error_line(code: int, err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
-    return lines[0]
-
-
 def test_checkpoint_of_another_tool_is_refused(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", CLASSES, 1)
     bare = tmp_path / "bare.pth"
     torch.save(build_model("resnet18", 3).state_dict(), bare)   # a plain state dict
-    code, _, err = run_main(["--checkpoint", bare, "--data_dir", tmp_path / "val",
-                             "--output", tmp_path / "eval"], capsys)
-    assert "class_names" in error_line(code, err)
+    assert "class_names" in user_error_line(evaluate_main, [
+        "--checkpoint", bare, "--data_dir", tmp_path / "val", "--output", tmp_path / "eval"],
+        capsys)
 
 
 def test_folder_with_classes_the_checkpoint_does_not_know(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", ["a", "zebra"], 1)
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
-    code, _, err = run_main(["--checkpoint", checkpoint, "--data_dir", tmp_path / "val",
-                             "--output", tmp_path / "eval"], capsys)
-    assert "zebra" in error_line(code, err)
+    assert "zebra" in user_error_line(evaluate_main, [
+        "--checkpoint", checkpoint, "--data_dir", tmp_path / "val", "--output",
+        tmp_path / "eval"], capsys)
 
 
 def test_folder_with_some_of_the_classes_is_evaluated(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", ["b"], 3)
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
-    code, _, _ = run_main(["--checkpoint", checkpoint, "--data_dir", tmp_path / "val",
+    code, _, _ = run_evaluate(["--checkpoint", checkpoint, "--data_dir", tmp_path / "val",
                            "--output", tmp_path / "eval", "--num_workers", "0"], capsys)
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert code == 0 and metrics["images"] == 3

@@ -7,34 +7,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SRC, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+from conftest import (
+    CLASSES,
+    SRC,
+    assert_user_error,
+    run_cli,
+    run_main,
+    user_error_line,
+    write_image_folder,
+)
 from predict import main as predict_main
-
-CLASSES = ["cat", "dog", "fox"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, a folder of new images): trained once for the whole module."""
-    root = tmp_path_factory.mktemp("trained")
-    train = write_image_folder(root / "train", CLASSES, 16, seed=1)
-    val = write_image_folder(root / "val", CLASSES, 2, seed=2)
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=root)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trained(trained_run, tmp_path_factory) -> tuple[Path, Path]:
+    """(the shared run's best checkpoint, a folder of new images of its classes)."""
+    root = tmp_path_factory.mktemp("photos")
     photos = write_image_folder(root / "photos", CLASSES, 3, seed=7, ext="png")
     write_image_folder(root / "photos" / "more" / "deeper", CLASSES, 1, seed=8)  # recursion
-    return root / "checkpoints" / "checkpoint_best.pth", photos
+    return trained_run.best, photos
 
 
-def test_folder_predictions_are_the_trained_classes(trained, tmp_path: Path):
+def test_folder_predictions_are_the_trained_classes(trained, capsys):
     checkpoint, photos = trained
     (photos / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     (photos / "dog" / "notes.txt").write_text("ignored: not an image")
-    result = run_cli([SRC / "predict.py", "--checkpoint", checkpoint, photos, "--json",
-                      "--topk", "2", "--batch_size", "4", "--device", "cpu"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    records = json.loads(result.stdout)
+    capsys.readouterr()
+    assert run_main(predict_main, ["--checkpoint", checkpoint, photos, "--json", "--topk", "2",
+                                   "--batch_size", "4", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    records = json.loads(out)
     by_name = {Path(r["path"]).relative_to(photos).as_posix(): r for r in records}
     assert len(records) == 3 * 3 + 3 + 1                 # recursive; the text file skipped
     assert "error" in by_name["dog/broken.jpg"] and "predictions" not in by_name["dog/broken.jpg"]
@@ -45,7 +47,7 @@ def test_folder_predictions_are_the_trained_classes(trained, tmp_path: Path):
         top = record["predictions"]
         assert len(top) == 2 and top[0]["class"] == true_class, (name, top)
         assert 0.0 <= top[1]["probability"] <= top[0]["probability"] <= 1.0
-    assert "1 of 13 file(s) could not be read" in result.stderr
+    assert "1 of 13 file(s) could not be read" in err
 
 
 def test_table_by_default_with_class_names(trained, tmp_path: Path, capsys):
@@ -60,12 +62,7 @@ def test_table_by_default_with_class_names(trained, tmp_path: Path, capsys):
 
 
 def error_line(argv: list, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        predict_main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert exit_info.value.code == 2 and len(lines) == 1, err
-    return lines[0]
+    return user_error_line(predict_main, argv, capsys)
 
 
 def test_missing_checkpoint(tmp_path: Path):

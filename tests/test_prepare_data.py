@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC, assert_user_error, run_cli, write_image_folder
+from conftest import SRC, assert_user_error, run_cli, user_error_line, write_image_folder
 from prepare_data import main as prepare_main
 
 
@@ -96,11 +96,10 @@ def test_refuses_non_empty_output_unless_forced(tmp_path: Path):
     (lambda p: p.mkdir(), "holds no class folders with images"),
     (lambda p: None, "does not exist"),
 ])
-def test_empty_or_missing_source_is_one_error_line(tmp_path: Path, make_source, phrase):
+def test_empty_or_missing_source_is_one_error_line(tmp_path: Path, capsys, make_source, phrase):
     make_source(tmp_path / "empty")
-    result = run_cli([SRC / "prepare_data.py", "--source", tmp_path / "empty", "--output",
-                      tmp_path / "data"], cwd=tmp_path)
-    assert_user_error(result, phrase)
+    assert phrase in user_error_line(prepare_main, ["--source", tmp_path / "empty", "--output",
+                                                    tmp_path / "data"], capsys)
 
 
 def test_force_never_deletes_the_source(tmp_path: Path, capsys):

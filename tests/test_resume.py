@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, SRC, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+import launch_ddp
+import train_ddp
+from conftest import ROOT, TINY_FLAGS, run_train, user_error_line, write_image_folder
 
 TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
 
@@ -50,7 +52,8 @@ def assert_same_tensors(a: object, b: object, where: str = "") -> int:
         return sum(assert_same_tensors(a[k], b[k], f"{where}/{k}") for k in a)
     if isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        return sum(assert_same_tensors(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+        return sum(assert_same_tensors(x, y, f"{where}[{i}]")
+                   for i, (x, y) in enumerate(zip(a, b, strict=True)))
     assert a == b, f"{where}: {a} != {b}"
     return 0
 
@@ -64,6 +67,7 @@ def latest(workdir: Path) -> dict:
     return torch.load(workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset, tmp_path):
     train, val = resume_dataset
     flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "2")
@@ -89,13 +93,15 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     assert [r["epoch"] for r in metrics_without_timings(tmp_path / "crashed")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_path):
     """One process, killed after step 5 of epoch 1 (checkpoint at step 4), resumed with 2
-    loader workers instead of 0: same weights as the uninterrupted run."""
+    loader workers instead of 0: same weights as the uninterrupted run (run in this process:
+    world size 1 runs the same code with or without torchrun)."""
     train, val = resume_dataset
     flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "4")
-    clean = launch(tmp_path / "clean", flags, nproc=1)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    (tmp_path / "clean").mkdir()
+    assert run_train(flags, cwd=tmp_path / "clean") == 0
     killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:5"})
     assert killed.returncode != 0
     assert latest(tmp_path / "resumed")["step"] == 4
@@ -109,11 +115,12 @@ def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_pa
         tmp_path / "resumed")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, tmp_path):
     train, val = resume_dataset
     # 36 samples per rank at batch 4: 9 steps per epoch, a checkpoint after each one; the
-    # signal is sent once the first is written, so it lands inside epoch 1.
-    flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "1",
+    # signal is sent once the first is written, so it lands inside the (only) epoch.
+    flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "1",
                         "--batch_size", "4")
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -137,48 +144,46 @@ def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, 
     resumed = launch(workdir, [*flags, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"epoch 1, step {saved['step']} of 9" in resumed.stdout
-    assert [r["epoch"] for r in metrics_without_timings(workdir)] == [1, 2]
+    assert [r["epoch"] for r in metrics_without_timings(workdir)] == [1]
+    assert latest(workdir)["epoch"] == 1
 
 
-def test_history_drops_records_after_the_checkpoint(tiny_dataset, tmp_path: Path):
-    train, val = tiny_dataset
-    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
-    assert run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2"], cwd=tmp_path).returncode == 0
+def test_history_drops_records_after_the_checkpoint(trained_run, tmp_path: Path):
+    workdir = trained_run.copy_to(tmp_path)
     # Resume from the checkpoint of epoch 1 (the previous latest): epoch 2 is redone, not doubled.
-    prev = tmp_path / "checkpoints" / "checkpoint_latest.prev.pth"
+    prev = workdir / "checkpoints" / "checkpoint_latest.prev.pth"
     assert torch.load(prev, weights_only=True)["epoch"] == 1
-    result = run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2", "--resume", prev],
-                     cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    assert run_train([*trained_run.flags, "--epochs", "2", "--resume", prev], cwd=workdir) == 0
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())
     assert [r["epoch"] for r in history["epochs"]] == [1, 2]
+    assert history["epochs"][0] == json.loads(
+        (trained_run.root / "logs" / "training_history.json").read_text())["epochs"][0]
 
 
-def test_corrupt_latest_falls_back_to_previous(tiny_dataset, tmp_path: Path):
-    train, val = tiny_dataset
-    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
-    assert run_cli([SRC / "train_ddp.py", *flags, "--epochs", "2"], cwd=tmp_path).returncode == 0
-    latest_path = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, capsys):
+    workdir = trained_run.copy_to(tmp_path)
+    latest_path = workdir / "checkpoints" / "checkpoint_latest.pth"
     latest_path.write_bytes(latest_path.read_bytes()[:5000])      # a truncated write
-    result = run_cli([SRC / "train_ddp.py", *flags, "--epochs", "3", "--resume", "auto"],
-                     cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "corrupt or truncated" in result.stdout + result.stderr
-    assert "falling back to the previous checkpoint" in result.stdout
-    assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 0" in result.stdout
-    assert latest(tmp_path)["epoch"] == 3
+    capsys.readouterr()
+    # The previous checkpoint holds epoch 1: epoch 2 is trained again.
+    assert run_train([*trained_run.flags, "--epochs", "2", "--resume", "auto"], cwd=workdir) == 0
+    out, err = capsys.readouterr()
+    assert "corrupt or truncated" in out + err
+    assert "falling back to the previous checkpoint" in out
+    assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 0" in out
+    assert latest(workdir)["epoch"] == 2
 
 
-def test_corrupt_checkpoint_without_fallback_is_one_clear_error(tiny_dataset, tmp_path: Path):
+def test_corrupt_checkpoint_without_fallback_is_one_clear_error(tiny_dataset, tmp_path: Path,
+                                                                 capsys):
     train, val = tiny_dataset
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"not a checkpoint at all")
-    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--resume", bad], cwd=tmp_path)
-    assert_user_error(result, "corrupt")
-    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--resume", tmp_path / "missing.pth"], cwd=tmp_path)
-    assert_user_error(result, "missing.pth", "no such file")
+    data = ["--device", "cpu", "--train_dir", train, "--val_dir", val]
+    assert "corrupt" in user_error_line(launch_ddp.main, [*data, "--resume", bad], capsys)
+    line = user_error_line(launch_ddp.main, [*data, "--resume", tmp_path / "missing.pth"],
+                           capsys)
+    assert "missing.pth" in line and "no such file" in line
 
 
 class _Payload:
@@ -191,7 +196,8 @@ class _Payload:
         return (open, (str(self.path), "w"))
 
 
-def test_malicious_checkpoint_is_refused_and_its_code_never_runs(tiny_dataset, tmp_path: Path):
+def test_malicious_checkpoint_is_refused_and_its_code_never_runs(tiny_dataset, tmp_path: Path,
+                                                                 capsys):
     train, val = tiny_dataset
     marker = tmp_path / "pwned.txt"
     evil = tmp_path / "evil.pth"
@@ -200,40 +206,36 @@ def test_malicious_checkpoint_is_refused_and_its_code_never_runs(tiny_dataset, t
     pickle.loads(pickle.dumps(_Payload(tmp_path / "probe.txt"))).close()  # the payload is live
     assert (tmp_path / "probe.txt").exists()
 
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--resume", evil], cwd=tmp_path)
-    assert_user_error(result, "refused to load", "weights_only=True")
+    line = user_error_line(train_ddp.main, ["--device", "cpu", "--train_dir", train,
+                                            "--val_dir", val, "--resume", evil],
+                           capsys, cwd=tmp_path)
+    assert "refused to load" in line and "weights_only=True" in line
     assert not marker.exists()
 
 
-def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path):
+def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path, capsys):
     train, val = tiny_dataset
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--epochs", "1", "--resume", "auto", *TINY_FLAGS],
-                     cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "no checkpoint in checkpoints, starting a new run" in result.stdout
+    assert run_train(["--train_dir", train, "--val_dir", val, "--epochs", "1", "--resume",
+                      "auto", *TINY_FLAGS], cwd=tmp_path) == 0
+    assert "no checkpoint in checkpoints, starting a new run" in capsys.readouterr().out
+    assert latest(tmp_path)["epoch"] == 1
 
 
-def test_resume_on_other_classes_is_one_clear_error(tiny_dataset, tmp_path: Path):
-    train, val = tiny_dataset
-    flags = ["--device", "cpu", *TINY_FLAGS, "--epochs", "1"]
-    assert run_cli([SRC / "train_ddp.py", "--train_dir", train, "--val_dir", val, *flags],
-                   cwd=tmp_path).returncode == 0
+def test_resume_on_other_classes_is_one_clear_error(trained_run, tmp_path: Path, capsys):
+    workdir = trained_run.copy_to(tmp_path)
     other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
     other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
-    result = run_cli([ROOT / "launch_ddp.py", "--train_dir", other_train, "--val_dir", other_val,
-                      *flags, "--resume", "auto"], cwd=tmp_path)
-    assert_user_error(result, "other classes", "only in the data: ['ant', 'bee']")
+    line = user_error_line(launch_ddp.main, [
+        "--device", "cpu", "--train_dir", other_train, "--val_dir", other_val, *TINY_FLAGS,
+        "--resume", "auto"], capsys, cwd=workdir)
+    assert "other classes" in line and "only in the data: ['ant', 'bee']" in line
 
 
-def test_resume_with_another_optimizer_is_one_clear_error(tiny_dataset, tmp_path: Path):
-    train, val = tiny_dataset
-    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS,
-             "--epochs", "1"]
-    assert run_cli([SRC / "train_ddp.py", *flags], cwd=tmp_path).returncode == 0
-    history = (tmp_path / "logs" / "training_history.json").read_text()
-    result = run_cli([SRC / "train_ddp.py", *flags, "--optimizer", "sgd", "--resume", "auto"],
-                     cwd=tmp_path)
-    assert_user_error(result, "--optimizer adamw", "not --optimizer sgd")
-    assert (tmp_path / "logs" / "training_history.json").read_text() == history
+def test_resume_with_another_optimizer_is_one_clear_error(trained_run, tmp_path: Path, capsys):
+    workdir = trained_run.copy_to(tmp_path)
+    history = (workdir / "logs" / "training_history.json").read_text()
+    line = user_error_line(train_ddp.main, ["--device", "cpu", *trained_run.flags, "--epochs",
+                                            "3", "--optimizer", "sgd", "--resume", "auto"],
+                           capsys, cwd=workdir)
+    assert "--optimizer adamw" in line and "not --optimizer sgd" in line
+    assert (workdir / "logs" / "training_history.json").read_text() == history

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import SRC, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+import train_ddp
+from conftest import TINY_FLAGS, run_train, user_error_line, write_image_folder
 from data import ReadableImageFolder, build_datasets
 from errors import UserError
 from image_files import UNREADABLE_LIST, find_unreadable, open_rgb
@@ -107,25 +108,27 @@ def test_class_left_empty_is_refused_by_name(tmp_path: Path):
         build_datasets(train, val, 16, 0, 0.5, 0.5)
 
 
-def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(tiny_dataset, tmp_path: Path):
+def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(tiny_dataset, tmp_path: Path,
+                                                                   capsys):
     train, val = tiny_dataset
     add_bad_files(train / "dog")
     add_bad_files(val / "fox")
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    warnings = [line for line in result.stdout.splitlines() if "cannot be decoded" in line]
+    capsys.readouterr()
+    assert run_train(["--train_dir", train, "--val_dir", val, "--epochs", "1", *TINY_FLAGS],
+                     cwd=tmp_path) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    warnings = [line for line in out.splitlines() if "cannot be decoded" in line]
     assert len(warnings) == 1 and "4 of 69 image files" in warnings[0]
     assert "logs/unreadable_images.txt" in warnings[0]
     assert len((tmp_path / "logs" / UNREADABLE_LIST).read_text().splitlines()) == 4
-    assert "Done: best val_acc" in result.stdout
+    assert "Done: best val_acc" in out
 
 
-def test_training_refuses_a_class_with_only_corrupt_images(tiny_dataset, tmp_path: Path):
+def test_training_refuses_a_class_with_only_corrupt_images(tiny_dataset, tmp_path: Path, capsys):
     train, val = tiny_dataset
     for image in (val / "fox").glob("*.jpg"):
         image.write_bytes(b"corrupt")
-    result = run_cli([SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                      "--val_dir", val, *TINY_FLAGS], cwd=tmp_path)
-    assert_user_error(result, "fox", "no readable image")
+    line = user_error_line(train_ddp.main, ["--device", "cpu", "--train_dir", train,
+                                            "--val_dir", val, *TINY_FLAGS], capsys, cwd=tmp_path)
+    assert "fox" in line and "no readable image" in line

@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,6 +38,7 @@ def _worker(rank: int, world_size: int, val_dir: Path, out: Path, port: int) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_on_an_odd_sized_val_set(tmp_path: Path):
     from launch_ddp import free_port
 
