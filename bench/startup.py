@@ -149,12 +149,16 @@ def show_end(events: dict[str, float]) -> None:
 
 def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, float]:
     if args.timm_train:
-        command = [sys.executable, str(args.timm_train), "--data-dir", str(data),
+        # The device through timm's -c config file: older train.py versions have no --device.
+        device_file = work / "timm_device.yaml"
+        device_file.write_text("device: cpu\n")
+        command = [sys.executable, str(args.timm_train), "-c", str(device_file),
+                   "--data-dir", str(data),
                    "--train-split", "train", "--val-split", "val", "--model", "resnet18",
                    "--num-classes", "10", "--img-size", "32", "-b", str(args.batch_size),
                    "--epochs", str(args.epochs), "-j", "2", "--opt", "adamw", "--lr", "0.001",
                    "--weight-decay", "0.01", "--sched", "cosine", "--warmup-epochs", "0",
-                   "--device", "cpu", "--no-prefetcher", "--output", str(work / "timm_output")]
+                   "--no-prefetcher", "--output", str(work / "timm_output")]
         return "timm's train.py", timed(command, cwd=work)[0]
     command = [sys.executable, "-c", MINIMAL_TIMM_LOOP, str(data / "train"), str(data / "val"),
                str(args.epochs), str(args.batch_size), "2"]
