@@ -19,7 +19,7 @@ GradScaler and with bfloat16; channels_last on and off; --cache_images gpu, ram 
 --deterministic, bitwise equal to an uninterrupted run; the CUDA tests (``pytest -k cuda``: the
 tests marked ``cuda`` and the test_cuda_* ones); throughput at 224 px with bfloat16 AMP and
 channels_last (bench/throughput.py's workers, batch 256): images/s, achieved TFLOP/s (ResNet18:
-1.82 GFLOPs forward per image, x3 for forward and backward) and the fraction of the device's
+3.64 GFLOPs (1.82 G multiply-adds) forward per image, x3 for forward and backward) and the fraction of the device's
 dense bf16 peak, trainer/ceiling efficiency for each cache mode, time to first step.
 
 Without CUDA it prints one line saying nothing was checked and exits 0. Exit code 1 when a check
@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch_ddp.py"
 
-RESNET18_FWD_FLOPS_224 = 1.82e9   # per image; training counts forward + backward as 3x
+RESNET18_FWD_FLOPS_224 = 3.64e9   # per image: 1.82 G multiply-adds, 2 FLOPs each; training counts forward + backward as 3x
 # Dense bf16 tensor-core peaks in TFLOP/s, by a fragment of torch.cuda.get_device_name();
 # the first fragment found wins, so the specific names come first.
 BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),

@@ -606,7 +606,7 @@ def test_gpu_check_figures_and_comparison():
     assert gc.bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert gc.bf16_peak_tflops("NVIDIA GeForce RTX 2080") is None
     figures = gc.throughput_figures(11_000.0, "NVIDIA H100 80GB HBM3")
-    assert figures["TFLOP/s"] == pytest.approx(11_000 * 3 * 1.82e9 / 1e12)
+    assert figures["TFLOP/s"] == pytest.approx(11_000 * 3 * 3.64e9 / 1e12)
     assert figures["of bf16 peak"] == pytest.approx(figures["TFLOP/s"] / 989.0)
     assert gc.throughput_figures(1.0, "unknown")["of bf16 peak"] == "unknown device peak"
 
