@@ -519,8 +519,7 @@ def throughput(cache: str) -> Callable[[Context], dict]:
     """bench/throughput.py's trainer measurement for one cache mode, against its ceiling (the
     bare loop on tensors in memory, measured once and shared by the cache modes)."""
     def check(ctx: Context) -> dict[str, Any]:
-        sys.path.insert(0, str(ROOT / "bench"))
-        import throughput as bench
+        bench = load_bench_module("throughput")
 
         data = dataset(ctx, "224")
         args = bench.parse_args([*THROUGHPUT_FLAGS, "--", "--use_amp", "--amp_dtype",
@@ -539,6 +538,17 @@ def throughput(cache: str) -> Callable[[Context], dict]:
         ctx.shared[f"trainer_{cache}"] = trainer
         return figures
     return check
+
+
+def load_bench_module(name: str) -> Any:
+    """A sibling script loaded from its file, not through sys.path: with bench/ on the path,
+    bench/memory.py would shadow src/memory.py for the trainer's own imports."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_bench(bench: Any, args: argparse.Namespace, mode: str, data: Path,

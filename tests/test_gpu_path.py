@@ -516,11 +516,17 @@ def test_cuda_any_rank_does_not_synchronise_the_device(tmp_path):
 # ----------------------------------------------------------------------------- the self-check
 
 def gpu_check_module():
+    """bench/gpu_check.py, loaded from its file: putting bench/ on sys.path would make
+    bench/memory.py shadow src/memory.py in every process started after it."""
+    import importlib.util
     import sys
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_check
-    return gpu_check
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
 
 
 def test_gpu_check_without_cuda_checks_nothing_and_exits_0(monkeypatch, capsys, tmp_path):
