@@ -378,7 +378,8 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
     from memory import optimizer_state_bytes
     from model import build_model
 
-    device = torch.device("cuda")
+    # With an index: torch.cuda.set_per_process_memory_fraction refuses a bare "cuda".
+    device = torch.device("cuda", torch.cuda.current_device())
     model = build_model("resnet18", 3).to(device)
     optimizer = make_optimizer(model, "adamw")
     measure = partial(measure_micro_batch, model, optimizer, nn.CrossEntropyLoss(), FP32, device,
