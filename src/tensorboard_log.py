@@ -1,0 +1,177 @@
+"""TensorBoard event files for one run: per-step and per-epoch curves, hyper-parameters, and a
+grid of augmented training images, all in one folder, ``<log_dir>/tensorboard/``.
+
+One writer per run, on the main process only; everywhere else (other ranks, ``--no_tensorboard``)
+the logger is a no-op object, so the training loop never asks which rank it is on. Its methods
+match the loop's hook points: ``on_log_step`` at a logging step, ``on_epoch_end`` at the end of an
+epoch, ``on_run_end`` once the run finished.
+
+Step axis. Every series, per-step and per-epoch alike, is written at the *global optimizer step*
+(``epoch * steps_per_epoch + step``), so a single restart marker covers them all: a resumed run
+opens the writer with ``purge_step`` = the global step of its checkpoint, and TensorBoard then
+hides whatever the crashed run wrote at that step or later, in every series, images and
+hyper-parameters included. Writing the per-epoch records at the epoch number instead would put
+them on a second axis (1, 2, 3, ... against steps in the thousands) that a step-based purge marker
+cannot cover. The epoch itself is still there, as the ``epoch/epoch`` series.
+
+Cost. A scalar is a small protocol buffer put on a queue; a background thread writes the file.
+The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
+refuses tensors, so it can never make the host wait for the GPU.
+"""
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+SUBDIR = "tensorboard"
+# The background writer flushes at least this often, so a run killed without warning loses at
+# most these seconds of curves (epoch ends, checkpoints and close() flush at once).
+FLUSH_SECS = 10
+# Events queued before an add_* call writes them itself; large enough that it stays the
+# background thread's job at the usual logging rates.
+MAX_QUEUE = 100
+
+
+class TensorBoardLogger:
+    """Writes ``<log_dir>/tensorboard/events.out.tfevents.*`` where ``enabled``; else does nothing.
+
+    ``purge_step``: the global step this process starts from. Events already in the folder at
+    that step or later (written by a run that crashed after its checkpoint, or by an older run
+    in the same folder when 0) are hidden by TensorBoard. None writes no marker.
+    """
+
+    def __init__(self, log_dir: Path, enabled: bool, purge_step: int | None = None):
+        self.folder = Path(log_dir) / SUBDIR
+        self._writer = None
+        if enabled:
+            # Imported here: ranks and runs without TensorBoard never pay for the import.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(str(self.folder), purge_step=purge_step,
+                                         max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS)
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    # -- hook points ------------------------------------------------------------------------
+    def on_log_step(self, global_step: int, metrics: Mapping[str, float]) -> None:
+        """One point per metric at a logging step, as ``train/<name>`` (e.g. loss, lr,
+        images_per_sec, data_wait_share)."""
+        if self._writer is None:
+            return
+        for name, value in metrics.items():
+            self._writer.add_scalar(f"train/{name}", _number(name, value), global_step)
+
+    def on_epoch_end(self, global_step: int, record: Mapping[str, Any]) -> None:
+        """Every numeric field of the epoch's history record, as ``epoch/<field>``, at the global
+        step where the epoch ended; then flushes, so finished epochs are on disk."""
+        if self._writer is None:
+            return
+        for name, value in record.items():
+            if isinstance(value, numbers.Real):   # skips strings, None, lists
+                self._writer.add_scalar(f"epoch/{name}", float(value), global_step)
+        self._writer.flush()
+
+    def on_run_end(self, global_step: int, hparams: Mapping[str, Any],
+                   final_metrics: Mapping[str, float]) -> None:
+        """The run's settings and final metrics, for TensorBoard's HPARAMS tab, in this run's
+        own folder (see ``_write_hparams``); the metrics are also ``final/<name>`` scalars."""
+        if self._writer is None:
+            return
+        metrics = {f"final/{name}": _number(name, value) for name, value in final_metrics.items()}
+        self._write_hparams(global_step, hparams_for_tensorboard(hparams), list(metrics))
+        for tag, value in metrics.items():
+            self._writer.add_scalar(tag, value, global_step)
+        self._writer.flush()
+
+    def add_image_grid(self, images, tag: str = "train/augmented_images", global_step: int = 0,
+                       mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                       max_images: int = 16) -> None:
+        """A grid of the first ``max_images`` of a batch [N, C, H, W]: uint8 (0-255), or float,
+        normalised with ``mean``/``std`` if given, else in [0, 1]. It copies the images to the
+        host (a GPU sync): call it once, outside the timed steps."""
+        if self._writer is None:
+            return
+        grid = image_grid(images, mean, std, max_images)
+        self._writer.add_image(tag, grid, global_step, dataformats="CHW")
+        self._writer.flush()
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Put everything queued on disk (cheap: a file flush; call it after a checkpoint, so
+        the curves on disk reach at least as far as the checkpoint)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file; later calls do nothing."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "TensorBoardLogger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write_hparams(self, global_step: int, hparams: dict[str, bool | float | str],
+                       metric_tags: list[str]) -> None:
+        """The hparams plugin's experiment and session summaries, in this writer's own file.
+
+        torch's ``SummaryWriter.add_hparams`` writes them, with a copy of the metrics, into a new
+        sub-folder named by the time (``tensorboard/1712345678.9/``): TensorBoard then lists a
+        second run holding nothing but that table row, apart from the curves it describes. Here
+        the session is this run itself: the HPARAMS row is the ``tensorboard`` run, its metric
+        columns are its own ``final/*`` scalars, and a click on the row shows its curves.
+        TensorBoard's own ``summary_v2`` builds the summaries (it keeps booleans as booleans,
+        where torch's turns them into 0/1). They are written at ``global_step`` so that a
+        restart marker hides them as it hides everything else.
+        """
+        from tensorboard.plugins.hparams import summary_v2
+
+        experiment = summary_v2.hparams_config_pb(
+            hparams=[summary_v2.HParam(name) for name in hparams],
+            metrics=[summary_v2.Metric(tag) for tag in metric_tags])
+        session = summary_v2.hparams_pb(hparams)
+        file_writer = self._writer._get_file_writer()
+        file_writer.add_summary(experiment, global_step)
+        file_writer.add_summary(session, global_step)
+
+
+def hparams_for_tensorboard(config: Mapping[str, Any]) -> dict[str, bool | float | str]:
+    """The config as the hparams plugin accepts it: booleans, numbers and strings; anything
+    else (None, lists, paths) as its text."""
+    return {name: value if isinstance(value, (bool, int, float, str)) else str(value)
+            for name, value in config.items()}
+
+
+def image_grid(images, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+               max_images: int = 16):
+    """[3, H', W'] float grid in [0, 1] of up to ``max_images`` images (see ``add_image_grid``)."""
+    import torch
+    from torchvision.utils import make_grid
+
+    if images.dim() != 4:
+        raise ValueError(f"expected images [N, C, H, W], got shape {tuple(images.shape)}")
+    batch = images[:max_images].detach().cpu()
+    if batch.dtype == torch.uint8:
+        batch = batch.float() / 255
+    else:
+        batch = batch.float()
+        if mean is not None and std is not None:
+            shape = (1, -1, 1, 1)
+            batch = (batch * torch.tensor(std).view(shape) + torch.tensor(mean).view(shape))
+    return make_grid(batch.clamp(0, 1), nrow=min(8, len(batch)), padding=2)
+
+
+def _number(name: str, value: Any) -> float:
+    """A Python number as float. A tensor is refused: reading it here would wait for the GPU
+    (the caller reads its values once, at the every-log_interval sync)."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"TensorBoard metric {name!r} must be a Python number, got "
+                        f"{type(value).__name__}; read tensors with .item() at the log sync")
+    return float(value)
