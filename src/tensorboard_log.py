@@ -14,13 +14,24 @@ hyper-parameters included. Writing the per-epoch records at the epoch number ins
 them on a second axis (1, 2, 3, ... against steps in the thousands) that a step-based purge marker
 cannot cover. The epoch itself is still there, as the ``epoch/epoch`` series.
 
+The restart marker (``SummaryWriter(purge_step=...)``, a ``SessionLog.START`` event) is honoured by
+TensorBoard's Python loader only. ``tensorboard --logdir`` uses its Rust data server whenever it is
+installed (the pip package ships it), and that one ignores the marker: it only drops a series'
+points from step s on when that same series gets a new point at s, so an epoch point or a final
+metric written after the checkpoint stays visible until the resumed run overwrites it, or for
+good. So the logger also removes those events from the files themselves before it writes
+(``truncate_event_files``), as the history file drops the records after the checkpoint. What is
+on disk is then what every reader shows.
+
 Cost. A scalar is a small protocol buffer put on a queue; a background thread writes the file.
 The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
 refuses tensors, so it can never make the host wait for the GPU.
 """
 from __future__ import annotations
 
+import logging
 import numbers
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -32,13 +43,17 @@ FLUSH_SECS = 10
 # background thread's job at the usual logging rates.
 MAX_QUEUE = 100
 
+log = logging.getLogger("trainer")
+
 
 class TensorBoardLogger:
     """Writes ``<log_dir>/tensorboard/events.out.tfevents.*`` where ``enabled``; else does nothing.
 
-    ``purge_step``: the global step this process starts from. Events already in the folder at
-    that step or later (written by a run that crashed after its checkpoint, or by an older run
-    in the same folder when 0) are hidden by TensorBoard. None writes no marker.
+    ``purge_step``: the global step this process starts from: the checkpoint's on a resume, 0
+    on a fresh run. Events already in the folder at that step or later (written by a run that
+    crashed after its checkpoint; with 0, by an older run in the same folder, as the history
+    file is rewritten too) are removed, and a restart marker hides them from a TensorBoard that
+    loaded them already. None leaves the folder as it is.
     """
 
     def __init__(self, log_dir: Path, enabled: bool, purge_step: int | None = None):
@@ -49,6 +64,12 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.folder.mkdir(parents=True, exist_ok=True)
+            if purge_step is not None:
+                dropped = truncate_event_files(self.folder, purge_step)
+                if dropped:
+                    log.info(f"TensorBoard: removed {dropped} event(s) at step {purge_step} or "
+                             f"later from {self.folder} (written after the point this run "
+                             "starts from)")
             self._writer = SummaryWriter(str(self.folder), purge_step=purge_step,
                                          max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS)
 
@@ -140,6 +161,34 @@ class TensorBoardLogger:
         file_writer = self._writer._get_file_writer()
         file_writer.add_summary(experiment, global_step)
         file_writer.add_summary(session, global_step)
+
+
+def truncate_event_files(folder: Path, step: int) -> int:
+    """Remove the events at ``step`` or later from the event files in ``folder``; returns how
+    many. A file left with nothing (``step`` 0: a fresh run) is deleted; a rewritten file keeps
+    its name, so the files still sort in the order they were written."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    dropped = 0
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [raw for raw in records if Event.FromString(raw).step < step]
+        dropped += len(records) - len(kept)
+        if not kept:
+            path.unlink()
+        elif len(kept) < len(records):
+            # The temporary name lacks "tfevents": a TensorBoard watching the folder skips it.
+            tmp = folder / ".truncating.tmp"
+            with open(tmp, "wb") as f:
+                writer = RecordWriter(f)
+                for raw in kept:
+                    writer.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    return dropped
 
 
 def hparams_for_tensorboard(config: Mapping[str, Any]) -> dict[str, bool | float | str]:

@@ -23,9 +23,11 @@ from tensorboard_log import SUBDIR, TensorBoardLogger, image_grid  # noqa: E402
 STEP_METRICS = ("loss", "lr", "images_per_sec", "data_wait_share")
 
 
-def read_events(log_dir: Path) -> EventAccumulator:
-    """Everything in <log_dir>/tensorboard as TensorBoard loads it (restart purges applied)."""
-    acc = EventAccumulator(str(log_dir / SUBDIR),
+def read_events(log_dir: Path, purge: bool = True) -> EventAccumulator:
+    """Everything in <log_dir>/tensorboard as TensorBoard's Python loader loads it; with
+    ``purge=False`` ignoring restart markers, like TensorBoard's Rust data server (the default
+    loader of ``tensorboard --logdir``): what the files themselves hold."""
+    acc = EventAccumulator(str(log_dir / SUBDIR), purge_orphaned_data=purge,
                            size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -110,18 +112,21 @@ def test_resume_purges_steps_after_the_checkpoint(tmp_path: Path):
     log_steps(resumed, range(6, 9), offset=200.0)
     resumed.close()
 
-    acc = read_events(tmp_path)
-    assert steps_and_values(acc, "train/loss") == [
-        (1, 101.0), (2, 102.0), (3, 103.0), (4, 104.0), (5, 105.0),
-        (6, 206.0), (7, 207.0), (8, 208.0)]
-    for name in STEP_METRICS:
-        assert [s for s, _ in steps_and_values(acc, f"train/{name}")] == [1, 2, 3, 4, 5, 6, 7, 8]
-    # The per-epoch series share the step axis, so the same marker hides the stale epoch.
-    assert steps_and_values(acc, "epoch/val_acc") == [(5, 0.1)]
+    # With the restart marker applied, and without it: the stale events are gone from the files.
+    for purge in (True, False):
+        acc = read_events(tmp_path, purge)
+        assert steps_and_values(acc, "train/loss") == [
+            (1, 101.0), (2, 102.0), (3, 103.0), (4, 104.0), (5, 105.0),
+            (6, 206.0), (7, 207.0), (8, 208.0)]
+        for name in STEP_METRICS:
+            assert [s for s, _ in steps_and_values(acc, f"train/{name}")] == [1, 2, 3, 4, 5, 6, 7, 8]
+        # The per-epoch series share the step axis, so the same purge removes the stale epoch.
+        assert steps_and_values(acc, "epoch/val_acc") == [(5, 0.1)]
     assert len(list((tmp_path / SUBDIR).glob("events.out.tfevents.*"))) == 2
+    assert [p.name for p in (tmp_path / SUBDIR).iterdir() if "tfevents" not in p.name] == []
 
 
-def test_fresh_run_hides_an_older_run_in_the_same_folder(tmp_path: Path):
+def test_fresh_run_removes_an_older_run_in_the_same_folder(tmp_path: Path):
     old = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(old, range(1, 6), offset=100.0)
     old.close()
@@ -129,7 +134,18 @@ def test_fresh_run_hides_an_older_run_in_the_same_folder(tmp_path: Path):
     new = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(new, range(1, 3), offset=200.0)
     new.close()
-    assert steps_and_values(read_events(tmp_path), "train/loss") == [(1, 201.0), (2, 202.0)]
+    assert steps_and_values(read_events(tmp_path, purge=False), "train/loss") == [(1, 201.0),
+                                                                                  (2, 202.0)]
+    assert len(list((tmp_path / SUBDIR).glob("events.out.tfevents.*"))) == 1
+
+
+def test_no_purge_step_leaves_the_folder_alone(tmp_path: Path):
+    with TensorBoardLogger(tmp_path, enabled=True, purge_step=0) as old:
+        log_steps(old, range(1, 4))
+    time.sleep(1.1)
+    with TensorBoardLogger(tmp_path, enabled=True, purge_step=None) as new:
+        log_steps(new, range(4, 6))
+    assert [s for s, _ in steps_and_values(read_events(tmp_path), "train/loss")] == [1, 2, 3, 4, 5]
 
 
 def test_hparams_in_the_run_folder(tmp_path: Path):
