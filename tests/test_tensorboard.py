@@ -200,3 +200,22 @@ def test_image_grid_limits_and_grey_images():
     assert grid.shape == (3, 2 * (4 + 2) + 2, 8 * (4 + 2) + 2)   # 16 images: 2 rows of 8
     with pytest.raises(ValueError, match=r"\[N, C, H, W\]"):
         image_grid(torch.rand(3, 4, 4))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logging_never_syncs_the_gpu(tmp_path: Path):
+    """With CUDA work in flight, logging numbers (and refusing a CUDA tensor) waits for nothing."""
+    x = torch.randn(2048, 2048, device="cuda")
+    with TensorBoardLogger(tmp_path, enabled=True, purge_step=0) as logger:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                x = x @ x / 2048   # queued kernels the logger must not wait for
+            log_steps(logger, range(1, 4))
+            logger.on_epoch_end(3, {"epoch": 1, "val_acc": 0.5})
+            with pytest.raises(TypeError, match="Python number"):
+                logger.on_log_step(4, {"loss": x.sum()})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [s for s, _ in steps_and_values(read_events(tmp_path), "train/loss")] == [1, 2, 3]
