@@ -11,7 +11,8 @@ Times, in one process, side by side:
     wait share), --calls times: back to back ("call" counting the calls alone, "with the
     writing" adding the ``close()`` that waits for the background thread to put them all on
     disk; the queue fills, so each call also waits for the writer thread: an upper bound), and
-    paced, 2 ms apart, as in training where calls are a step or more apart (calls alone);
+    paced, 2 ms apart, as in training where calls are a step or more apart (calls alone), and
+    for comparison torch's ``SummaryWriter.add_scalar`` once per value, paced;
   * ``on_epoch_end`` with a history record of 11 fields (it flushes).
 and prints the logging cost as a share of a step at --log_interval 20 (the default) and 1.
 """
@@ -52,9 +53,22 @@ def step_seconds(device: torch.device, image_size: int, batch_size: int, steps: 
     return statistics.median(times)
 
 
-def log_step_seconds(calls: int) -> tuple[float, float, float, float]:
-    """Per on_log_step call: back to back, the calls alone and with the writing; paced; per
-    on_epoch_end call."""
+def paced_seconds(calls: int, log) -> float:
+    """Total time of ``calls`` calls of ``log(step, metrics)``, 2 ms apart (the step in
+    between, during which the writer thread keeps up), the calls alone."""
+    total = 0.0
+    for step in range(1, calls + 1):
+        time.sleep(0.002)
+        start = time.perf_counter()
+        log(step, {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5,
+                   "data_wait_share": 0.03})
+        total += time.perf_counter() - start
+    return total
+
+
+def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
+    """Per on_log_step call: back to back, the calls alone and with the writing; paced; paced
+    with one add_scalar per value; per on_epoch_end call."""
     with tempfile.TemporaryDirectory() as folder:
         logger = TensorBoardLogger(Path(folder), enabled=True, purge_step=0)
         logger.on_log_step(0, {"loss": 1.0})   # the event file is opened lazily
@@ -68,13 +82,11 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float]:
 
         logger = TensorBoardLogger(Path(folder) / "paced", enabled=True, purge_step=0)
         logger.on_log_step(0, {"loss": 1.0})
-        paced = 0.0
-        for step in range(1, calls + 1):
-            time.sleep(0.002)   # the step in between: the writer thread keeps up
-            start = time.perf_counter()
-            logger.on_log_step(step, {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5,
-                                      "data_wait_share": 0.03})
-            paced += time.perf_counter() - start
+        paced = paced_seconds(calls, logger.on_log_step)
+        # For comparison: SummaryWriter.add_scalar once per value, one event each.
+        writer = logger._writer
+        per_value = paced_seconds(calls, lambda step, metrics: [
+            writer.add_scalar(f"train/{name}", value, step) for name, value in metrics.items()])
         logger.close()
 
         logger = TensorBoardLogger(Path(folder) / "epochs", enabled=True, purge_step=0)
@@ -86,7 +98,7 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float]:
             logger.on_epoch_end(epoch * 100, {**record, "epoch": epoch})
         epoch_end = (time.perf_counter() - start) / 20
         logger.close()
-    return called / calls, written / calls, paced / calls, epoch_end
+    return called / calls, written / calls, paced / calls, per_value / calls, epoch_end
 
 
 def main() -> None:
@@ -103,11 +115,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     step = step_seconds(torch.device(args.device), args.image_size, args.batch_size, args.steps)
-    call, written, paced, epoch_end = log_step_seconds(args.calls)
+    call, written, paced, per_value, epoch_end = log_step_seconds(args.calls)
     print(f"training step (ResNet18, {args.image_size} px, batch {args.batch_size}, "
           f"{args.device}, {torch.get_num_threads()} threads): {step * 1e3:.1f} ms (median)")
     print(f"on_log_step, 4 scalars, {args.calls} calls: back to back {call * 1e6:.1f} us per "
-          f"call, {written * 1e6:.1f} us with the writing; paced {paced * 1e6:.1f} us per call")
+          f"call, {written * 1e6:.1f} us with the writing; paced {paced * 1e6:.1f} us per call "
+          f"(SummaryWriter.add_scalar per value, paced: {per_value * 1e6:.1f} us)")
     print(f"on_epoch_end, 11 fields + flush: {epoch_end * 1e6:.1f} us per call")
     for interval in (20, 1):
         print(f"share of a step at --log_interval {interval}: "
