@@ -7,12 +7,12 @@ match the loop's hook points: ``on_log_step`` at a logging step, ``on_epoch_end`
 epoch, ``on_run_end`` once the run finished.
 
 Step axis. Every series, per-step and per-epoch alike, is written at the *global optimizer step*
-(``epoch * steps_per_epoch + step``), so a single restart marker covers them all: a resumed run
-opens the writer with ``purge_step`` = the global step of its checkpoint, and TensorBoard then
-hides whatever the crashed run wrote at that step or later, in every series, images and
-hyper-parameters included. Writing the per-epoch records at the epoch number instead would put
-them on a second axis (1, 2, 3, ... against steps in the thousands) that a step-based purge marker
-cannot cover. The epoch itself is still there, as the ``epoch/epoch`` series.
+(steps taken since the run began), so one step number covers them all: a resumed run opens the
+logger with ``purge_step`` = the global step of its checkpoint, and whatever the crashed run wrote
+at that step or later goes, in every series, images and hyper-parameters included. Writing the
+per-epoch records at the epoch number instead would put them on a second axis (1, 2, 3, ...
+against steps in the thousands) that a step-based purge cannot cover. The epoch itself is still
+there, as the ``epoch/epoch`` series.
 
 The restart marker (``SummaryWriter(purge_step=...)``, a ``SessionLog.START`` event) is honoured by
 TensorBoard's Python loader only. ``tensorboard --logdir`` uses its Rust data server whenever it is
@@ -23,8 +23,8 @@ good. So the logger also removes those events from the files themselves before i
 (``truncate_event_files``), as the history file drops the records after the checkpoint. What is
 on disk is then what every reader shows.
 
-Cost. A scalar is a small protocol buffer put on a queue; a background thread writes the file.
-The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
+Cost. Each call is one event (all its values in one protocol buffer) put on a queue; a
+background thread writes the file. The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
 refuses tensors, so it can never make the host wait for the GPU.
 """
 from __future__ import annotations
