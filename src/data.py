@@ -33,7 +33,7 @@ from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_
 from lifecycle import STOP_SIGNALS, die_with_parent, mark
 from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -184,7 +184,7 @@ class DecodedImageCache(Dataset):
             try:
                 image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
             except Exception as err:  # any decoder failure on a user's file: leave it out
-                log.warning(f"WARNING: could not read {path} ({type(err).__name__}); left out")
+                log.warning(f"could not read {path} ({type(err).__name__}); left out")
                 return None
             scale = side / min(image.size)
             image = image.resize((max(side, round(image.width * scale)),
@@ -409,7 +409,7 @@ class ReadableImageFolder(datasets.ImageFolder):
             try:
                 image = self.loader(path)
             except Exception as err:  # any decoder failure on a user's file
-                log.warning(f"WARNING: could not read {path} ({type(err).__name__}: {err}); "
+                log.warning(f"could not read {path} ({type(err).__name__}: {err}); "
                             "using the next image in its place")
                 continue
             return image, target
@@ -505,7 +505,7 @@ class DecodeCheckCache:
             tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
             os.replace(tmp, self.folder / self.NAME)
         except OSError as err:  # only a cache: the next start checks again
-            log.warning(f"WARNING: could not write {self.folder / self.NAME} ({err})")
+            log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
     def problem(self, path: str) -> str | None:
         if path in self.results:
@@ -519,7 +519,7 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
     else:
         shown = sorted(unreadable)[:3]
         where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
-    log.warning(f"WARNING: {len(unreadable)} of {total} image files cannot be decoded and are "
+    log.warning(f"{len(unreadable)} of {total} image files cannot be decoded and are "
                 f"left out ({where})")
 
 

@@ -6,6 +6,7 @@ built with ``enabled=dist.is_main``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -20,7 +22,10 @@ import torch.distributed as torch_dist
 from errors import UserError
 from lifecycle import die_with_parent
 
-log = logging.getLogger("trainer")
+# The project logger: every module logs to a child of it (``trainer.<module>``), and
+# ``logging_for_run`` gives it its handlers, so library loggers (torch, timm) are left alone.
+PROJECT_LOGGER = "trainer"
+log = logging.getLogger(f"{PROJECT_LOGGER}.{__name__}")
 
 
 @dataclass(frozen=True)
@@ -122,20 +127,42 @@ def cleanup_distributed() -> None:
         torch_dist.destroy_process_group()
 
 
-def setup_logging(log_dir: Path, dist: DistInfo, name: str = "train") -> None:
-    """Every rank appends to logs/{name}_rank_{r}.log; only the main process prints."""
+@contextlib.contextmanager
+def logging_for_run(log_dir: Path, dist: DistInfo, name: str = "train") -> Iterator[None]:
+    """While a tool runs, every rank appends to logs/{name}_rank_{r}.log and only the main
+    process prints. Afterwards the project logger is as it was, its files closed: a process
+    (a test) that runs several tools gets no handler left over from an earlier one."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log.handlers.clear()
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    project = logging.getLogger(PROJECT_LOGGER)
+    saved = list(project.handlers), project.level, project.propagate
+    project.handlers.clear()
+    project.setLevel(logging.INFO)
+    project.propagate = False
     file_handler = logging.FileHandler(log_dir / f"{name}_rank_{dist.rank}.log")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(message)s"))
+    file_handler.setFormatter(_LevelFormatter("%(asctime)s [rank %(rank)s] %(message)s"))
     file_handler.addFilter(_RankFilter(dist.rank))
-    log.addHandler(file_handler)
+    project.addHandler(file_handler)
     if dist.is_main:
         console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(console)
+        console.setFormatter(_LevelFormatter("%(message)s"))
+        project.addHandler(console)
+    try:
+        yield
+    finally:
+        for handler in project.handlers:
+            handler.close()
+        project.handlers[:] = saved[0]
+        project.setLevel(saved[1])
+        project.propagate = saved[2]
+
+
+class _LevelFormatter(logging.Formatter):
+    """Warnings and errors say so first ("WARNING: ..."); information is the message alone."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            record.message = f"{record.levelname}: {record.message}"
+        return super().formatMessage(record)
 
 
 class _RankFilter(logging.Filter):

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from distributed import all_reduce_sum, any_rank
 from memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 # Index of each running sum in the metric tensors.
 LOSS, CORRECT, COUNT = 0, 1, 2          # training: [loss_sum, correct, count]
@@ -161,7 +161,7 @@ def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
         failed_size = plan.size_for(len(targets))
         plan.shrink(len(targets))  # every rank: they agreed on the failure
         _reset_ddp_after_failed_attempt(model)
-        log.warning(f"WARNING: out of memory with micro-batch {failed_size}; redoing this step "
+        log.warning(f"out of memory with micro-batch {failed_size}; redoing this step "
                     f"with micro-batch {plan.micro_batch}")
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -28,14 +29,15 @@ from confusion import (FULL_MATRIX_MAX_CLASSES, format_worst_classes, per_class_
 from data import (ReadableImageFolder, SeededImageDataset, ShardSampler,
                   default_num_workers, find_classes, leave_out_unreadable, make_loader)
 from distributed import (DistInfo, all_gather_objects, all_reduce_sum,
-                         cleanup_distributed, cpu_cores_available, log, setup_distributed,
-                         setup_logging)
+                         cleanup_distributed, cpu_cores_available, logging_for_run,
+                         setup_distributed)
 from engine import LOSS, TOP5, evaluation_sums
 from errors import UserError, exit_on_user_error
 from inference import (Classifier, add_inference_arguments, check_inference_arguments,
                        load_classifier)
 
 WORST_CLASSES_SHOWN = 10
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 
 @dataclass
@@ -200,7 +202,11 @@ class ReportWriter:
 
 
 def run(args: argparse.Namespace, dist: DistInfo) -> int:
-    setup_logging(args.output, dist, name="evaluate")
+    with logging_for_run(args.output, dist, name="evaluate"):
+        return evaluate_and_report(args, dist)
+
+
+def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     classifier: Classifier = load_classifier(args.checkpoint, dist.device)
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output,
                                            dist)

@@ -12,7 +12,7 @@ from torch import nn
 
 from errors import UserError
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 MODEL_HUB_HOST = "huggingface.co"
 
