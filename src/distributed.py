@@ -175,18 +175,26 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks in place (no-op for one process). Every rank must call it."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = None
+               ) -> torch.Tensor:
+    """Reduce a tensor over all ranks in place with ``op`` ("sum", "max" or "min"); a no-op for
+    one process. Every rank must call it."""
     if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(tensor, op=getattr(torch_dist.ReduceOp, op.upper()), group=group)
     return tensor
+
+
+# The names the engine and the trainer read best at their call sites.
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, "sum")
 
 
 def all_reduce_max(tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """Max of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
-    if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, group=group)
-    return tensor
+    return all_reduce(tensor, "max", group)
+
+
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, "min")
 
 
 # The gloo twin of the default NCCL group, as (default group, twin); creating a group is a
@@ -207,13 +215,6 @@ def host_group(timeout: datetime.timedelta | None = None) -> object | None:
     if not _host_group or _host_group[0][0] is not world:   # a new job in this process
         _host_group[:] = [(world, torch_dist.new_group(backend="gloo", timeout=timeout))]
     return _host_group[0][1]
-
-
-def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
-    """Min of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
-    if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MIN)
-    return tensor
 
 
 def any_rank(flag: bool) -> bool:
