@@ -338,7 +338,7 @@ def evaluation_sums(model: nn.Module, loader, device: torch.device, precision: P
     for batch_images, batch_targets in tqdm(loader, desc="val", disable=not show_progress,
                                             dynamic_ncols=True, leave=False):
         size = plan.size_for(len(batch_targets))
-        for x, y in zip(batch_images.split(size), batch_targets.split(size)):
+        for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):
             images, targets = to_device(x, y, device, plan.channels_last)
             with precision.autocast(device):
                 logits = model(images)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from config import TrainConfig
 from conftest import TrainedRun, run_main, user_error_line
 from data import ReadableImageFolder, SeededImageDataset, ShardSampler, make_loader
 from engine import Precision, evaluate
@@ -16,7 +17,6 @@ from evaluate import main as evaluate_main
 from inference import load_classifier, training_precision
 from predict import main as predict_main
 from train_ddp import choose_precision
-from config import TrainConfig
 
 
 def evaluate_report(checkpoint: Path, data_dir: Path, output: Path) -> dict:
@@ -86,3 +86,30 @@ def test_inference_tools_check_their_shared_flags_alike(main, flag: str, value: 
     if main is predict_main:
         argv.append(tmp_path)
     assert phrase in user_error_line(main, argv, capsys)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_report_gives_the_val_acc_of_a_float16_channels_last_run_on_cuda(tmp_path: Path):
+    """On a GPU training validates under float16 autocast in channels_last: the report runs the
+    same way and gives the recorded val_acc."""
+    import train_ddp
+    from conftest import TINY_FLAGS, run_main, write_tiny_dataset
+
+    train, val = write_tiny_dataset(tmp_path)
+    code = run_main(train_ddp.main, ["--device", "cuda", "--train_dir", train, "--val_dir", val,
+                                     *TINY_FLAGS, "--epochs", "1", "--use_amp"], cwd=tmp_path)
+    assert code == 0
+    best = tmp_path / "checkpoints" / "checkpoint_best.pth"
+    classifier = load_classifier(best, torch.device("cuda"))
+    assert classifier.precision == Precision(True, torch.float16) and classifier.plan.channels_last
+    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    code = run_main(evaluate_main, ["--checkpoint", best, "--data_dir", val, "--output",
+                                    tmp_path / "eval", "--device", "cuda", "--num_workers", "0",
+                                    "--batch_size", "8"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["top1"] == history["epochs"][0]["val_acc"]
+    # cudnn may choose other kernels than training's benchmark mode did: the loss to float16's
+    # precision, not bitwise.
+    assert metrics["loss"] == pytest.approx(history["epochs"][0]["val_loss"], rel=1e-2, abs=1e-3)
