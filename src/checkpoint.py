@@ -18,7 +18,7 @@ import torch
 from errors import UserError
 from run_folder import BEST_NAME, LATEST_NAME, atomic_write
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 LATEST, BEST = LATEST_NAME, BEST_NAME
 
@@ -102,7 +102,7 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
         fallback = previous_path(path)
         if not fallback.is_file():
             raise
-        log.warning(f"WARNING: {err}; falling back to the previous checkpoint {fallback}")
+        log.warning(f"{err}; falling back to the previous checkpoint {fallback}")
         state = load_checkpoint_file(fallback)
     missing = {"model_state_dict", "optimizer_state_dict", "epoch"} - state.keys()
     if missing:

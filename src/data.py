@@ -33,7 +33,7 @@ from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_
 from lifecycle import STOP_SIGNALS, die_with_parent, mark
 from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -179,12 +179,14 @@ class DecodedImageCache(Dataset):
     def __init__(self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu",
                  threads: int = 4):
         side = cache_side(image_size)
+        problems: dict[str, str] = {}   # path -> why it does not decode
 
         def decode(path: str) -> torch.Tensor | None:
             try:
                 image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
             except Exception as err:  # any decoder failure on a user's file: leave it out
-                log.warning(f"WARNING: could not read {path} ({type(err).__name__}); left out")
+                text = str(err).splitlines()[0] if str(err) else ""   # as image_problem
+                problems[path] = f"{type(err).__name__}: {text}" if text else type(err).__name__
                 return None
             scale = side / min(image.size)
             image = image.resize((max(side, round(image.width * scale)),
@@ -197,8 +199,7 @@ class DecodedImageCache(Dataset):
         self.images = [image for image in decoded if image is not None]
         self.samples = [s for s, image in zip(folder.samples, decoded) if image is not None]
         self.targets = [target for _, target in self.samples]
-        self.unreadable = {path for (path, _), image in zip(folder.samples, decoded)
-                           if image is None}
+        self.unreadable = problems   # left out here; build_datasets reports them once
 
     def leave_out(self, paths: set[str]) -> None:
         keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
@@ -335,29 +336,26 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
                    ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
     """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
     call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
-    ``cache`` "ram" or "gpu" then decodes every image once (``DecodedImageCache``); "auto"
-    means "ram" when the decoded images fit in ``cache_budget_bytes``."""
+    ``cache`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``), which
+    is the check; "auto" means "ram" when the decoded images fit in ``cache_budget_bytes``."""
     class_names = check_data_folders(train_dir, val_dir)
-    train_folder = ReadableImageFolder(train_dir)
-    val_folder = ReadableImageFolder(val_dir)
-    leave_out_unreadable({"training": train_folder, "validation": val_folder}, log_dir,
-                         rank, world_size, cache_dir=log_dir)
-    mark("data checked")
-    cache = choose_cache(cache, len(train_folder) + len(val_folder), image_size,
-                         cache_budget_bytes)
+    folders = {"training": ReadableImageFolder(train_dir),
+               "validation": ReadableImageFolder(val_dir)}
+    cache = choose_cache(cache, sum(map(len, folders.values())), image_size, cache_budget_bytes)
     # Free memory differs between nodes; every rank must read the same images the same way.
     if "none" in all_gather_objects(cache):
         cache = "none"
-    if cache != "none":
+    if cache == "none":
+        leave_out_unreadable(folders, log_dir, rank, world_size, cache_dir=log_dir)
+        mark("data checked")
+        train_folder, val_folder = folders["training"], folders["validation"]
+    else:
+        # Caching decodes every image anyway: that decoding is the check, instead of a decode
+        # check first and a second decoding of every image after it.
+        mark("data checked")
         started = time.perf_counter()
-        train_folder = DecodedImageCache(train_folder, image_size, cache_device, threads)
-        val_folder = DecodedImageCache(val_folder, image_size, cache_device, threads)
-        # A file that fails to decode on one rank is left out on all of them: the ranks must
-        # shuffle the same dataset.
-        unreadable = train_folder.unreadable | val_folder.unreadable
-        unreadable = set().union(*all_gather_objects(unreadable))
-        train_folder.leave_out(unreadable)
-        val_folder.leave_out(unreadable)
+        train_folder, val_folder = cache_decoded(folders, image_size, cache_device, threads,
+                                                 log_dir)
         mark("images cached")
         log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
                  f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
@@ -367,6 +365,28 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
         train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed)
     val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)
     return train_set, val_set, class_names
+
+
+def cache_decoded(folders: dict[str, ReadableImageFolder], image_size: int, device: str,
+                  threads: int, log_dir: Path | None
+                  ) -> tuple[DecodedImageCache, DecodedImageCache]:
+    """The training and validation images decoded into memory, the files that do not decode
+    left out as ``leave_out_unreadable`` leaves them out (one warning, the list in ``log_dir``,
+    an error for a class left without images). Every rank must call this."""
+    cached = {role: DecodedImageCache(folder, image_size, device, threads)
+              for role, folder in folders.items()}
+    # A file that fails to decode on one rank is left out on all of them: the ranks must
+    # shuffle the same dataset.
+    unreadable = {path: why for part in all_gather_objects(
+        {path: why for c in cached.values() for path, why in c.unreadable.items()})
+        for path, why in part.items()}
+    if unreadable:
+        report_unreadable(unreadable, sum(map(len, folders.values())), log_dir)
+    for role, folder in folders.items():
+        folder.leave_out(unreadable)
+        check_no_empty_class(folder, role)
+        cached[role].leave_out(set(unreadable))
+    return cached["training"], cached["validation"]
 
 
 # ----------------------------------------------------------------------------- unreadable files
@@ -409,7 +429,7 @@ class ReadableImageFolder(datasets.ImageFolder):
             try:
                 image = self.loader(path)
             except Exception as err:  # any decoder failure on a user's file
-                log.warning(f"WARNING: could not read {path} ({type(err).__name__}: {err}); "
+                log.warning(f"could not read {path} ({type(err).__name__}: {err}); "
                             "using the next image in its place")
                 continue
             return image, target
@@ -505,7 +525,7 @@ class DecodeCheckCache:
             tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
             os.replace(tmp, self.folder / self.NAME)
         except OSError as err:  # only a cache: the next start checks again
-            log.warning(f"WARNING: could not write {self.folder / self.NAME} ({err})")
+            log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
     def problem(self, path: str) -> str | None:
         if path in self.results:
@@ -519,7 +539,7 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
     else:
         shown = sorted(unreadable)[:3]
         where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
-    log.warning(f"WARNING: {len(unreadable)} of {total} image files cannot be decoded and are "
+    log.warning(f"{len(unreadable)} of {total} image files cannot be decoded and are "
                 f"left out ({where})")
 
 

@@ -6,11 +6,13 @@ built with ``enabled=dist.is_main``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,10 @@ import torch.distributed as torch_dist
 from errors import UserError
 from lifecycle import die_with_parent
 
-log = logging.getLogger("trainer")
+# The project logger: every module logs to a child of it (``trainer.<module>``), and
+# ``logging_for_run`` gives it its handlers, so library loggers (torch, timm) are left alone.
+PROJECT_LOGGER = "trainer"
+log = logging.getLogger(f"{PROJECT_LOGGER}.{__name__}")
 
 
 @dataclass(frozen=True)
@@ -122,20 +127,42 @@ def cleanup_distributed() -> None:
         torch_dist.destroy_process_group()
 
 
-def setup_logging(log_dir: Path, dist: DistInfo, name: str = "train") -> None:
-    """Every rank appends to logs/{name}_rank_{r}.log; only the main process prints."""
+@contextlib.contextmanager
+def logging_for_run(log_dir: Path, dist: DistInfo, name: str = "train") -> Iterator[None]:
+    """While a tool runs, every rank appends to logs/{name}_rank_{r}.log and only the main
+    process prints. Afterwards the project logger is as it was, its files closed: a process
+    (a test) that runs several tools gets no handler left over from an earlier one."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log.handlers.clear()
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    project = logging.getLogger(PROJECT_LOGGER)
+    saved = list(project.handlers), project.level, project.propagate
+    project.handlers.clear()
+    project.setLevel(logging.INFO)
+    project.propagate = False
     file_handler = logging.FileHandler(log_dir / f"{name}_rank_{dist.rank}.log")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(message)s"))
+    file_handler.setFormatter(_LevelFormatter("%(asctime)s [rank %(rank)s] %(message)s"))
     file_handler.addFilter(_RankFilter(dist.rank))
-    log.addHandler(file_handler)
+    project.addHandler(file_handler)
     if dist.is_main:
         console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(console)
+        console.setFormatter(_LevelFormatter("%(message)s"))
+        project.addHandler(console)
+    try:
+        yield
+    finally:
+        for handler in project.handlers:
+            handler.close()
+        project.handlers[:] = saved[0]
+        project.setLevel(saved[1])
+        project.propagate = saved[2]
+
+
+class _LevelFormatter(logging.Formatter):
+    """Warnings and errors say so first ("WARNING: ..."); information is the message alone."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            record.message = f"{record.levelname}: {record.message}"
+        return super().formatMessage(record)
 
 
 class _RankFilter(logging.Filter):
@@ -148,18 +175,26 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks in place (no-op for one process). Every rank must call it."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = None
+               ) -> torch.Tensor:
+    """Reduce a tensor over all ranks in place with ``op`` ("sum", "max" or "min"); a no-op for
+    one process. Every rank must call it."""
     if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(tensor, op=getattr(torch_dist.ReduceOp, op.upper()), group=group)
     return tensor
+
+
+# The names the engine and the trainer read best at their call sites.
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, "sum")
 
 
 def all_reduce_max(tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
-    """Max of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
-    if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, group=group)
-    return tensor
+    return all_reduce(tensor, "max", group)
+
+
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    return all_reduce(tensor, "min")
 
 
 # The gloo twin of the default NCCL group, as (default group, twin); creating a group is a
@@ -180,13 +215,6 @@ def host_group(timeout: datetime.timedelta | None = None) -> object | None:
     if not _host_group or _host_group[0][0] is not world:   # a new job in this process
         _host_group[:] = [(world, torch_dist.new_group(backend="gloo", timeout=timeout))]
     return _host_group[0][1]
-
-
-def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
-    """Min of a tensor over all ranks in place (no-op for one process). Every rank must call it."""
-    if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MIN)
-    return tensor
 
 
 def any_rank(flag: bool) -> bool:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from distributed import all_reduce_sum, any_rank
 from memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 # Index of each running sum in the metric tensors.
 LOSS, CORRECT, COUNT = 0, 1, 2          # training: [loss_sum, correct, count]
@@ -161,7 +161,7 @@ def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
         failed_size = plan.size_for(len(targets))
         plan.shrink(len(targets))  # every rank: they agreed on the failure
         _reset_ddp_after_failed_attempt(model)
-        log.warning(f"WARNING: out of memory with micro-batch {failed_size}; redoing this step "
+        log.warning(f"out of memory with micro-batch {failed_size}; redoing this step "
                     f"with micro-batch {plan.micro_batch}")
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16.
@@ -302,23 +302,43 @@ def record_metrics(sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor,
     sums[COUNT] += targets.size(0)
 
 
-@torch.no_grad()
+# Called by ``evaluate`` with each micro-batch's float32 logits, top-1 predictions and targets,
+# on the device, in the order the loader yields them: per-sample work such as a confusion matrix.
+PredictionHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
-             show_progress: bool = True, plan: MemoryPlan | None = None) -> dict[str, float]:
+             show_progress: bool = True, plan: MemoryPlan | None = None,
+             on_predictions: PredictionHook | None = None) -> dict[str, float]:
     """Loss, top-1 and top-5 over this rank's shard, summed over all ranks; loaded batches go
-    through the model in ``plan``'s micro-batches, as in training.
+    through the model in ``plan``'s micro-batches, as in training. ``on_predictions`` sees every
+    prediction (src/evaluate.py's report is built from this same pass, so it matches the
+    ``val_acc`` recorded in training).
 
     Every rank must call this (the final all-reduce is a collective). Shards are uneven by at
     most one image, which is fine: ``model`` is the unwrapped module, so the forward passes run
     no collectives and no rank waits for another inside the loop.
     """
+    total = evaluation_sums(model, loader, device, precision, show_progress, plan,
+                            on_predictions).tolist()
+    count = max(total[COUNT], 1)
+    return {"val_loss": total[LOSS] / count, "val_acc": total[CORRECT] / count,
+            "val_top5": total[TOP5] / count, "val_samples": int(total[COUNT])}
+
+
+@torch.no_grad()
+def evaluation_sums(model: nn.Module, loader, device: torch.device, precision: Precision,
+                    show_progress: bool = True, plan: MemoryPlan | None = None,
+                    on_predictions: PredictionHook | None = None) -> torch.Tensor:
+    """``evaluate``'s pass: [loss_sum, correct, count, top5_correct] summed over all ranks, as
+    float64 on the device. Every rank must call this."""
     model.eval()
     plan = plan or MemoryPlan()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     for batch_images, batch_targets in tqdm(loader, desc="val", disable=not show_progress,
                                             dynamic_ncols=True, leave=False):
         size = plan.size_for(len(batch_targets))
-        for x, y in zip(batch_images.split(size), batch_targets.split(size)):
+        for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):
             images, targets = to_device(x, y, device, plan.channels_last)
             with precision.autocast(device):
                 logits = model(images)
@@ -328,7 +348,6 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
             sums[CORRECT] += (top[:, 0] == targets).sum()
             sums[TOP5] += (top == targets[:, None]).any(dim=1).sum()
             sums[COUNT] += targets.size(0)
-    total = all_reduce_sum(sums).tolist()
-    count = max(total[COUNT], 1)
-    return {"val_loss": total[LOSS] / count, "val_acc": total[CORRECT] / count,
-            "val_top5": total[TOP5] / count, "val_samples": int(total[COUNT])}
+            if on_predictions is not None:
+                on_predictions(logits.float(), top[:, 0], targets)
+    return all_reduce_sum(sums)

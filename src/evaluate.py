@@ -15,29 +15,30 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
-from tqdm import tqdm
-
 from confusion import (FULL_MATRIX_MAX_CLASSES, format_worst_classes, per_class_metrics,
                        plot_confusion_matrix, plot_confusion_summary, write_confusion_csv)
 from data import (ReadableImageFolder, SeededImageDataset, ShardSampler,
                   default_num_workers, find_classes, leave_out_unreadable, make_loader)
 from distributed import (DistInfo, all_gather_objects, all_reduce_sum,
-                         cleanup_distributed, cpu_cores_available, log, setup_distributed,
-                         setup_logging)
+                         cleanup_distributed, cpu_cores_available, logging_for_run,
+                         setup_distributed)
+from engine import LOSS, TOP5, evaluation_sums
 from errors import UserError, exit_on_user_error
-from inference import Classifier, load_classifier
+from inference import (Classifier, add_inference_arguments, check_inference_arguments,
+                       load_classifier)
 
 WORST_CLASSES_SHOWN = 10
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 
 @dataclass
@@ -57,27 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate.py", description="Evaluate a checkpoint on an ImageFolder: metrics.json, "
         "confusion_matrix.png, misclassified.csv and the worst classes.")
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="checkpoint written by src/train_ddp.py")
+    add_inference_arguments(parser, 64, "images per batch per process",
+                            "loader workers per process (default: min(4, cores per process))")
     parser.add_argument("--data_dir", type=Path, default=Path("data/val"),
                         help="ImageFolder <dir>/<class>/<image>; its classes must be among the "
                              "checkpoint's (default: data/val)")
     parser.add_argument("--output", type=Path, default=Path("logs/eval"),
                         help="folder for the report files (default: logs/eval)")
-    parser.add_argument("--batch_size", type=int, default=64, help="images per batch per process")
-    parser.add_argument("--num_workers", type=int, default=None,
-                        help="loader workers per process (default: min(4, cores per process))")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="auto: CUDA when visible, else the CPU (default: auto)")
     return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError(f"--batch_size must be positive, got {args.batch_size}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
+    check_inference_arguments(args)
     return args
 
 
@@ -99,45 +92,52 @@ def build_eval_folder(data_dir: Path, class_names: list[str], output: Path,
     return folder, len(unreadable)
 
 
-@torch.no_grad()
-def count_predictions(model: nn.Module, loader, num_classes: int, device: torch.device,
+class PredictionCounter:
+    """The per-sample part of the report, fed by ``engine.evaluate``'s pass: the confusion
+    matrix (on the device) and this rank's misclassified images.
+
+    ``indices`` yields the dataset index of each sample in the order the loader yields them
+    (the loader's sampler): the pass sees every sample once, in that order.
+    """
+
+    def __init__(self, num_classes: int, device: torch.device, indices: Iterator[int]):
+        self.num_classes = num_classes
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+        self.indices = indices
+        self.misclassified: list[tuple[int, int, float]] = []   # (index, predicted, confidence)
+
+    def __call__(self, logits: torch.Tensor, predicted: torch.Tensor,
+                 targets: torch.Tensor) -> None:
+        # index_add_, not bincount: bincount on CUDA reads the largest value back to the host.
+        self.confusion.index_add_(0, targets * self.num_classes + predicted,
+                                  torch.ones_like(targets, dtype=self.confusion.dtype))
+        confidence = logits.softmax(dim=1).gather(1, predicted[:, None])[:, 0]
+        # The per-image list needs the predictions on the host: one copy per (micro-)batch, one
+        # GPU synchronisation, not one per misclassified image.
+        host = torch.stack([predicted.double(), confidence.double(),
+                            (predicted != targets).double()]).cpu()
+        batch_indices = [next(self.indices) for _ in range(targets.size(0))]
+        for i in host[2].nonzero().flatten().tolist():
+            self.misclassified.append((batch_indices[i], int(host[0, i]), float(host[1, i])))
+
+
+def count_predictions(classifier: Classifier, loader, device: torch.device,
                       show_progress: bool = True) -> EvalCounts:
     """Confusion matrix, loss and top-5 over this rank's shard, summed over all ranks, plus every
     rank's misclassified images. Every rank must call this (it ends with collectives).
 
-    As in engine.evaluate: sums on the device, all-reduced once at the end, never averages of
-    averages; ShardSampler gives each image to exactly one rank, without padding.
+    The pass is training's own (``engine.evaluation_sums``: its autocast, micro-batch and
+    layout, read from the checkpoint), so top-1 is the ``val_acc`` training recorded for the
+    same checkpoint and images. ShardSampler gives each image to exactly one rank.
     """
-    model.eval()
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)   # loss sum, top-5 correct
-    misclassified: list[tuple[int, int, float]] = []
-    indices = iter(loader.sampler)  # dataset index of each sample, in the order the loader yields
-    for images, targets in tqdm(loader, desc="evaluate", disable=not show_progress,
-                                dynamic_ncols=True, leave=False):
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        logits = model(images).float()
-        top = logits.topk(min(5, num_classes), dim=1).indices
-        predicted = top[:, 0]
-        confidence = logits.softmax(dim=1).gather(1, predicted[:, None])[:, 0]
-        sums[0] += F.cross_entropy(logits, targets, reduction="sum").double()
-        sums[1] += (top == targets[:, None]).any(dim=1).sum()
-        # index_add_, not bincount: bincount on CUDA reads the largest value back to the host.
-        confusion.index_add_(0, targets * num_classes + predicted,
-                             torch.ones_like(targets, dtype=confusion.dtype))
-        # The per-image list needs the batch's predictions on the host: one copy per batch
-        # (one GPU synchronisation), not one per misclassified image.
-        host = torch.stack([predicted.double(), confidence.double(),
-                            (predicted != targets).double()]).cpu()
-        batch_indices = [next(indices) for _ in range(targets.size(0))]
-        for i in host[2].nonzero().flatten().tolist():
-            misclassified.append((batch_indices[i], int(host[0, i]), float(host[1, i])))
-    all_reduce_sum(confusion)
-    all_reduce_sum(sums)
-    gathered = sorted(row for rows in all_gather_objects(misclassified) for row in rows)
-    return EvalCounts(confusion.view(num_classes, num_classes).cpu().numpy(),
-                      float(sums[0]), int(sums[1]), gathered)
+    num_classes = len(classifier.class_names)
+    counter = PredictionCounter(num_classes, device, iter(loader.sampler))
+    sums = evaluation_sums(classifier.model, loader, device, classifier.precision,
+                           show_progress, classifier.plan, on_predictions=counter).tolist()
+    all_reduce_sum(counter.confusion)
+    gathered = sorted(row for rows in all_gather_objects(counter.misclassified) for row in rows)
+    return EvalCounts(counter.confusion.view(num_classes, num_classes).cpu().numpy(),
+                      sums[LOSS], int(sums[TOP5]), gathered)
 
 
 def build_metrics(counts: EvalCounts, class_names: list[str], args: argparse.Namespace,
@@ -203,7 +203,11 @@ class ReportWriter:
 
 
 def run(args: argparse.Namespace, dist: DistInfo) -> int:
-    setup_logging(args.output, dist, name="evaluate")
+    with logging_for_run(args.output, dist, name="evaluate"):
+        return evaluate_and_report(args, dist)
+
+
+def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     classifier: Classifier = load_classifier(args.checkpoint, dist.device)
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output,
                                            dist)
@@ -217,8 +221,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> int:
     log.info(f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
              f"({dist.world_size} process(es) on {dist.device.type})")
     started = time.perf_counter()
-    counts = count_predictions(classifier.model, loader, len(classifier.class_names),
-                               dist.device, show_progress=dist.is_main)
+    counts = count_predictions(classifier, loader, dist.device, show_progress=dist.is_main)
     evaluated = time.perf_counter()
     metrics = build_metrics(counts, classifier.class_names, args, unreadable)
     written = ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)

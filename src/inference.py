@@ -6,7 +6,8 @@ normalisation next to the weights, so no training flag has to be repeated here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ from torchvision.transforms import v2
 
 from checkpoint import CheckpointError, load_checkpoint_file
 from data import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from engine import Precision
+from errors import UserError
+from memory import MemoryPlan
 from model import build_model, strip_wrapper_prefixes
 
 # What a checkpoint of this trainer holds and a bare state dict or another tool's file lacks.
@@ -30,6 +34,10 @@ class Classifier:
     transform: v2.Compose       # the evaluation geometry of training (resize, center crop)
     mean: tuple[float, ...]     # normalisation, applied per batch (data.normalize_batch)
     std: tuple[float, ...]
+    # How training ran its evaluation pass (autocast, micro-batch, layout), so the tools'
+    # predictions are the ones behind the recorded val_acc.
+    precision: Precision = Precision(False, torch.float32)
+    plan: MemoryPlan = field(default_factory=MemoryPlan)
 
 
 def load_classifier(path: Path, device: torch.device) -> Classifier:
@@ -44,9 +52,47 @@ def load_classifier(path: Path, device: torch.device) -> Classifier:
         raise CheckpointError(f"the weights in {path} do not fit {state['model_name']} with "
                               f"{len(class_names)} classes ({str(err).splitlines()[0]})") from None
     image_size = int(state["image_size"])
+    config = state.get("config") or {}
+    plan = MemoryPlan(micro_batch=state.get("micro_batch"),
+                      channels_last=bool(config.get("channels_last")) and device.type == "cuda")
+    if plan.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     return Classifier(model.to(device).eval(), class_names, image_size,
                       build_transforms(image_size, train=False),
-                      tuple(state.get("mean", IMAGENET_MEAN)), tuple(state.get("std", IMAGENET_STD)))
+                      tuple(state.get("mean", IMAGENET_MEAN)), tuple(state.get("std", IMAGENET_STD)),
+                      training_precision(config, device), plan)
+
+
+def training_precision(config: dict[str, Any], device: torch.device) -> Precision:
+    """The autocast training used on this device type, from the checkpoint's config; float32
+    for a file without one. The rule of ``train_ddp.choose_precision`` (a test holds them
+    equal): on the CPU bfloat16, unless --low_memory chose float32 there."""
+    if not config.get("use_amp"):
+        return Precision(False, torch.float32)
+    if device.type == "cpu":
+        return (Precision(False, torch.float32) if config.get("low_memory")
+                else Precision(True, torch.bfloat16))
+    return Precision(True, getattr(torch, config.get("amp_dtype", "float16")))
+
+
+def add_inference_arguments(parser: argparse.ArgumentParser, batch_size: int,
+                            batch_size_help: str, num_workers_help: str) -> None:
+    """The flags src/evaluate.py and src/predict.py share, with the same meaning."""
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="checkpoint written by src/train_ddp.py")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: CUDA when visible, else the CPU (default: auto)")
+    parser.add_argument("--batch_size", type=int, default=batch_size,
+                        help=f"{batch_size_help} (default: {batch_size})")
+    parser.add_argument("--num_workers", type=int, default=None, help=num_workers_help)
+
+
+def check_inference_arguments(args: argparse.Namespace) -> None:
+    """One error line (exit code 2) for a shared flag out of range."""
+    if args.batch_size < 1:
+        raise UserError(f"--batch_size must be positive, got {args.batch_size}")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
 
 
 def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 from distributed import all_reduce_min
 from errors import UserError
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 GIB = 2**30
 
@@ -140,7 +140,7 @@ def enable_memory_savers(model: nn.Module, *, grad_checkpointing: bool,
         try:
             model.set_grad_checkpointing(True)
         except (AttributeError, NotImplementedError, AssertionError) as err:
-            log.warning(f"WARNING: {type(model).__name__} has no activation checkpointing in "
+            log.warning(f"{type(model).__name__} has no activation checkpointing in "
                         f"timm ({err or type(err).__name__}); training without it")
     if channels_last:
         model.to(memory_format=torch.channels_last)

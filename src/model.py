@@ -12,24 +12,32 @@ from torch import nn
 
 from errors import UserError
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 MODEL_HUB_HOST = "huggingface.co"
 
 
-class ResNet18Animals90(ResNet):
+class ResNet18Classifier(ResNet):
     """timm's ResNet18 with a ``num_classes`` head: load ``checkpoint_best.pth`` into it in plain
     code. Its state dict has the same keys as ``timm.create_model("resnet18")`` and
     ``torchvision.models.resnet18``."""
 
-    def __init__(self, num_classes: int = 90, pretrained: bool = False,
+    def __init__(self, num_classes: int, pretrained: bool = False,
                  pretrained_path: str | None = None):
         super().__init__(block=BasicBlock, layers=(2, 2, 2, 2), num_classes=num_classes)
         if pretrained:
-            raise UserError("ResNet18Animals90(pretrained=True) cannot download weights here; "
-                            "pass pretrained_path=FILE with a local resnet18 state dict")
+            raise UserError(f"{type(self).__name__}(pretrained=True) cannot download weights "
+                            "here; pass pretrained_path=FILE with a local resnet18 state dict")
         if pretrained_path:
             load_pretrained_weights(self, Path(pretrained_path))
+
+
+class ResNet18Animals90(ResNet18Classifier):
+    """The former name, 90 classes by default: kept for code written against it."""
+
+    def __init__(self, num_classes: int = 90, pretrained: bool = False,
+                 pretrained_path: str | None = None):
+        super().__init__(num_classes, pretrained, pretrained_path)
 
 
 def build_model(name: str, num_classes: int, pretrained: bool = False,

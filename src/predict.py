@@ -23,7 +23,8 @@ from data import default_num_workers, normalize_batch
 from distributed import choose_device, cpu_cores_available
 from errors import UserError, exit_on_user_error
 from image_files import IMAGE_EXTENSIONS, is_hidden_folder_name, is_image_file, open_rgb
-from inference import Classifier, load_classifier
+from inference import (Classifier, add_inference_arguments, check_inference_arguments,
+                       load_classifier)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,25 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="predict.py", description="Top-k class predictions for image files and folders.")
     parser.add_argument("inputs", nargs="+", type=Path,
                         help="image files and/or folders (searched recursively)")
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="checkpoint written by src/train_ddp.py")
+    add_inference_arguments(parser, 32, "images per batch",
+                            "loader workers (default: min(4, cores); none for a single batch)")
     parser.add_argument("--topk", type=int, default=3, help="predictions per image (default: 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="auto: CUDA when visible, else the CPU (default: auto)")
-    parser.add_argument("--batch_size", type=int, default=32, help="images per batch (default: 32)")
-    parser.add_argument("--num_workers", type=int, default=None,
-                        help="loader workers (default: min(4, cores); none for a single batch)")
     return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name in ("topk", "batch_size"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
+    check_inference_arguments(args)
+    if args.topk < 1:
+        raise UserError(f"--topk must be positive, got {args.topk}")
     return args
 
 
@@ -103,7 +97,11 @@ def predict(classifier: Classifier, paths: list[Path], topk: int, device: torch.
     results: list[dict[str, Any]] = []
     for images, errors in loader:
         images = normalize_batch(images.to(device), classifier.mean, classifier.std)
-        probabilities = classifier.model(images).float().softmax(dim=1)
+        if classifier.plan.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with classifier.precision.autocast(device):
+            logits = classifier.model(images)
+        probabilities = logits.float().softmax(dim=1)
         top_p, top_i = (t.cpu().tolist() for t in probabilities.topk(k, dim=1))
         for j, error in enumerate(errors):
             path = str(paths[len(results)])

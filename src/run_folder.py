@@ -38,7 +38,7 @@ NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 # errno values of a file system without flock (some network file systems).
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 
 class FolderBusy(UserError):
@@ -77,7 +77,7 @@ class FolderLock:
         except OSError as err:
             os.close(fd)
             if err.errno in NO_LOCKS:
-                log.warning(f"WARNING: the file system of {self.path.parent} does not support "
+                log.warning(f"the file system of {self.path.parent} does not support "
                             "file locks: nothing stops a second run from using it at the same "
                             "time")
                 return

@@ -21,7 +21,7 @@ import torch
 from distributed import all_reduce_max, host_group
 from lifecycle import STOP_SIGNALS, exit_code_for
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 
 SIGNALS = STOP_SIGNALS
 # One request can reach a rank twice: a signal sent to every process of a job (SLURM, Kubernetes)

@@ -15,6 +15,7 @@ IMPORTS_STARTED = time.time()  # for bench/startup.py: what the imports below co
 
 import hashlib
 import inspect
+import logging
 import math
 import os
 import platform
@@ -43,7 +44,7 @@ from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, 
 from demo_data import write_demo_dataset
 from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
                          barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
-                         log, setup_distributed, setup_logging)
+                         logging_for_run, setup_distributed)
 from engine import Precision, configure_backends, train_one_epoch, evaluate
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
@@ -55,6 +56,7 @@ from preflight import check_batch_fits, check_device_options
 from run_folder import atomic_write, claim_run_folder
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
+log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 DEMO_ROOT = Path("data/demo")
 
 
@@ -76,7 +78,7 @@ def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
                  "slower there)")
         return Precision(False, torch.float32)
     if device.type == "cpu":
-        log.warning("WARNING: --use_amp on the CPU uses bfloat16 autocast, which is usually "
+        log.warning("--use_amp on the CPU uses bfloat16 autocast, which is usually "
                     "slower than float32 there")
         return Precision(True, torch.bfloat16)
     return Precision(True, getattr(torch, cfg.amp_dtype))
@@ -300,7 +302,7 @@ class Trainer:
         if same_layout:
             self.resumed_sums = restore_rank_state(rank_states[self.dist.rank], self.dist.device)
         elif self.step:
-            log.warning(f"WARNING: {path} was written by {len(rank_states)} process(es) with "
+            log.warning(f"{path} was written by {len(rank_states)} process(es) with "
                         f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
                         f"layout, epoch {self.epoch + 1} restarts from its first step")
             self.step = 0
@@ -480,8 +482,7 @@ def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:
 
 
 def run(cfg: TrainConfig, dist: DistInfo) -> int:
-    setup_logging(Path(cfg.log_dir), dist)
-    with claim_checkpoint_dir(cfg, dist):
+    with logging_for_run(Path(cfg.log_dir), dist), claim_checkpoint_dir(cfg, dist):
         return train(cfg, dist)
 
 

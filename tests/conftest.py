@@ -3,7 +3,6 @@ a user would, in a new interpreter), and one trained run shared by the tests tha
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import subprocess
@@ -82,19 +81,13 @@ def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> Non
 @contextlib.contextmanager
 def restored_process_state() -> Iterator[None]:
     """What a tool's ``main`` changes in its process and a test must not leak to the next one:
-    the "trainer" logger's handlers (``setup_logging``), the deterministic-algorithms switch."""
-    logger = logging.getLogger("trainer")
-    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    the deterministic-algorithms switch (``--deterministic``). (The logging set-up undoes
+    itself: ``distributed.logging_for_run``.)"""
     torch = sys.modules.get("torch")    # not imported here: the plotting tests run without it
     deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
     try:
         yield
     finally:
-        for handler in logger.handlers:
-            if handler not in handlers:
-                handler.close()
-        logger.handlers[:] = handlers
-        logger.propagate, logger.level = propagate, level
         torch = sys.modules.get("torch")
         # Only when it changed: setting it imports torch._inductor (seconds).
         if torch is not None and torch.are_deterministic_algorithms_enabled() != deterministic:

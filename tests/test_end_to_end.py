@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 from conftest import ROOT, TINY_FLAGS, run_cli
-from model import ResNet18Animals90
+from model import ResNet18Classifier
 
 
 def check_run_outputs(workdir: Path, world_size: int) -> None:
@@ -64,7 +64,7 @@ def test_checkpoint_loads_into_plain_models(trained_run):
     state = torch.load(trained_run.best, weights_only=True)
     weights = state["model_state_dict"]
 
-    ours = ResNet18Animals90(num_classes=3)
+    ours = ResNet18Classifier(num_classes=3)
     ours.load_state_dict(weights, strict=True)
     reference = torchvision.models.resnet18(num_classes=3)
     reference.load_state_dict(weights, strict=True)

@@ -362,12 +362,15 @@ def _indexed_loader(targets: torch.Tensor, batch_size: int):
 
 def _evaluate(device: torch.device, count: int = 40, classes: int = 7):
     from evaluate import count_predictions
+    from inference import Classifier
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(count, classes, generator=g)
     targets = torch.randint(0, classes, (count,), generator=g)
     model = FixedLogits(logits).to(device)
-    counts = count_predictions(model, _indexed_loader(targets, 16), classes, device,
+    classifier = Classifier(model, [f"c{k}" for k in range(classes)], 2, None, (0.0,) * 3,
+                            (1.0,) * 3)
+    counts = count_predictions(classifier, _indexed_loader(targets, 16), device,
                                show_progress=False)
     return logits, targets, counts
 

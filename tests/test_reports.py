@@ -19,22 +19,6 @@ from evaluate import main as evaluate_main
 from model import build_model
 
 
-@pytest.fixture(autouse=True)
-def restore_trainer_logger():
-    """The tools' main() set up the "trainer" logger for their run; give other tests theirs
-    back."""
-    import logging
-
-    logger = logging.getLogger("trainer")
-    saved = list(logger.handlers), logger.propagate, logger.level
-    yield
-    for handler in logger.handlers:
-        if handler not in saved[0]:
-            handler.close()
-    logger.handlers[:] = saved[0]
-    logger.propagate, logger.level = saved[1], saved[2]
-
-
 def test_most_confused_pairs_by_count_then_matrix_order():
     confusion = np.array([[5, 2, 0],
                           [3, 1, 3],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -24,19 +23,6 @@ from conftest import SRC, TINY_FLAGS, run_cli
 from errors import UserError
 from run_folder import (FolderBusy, FolderLock, check_new_run, check_run_folder,
                         claim_run_folder, lock_holder)
-
-
-@pytest.fixture(autouse=True)
-def restore_trainer_logger():
-    """train_ddp.main sets up the "trainer" logger for its run; give other tests theirs back."""
-    logger = logging.getLogger("trainer")
-    saved = list(logger.handlers), logger.propagate, logger.level
-    yield
-    for handler in logger.handlers:
-        if handler not in saved[0]:
-            handler.close()
-    logger.handlers[:] = saved[0]
-    logger.propagate, logger.level = saved[1], saved[2]
 
 
 # ----------------------------------------------------------------------------- the lock

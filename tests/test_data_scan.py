@@ -1,0 +1,54 @@
+"""The training images are decoded once at start: with an image cache, caching is the check."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+import data
+import image_files
+from conftest import CLASSES, write_image_folder
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> dict[str, int]:
+    """How many times the decode check and the cache open an image file."""
+    counts = {"check": 0, "cache": 0}
+    check, cache_open = image_files.image_problem, data.open_rgb
+
+    def counted_check(path):
+        counts["check"] += 1
+        return check(path)
+
+    def counted_open(path, draft=None):
+        counts["cache"] += 1
+        return cache_open(path, draft)
+
+    monkeypatch.setattr(image_files, "image_problem", counted_check)
+    monkeypatch.setattr(data, "open_rgb", counted_open)
+    return counts
+
+
+def folders_with_a_broken_file(root: Path) -> tuple[Path, Path]:
+    train = write_image_folder(root / "train", CLASSES, 4, seed=1)
+    val = write_image_folder(root / "val", CLASSES, 2, seed=2)
+    (train / CLASSES[0] / "broken.jpg").write_bytes(b"not a jpeg")
+    return train, val
+
+
+@pytest.mark.parametrize("cache", ["none", "ram"])
+def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
+        cache: str, tmp_path: Path, decodes: dict[str, int], caplog):
+    train, val = folders_with_a_broken_file(tmp_path)
+    files = 3 * 4 + 1 + 3 * 2
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        train_set, val_set, _ = data.build_datasets(
+            train, val, 16, 0, 0.08, 0.5, log_dir=tmp_path / "logs", cache=cache, threads=1)
+    assert decodes["check"] + decodes["cache"] == files
+    assert (decodes["cache"] == files) == (cache == "ram")
+    assert len(train_set) == 12 and len(val_set) == 6
+    assert all("broken" not in path for path, _ in train_set.folder.samples)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"1 of {files} image files cannot be decoded" in warnings[0]
+    assert "broken.jpg" in (tmp_path / "logs" / "unreadable_images.txt").read_text()
