@@ -43,7 +43,7 @@ FLUSH_SECS = 10
 # background thread's job at the usual logging rates.
 MAX_QUEUE = 100
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(f"trainer.{__name__}")
 
 
 class TensorBoardLogger:
