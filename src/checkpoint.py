@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import pickle
+import random
 import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from errors import UserError
@@ -252,3 +254,37 @@ class CheckpointWriter:
             self.replace_previous_run = False
         if is_best:
             atomic_save(state, self.best)
+
+
+# ----------------------------------------------------------------------------- rank state
+
+def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any]:
+    """This rank's random state and running epoch metrics, as tensors and plain values."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": random.getstate(),
+             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                       *map(_plain, np_state[2:])),
+             "train_sums": None if sums is None else sums.detach().cpu()}
+    if device.type == "cuda":   # this rank's GPU only: a resumed job may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def restore_rank_state(state: dict[str, Any], device: torch.device) -> torch.Tensor | None:
+    """Put back what ``rank_state`` saved; returns the running epoch metrics."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    return state["train_sums"]
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
