@@ -25,7 +25,8 @@ import torchvision
 
 from checkpoint import (CheckpointWriter, apply_optimisation_settings, check_resume_fits,
                         check_resume_settings, find_resume_checkpoint, load_training_checkpoint,
-                        optimisation_settings, rank_state, restore_rank_state)
+                        optimisation_settings, rank_state, restore_rank_state,
+                        training_checkpoint)
 from config import (TrainConfig, config_yaml, launcher_flags_from_env, parse_config,
                     preset_summary, print_config_requested)
 from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
@@ -185,28 +186,18 @@ class Trainer:
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         weights = self.plain_model.state_dict()
-        return {
-            "model_state_dict": weights,
-            # The key timm's load_checkpoint / validate.py / create_model(checkpoint_path=)
-            # read. The same dict: torch.save stores each tensor once, so the file does not grow.
-            "state_dict": weights,
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "scheduler_state_dict": self.scheduler.state_dict(),
-            "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "epoch": self.epoch,          # epochs completed
-            "step": self.step,            # optimizer steps done in the next epoch
-            "micro_batch": self.plan.micro_batch,   # images per forward/backward pass
-            "best_acc": self.best_acc,
-            "class_names": self.class_names,
-            "image_size": self.cfg.image_size,
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
-            "model_name": self.cfg.model,
-            "config": self.cfg.to_dict(),
-            "world_size": self.dist.world_size,   # with batch_size: the batch of one step
-            "history": self.history.records,
-            "rank_states": rank_states,
-        }
+        return training_checkpoint(
+            model_state_dict=weights,
+            state_dict=weights,   # timm's key; the same dict, stored once
+            optimizer_state_dict=self.optimizer.state_dict(),
+            scheduler_state_dict=self.scheduler.state_dict(),
+            scaler_state_dict=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            epoch=self.epoch, step=self.step, micro_batch=self.plan.micro_batch,
+            best_acc=self.best_acc, class_names=self.class_names,
+            image_size=self.cfg.image_size, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
+            model_name=self.cfg.model, config=self.cfg.to_dict(),
+            world_size=self.dist.world_size, history=self.history.records,
+            rank_states=rank_states)
 
     # -- one epoch ------------------------------------------------------------------------
     def run_epoch(self) -> bool:
@@ -258,6 +249,11 @@ class Trainer:
                  f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
                  f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
                  f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else ""))
+
+    def end_hooks(self, finished: bool) -> None:
+        """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
+        if finished and self.history.records:
+            call_hooks(self.hooks, "on_run_end", self.cfg.to_dict(), self.history.records[-1])
 
     def fit(self) -> bool:
         """Train until the last epoch, or until a stop signal; True if the run finished."""
@@ -380,8 +376,12 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     trainer.resume()
     mark("model ready")
     log_run_start(cfg, dist, trainer)
-    with trainer.stop.installed():
-        finished = trainer.fit()
+    try:
+        with trainer.stop.installed():
+            finished = trainer.fit()
+        trainer.end_hooks(finished)
+    finally:
+        call_hooks(trainer.hooks, "close")   # loggers flush their files whatever happened
     log_summary(trainer, finished)
     mark("summary logged")
     return 0 if finished else trainer.stop.exit_code
