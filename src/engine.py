@@ -1,8 +1,12 @@
 """One training epoch and one evaluation pass. They know nothing about ranks or files.
 
 Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
-the progress-bar update every ``log_interval`` steps) and summed across ranks with
-``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
+with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+
+``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
+points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
+Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
 
 Each loaded batch is one optimizer step. A ``MemoryPlan`` may split it into micro-batches: their
 losses are weighted by their share of the batch, so the accumulated gradient is the whole
