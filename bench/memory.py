@@ -41,11 +41,10 @@ def worker(args: argparse.Namespace) -> dict:
     import logging
 
     from config import parse_config
+    from distributed import DistInfo
     from engine import configure_backends, train_one_epoch
-    from memory import (ResidentMemory, build_memory_plan, cpu_baseline, enable_memory_savers,
-                        resident_training_state)
-    from model import build_model
-    from train_ddp import build_optimizer, choose_precision
+    from memory import ResidentMemory, build_memory_plan, cpu_baseline, resident_training_state
+    from run_parts import build_run_parts
     resident = ResidentMemory()
     imports_mib = resident.current() / MIB if resident.available else None
 
@@ -59,18 +58,12 @@ def worker(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     torch.set_num_threads(os.cpu_count() or 1)
     configure_backends(device, cfg.deterministic)   # the trainer's kernel choices
-    torch.manual_seed(0)
 
-    model = build_model(cfg.model, args.num_classes)
-    enable_memory_savers(model, grad_checkpointing=cfg.grad_checkpointing,
-                         channels_last=cfg.channels_last and device.type == "cuda")
-    model = model.to(device)
-    optimizer = build_optimizer(cfg, model, world_size=1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    precision = choose_precision(cfg, device)
-    scaler = torch.amp.GradScaler(device.type,
-                                  enabled=precision.enabled and precision.dtype == torch.float16)
-    criterion = torch.nn.CrossEntropyLoss()
+    # The trainer's own parts for one process (its seed, savers, optimizer, precision, loss).
+    parts = build_run_parts(cfg, DistInfo(0, 0, 1, 1, device), args.num_classes,
+                            steps_per_epoch=args.warmup + args.steps)
+    model, optimizer = parts.model, parts.optimizer
+    precision, criterion = parts.precision, parts.criterion
     # The baseline the fitting takes inside build_memory_plan; in normal mode the same figure
     # without cpu_baseline's allocator setting (the trainer makes it only when fitting).
     baseline = None
@@ -80,6 +73,7 @@ def worker(args: argparse.Namespace) -> dict:
                     resident.current() - resident_training_state(model, optimizer))
     plan = build_memory_plan(cfg, device, 1, model, optimizer, criterion, precision,
                              args.num_classes)
+    state = parts.step_state(plan)
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g),
              torch.randint(0, args.num_classes, (args.batch_size,), generator=g))
@@ -87,8 +81,7 @@ def worker(args: argparse.Namespace) -> dict:
         batch = (batch[0].pin_memory(), batch[1].pin_memory())
 
     def steps(count: int) -> None:
-        train_one_epoch(model, [batch] * count, optimizer, scheduler, scaler, criterion, device,
-                        precision, show_progress=False, plan=plan)
+        train_one_epoch(state, [batch] * count)
 
     reset = resident.available and resident.reset_peak()
     if device.type == "cuda":

@@ -169,22 +169,14 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
-    from torch import nn
 
-    from memory import enable_memory_savers
-    from model import build_model
-    from train_ddp import build_optimizer, choose_precision, wrap_model
+    from run_parts import build_run_parts
 
+    # The trainer's own parts (model, savers, wrappers, optimizer, precision, scaler, loss).
+    parts = build_run_parts(cfg, dist, num_classes=10, steps_per_epoch=1)
+    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
+    precision, criterion = parts.precision, parts.criterion
     channels_last = cfg.channels_last and dist.device.type == "cuda"   # as the trainer does
-    plain = build_model(cfg.model, 10)
-    enable_memory_savers(plain, grad_checkpointing=cfg.grad_checkpointing,
-                         channels_last=channels_last)
-    model = wrap_model(plain, cfg, dist)
-    optimizer = build_optimizer(cfg, model, dist.world_size)
-    precision = choose_precision(cfg, dist.device)
-    scaler = torch.amp.GradScaler(dist.device.type,
-                                  enabled=precision.enabled and precision.dtype == torch.float16)
-    criterion = nn.CrossEntropyLoss()
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
@@ -239,24 +231,26 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
 
 def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
     """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
-    from engine import train_one_epoch
+    from engine import ProgressBar, train_one_epoch
 
     clock: dict = {"start": time.perf_counter()}
 
-    def on_step_end(step: int, sums) -> bool:
-        if step == 1:
-            clock["first_step"] = time.perf_counter() - clock["start"]
-        if step == warmup:
-            synchronize(trainer.dist.device)
-            timer.seconds.clear()
-            clock["timed_from"] = time.perf_counter()
-        return trainer.on_step_end(step, sums) or step == warmup + steps
+    class Clock:
+        """A hook after the trainer's own: times the steps and ends the epoch early."""
+
+        def on_step_end(self, info) -> bool:
+            if info.step == 1:
+                clock["first_step"] = time.perf_counter() - clock["start"]
+            if info.step == warmup:
+                synchronize(trainer.dist.device)
+                timer.seconds.clear()
+                clock["timed_from"] = time.perf_counter()
+            return info.step == warmup + steps
 
     trainer.sampler.set_epoch(0)
-    train_one_epoch(trainer.model, trainer.train_loader, trainer.optimizer, trainer.scheduler,
-                    trainer.scaler, trainer.criterion, trainer.dist.device, trainer.precision,
-                    show_progress=trainer.dist.is_main, log_interval=trainer.cfg.log_interval,
-                    on_step_end=on_step_end, plan=trainer.plan, timer=timer)
+    train_one_epoch(trainer.step_state, trainer.train_loader, hooks=[*trainer.hooks, Clock()],
+                    progress=ProgressBar(trainer.dist.is_main),
+                    log_interval=trainer.cfg.log_interval, timer=timer)
     synchronize(trainer.dist.device)
     return {"seconds": time.perf_counter() - clock["timed_from"], "timer": timer,
             "first_step_seconds": clock["first_step"]}

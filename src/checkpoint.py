@@ -1,18 +1,23 @@
 """Checkpoint files: crash-safe writes, safe loads, the latest/best policy and resume lookup.
 
-A checkpoint is a plain dict of tensors and primitives (see ``train_ddp.checkpoint_state``),
-saved from the unwrapped model, so ``torch.load(path, weights_only=True)`` loads it and its
-``model_state_dict`` loads into a plain model with ``strict=True``.
+A checkpoint is a plain dict of tensors and primitives, its keys listed once in
+``CHECKPOINT_SCHEMA`` and put together by ``training_checkpoint``, saved from the unwrapped model,
+so ``torch.load(path, weights_only=True)`` loads it and its ``model_state_dict`` loads into a
+plain model with ``strict=True``. ``format_version`` says which schema wrote it: a file of a newer
+one is refused on load with one line; a file without one (written before versions existed) is
+version 0, whose keys are those of version 1.
 """
 from __future__ import annotations
 
 import logging
 import pickle
+import random
 import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from errors import UserError
@@ -25,6 +30,61 @@ LATEST, BEST = LATEST_NAME, BEST_NAME
 
 class CheckpointError(UserError):
     """A checkpoint file that is missing, corrupt, or refused as unsafe."""
+
+
+# Raise when a key's meaning changes or a key the loaders need is added; older files stay
+# readable (their missing keys are read with defaults where they are read), newer ones are refused.
+CHECKPOINT_FORMAT = 1
+
+# Every key a training checkpoint holds, with what it holds.
+CHECKPOINT_SCHEMA = {
+    "format_version": "CHECKPOINT_FORMAT of the trainer that wrote it",
+    "model_state_dict": "the unwrapped model's weights and buffers",
+    "state_dict": "the same dict, under the key timm's load_checkpoint / validate.py / "
+                  "create_model(checkpoint_path=) read (torch.save stores each tensor once)",
+    "optimizer_state_dict": "optimizer.state_dict()",
+    "scheduler_state_dict": "scheduler.state_dict()",
+    "scaler_state_dict": "GradScaler.state_dict(), or None without float16 loss scaling",
+    "epoch": "epochs completed",
+    "step": "optimizer steps done in the next epoch",
+    "micro_batch": "images per forward/backward pass",
+    "best_acc": "the best val_acc so far",
+    "class_names": "index -> class name, the order of the model's outputs",
+    "image_size": "the side of the training crops",
+    "mean": "normalisation mean",
+    "std": "normalisation std",
+    "model_name": "the timm model name",
+    "config": "TrainConfig.to_dict() of the run",
+    "world_size": "processes that wrote it (with config batch_size: the batch of one step)",
+    "history": "the history records up to this checkpoint",
+    "rank_states": "per rank: RNG states and running epoch metrics (``rank_state``)",
+}
+# What resuming needs, and what the inference tools need.
+RESUME_KEYS = ("model_state_dict", "optimizer_state_dict", "epoch")
+INFERENCE_KEYS = ("model_state_dict", "class_names", "image_size", "model_name")
+
+
+def training_checkpoint(**fields: Any) -> dict[str, Any]:
+    """The checkpoint dict: exactly the schema's keys (a bug otherwise), this format's version."""
+    state = {"format_version": CHECKPOINT_FORMAT, **fields}
+    if state.keys() != CHECKPOINT_SCHEMA.keys():
+        raise ValueError(f"checkpoint keys differ from CHECKPOINT_SCHEMA: missing "
+                         f"{sorted(CHECKPOINT_SCHEMA.keys() - state.keys())}, unknown "
+                         f"{sorted(state.keys() - CHECKPOINT_SCHEMA.keys())}")
+    return state
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint of a newer format: not damaged, so no fallback to the previous file."""
+
+
+def check_format_version(state: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint written by a newer trainer, whose keys may mean other things."""
+    version = state.get("format_version", 0)
+    if not isinstance(version, int) or version > CHECKPOINT_FORMAT:
+        raise NewerFormatError(f"checkpoint {path} has format version {version}, newer than "
+                              f"this trainer's {CHECKPOINT_FORMAT}: it was written by a newer "
+                              "version of this project; update the code to load it")
 
 
 def previous_path(path: Path) -> Path:
@@ -72,6 +132,7 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
         raise _load_error(path, err) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict")
+    check_format_version(obj, path)
     return obj
 
 
@@ -100,11 +161,11 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
         state = load_checkpoint_file(path)
     except CheckpointError as err:
         fallback = previous_path(path)
-        if not fallback.is_file():
+        if isinstance(err, NewerFormatError) or not fallback.is_file():
             raise
         log.warning(f"{err}; falling back to the previous checkpoint {fallback}")
         state = load_checkpoint_file(fallback)
-    missing = {"model_state_dict", "optimizer_state_dict", "epoch"} - state.keys()
+    missing = set(RESUME_KEYS) - state.keys()
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint of this trainer "
                               f"(missing {sorted(missing)})")
@@ -252,3 +313,37 @@ class CheckpointWriter:
             self.replace_previous_run = False
         if is_best:
             atomic_save(state, self.best)
+
+
+# ----------------------------------------------------------------------------- rank state
+
+def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any]:
+    """This rank's random state and running epoch metrics, as tensors and plain values."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": random.getstate(),
+             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                       *map(_plain, np_state[2:])),
+             "train_sums": None if sums is None else sums.detach().cpu()}
+    if device.type == "cuda":   # this rank's GPU only: a resumed job may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def restore_rank_state(state: dict[str, Any], device: torch.device) -> torch.Tensor | None:
+    """Put back what ``rank_state`` saved; returns the running epoch metrics."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    return state["train_sums"]
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

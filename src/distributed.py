@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Iterator
@@ -246,6 +248,29 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
     if torch_dist.is_initialized():
         for buffer in model.buffers():
             torch_dist.broadcast(buffer, src=0)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, the largest over all ranks."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return all_reduce_max(torch.tensor([peak], device=device)).item()
+
+
+def check_ranks_in_sync(model: torch.nn.Module) -> None:
+    """Every rank must call this. Stops with one line naming the first tensor that differs."""
+    digests = {name: hashlib.sha1(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+                                  .tobytes()).hexdigest()
+               for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    per_rank = all_gather_objects(digests)
+    for name in digests:
+        values = [d[name] for d in per_rank]
+        if len(set(values)) > 1:
+            ranks = [r for r, v in enumerate(values) if v != values[0]]
+            raise UserError(f"--check_sync: {name} differs between rank 0 and rank(s) {ranks}; "
+                            "the replicas have drifted apart")
 
 
 def barrier() -> None:

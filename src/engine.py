@@ -1,8 +1,12 @@
 """One training epoch and one evaluation pass. They know nothing about ranks or files.
 
 Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
-the progress-bar update every ``log_interval`` steps) and summed across ranks with
-``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
+with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+
+``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
+points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
+Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
 
 Each loaded batch is one optimizer step. A ``MemoryPlan`` may split it into micro-batches: their
 losses are weighted by their share of the batch, so the accumulated gradient is the whole
@@ -17,7 +21,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,43 +97,118 @@ class PhaseTimer:
 
 NO_TIMER = PhaseTimer(enabled=False)
 
-# Called after every optimizer step with (steps done in this epoch, this rank's running sums);
-# returns True when the epoch must stop there (a preemption signal).
-StepCallback = Callable[[int, torch.Tensor], bool]
+
+@dataclass
+class StepState:
+    """Everything a training step works with, built once per run (``run_parts.build_run_parts``)."""
+    model: nn.Module            # as trained: DDP and/or compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module
+    precision: Precision
+    plan: MemoryPlan            # the micro-batch; halved on out-of-memory if it allows
+    device: torch.device
 
 
-def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler,
-                    scaler: torch.amp.GradScaler, criterion: nn.Module, device: torch.device,
-                    precision: Precision, *, start_step: int = 0,
-                    sums: torch.Tensor | None = None, show_progress: bool = True,
-                    log_interval: int = 20, description: str = "train",
-                    on_step_end: StepCallback | None = None,
-                    plan: MemoryPlan | None = None,
-                    timer: PhaseTimer = NO_TIMER) -> dict[str, float]:
+@dataclass
+class StepInfo:
+    """What the ``on_step_end`` hooks see after each loaded batch's optimizer step."""
+    step: int                   # optimizer steps done in this epoch, this one included
+    global_step: int            # since the start of the run
+    sums: torch.Tensor          # this rank's running [loss_sum, correct, count] of the epoch
+    _skipped: torch.Tensor | None = None   # on the device: the GradScaler skipped the step
+
+    @property
+    def taken(self) -> bool:
+        """False when the GradScaler skipped the step (float16 overflow). Reading it waits for
+        the device, so only hooks that care (EMA) should."""
+        return self._skipped is None or not bool(self._skipped.item())
+
+
+class StepHook:
+    """Per-step work hangs off three points of the loop. Every method is optional (the loop
+    looks each one up), so any object with some of them is a hook; this class documents them.
+    A hook that has no job on this rank is built disabled and does nothing.
+    """
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        """After every loaded batch's optimizer step (``info.taken``: not skipped by the
+        GradScaler). True stops the epoch there (a preemption signal)."""
+        return False
+
+    def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
+        """Every ``log_interval`` steps, with the running train_loss, train_acc and lr already
+        read as Python floats (one host synchronisation for all hooks)."""
+
+    def on_epoch_end(self, epoch: int, record: dict) -> None:
+        """After an epoch's evaluation, with its history record (called by the trainer)."""
+
+
+def call_hooks(hooks: Iterable, name: str, *args) -> list:
+    """Call ``name`` on each hook that has it; returns their results."""
+    return [getattr(hook, name)(*args) for hook in hooks if hasattr(hook, name)]
+
+
+class ProgressBar:
+    """tqdm over the loader, with the running metrics at logging steps; disabled, it shows
+    nothing (tqdm's own no-op) and its ``on_log_step`` does nothing."""
+
+    def __init__(self, enabled: bool, description: str = "train"):
+        self.enabled, self.description = enabled, description
+        self.bar: tqdm | None = None
+
+    def wrap(self, loader, start_step: int) -> Iterable:
+        self.bar = tqdm(loader, total=start_step + len(loader), initial=start_step,
+                        desc=self.description, disable=not self.enabled, dynamic_ncols=True,
+                        leave=False)
+        return self.bar
+
+    def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
+        if self.enabled and self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}",
+                                 acc=f"{metrics['train_acc']:.4f}", lr=f"{metrics['lr']:.2e}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
+                    progress: ProgressBar | None = None, start_step: int = 0,
+                    first_global_step: int = 0, sums: torch.Tensor | None = None,
+                    log_interval: int = 20, timer: PhaseTimer = NO_TIMER) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
-    resume); ``sums`` carries the running metrics of those batches. ``plan`` (default: whole
-    batches) sets the micro-batch; the engine halves it on out-of-memory if it allows."""
-    model.train()
-    plan = plan or MemoryPlan()
+    resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
+    the run's step count at the epoch's first batch (for the hooks)."""
+    state.model.train()
+    device, plan = state.device, state.plan
+    if plan.retry_on_oom:
+        check_ddp_internals(_ddp(state.model))   # before the first step, not at the first OOM
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
+    progress = progress or ProgressBar(enabled=False)
+    # Only hooks that want the logging step make it read the metrics (a host synchronisation).
+    log_hooks = [h for h in (progress, *hooks)
+                 if hasattr(h, "on_log_step") and getattr(h, "enabled", True)]
     step = start_step
-    bar = tqdm(loader, total=start_step + len(loader), initial=start_step, desc=description,
-               disable=not show_progress, dynamic_ncols=True, leave=False)
-    for images, targets in timer.iterate(bar):
-        sums += train_step(model, images, targets, optimizer, scaler, criterion, device,
-                           precision, plan, timer)
-        scheduler.step()
+    for images, targets in timer.iterate(progress.wrap(loader, start_step)):
+        step_sums, skipped = train_step(state, images, targets, timer)
+        sums += step_sums
+        state.scheduler.step()
         step += 1
         with timer.phase("metrics_and_hooks"):
-            if show_progress and step % log_interval == 0:
-                bar.set_postfix(loss=f"{sums[LOSS].item() / sums[COUNT].item():.4f}",
-                                acc=f"{sums[CORRECT].item() / sums[COUNT].item():.4f}",
-                                lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-            stop = on_step_end is not None and on_step_end(step, sums)
+            global_step = first_global_step + step - start_step
+            if log_hooks and step % log_interval == 0:
+                count = sums[COUNT].item()
+                metrics = {"train_loss": sums[LOSS].item() / count,
+                           "train_acc": sums[CORRECT].item() / count,
+                           "lr": state.optimizer.param_groups[0]["lr"]}
+                call_hooks(log_hooks, "on_log_step", global_step, metrics)
+            info = StepInfo(step, global_step, sums, skipped)
+            stop = any(call_hooks(hooks, "on_step_end", info))
         if stop:
             break
-    bar.close()
+    progress.close()
 
     total = all_reduce_sum(sums.clone()).tolist()
     return {"train_loss": total[LOSS] / max(total[COUNT], 1),
@@ -138,43 +217,45 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             "micro_batch": plan.micro_batch}
 
 
-def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
-               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               criterion: nn.Module, device: torch.device, precision: Precision,
-               plan: MemoryPlan, timer: PhaseTimer = NO_TIMER) -> torch.Tensor:
-    """One optimizer step on one loaded batch; returns its [loss_sum, correct, count].
+def train_step(state: StepState, images: torch.Tensor, targets: torch.Tensor,
+               timer: PhaseTimer = NO_TIMER) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
+    (with a GradScaler) a device flag set when the scaler skipped the step.
 
     With ``plan.retry_on_oom``, an out-of-memory error on any rank makes every rank drop the
     step's partial gradients and metrics, put back the BatchNorm statistics, and redo the step
     from its start with half the micro-batch: no sample is skipped or counted twice.
     """
+    model, plan, scaler = state.model, state.plan, state.scaler
     snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
     while True:
-        optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=True)
         with timer.phase("forward_backward"):
-            step_sums = accumulate_gradients(model, images, targets, scaler, criterion, device,
-                                             precision, plan)
+            step_sums = accumulate_gradients(state, images, targets)
         if step_sums is not None:
             break
         snapshot.restore()
-        release_memory(device)
+        release_memory(state.device)
         failed_size = plan.size_for(len(targets))
         plan.shrink(len(targets))  # every rank: they agreed on the failure
-        _reset_ddp_after_failed_attempt(model)
+        ddp = _ddp(model)
+        if ddp is not None:
+            reset_ddp_after_failed_attempt(ddp)
         log.warning(f"out of memory with micro-batch {failed_size}; redoing this step "
                     f"with micro-batch {plan.micro_batch}")
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
-    # micro-batch overflowed in float16.
+    # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
+    # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
     with timer.phase("optimizer"):
-        scaler.step(optimizer)
+        scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+        scaler.step(state.optimizer)
         scaler.update()
-    return step_sums
+        skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
+    return step_sums, skipped
 
 
-def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
-                         scaler: torch.amp.GradScaler, criterion: nn.Module,
-                         device: torch.device, precision: Precision,
-                         plan: MemoryPlan) -> torch.Tensor | None:
+def accumulate_gradients(state: StepState, images: torch.Tensor,
+                         targets: torch.Tensor) -> torch.Tensor | None:
     """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
     or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).
 
@@ -185,6 +266,7 @@ def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.
     micro-batch's backward where DDP exchanges gradients (a rank that ran out of memory in an
     earlier micro-batch stops and waits there).
     """
+    model, scaler, plan, device = state.model, state.scaler, state.plan, state.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     size = plan.size_for(len(targets))
     chunks = _inputs_on_device(images, targets, size, device, plan)
@@ -195,7 +277,7 @@ def accumulate_gradients(model: nn.Module, images: torch.Tensor, targets: torch.
         is_last = index == len(chunks) - 1
         try:
             with contextlib.nullcontext() if is_last else _no_sync(model):
-                logits, loss = forward_loss(model, x, y, criterion, precision)
+                logits, loss = forward_loss(model, x, y, state.criterion, state.precision)
             record_metrics(sums, logits, loss, y)
             # Weighted by its share of the batch: the micro-batch gradients add up to the
             # gradient of the mean loss over the whole batch.
@@ -260,7 +342,28 @@ def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
-def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
+# DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
+# (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
+DDP_INTERNALS = (("reducer", "_reset_state"), ("ddp", "_has_rebuilt_buckets"),
+                 ("ddp", "require_forward_param_sync"))
+
+
+def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
+    """Stop before training if this torch's DDP lacks what the out-of-memory retry resets."""
+    if ddp is None:
+        return
+    owners = {"ddp": ddp, "reducer": getattr(ddp, "reducer", None)}
+    missing = [f"{owner}.{name}" for owner, name in DDP_INTERNALS
+               if not hasattr(owners[owner], name)]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s DistributedDataParallel has no {', '.join(missing)}, "
+            "which the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
+            "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
+            "(--max_memory_gb without --low_memory)")
+
+
+def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
     """Put DDP back into the same state on every rank before a step is redone.
 
     Ranks that reached the last micro-batch ran a synchronised forward whose backward never ran:
@@ -269,13 +372,13 @@ def _reset_ddp_after_failed_attempt(model: nn.Module) -> None:
     collectives and hang. ``reducer._reset_state()`` is DDP's own recovery for "a backward that
     did not succeed" (``DistributedDataParallel._update_process_group`` uses it). Likewise DDP
     broadcasts buffers at the first forward after a synchronised one, which some ranks had and
-    some had not: every rank broadcasts them at the next forward.
+    some had not: every rank broadcasts them at the next forward. These are private: the
+    attributes are checked by ``check_ddp_internals`` (at the epoch's start and here).
     """
-    ddp = _ddp(model)
-    if ddp is not None:
-        ddp.reducer._reset_state()
-        ddp._has_rebuilt_buckets = False
-        ddp.require_forward_param_sync = True
+    check_ddp_internals(ddp)
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    ddp.require_forward_param_sync = True
 
 
 def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,

@@ -1,7 +1,7 @@
 """A trained classifier loaded from its checkpoint alone: the model, its class names and the
 preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
 
-``train_ddp.Trainer.checkpoint_state`` stores the model name, class names, image size and
+A training checkpoint (``checkpoint.CHECKPOINT_SCHEMA``) stores the model name, class names, image size and
 normalisation next to the weights, so no training flag has to be repeated here.
 """
 from __future__ import annotations
@@ -15,15 +15,12 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from checkpoint import CheckpointError, load_checkpoint_file
+from checkpoint import INFERENCE_KEYS, CheckpointError, load_checkpoint_file
 from data import IMAGENET_MEAN, IMAGENET_STD, build_transforms
 from engine import Precision
 from errors import UserError
 from memory import MemoryPlan
 from model import build_model, strip_wrapper_prefixes
-
-# What a checkpoint of this trainer holds and a bare state dict or another tool's file lacks.
-REQUIRED_KEYS = ("model_state_dict", "class_names", "image_size", "model_name")
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ def load_classifier(path: Path, device: torch.device) -> Classifier:
 
 def training_precision(config: dict[str, Any], device: torch.device) -> Precision:
     """The autocast training used on this device type, from the checkpoint's config; float32
-    for a file without one. The rule of ``train_ddp.choose_precision`` (a test holds them
+    for a file without one. The rule of ``run_parts.choose_precision`` (a test holds them
     equal): on the CPU bfloat16, unless --low_memory chose float32 there."""
     if not config.get("use_amp"):
         return Precision(False, torch.float32)
@@ -96,7 +93,7 @@ def check_inference_arguments(args: argparse.Namespace) -> None:
 
 
 def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:
-    missing = [key for key in REQUIRED_KEYS if key not in state]
+    missing = [key for key in INFERENCE_KEYS if key not in state]
     if missing:
         raise CheckpointError(
             f"{path} is not a checkpoint of src/train_ddp.py: it has no {', '.join(missing)} "

@@ -1,14 +1,53 @@
-"""Optimizer state across runs: a resumed optimizer runs with this run's own kernels and its
-parameters' device, dtype and memory layout, whatever the checkpoint was written with."""
+"""The optimizer, its learning-rate schedule, and its state across runs: a resumed optimizer
+runs with this run's own kernels and its parameters' device, dtype and memory layout, whatever
+the checkpoint was written with."""
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
+
+from config import TrainConfig
 
 # Param-group options that choose how the update runs, not what it computes: they belong to
 # the run (its device, its precision), not to the checkpoint.
 IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
+    lr = cfg.learning_rate * scale
+    fused = next(model.parameters()).is_cuda  # the fused kernels exist on CUDA only
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, fused=fused or None)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay,
+                             fused=fused or None)
+
+
+def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int,
+              decay_every: int, gamma: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then the schedule."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "cosine":
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if kind == "step":
+        return gamma ** (step // decay_every)
+    return 1.0
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
+                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    factor = partial(lr_factor, kind=cfg.scheduler,
+                     warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+                     total_steps=cfg.epochs * steps_per_epoch,
+                     decay_every=max(1, cfg.step_size * steps_per_epoch), gamma=cfg.gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def restore_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -13,47 +13,38 @@ import time
 
 IMPORTS_STARTED = time.time()  # for bench/startup.py: what the imports below cost
 
-import hashlib
-import inspect
 import logging
-import math
 import os
 import platform
-import random
-import resource
-import sys
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import timm
 import torch
 import torchvision
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (CheckpointWriter, apply_optimisation_settings, check_resume_fits,
                         check_resume_settings, find_resume_checkpoint, load_training_checkpoint,
-                        optimisation_settings)
+                        optimisation_settings, rank_state, restore_rank_state,
+                        training_checkpoint)
 from config import (TrainConfig, config_yaml, launcher_flags_from_env, parse_config,
                     preset_summary, print_config_requested)
 from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
                   default_num_workers, make_loader)
 from demo_data import write_demo_dataset
-from distributed import (DistInfo, all_gather_objects, all_reduce_max, available_memory_bytes,
-                         barrier, broadcast_buffers, cleanup_distributed, cpu_cores_available,
-                         logging_for_run, setup_distributed)
-from engine import Precision, configure_backends, train_one_epoch, evaluate
+from distributed import (DistInfo, all_gather_objects, available_memory_bytes, barrier,
+                         broadcast_buffers, check_ranks_in_sync, cleanup_distributed,
+                         cpu_cores_available, logging_for_run, peak_memory_mb, setup_distributed)
+from engine import ProgressBar, StepInfo, call_hooks, configure_backends, evaluate, train_one_epoch
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from lifecycle import exit_now, mark, run_reporting
-from memory import build_memory_plan, enable_memory_savers
-from model import build_model, unwrap_model
+from memory import build_memory_plan
 from optim import restore_optimizer_state
 from preflight import check_batch_fits, check_device_options
 from run_folder import atomic_write, claim_run_folder
+from run_parts import build_run_parts
 from stopping import StopRequest, kill_point, maybe_inject_fault
 
 log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
@@ -61,28 +52,6 @@ DEMO_ROOT = Path("data/demo")
 
 
 # ----------------------------------------------------------------------------- set-up pieces
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
-    if not cfg.use_amp:
-        return Precision(False, torch.float32)
-    if device.type == "cpu" and cfg.low_memory:
-        # bfloat16 autocast runs ~16x slower than float32 on the CPU, and the micro-batches
-        # already keep the memory within the budget.
-        log.info("--low_memory on the CPU: training in float32 (bfloat16 autocast is much "
-                 "slower there)")
-        return Precision(False, torch.float32)
-    if device.type == "cpu":
-        log.warning("--use_amp on the CPU uses bfloat16 autocast, which is usually "
-                    "slower than float32 there")
-        return Precision(True, torch.bfloat16)
-    return Precision(True, getattr(torch, cfg.amp_dtype))
-
 
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     check_device_options(cfg, dist.device.type)
@@ -111,115 +80,11 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     return train_loader, val_loader, train_sampler, class_names
 
 
-def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
-    """Device placement, then DDP, then torch.compile; ``unwrap_model`` undoes the wrappers."""
-    model = model.to(dist.device)
-    if dist.is_distributed:
-        if cfg.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy, less
-        # memory). broadcast_buffers=False: no collective at every forward; BatchNorm uses batch
-        # statistics in training, and rank 0's running statistics (the ones saved) are the
-        # same either way; broadcast_buffers() hands them to every rank before evaluation.
-        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                    **no_forward_buffer_sync())
-    if cfg.compile:
-        model = compile_model(model)
-    return model
-
-
-def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
-    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
-    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
-    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def compile_model(model: nn.Module) -> nn.Module:
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        raise UserError(f"--compile: torch.compile is not supported with Python "
-                        f"{platform.python_version()} and torch {torch.__version__}; "
-                        "run without --compile")
-    return torch.compile(model)
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
-    scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
-    lr = cfg.learning_rate * scale
-    fused = next(model.parameters()).is_cuda  # the fused kernels exist on CUDA only
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, fused=fused or None)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay,
-                             fused=fused or None)
-
-
-def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int,
-              decay_every: int, gamma: float) -> float:
-    """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then the schedule."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if kind == "cosine":
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    if kind == "step":
-        return gamma ** (step // decay_every)
-    return 1.0
-
-
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
-                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    factor = partial(lr_factor, kind=cfg.scheduler,
-                     warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
-                     total_steps=cfg.epochs * steps_per_epoch,
-                     decay_every=max(1, cfg.step_size * steps_per_epoch), gamma=cfg.gamma)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict[str, Any]:
     return {"config": cfg.to_dict(), "world_size": dist.world_size,
             "device": str(dist.device.type), "class_names": class_names,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "torchvision": torchvision.__version__, "timm": timm.__version__}}
-
-
-# ----------------------------------------------------------------------------- rank state
-
-def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any]:
-    """This rank's random state and running epoch metrics, as tensors and plain values."""
-    np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "python": random.getstate(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                       *map(_plain, np_state[2:])),
-             "train_sums": None if sums is None else sums.detach().cpu()}
-    if device.type == "cuda":   # this rank's GPU only: a resumed job may see fewer GPUs
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
-
-
-def restore_rank_state(state: dict[str, Any], device: torch.device) -> torch.Tensor | None:
-    """Put back what ``rank_state`` saved; returns the running epoch metrics."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(_as_tuples(state["python"]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    return state["train_sums"]
-
-
-def _as_tuples(value: Any) -> Any:
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -231,33 +96,26 @@ class Trainer:
         self.cfg, self.dist = cfg, dist
         self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(cfg, dist)
         self.steps_per_epoch = len(self.train_loader)
-        # Every rank builds the same initial weights (DDP would broadcast rank 0's anyway).
-        seed_everything(cfg.seed)
-        model = build_model(cfg.model, len(self.class_names), cfg.pretrained, cfg.pretrained_path)
-        enable_memory_savers(model, grad_checkpointing=cfg.grad_checkpointing,
-                             channels_last=cfg.channels_last and dist.device.type == "cuda")
-        self.model = wrap_model(model, cfg, dist)
-        self.plain_model = unwrap_model(self.model)
-        # From here each rank draws different random numbers (dropout, drop-path): offset by rank.
-        seed_everything(cfg.seed + dist.rank)
-        self.optimizer = build_optimizer(cfg, self.model, dist.world_size)
-        self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
-        self.precision = choose_precision(cfg, dist.device)
-        self.scaler = torch.amp.GradScaler(
-            dist.device.type, enabled=self.precision.enabled and self.precision.dtype == torch.float16)
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.parts = build_run_parts(cfg, dist, len(self.class_names), self.steps_per_epoch)
+        self.model, self.plain_model = self.parts.model, self.parts.plain_model
+        self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
+        self.precision, self.scaler = self.parts.precision, self.parts.scaler
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
         self.plan = build_memory_plan(cfg, dist.device, dist.local_world_size, self.plain_model,
-                                      self.optimizer, self.criterion, self.precision,
+                                      self.optimizer, self.parts.criterion, self.precision,
                                       len(self.class_names))
+        self.step_state = self.parts.step_state(self.plan)
         self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main,
                                             replace_previous_run=cfg.overwrite)
         self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
                                      run_header(cfg, dist, self.class_names), enabled=dist.is_main)
         self.stop = StopRequest(dist.is_distributed)
-        self.kill_point = kill_point(dist.rank)   # fault injection for the resume tests
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
+        # Per-step work, each at the loop's hook points (see engine.StepHook); a logger is one
+        # more entry here.
+        self.hooks: list = [PositionKeeper(self), FaultInjection(dist.rank, self),
+                            CheckpointAndStop(self)]
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -329,41 +187,18 @@ class Trainer:
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         weights = self.plain_model.state_dict()
-        return {
-            "model_state_dict": weights,
-            # The key timm's load_checkpoint / validate.py / create_model(checkpoint_path=)
-            # read. The same dict: torch.save stores each tensor once, so the file does not grow.
-            "state_dict": weights,
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "scheduler_state_dict": self.scheduler.state_dict(),
-            "scaler_state_dict": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "epoch": self.epoch,          # epochs completed
-            "step": self.step,            # optimizer steps done in the next epoch
-            "micro_batch": self.plan.micro_batch,   # images per forward/backward pass
-            "best_acc": self.best_acc,
-            "class_names": self.class_names,
-            "image_size": self.cfg.image_size,
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
-            "model_name": self.cfg.model,
-            "config": self.cfg.to_dict(),
-            "world_size": self.dist.world_size,   # with batch_size: the batch of one step
-            "history": self.history.records,
-            "rank_states": rank_states,
-        }
-
-    def on_step_end(self, step: int, sums: torch.Tensor) -> bool:
-        """After every optimizer step: periodic checkpoint, and the agreed stop on a signal."""
-        self.step = step
-        mark("first step done", once=True)
-        maybe_inject_fault(self.kill_point, self.epoch + 1, step, self.dist.rank)
-        if self.stop.agreed():
-            self.save_checkpoint(sums)
-            return True
-        every = self.cfg.save_every_steps
-        if every and step % every == 0 and step < self.steps_per_epoch:
-            self.save_checkpoint(sums)
-        return False
+        return training_checkpoint(
+            model_state_dict=weights,
+            state_dict=weights,   # timm's key; the same dict, stored once
+            optimizer_state_dict=self.optimizer.state_dict(),
+            scheduler_state_dict=self.scheduler.state_dict(),
+            scaler_state_dict=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            epoch=self.epoch, step=self.step, micro_batch=self.plan.micro_batch,
+            best_acc=self.best_acc, class_names=self.class_names,
+            image_size=self.cfg.image_size, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
+            model_name=self.cfg.model, config=self.cfg.to_dict(),
+            world_size=self.dist.world_size, history=self.history.records,
+            rank_states=rank_states)
 
     # -- one epoch ------------------------------------------------------------------------
     def run_epoch(self) -> bool:
@@ -371,13 +206,11 @@ class Trainer:
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
         self.sampler.set_epoch(self.epoch, start=self.step * self.cfg.batch_size)
         first_step, started = self.step, time.perf_counter()
+        progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         train = train_one_epoch(
-            self.model, self.train_loader, self.optimizer, self.scheduler, self.scaler,
-            self.criterion, self.dist.device, self.precision, start_step=self.step,
-            sums=self.resumed_sums, show_progress=self.dist.is_main,
-            log_interval=self.cfg.log_interval,
-            description=f"epoch {self.epoch + 1}/{self.cfg.epochs}", on_step_end=self.on_step_end,
-            plan=self.plan)
+            self.step_state, self.train_loader, hooks=self.hooks, progress=progress,
+            start_step=self.step, first_global_step=self.epoch * self.steps_per_epoch + self.step,
+            sums=self.resumed_sums, log_interval=self.cfg.log_interval)
         self.resumed_sums = None
         if self.stop.requested_by_all:
             return False
@@ -395,6 +228,7 @@ class Trainer:
                           * self.dist.world_size / max(train_seconds, 1e-9))
         self.history.append(self.epoch_record(train, val, images_per_sec, started))
         self.save_checkpoint(None, is_best)
+        call_hooks(self.hooks, "on_epoch_end", self.epoch, self.history.records[-1])
         self.log_epoch(is_best)
         return True
 
@@ -417,6 +251,11 @@ class Trainer:
                  f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
                  f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else ""))
 
+    def end_hooks(self, finished: bool) -> None:
+        """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
+        if finished and self.history.records:
+            call_hooks(self.hooks, "on_run_end", self.cfg.to_dict(), self.history.records[-1])
+
     def fit(self) -> bool:
         """Train until the last epoch, or until a stop signal; True if the run finished."""
         while self.epoch < self.cfg.epochs:
@@ -427,27 +266,49 @@ class Trainer:
         return True
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, the largest over all ranks."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return all_reduce_max(torch.tensor([peak], device=device)).item()
+# ----------------------------------------------------------------------------- per-step work
+
+class PositionKeeper:
+    """Keeps the trainer's position (for checkpoints and the stop message) after every step."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        self.trainer.step = info.step
+        mark("first step done", once=True)
+        return False
 
 
-def check_ranks_in_sync(model: nn.Module) -> None:
-    """Every rank must call this. Stops with one line naming the first tensor that differs."""
-    digests = {name: hashlib.sha1(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
-                                  .tobytes()).hexdigest()
-               for name, t in list(model.named_parameters()) + list(model.named_buffers())}
-    per_rank = all_gather_objects(digests)
-    for name in digests:
-        values = [d[name] for d in per_rank]
-        if len(set(values)) > 1:
-            ranks = [r for r, v in enumerate(values) if v != values[0]]
-            raise UserError(f"--check_sync: {name} differs between rank 0 and rank(s) {ranks}; "
-                            "the replicas have drifted apart")
+class FaultInjection:
+    """Dies at the step the resume tests ask for (TRAIN_KILL_AT); inert without it."""
+
+    def __init__(self, rank: int, trainer: Trainer):
+        self.rank, self.trainer = rank, trainer
+        self.kill_point = kill_point(rank)
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        maybe_inject_fault(self.kill_point, self.trainer.epoch + 1, info.step, self.rank)
+        return False
+
+
+class CheckpointAndStop:
+    """The agreed stop on a signal (with a checkpoint), and the periodic checkpoint of
+    --save_every_steps. Every rank runs it: both are collectives; only the main process
+    writes (its CheckpointWriter)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.every = trainer.cfg.save_every_steps
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        trainer = self.trainer
+        if trainer.stop.agreed():
+            trainer.save_checkpoint(info.sums)
+            return True
+        if self.every and info.step % self.every == 0 and info.step < trainer.steps_per_epoch:
+            trainer.save_checkpoint(info.sums)
+        return False
 
 
 def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
@@ -515,8 +376,12 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     trainer.resume()
     mark("model ready")
     log_run_start(cfg, dist, trainer)
-    with trainer.stop.installed():
-        finished = trainer.fit()
+    try:
+        with trainer.stop.installed():
+            finished = trainer.fit()
+        trainer.end_hooks(finished)
+    finally:
+        call_hooks(trainer.hooks, "close")   # loggers flush their files whatever happened
     log_summary(trainer, finished)
     mark("summary logged")
     return 0 if finished else trainer.stop.exit_code

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from config import parse_config
-from engine import Precision, evaluate, train_one_epoch
-from train_ddp import choose_precision, lr_factor
+from engine import Precision, StepState, evaluate, train_one_epoch
+from memory import MemoryPlan
+from optim import lr_factor
+from run_parts import choose_precision
 
 
 def tiny_batches(n: int = 4, device: str = "cpu"):
@@ -32,9 +34,9 @@ def run_epoch(precision: Precision, device: str = "cpu",
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision.dtype == torch.float16)
-    metrics = train_one_epoch(model, tiny_batches(device=device), optimizer, scheduler, scaler,
-                              nn.CrossEntropyLoss(), torch.device(device), precision,
-                              show_progress=False)
+    state = StepState(model, optimizer, scheduler, scaler, nn.CrossEntropyLoss(), precision,
+                      MemoryPlan(), torch.device(device))
+    metrics = train_one_epoch(state, tiny_batches(device=device))
     return metrics, model
 
 
@@ -88,7 +90,7 @@ def test_lr_schedule_warmup_then_cosine_and_step():
 
 
 def test_lr_scaling_by_world_size():
-    from train_ddp import build_optimizer
+    from optim import build_optimizer
 
     model = tiny_model()
     for scaling, expected in (("none", 0.01), ("linear", 0.04), ("sqrt", 0.02)):

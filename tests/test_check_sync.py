@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from errors import UserError
 from model import build_model
-from train_ddp import check_ranks_in_sync
+from distributed import check_ranks_in_sync
 
 
 def _worker(rank: int, port: int, out: Path) -> None:

@@ -16,7 +16,7 @@ from engine import Precision, evaluate
 from evaluate import main as evaluate_main
 from inference import load_classifier, training_precision
 from predict import main as predict_main
-from train_ddp import choose_precision
+from run_parts import choose_precision
 
 
 def evaluate_report(checkpoint: Path, data_dir: Path, output: Path) -> dict:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed
 import engine
 from conftest import ROOT
-from engine import Precision, configure_backends, train_one_epoch
+from engine import Precision, StepState, configure_backends, train_one_epoch
 from memory import (GIB, MemoryPlan, ResidentMemory, StepCost, batch_input_bytes, cpu_baseline,
                     is_out_of_memory, largest_fitting, measure_micro_batch)
 from model import strip_wrapper_prefixes
@@ -196,9 +196,10 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
     plan = MemoryPlan(4, retry_on_oom=True)
     loader = batches(2, 8)
     opt = make_optimizer(model, "sgd")
-    metrics = train_one_epoch(model, loader, opt, torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 1.0), torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
-        CPU, FP32, show_progress=False, plan=plan)
+    metrics = train_one_epoch(StepState(
+        model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), FP32, plan, CPU),
+        loader)
     # Step 1: agree (copy ok), 2 forwards, agree. Step 2: the copy fails: agreed on before any
     # forward; redone with micro-batch 2: agree, 4 forwards, agree.
     assert events == ([("agree", False), "forward", "forward", ("agree", False)]
@@ -247,11 +248,10 @@ def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
         plan = MemoryPlan(4, retry_on_oom=True)
         model = DDP(hit)
         opt = make_optimizer(model, "sgd")
-        metrics = train_one_epoch(model, batches(2, 8, seed=rank), opt,
-                                  torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                  torch.amp.GradScaler("cpu", enabled=False),
-                                  nn.CrossEntropyLoss(), CPU, FP32, show_progress=False,
-                                  plan=plan)
+        metrics = train_one_epoch(StepState(
+            model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), FP32, plan, CPU),
+            batches(2, 8, seed=rank))
         (out / f"rank{rank}.json").write_text(json.dumps({
             "micro_batch": plan.micro_batch, "steps": metrics["steps"],
             "params": [p.detach().flatten().tolist() for p in hit.model.parameters()]}))

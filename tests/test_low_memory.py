@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import train_ddp
 from config import parse_config, preset_summary
 from conftest import ROOT, TINY_FLAGS, run_cli, user_error_line
-from engine import Precision, evaluate, train_one_epoch
+from engine import Precision, StepState, evaluate, train_one_epoch
 from errors import UserError
 from memory import (
     GIB,
@@ -83,8 +83,9 @@ def train(model: nn.Module, loader, plan: MemoryPlan | None, optimizer: str = "s
     opt = make_optimizer(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
-    return train_one_epoch(model, loader, opt, scheduler, scaler, nn.CrossEntropyLoss(), CPU,
-                           FP32, show_progress=False, plan=plan)
+    state = StepState(model, opt, scheduler, scaler, nn.CrossEntropyLoss(), FP32,
+                      plan or MemoryPlan(), CPU)
+    return train_one_epoch(state, loader)
 
 
 def max_difference(a: nn.Module, b: nn.Module) -> float:
@@ -137,7 +138,7 @@ def test_batch_size_not_divisible_by_accum_steps_is_one_clear_error():
 # ----------------------------------------------------------------------------- the preset
 
 def test_low_memory_preset_and_explicit_flags_win(caplog):
-    from train_ddp import choose_precision
+    from run_parts import choose_precision
 
     cfg = parse_config(["--low_memory"])
     assert (cfg.use_amp, cfg.channels_last, cfg.grad_checkpointing, cfg.auto_micro_batch,
@@ -364,9 +365,9 @@ def test_cuda_float16_channels_last_accumulation():
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cuda")
     plan = MemoryPlan(4, retry_on_oom=True, channels_last=True)
-    metrics = train_one_epoch(model, batches(2, 16), opt, scheduler, scaler,
-                              nn.CrossEntropyLoss(), device, Precision(True, torch.float16),
-                              show_progress=False, plan=plan)
+    state = StepState(model, opt, scheduler, scaler, nn.CrossEntropyLoss(),
+                      Precision(True, torch.float16), plan, device)
+    metrics = train_one_epoch(state, batches(2, 16))
     assert (metrics["steps"], metrics["train_samples"]) == (2, 32)
     assert torch.isfinite(torch.tensor(metrics["train_loss"]))
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)

@@ -241,7 +241,7 @@ def test_changed_schedule_flags_are_listed(tmp_path: Path):
 
 
 def test_override_applies_new_hyperparameters_and_keeps_moments():
-    from train_ddp import lr_factor   # the trainer's own schedule
+    from optim import lr_factor   # the trainer's own schedule
     from functools import partial
 
     def build(lr: float, weight_decay: float, kind: str):

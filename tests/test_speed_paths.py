@@ -80,7 +80,7 @@ def test_compile_wraps_the_model_and_unwraps_for_checkpoints():
 
     from distributed import DistInfo
     from model import unwrap_model
-    from train_ddp import wrap_model
+    from run_parts import wrap_model
 
     one_cpu_process = DistInfo(0, 0, 1, 1, torch.device("cpu"))
     model = torch.nn.Linear(2, 2)
