@@ -101,6 +101,9 @@ class TrainConfig:
                                         "the optimisation (learning rate, scheduler, warm-up, "
                                         "weight decay, momentum, label smoothing, batch per "
                                         "step) instead of refusing them")
+    tensorboard: bool = _opt(True, "write TensorBoard event files (curves, hyper-parameters, a "
+                                   "grid of augmented images) to <log_dir>/tensorboard on the "
+                                   "main process; --no_tensorboard: off")
     save_every_steps: int = _opt(0, "also write checkpoint_latest.pth every N steps inside an "
                                     "epoch (0: only at epoch end)")
     deterministic: bool = _opt(False, "deterministic algorithms: bitwise-reproducible runs and "
@@ -155,9 +158,11 @@ LOW_MEMORY_PRESET: dict[str, Any] = {
 # The flag that switches each preset on, and the preset.
 PRESETS: dict[str, dict[str, Any]] = {"demo": DEMO_PRESET, "low_memory": LOW_MEMORY_PRESET}
 
-# Switches a preset turns on get a --no_<name> flag, so an explicit flag can turn them off.
+# Switches that are on by default, or that a preset turns on, get a --no_<name> flag, so an
+# explicit flag can turn them off.
 NEGATABLE = sorted({name for preset in PRESETS.values() for name, value in preset.items()
-                    if value is True})
+                    if value is True}
+                   | {f.name for f in dataclasses.fields(TrainConfig) if f.default is True})
 
 
 # How ``--help`` groups the flags; every field of TrainConfig is in exactly one group.
@@ -172,8 +177,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                              "auto_micro_batch", "max_memory_gb", "grad_checkpointing"),
     "distributed": ("device", "sync_bn", "dist_timeout_minutes", "check_sync", "distributed"),
     "checkpoints and logging": ("checkpoint_dir", "log_dir", "log_interval", "resume",
-                                "resume_override", "overwrite", "save_every_steps", "seed",
-                                "deterministic"),
+                                "resume_override", "overwrite", "save_every_steps",
+                                "tensorboard", "seed", "deterministic"),
 }
 
 

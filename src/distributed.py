@@ -229,6 +229,11 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)]), group=host_group()).item())
 
 
+def world_size() -> int:
+    """Processes in the job: 1 without a process group."""
+    return torch_dist.get_world_size() if torch_dist.is_initialized() else 1
+
+
 def all_gather_objects(obj: object) -> list:
     """Every rank's ``obj``, in rank order. Every rank must call it."""
     if not torch_dist.is_initialized():

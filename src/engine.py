@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from distributed import all_reduce_sum, any_rank
+from distributed import all_reduce_sum, any_rank, world_size
 from memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 
 log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
@@ -174,6 +174,37 @@ class ProgressBar:
             self.bar.close()
 
 
+class LogWindow:
+    """Host clocks over the steps since the last logging step: images per second (all ranks)
+    and the share of the wall time spent waiting for the next batch. Reading the metrics at a
+    logging step synchronises with the device, so each window's wall time is the real one; no
+    other synchronisation is added."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.waited = 0.0
+        self.images = 0
+
+    def timed(self, batches: Iterable) -> Iterator:
+        iterator = iter(batches)
+        while True:
+            before = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - before
+            if batch is None:
+                return
+            yield batch
+
+    def read(self) -> dict[str, float]:
+        """The window's figures; starts the next window."""
+        now = time.perf_counter()
+        seconds = max(now - self.started, 1e-9)
+        figures = {"images_per_sec": self.images * world_size() / seconds,
+                   "data_wait_share": min(self.waited / seconds, 1.0)}
+        self.started, self.waited, self.images = now, 0.0, 0
+        return figures
+
+
 def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
                     progress: ProgressBar | None = None, start_step: int = 0,
                     first_global_step: int = 0, sums: torch.Tensor | None = None,
@@ -191,18 +222,20 @@ def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
     log_hooks = [h for h in (progress, *hooks)
                  if hasattr(h, "on_log_step") and getattr(h, "enabled", True)]
     step = start_step
-    for images, targets in timer.iterate(progress.wrap(loader, start_step)):
+    window = LogWindow()
+    for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
         step_sums, skipped = train_step(state, images, targets, timer)
         sums += step_sums
         state.scheduler.step()
         step += 1
+        window.images += len(targets)
         with timer.phase("metrics_and_hooks"):
             global_step = first_global_step + step - start_step
             if log_hooks and step % log_interval == 0:
                 count = sums[COUNT].item()
                 metrics = {"train_loss": sums[LOSS].item() / count,
                            "train_acc": sums[CORRECT].item() / count,
-                           "lr": state.optimizer.param_groups[0]["lr"]}
+                           "lr": state.optimizer.param_groups[0]["lr"], **window.read()}
                 call_hooks(log_hooks, "on_log_step", global_step, metrics)
             info = StepInfo(step, global_step, sums, skipped)
             stop = any(call_hooks(hooks, "on_step_end", info))

@@ -46,6 +46,7 @@ from preflight import check_batch_fits, check_device_options
 from run_folder import atomic_write, claim_run_folder
 from run_parts import build_run_parts
 from stopping import StopRequest, kill_point, maybe_inject_fault
+from tensorboard_log import TensorBoardLogger
 
 log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
 DEMO_ROOT = Path("data/demo")
@@ -129,6 +130,14 @@ class Trainer:
             raise UserError(f"the processes resume from different positions (epoch, step) "
                             f"{positions}: --checkpoint_dir must be one folder that every node "
                             "sees (a shared file system), or give --resume PATH on every node")
+        # The logger continues from the position resumed (dropping what a crashed run wrote
+        # after it), so it joins the hooks once that position is known.
+        self.hooks.append(TensorBoardHook(self))
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps since the run began: the step axis of the TensorBoard curves."""
+        return self.epoch * self.steps_per_epoch + self.step
 
     def load_checkpoint(self, path: Path) -> None:
         ckpt = load_training_checkpoint(path)
@@ -290,6 +299,46 @@ class FaultInjection:
     def on_step_end(self, info: StepInfo) -> bool:
         maybe_inject_fault(self.kill_point, self.trainer.epoch + 1, info.step, self.rank)
         return False
+
+
+class TensorBoardHook:
+    """The run's curves in TensorBoard (``tensorboard_log.TensorBoardLogger``), on the main
+    process unless --no_tensorboard; a no-op object elsewhere."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        # Resumed after step N (its events written before its checkpoint), the run's next
+        # event is at N + 1: what a crashed run wrote from there on goes. A new run (N = 0)
+        # replaces the folder's earlier events, as it replaces the history.
+        start = trainer.global_step
+        self.logger = TensorBoardLogger(Path(trainer.cfg.log_dir),
+                                        enabled=trainer.dist.is_main and trainer.cfg.tensorboard,
+                                        purge_step=start + 1 if start else 0)
+        self.enabled = self.logger.enabled   # a disabled logger makes no logging step read
+        if self.enabled and trainer.global_step == 0:
+            self.add_augmented_images()
+
+    def add_augmented_images(self, count: int = 16) -> None:
+        """What the model sees: the first training images of epoch 1, augmented as in training
+        (the dataset draws each sample's augmentation from (seed, epoch, index))."""
+        dataset = self.trainer.train_loader.dataset
+        images = [dataset[(index, 0)][0] for index in range(min(count, len(dataset)))]
+        self.logger.add_image_grid(torch.stack([image.cpu() for image in images]))
+
+    def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
+        self.logger.on_log_step(global_step, {
+            "loss": metrics["train_loss"], "acc": metrics["train_acc"], "lr": metrics["lr"],
+            "images_per_sec": metrics["images_per_sec"],
+            "data_wait_share": metrics["data_wait_share"]})
+
+    def on_epoch_end(self, epoch: int, record: dict) -> None:
+        self.logger.on_epoch_end(self.trainer.global_step, record)
+
+    def on_run_end(self, hparams: dict, final_metrics: dict) -> None:
+        self.logger.on_run_end(self.trainer.global_step, hparams, final_metrics)
+
+    def close(self) -> None:
+        self.logger.close()
 
 
 class CheckpointAndStop:

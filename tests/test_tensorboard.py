@@ -1,7 +1,7 @@
 """TensorBoardLogger on its own: what it writes, read back with TensorBoard's own event reader.
 
-No training run here; the end-to-end check (a 2-process run writes the events once) comes with
-the wiring into the trainer.
+The last tests run the trainer: a 2-process run writes the events once, and a run resumed after
+a crash continues the curves without duplicate steps.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 
-pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import metadata as hparams_metadata  # noqa: E402
 
@@ -219,3 +218,56 @@ def test_logging_never_syncs_the_gpu(tmp_path: Path):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [s for s, _ in steps_and_values(read_events(tmp_path), "train/loss")] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- in the trainer
+
+def trainer_flags(train: Path, val: Path) -> list:
+    from conftest import TINY_FLAGS
+
+    return ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
+
+
+@pytest.mark.slow
+def test_a_two_process_run_writes_the_events_once(tiny_dataset, tmp_path: Path):
+    from conftest import ROOT, run_cli
+
+    train, val = tiny_dataset
+    result = run_cli([ROOT / "launch_ddp.py", "--nproc", "2", *trainer_flags(train, val),
+                      "--epochs", "2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    files = list((tmp_path / "logs" / SUBDIR).glob("events.out.tfevents.*"))
+    assert len(files) == 1, files                      # rank 0 alone writes
+    acc = read_events(tmp_path / "logs")
+    tags = acc.Tags()
+    steps_per_epoch = 48 // (8 * 2)                    # 48 images, batch 8 on each of 2 ranks
+    for name in STEP_METRICS:
+        steps = [step for step, _ in steps_and_values(acc, f"train/{name}")]
+        assert steps == list(range(1, 2 * steps_per_epoch + 1)), (name, steps)  # log_interval 1
+    assert [step for step, _ in steps_and_values(acc, "epoch/val_acc")] == \
+        [steps_per_epoch, 2 * steps_per_epoch]
+    assert {"epoch/train_loss", "epoch/val_top5", "epoch/lr"} <= set(tags["scalars"])
+    assert all(0.0 <= value <= 1.0 for _, value in steps_and_values(acc, "train/data_wait_share"))
+    assert all(value > 0 for _, value in steps_and_values(acc, "train/images_per_sec"))
+    assert "train/augmented_images" in tags["images"]
+    assert any(tag.endswith("_hparams_/session_start_info") for tag in tags["tensors"]), tags
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_a_crash_has_each_step_once(tiny_dataset, tmp_path: Path):
+    """Killed at step 5 of epoch 1 with a checkpoint at step 4: the resumed run drops what
+    the crashed one wrote after step 4 and writes every step once, in order."""
+    from conftest import ROOT, run_cli
+
+    train, val = tiny_dataset
+    flags = [*trainer_flags(train, val), "--save_every_steps", "2", "--epochs", "2"]
+    crashed = run_cli([ROOT / "launch_ddp.py", *flags], cwd=tmp_path,
+                      env={"TRAIN_DDP_KILL_AT": "1:5"})
+    assert crashed.returncode != 0
+    resumed = run_cli([ROOT / "launch_ddp.py", *flags, "--resume", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    for purge in (True, False):   # TensorBoard's Python loader, and what the files hold
+        acc = read_events(tmp_path / "logs", purge=purge)
+        steps = [step for step, _ in steps_and_values(acc, "train/loss")]
+        assert steps == list(range(1, 13)), steps      # 6 steps per epoch, 2 epochs
+        assert [step for step, _ in steps_and_values(acc, "epoch/val_acc")] == [6, 12]
