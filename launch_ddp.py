@@ -40,11 +40,23 @@ TRAIN_SCRIPT = SRC / "train_ddp.py"
 QUICK_EXIT = SRC / "quick_exit.py"
 sys.path.insert(0, str(SRC))
 
-from config import (LAUNCHER_FLAGS_ENV, LAUNCHER_KEYS, config_yaml, parse_config,  # noqa: E402
-                    read_run_file, run_file_parser)
+from config import (  # noqa: E402
+    LAUNCHER_FLAGS_ENV,
+    LAUNCHER_KEYS,
+    config_yaml,
+    parse_config,
+    read_run_file,
+    run_file_parser,
+)
 from errors import UserError, exit_on_user_error  # noqa: E402
-from lifecycle import (REPORT_DIR_ENV, STOP_SIGNALS, die_with_parent, exit_code_for,  # noqa: E402
-                       mark, read_outcomes)
+from lifecycle import (  # noqa: E402
+    REPORT_DIR_ENV,
+    STOP_SIGNALS,
+    die_with_parent,
+    exit_code_for,
+    mark,
+    read_outcomes,
+)
 from preflight import launcher_checks, visible_gpu_count  # noqa: E402
 
 TORCHRUN_LOG = "torchrun.log"

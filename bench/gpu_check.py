@@ -38,10 +38,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch_ddp.py"
@@ -67,7 +68,7 @@ class CheckFailed(Exception):
 @dataclass(frozen=True)
 class Check:
     name: str
-    run: Callable[["Context"], dict[str, Any]]   # returns figures, raises CheckFailed
+    run: Callable[[Context], dict[str, Any]]   # returns figures, raises CheckFailed
     measurement: bool = False                    # runs alone, after the functional checks
     gpus: int = 1                                # GPUs it needs
 

@@ -37,8 +37,9 @@ MIB = 2**20
 def worker(args: argparse.Namespace) -> dict:
     """One mode, in this process; returns its figures."""
     sys.path.insert(0, str(SRC))
-    import torch  # noqa: F401  (imported here so the baseline below includes it)
     import logging
+
+    import torch  # noqa: F401  (imported here so the baseline below includes it)
 
     from config import parse_config
     from distributed import DistInfo

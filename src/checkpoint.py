@@ -255,12 +255,12 @@ def apply_optimisation_settings(optimizer: torch.optim.Optimizer,
     """Put the flags' hyperparameters back over a loaded state, keeping the optimizer's moments
     and the step count. The schedule's shape comes from the flags already (its lambda is built
     from them); its base learning rates and the learning rate of the next step are set here."""
-    for group, fresh in zip(optimizer.param_groups, settings["groups"]):
+    for group, fresh in zip(optimizer.param_groups, settings["groups"], strict=True):
         group.update(fresh)
     scheduler.base_lrs = list(settings["base_lrs"])
     # What LambdaLR.step() sets after ``last_epoch`` steps, under the new schedule.
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
-                                   scheduler.lr_lambdas):
+                                   scheduler.lr_lambdas, strict=True):
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 

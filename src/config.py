@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from errors import UserError
 

@@ -7,8 +7,9 @@ check by hand; nothing here knows about models, ranks or loaders.
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def write_confusion_csv(confusion: np.ndarray, class_names: Sequence[str], outpu
     with open(output, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["true \\ predicted", *class_names])
-        for name, row in zip(class_names, confusion.tolist()):
+        for name, row in zip(class_names, confusion.tolist(), strict=True):
             writer.writerow([name, *row])
 
 

@@ -15,10 +15,11 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from PIL import Image
@@ -28,8 +29,13 @@ from torchvision.transforms import v2
 
 from distributed import all_gather_objects
 from errors import UserError
-from image_files import (IMAGE_EXTENSIONS, find_unreadable, is_image_file, open_rgb,
-                         write_unreadable_list)
+from image_files import (
+    IMAGE_EXTENSIONS,
+    find_unreadable,
+    is_image_file,
+    open_rgb,
+    write_unreadable_list,
+)
 from lifecycle import STOP_SIGNALS, die_with_parent, mark
 from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
@@ -197,7 +203,7 @@ class DecodedImageCache(Dataset):
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
         self.images = [image for image in decoded if image is not None]
-        self.samples = [s for s, image in zip(folder.samples, decoded) if image is not None]
+        self.samples = [s for s, image in zip(folder.samples, decoded, strict=True) if image is not None]
         self.targets = [target for _, target in self.samples]
         self.unreadable = problems   # left out here; build_datasets reports them once
 

@@ -20,8 +20,8 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -337,7 +337,7 @@ def _inputs_on_device(images: torch.Tensor, targets: torch.Tensor, size: int,
     inputs there), or None if that ran out of memory and the plan retries."""
     try:
         return [to_device(x, y, device, plan.channels_last)
-                for x, y in zip(images.split(size), targets.split(size))]
+                for x, y in zip(images.split(size), targets.split(size), strict=True)]
     except RuntimeError as err:
         if not (plan.retry_on_oom and is_out_of_memory(err)):
             raise

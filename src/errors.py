@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 EXIT_USER_ERROR = 2
 # What a shell reports for a process ended by SIGPIPE (128 + 13), e.g. `tool --help | head`.

@@ -18,24 +18,48 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from confusion import (FULL_MATRIX_MAX_CLASSES, format_worst_classes, per_class_metrics,
-                       plot_confusion_matrix, plot_confusion_summary, write_confusion_csv)
-from data import (ReadableImageFolder, SeededImageDataset, ShardSampler,
-                  default_num_workers, find_classes, leave_out_unreadable, make_loader)
-from distributed import (DistInfo, all_gather_objects, all_reduce_sum,
-                         cleanup_distributed, cpu_cores_available, logging_for_run,
-                         setup_distributed)
+
+from confusion import (
+    FULL_MATRIX_MAX_CLASSES,
+    format_worst_classes,
+    per_class_metrics,
+    plot_confusion_matrix,
+    plot_confusion_summary,
+    write_confusion_csv,
+)
+from data import (
+    ReadableImageFolder,
+    SeededImageDataset,
+    ShardSampler,
+    default_num_workers,
+    find_classes,
+    leave_out_unreadable,
+    make_loader,
+)
+from distributed import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_sum,
+    cleanup_distributed,
+    cpu_cores_available,
+    logging_for_run,
+    setup_distributed,
+)
 from engine import LOSS, TOP5, evaluation_sums
 from errors import UserError, exit_on_user_error
-from inference import (Classifier, add_inference_arguments, check_inference_arguments,
-                       load_classifier)
+from inference import (
+    Classifier,
+    add_inference_arguments,
+    check_inference_arguments,
+    load_classifier,
+)
 
 WORST_CLASSES_SHOWN = 10
 log = logging.getLogger(f"trainer.{__name__}")   # under the project logger

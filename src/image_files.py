@@ -6,9 +6,9 @@ No torch here: ``src/prepare_data.py`` imports this module and starts in a fract
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 from PIL import Image, ImageOps
 
@@ -98,7 +98,7 @@ def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
             problems = list(pool.map(image_problem, paths))
     else:
         problems = [image_problem(path) for path in paths]
-    return {path: problem for path, problem in zip(paths, problems) if problem is not None}
+    return {path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None}
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

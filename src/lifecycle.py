@@ -24,8 +24,8 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from errors import EXIT_USER_ERROR, UserError
 

@@ -72,7 +72,7 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[s
            for group in optimizer.param_groups]
     optimizer.load_state_dict(state_dict)
     with torch.no_grad():
-        for group, options in zip(optimizer.param_groups, own):
+        for group, options in zip(optimizer.param_groups, own, strict=True):
             group.update(options)
             step_on_device = bool(group.get("fused") or group.get("capturable"))
             for param in group["params"]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -23,8 +24,12 @@ from data import default_num_workers, normalize_batch
 from distributed import choose_device, cpu_cores_available
 from errors import UserError, exit_on_user_error
 from image_files import IMAGE_EXTENSIONS, is_hidden_folder_name, is_image_file, open_rgb
-from inference import (Classifier, add_inference_arguments, check_inference_arguments,
-                       load_classifier)
+from inference import (
+    Classifier,
+    add_inference_arguments,
+    check_inference_arguments,
+    load_classifier,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +115,7 @@ def predict(classifier: Classifier, paths: list[Path], topk: int, device: torch.
                 continue
             results.append({"path": path, "predictions": [
                 {"class": classifier.class_names[i], "probability": p}
-                for i, p in zip(top_i[j], top_p[j])]})
+                for i, p in zip(top_i[j], top_p[j], strict=True)]})
     return results
 
 

@@ -18,7 +18,6 @@ from config import TrainConfig
 from errors import UserError
 from image_files import IMAGE_EXTENSIONS, class_folders, is_image_file
 
-
 # ----------------------------------------------------------------------------- data folders
 
 def find_classes(folder: Path, role: str) -> list[str]:

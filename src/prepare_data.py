@@ -16,9 +16,9 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from errors import UserError, exit_on_user_error
 from image_files import IMAGE_EXTENSIONS, class_folders, is_hidden_folder_name, is_image_file

@@ -23,8 +23,9 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO
 
 from errors import UserError
 
@@ -99,7 +100,7 @@ class FolderLock:
             os.close(self._fd)   # closing the descriptor releases the flock
             self._fd = None
 
-    def __enter__(self) -> "FolderLock":
+    def __enter__(self) -> FolderLock:
         self.acquire()
         return self
 

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -53,7 +53,7 @@ class StopRequest:
             os._exit(exit_code_for(signum))
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
+    def installed(self) -> Iterator[StopRequest]:
         self.owner_pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
         try:

@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 SUBDIR = "tensorboard"
 # The background writer flushes at least this often, so a run killed without warning loses at
@@ -132,7 +133,7 @@ class TensorBoardLogger:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> "TensorBoardLogger":
+    def __enter__(self) -> TensorBoardLogger:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -17,25 +17,58 @@ import logging
 import os
 import platform
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import timm
 import torch
 import torchvision
 
-from checkpoint import (CheckpointWriter, apply_optimisation_settings, check_resume_fits,
-                        check_resume_settings, find_resume_checkpoint, load_training_checkpoint,
-                        optimisation_settings, rank_state, restore_rank_state,
-                        training_checkpoint)
-from config import (TrainConfig, config_yaml, launcher_flags_from_env, parse_config,
-                    preset_summary, print_config_requested)
-from data import (IMAGENET_MEAN, IMAGENET_STD, DecodedImageCache, EpochSampler, ShardSampler, build_datasets,
-                  default_num_workers, make_loader)
+from checkpoint import (
+    CheckpointWriter,
+    apply_optimisation_settings,
+    check_resume_fits,
+    check_resume_settings,
+    find_resume_checkpoint,
+    load_training_checkpoint,
+    optimisation_settings,
+    rank_state,
+    restore_rank_state,
+    training_checkpoint,
+)
+from config import (
+    TrainConfig,
+    config_yaml,
+    launcher_flags_from_env,
+    parse_config,
+    preset_summary,
+    print_config_requested,
+)
+from data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DecodedImageCache,
+    EpochSampler,
+    ShardSampler,
+    build_datasets,
+    default_num_workers,
+    make_loader,
+)
 from demo_data import write_demo_dataset
-from distributed import (DistInfo, all_gather_objects, available_memory_bytes, barrier,
-                         broadcast_buffers, check_ranks_in_sync, cleanup_distributed,
-                         cpu_cores_available, logging_for_run, peak_memory_mb, setup_distributed)
+from distributed import (
+    DistInfo,
+    all_gather_objects,
+    available_memory_bytes,
+    barrier,
+    broadcast_buffers,
+    check_ranks_in_sync,
+    cleanup_distributed,
+    cpu_cores_available,
+    logging_for_run,
+    peak_memory_mb,
+    setup_distributed,
+)
 from engine import ProgressBar, StepInfo, call_hooks, configure_backends, evaluate, train_one_epoch
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distributed import check_ranks_in_sync
 from errors import UserError
 from model import build_model
-from distributed import check_ranks_in_sync
 
 
 def _worker(rank: int, port: int, out: Path) -> None:

@@ -22,8 +22,15 @@ import distributed
 import engine
 from conftest import ROOT
 from engine import Precision, StepState, configure_backends, train_one_epoch
-from memory import (GIB, MemoryPlan, ResidentMemory, StepCost, batch_input_bytes, cpu_baseline,
-                    is_out_of_memory, largest_fitting, measure_micro_batch)
+from memory import (
+    MemoryPlan,
+    ResidentMemory,
+    batch_input_bytes,
+    cpu_baseline,
+    is_out_of_memory,
+    largest_fitting,
+    measure_micro_batch,
+)
 from model import strip_wrapper_prefixes
 from optim import restore_optimizer_state
 
@@ -210,7 +217,7 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
     reference = conv_model()
     ref_opt = make_optimizer(reference, "sgd")
     sgd_steps(reference, ref_opt, loader)
-    for p, q in zip(reference.parameters(), model.model.parameters()):
+    for p, q in zip(reference.parameters(), model.model.parameters(), strict=True):
         assert (p - q).abs().max().item() < 1e-5
 
 
@@ -268,10 +275,10 @@ def test_two_processes_redo_a_step_whose_copy_failed_on_one_rank(tmp_path):
     assert [(r["micro_batch"], r["steps"]) for r in results] == [(1, 2)] * 2
     reference = conv_model()
     both = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
-            for a, b in zip(batches(2, 8, seed=0), batches(2, 8, seed=1))]
+            for a, b in zip(batches(2, 8, seed=0), batches(2, 8, seed=1), strict=True)]
     sgd_steps(reference, make_optimizer(reference, "sgd"), both)
     for r in results:
-        for got, want in zip(r["params"], reference.parameters()):
+        for got, want in zip(r["params"], reference.parameters(), strict=True):
             assert (torch.tensor(got) - want.detach().flatten()).abs().max().item() < 1e-5
 
 
@@ -380,7 +387,7 @@ def test_evaluation_counts_each_image_once_with_its_prediction():
     predicted = logits.argmax(1)
     confidence = logits.softmax(1).max(1).values
     want = torch.zeros(7, 7, dtype=torch.int64)
-    for t, p in zip(targets, predicted):
+    for t, p in zip(targets, predicted, strict=True):
         want[t, p] += 1
     assert counts.confusion.tolist() == want.tolist()
     wrong = [i for i in range(len(targets)) if predicted[i] != targets[i]]
@@ -633,7 +640,7 @@ def test_gpu_check_reads_what_a_run_wrote(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
 
-    def run(code: int, losses: list[float]) -> "gc.Run":
+    def run(code: int, losses: list[float]) -> gc.Run:
         records = [{"train_loss": x, "val_loss": x, "val_acc": 0.5, "train_images_per_sec": 9.0,
                     "peak_memory_mb": 100.0} for x in losses]
         (logs / "training_history.json").write_text(json.dumps({"epochs": records}))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SRC, TINY_FLAGS, write_image_folder
 from checkpoint import CheckpointError, load_checkpoint_file
+from conftest import ROOT, SRC, TINY_FLAGS, write_image_folder
 from confusion import FULL_MATRIX_MAX_CLASSES, most_confused_pairs
 from evaluate import main as evaluate_main
 from model import build_model

@@ -15,15 +15,26 @@ import torch
 
 import checkpoint
 import history
-from checkpoint import (CheckpointWriter, apply_optimisation_settings, atomic_save,
-                        changed_settings, check_resume_settings, optimisation_settings,
-                        previous_path)
+from checkpoint import (
+    CheckpointWriter,
+    apply_optimisation_settings,
+    atomic_save,
+    changed_settings,
+    check_resume_settings,
+    optimisation_settings,
+    previous_path,
+)
 from config import parse_config
 from conftest import SRC, TINY_FLAGS, run_cli
 from errors import UserError
-from run_folder import (FolderBusy, FolderLock, check_new_run, check_run_folder,
-                        claim_run_folder, lock_holder)
-
+from run_folder import (
+    FolderBusy,
+    FolderLock,
+    check_new_run,
+    check_run_folder,
+    claim_run_folder,
+    lock_holder,
+)
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -241,8 +252,9 @@ def test_changed_schedule_flags_are_listed(tmp_path: Path):
 
 
 def test_override_applies_new_hyperparameters_and_keeps_moments():
-    from optim import lr_factor   # the trainer's own schedule
     from functools import partial
+
+    from optim import lr_factor  # the trainer's own schedule
 
     def build(lr: float, weight_decay: float, kind: str):
         model = torch.nn.Linear(4, 2)

@@ -8,13 +8,22 @@ import torch.distributed as dist
 from torch import nn
 
 import train_ddp
-from checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_SCHEMA, load_checkpoint_file,
-                        training_checkpoint)
+from checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_SCHEMA,
+    load_checkpoint_file,
+    training_checkpoint,
+)
 from config import parse_config
 from conftest import run_train, user_error_line
 from distributed import DistInfo
-from engine import (Precision, StepState, check_ddp_internals, reset_ddp_after_failed_attempt,
-                    train_one_epoch)
+from engine import (
+    Precision,
+    StepState,
+    check_ddp_internals,
+    reset_ddp_after_failed_attempt,
+    train_one_epoch,
+)
 from memory import MemoryPlan
 from run_parts import build_run_parts, make_grad_scaler
 
@@ -52,7 +61,7 @@ def test_the_builder_takes_every_part_from_the_config():
     assert not parts.scaler.is_enabled() and not parts.precision.enabled
     # Two builds from one config give the same initial weights (every rank must).
     again = build_run_parts(cfg, ONE_PROCESS, num_classes=5, steps_per_epoch=4)
-    for p, q in zip(parts.model.parameters(), again.model.parameters()):
+    for p, q in zip(parts.model.parameters(), again.model.parameters(), strict=True):
         assert torch.equal(p, q)
 
 

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SRC, write_image_folder
-
 import data
 import launch_ddp
 import lifecycle
 import preflight
+from conftest import ROOT, SRC, write_image_folder
 from errors import UserError
-
 
 # ----------------------------------------------------------------------------- torch-free launcher
 
@@ -34,7 +32,7 @@ def modules_after(*args: str, cwd: Path) -> tuple[int, set[str]]:
             "print('MODULES', code, *heavy)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
                             text=True, timeout=120)
-    line = next(l for l in result.stdout.splitlines() if l.startswith("MODULES"))
+    line = next(row for row in result.stdout.splitlines() if row.startswith("MODULES"))
     _, exit_code, *heavy = line.split()
     return int(exit_code), set(heavy)
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import metadata as hparams_metadata  # noqa: E402
 
