@@ -19,6 +19,7 @@ pure Python (``src/preflight.py``), and what needs torch is checked by the worke
 own stderr and the ranks' stderr go to LOG_DIR/torchrun.log; the console gets the main rank's
 progress and, when a rank fails, that rank's error line (and a bug's traceback) once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,28 +65,51 @@ TORCHRUN_LOG = "torchrun.log"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="launch_ddp.py", add_help=False,
+        prog="launch_ddp.py",
+        add_help=False,
         description="Run src/train_ddp.py under torchrun. Launcher flags are listed first; "
-                    "every other flag is passed to the trainer (listed after them).")
+        "every other flag is passed to the trainer (listed after them).",
+    )
     parser.add_argument("-h", "--help", action="store_true", help="show both sets of flags")
-    parser.add_argument("--num_gpus", default=None,
-                        help="GPUs to use on this node: a number or 'all' (default: 1)")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="auto: CUDA when a GPU is visible, else the CPU (default: auto)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="processes per node on the CPU (default: 1)")
+    parser.add_argument(
+        "--num_gpus", default=None, help="GPUs to use on this node: a number or 'all' (default: 1)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="auto: CUDA when a GPU is visible, else the CPU (default: auto)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="processes per node on the CPU (default: 1)"
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
-    parser.add_argument("--node_rank", type=int, default=0,
-                        help="this node's rank, 0..nnodes-1; node 0 hosts the rendezvous")
-    parser.add_argument("--master_addr", default="127.0.0.1",
-                        help="address of node 0 (default: 127.0.0.1)")
-    parser.add_argument("--master_port", type=int, default=None,
-                        help="rendezvous port on node 0 (default: a free port on one node, "
-                             "29500 on several)")
-    parser.add_argument("--rdzv_id", default="image-trainer",
-                        help="rendezvous id, the same on every node of one job")
-    parser.add_argument("--max_restarts", type=int, default=0,
-                        help="times torchrun restarts the workers after a failure (default: 0)")
+    parser.add_argument(
+        "--node_rank",
+        type=int,
+        default=0,
+        help="this node's rank, 0..nnodes-1; node 0 hosts the rendezvous",
+    )
+    parser.add_argument(
+        "--master_addr", default="127.0.0.1", help="address of node 0 (default: 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)",
+    )
+    parser.add_argument(
+        "--rdzv_id",
+        default="image-trainer",
+        help="rendezvous id, the same on every node of one job",
+    )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="times torchrun restarts the workers after a failure (default: 0)",
+    )
     parser.add_argument("--dry_run", action="store_true", help="print the command, run nothing")
     return parser
 
@@ -102,12 +126,16 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
     visible = visible_gpu_count()
     device = args.device if args.device != "auto" else ("cuda" if visible else "cpu")
     if device == "cuda" and not visible:
-        raise UserError("--device cuda was asked for but no CUDA GPU is visible; "
-                        "use --device cpu (with --nproc N for N processes)")
+        raise UserError(
+            "--device cuda was asked for but no CUDA GPU is visible; "
+            "use --device cpu (with --nproc N for N processes)"
+        )
     if device == "cpu":
         if args.num_gpus not in (None, "1") and args.device == "auto":
-            raise UserError(f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
-                            "visible; use --device cpu --nproc N to train on the CPU")
+            raise UserError(
+                f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
+                "visible; use --device cpu --nproc N to train on the CPU"
+            )
         if args.nproc < 1:
             raise UserError(f"--nproc must be at least 1, got {args.nproc}")
         return device, args.nproc
@@ -117,26 +145,39 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
     if not requested.isdigit() or int(requested) < 1:
         raise UserError(f"--num_gpus must be a positive number or 'all', got {requested}")
     if int(requested) > visible:
-        raise UserError(f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
-                        f"are visible; use --num_gpus {visible} (or --num_gpus all)")
+        raise UserError(
+            f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
+            f"are visible; use --num_gpus {visible} (or --num_gpus all)"
+        )
     return device, int(requested)
 
 
-def torchrun_command(args: argparse.Namespace, device: str, nproc: int,
-                     trainer_args: list[str]) -> list[str]:
+def torchrun_command(
+    args: argparse.Namespace, device: str, nproc: int, trainer_args: list[str]
+) -> list[str]:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     port = args.master_port or (29500 if args.nnodes > 1 else free_port())
     # python -m torch.distributed.run, through src/quick_exit.py: no interpreter teardown at
     # its end (seconds, after importing torch).
-    command = [sys.executable, str(QUICK_EXIT), "-m", "torch.distributed.run",
-               f"--nnodes={args.nnodes}", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{port}",
-               f"--rdzv-id={args.rdzv_id}", f"--max-restarts={args.max_restarts}"]
+    command = [
+        sys.executable,
+        str(QUICK_EXIT),
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={args.nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.master_addr}:{port}",
+        f"--rdzv-id={args.rdzv_id}",
+        f"--max-restarts={args.max_restarts}",
+    ]
     if args.nnodes > 1:
         # Ranks are assigned by the rendezvous; node 0 hosts its store at master_addr:port.
-        command += [f"--node-rank={args.node_rank}",
-                    f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}"]
+        command += [
+            f"--node-rank={args.node_rank}",
+            f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}",
+        ]
     return command + [str(TRAIN_SCRIPT), "--device", device, *trainer_args]
 
 
@@ -146,31 +187,39 @@ def print_help(parser: argparse.ArgumentParser) -> None:
     parser.print_help()
     print("\ntrainer flags (passed through to src/train_ddp.py):")
     trainer_help = trainer_parser().format_help()
-    print(trainer_help[trainer_help.index("options:") + len("options:"):].rstrip())
+    print(trainer_help[trainer_help.index("options:") + len("options:") :].rstrip())
 
 
 def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
     """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / TORCHRUN_LOG
-    with tempfile.TemporaryDirectory(prefix="train_ddp_report_") as reports, \
-            open(log_file, "ab") as log:
+    with (
+        tempfile.TemporaryDirectory(prefix="train_ddp_report_") as reports,
+        open(log_file, "ab") as log,
+    ):
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         log.flush()
         received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
         return exit_code(code, read_outcomes(Path(reports)), received, log_file)
 
 
-def run_forwarding_signals(command: list[str], env: dict[str, str],
-                           stderr) -> tuple[list[int], int]:
+def run_forwarding_signals(
+    command: list[str], env: dict[str, str], stderr
+) -> tuple[list[int], int]:
     """Run torchrun in its own session and hand it the stop signals ourselves, so one Ctrl-C
     reaches each worker once (through torchrun) instead of from two directions. Linux stops
     torchrun (SIGTERM: a clean stop with a checkpoint) if the launcher dies, however it dies.
     Returns the signals received and torchrun's exit code."""
     launcher = os.getpid()
     mark("torchrun start")
-    child = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True,
-                             preexec_fn=partial(_die_with, launcher))
+    child = subprocess.Popen(
+        command,
+        env=env,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=partial(_die_with, launcher),
+    )
     received: list[int] = []
 
     def forward(signum, frame):
@@ -191,8 +240,7 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
-              log_file: Path) -> int:
+def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log_file: Path) -> int:
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
     traceback."""
@@ -202,8 +250,12 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
         if first["traceback"]:
             sys.stderr.write(first["traceback"])
         reason = first["line"].removeprefix("error: ") or f"exited with code {first['code']}"
-        print(f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
-              f"stderr: {log_file})", file=sys.stderr, flush=True)
+        print(
+            f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
+            f"stderr: {log_file})",
+            file=sys.stderr,
+            flush=True,
+        )
         return first["code"]
     stops = [o for o in outcomes if o["code"] in (130, 143)]
     if received or stops:
@@ -213,8 +265,12 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int],
         return exit_code_for(received[0]) if received else stops[0]["code"]
     if torchrun_code == 0:
         return 0
-    print(f"error: torchrun exited with code {torchrun_code} and no rank said why (a rank "
-          f"killed by a signal, or out of memory?); see {log_file}", file=sys.stderr, flush=True)
+    print(
+        f"error: torchrun exited with code {torchrun_code} and no rank said why (a rank "
+        f"killed by a signal, or out of memory?); see {log_file}",
+        file=sys.stderr,
+        flush=True,
+    )
     return torchrun_code
 
 
@@ -229,10 +285,16 @@ def launcher_defaults(run_file: dict) -> dict:
 
 def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
     """The launcher flags that a run file must hold to repeat this run."""
-    flags = {"num_gpus": args.num_gpus, "nproc": nproc if args.num_gpus is None else None,
-             "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
-             "master_port": args.master_port, "rdzv_id": args.rdzv_id,
-             "max_restarts": args.max_restarts}
+    flags = {
+        "num_gpus": args.num_gpus,
+        "nproc": nproc if args.num_gpus is None else None,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "rdzv_id": args.rdzv_id,
+        "max_restarts": args.max_restarts,
+    }
     return {k: v for k, v in flags.items() if v is not None}
 
 

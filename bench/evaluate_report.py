@@ -9,6 +9,7 @@ For each class count it generates an ImageFolder and an untrained checkpoint, ti
 runs ``src/evaluate.py`` once, reading the evaluation pass and report times it logs. The target:
 the whole run within twice the evaluation pass plus a few seconds (imports, loading).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,15 @@ def write_set(root: Path, classes: int, images: int, image_size: int) -> Path:
         pixels = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / f"img_{i:05d}.jpg")
     torch.manual_seed(0)
-    torch.save({"model_state_dict": build_model("resnet18", classes).state_dict(),
-                "class_names": names, "image_size": image_size, "model_name": "resnet18"},
-               root / "checkpoint.pth")
+    torch.save(
+        {
+            "model_state_dict": build_model("resnet18", classes).state_dict(),
+            "class_names": names,
+            "image_size": image_size,
+            "model_name": "resnet18",
+        },
+        root / "checkpoint.pth",
+    )
     return root
 
 
@@ -62,18 +69,33 @@ def main() -> None:
     args = parser.parse_args()
     import_seconds, _ = timed([sys.executable, "-c", "import torch, torchvision, timm"])
     print(f"import torch, torchvision, timm: {import_seconds:.1f}s")
-    print(f"{'classes':>7}  {'images':>6}  {'wall':>6}  {'pass':>6}  {'report':>6}  "
-          f"{'(wall - import) / pass':>22}")
+    print(
+        f"{'classes':>7}  {'images':>6}  {'wall':>6}  {'pass':>6}  {'report':>6}  "
+        f"{'(wall - import) / pass':>22}"
+    )
     for classes in args.classes:
         with tempfile.TemporaryDirectory() as tmp:
             root = write_set(Path(tmp), classes, args.images, args.image_size)
-            wall, output = timed([sys.executable, "src/evaluate.py", "--checkpoint",
-                                  str(root / "checkpoint.pth"), "--data_dir", str(root / "val"),
-                                  "--output", str(root / "report"), "--device", "cpu"])
+            wall, output = timed(
+                [
+                    sys.executable,
+                    "src/evaluate.py",
+                    "--checkpoint",
+                    str(root / "checkpoint.pth"),
+                    "--data_dir",
+                    str(root / "val"),
+                    "--output",
+                    str(root / "report"),
+                    "--device",
+                    "cpu",
+                ]
+            )
         found = re.search(r"evaluation pass ([\d.]+)s, report ([\d.]+)s", output)
         eval_pass, report = float(found[1]), float(found[2])
-        print(f"{classes:>7}  {args.images:>6}  {wall:>5.1f}s  {eval_pass:>5.1f}s  "
-              f"{report:>5.1f}s  {(wall - import_seconds) / eval_pass:>22.2f}")
+        print(
+            f"{classes:>7}  {args.images:>6}  {wall:>5.1f}s  {eval_pass:>5.1f}s  "
+            f"{report:>5.1f}s  {(wall - import_seconds) / eval_pass:>22.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ dense bf16 peak, trainer/ceiling efficiency for each cache mode, time to first s
 Without CUDA it prints one line saying nothing was checked and exits 0. Exit code 1 when a check
 failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,13 +48,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch_ddp.py"
 
-RESNET18_FWD_FLOPS_224 = 3.64e9   # per image: 1.82 G multiply-adds, 2 FLOPs each; training counts forward + backward as 3x
+RESNET18_FWD_FLOPS_224 = 3.64e9  # per image: 1.82 G multiply-adds, 2 FLOPs each; training counts forward + backward as 3x
 # Dense bf16 tensor-core peaks in TFLOP/s, by a fragment of torch.cuda.get_device_name();
 # the first fragment found wins, so the specific names come first.
-BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
-                    ("H200", 989.0), ("A100", 312.0))
-TOTAL_SECONDS = 600.0       # the whole check's budget: later checks are skipped past it
-RUN_SECONDS = 240.0         # one launcher run, at most (--compile: twice that)
+BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+TOTAL_SECONDS = 600.0  # the whole check's budget: later checks are skipped past it
+RUN_SECONDS = 240.0  # one launcher run, at most (--compile: twice that)
 LOW_MEMORY_BUDGET_GB = 2.0
 
 
@@ -68,15 +74,15 @@ class CheckFailed(Exception):
 @dataclass(frozen=True)
 class Check:
     name: str
-    run: Callable[[Context], dict[str, Any]]   # returns figures, raises CheckFailed
-    measurement: bool = False                    # runs alone, after the functional checks
-    gpus: int = 1                                # GPUs it needs
+    run: Callable[[Context], dict[str, Any]]  # returns figures, raises CheckFailed
+    measurement: bool = False  # runs alone, after the functional checks
+    gpus: int = 1  # GPUs it needs
 
 
 @dataclass
 class Result:
     name: str
-    status: str                                  # pass, FAIL, ERROR (the check's own bug), skip
+    status: str  # pass, FAIL, ERROR (the check's own bug), skip
     seconds: float
     figures: dict[str, Any] = field(default_factory=dict)
     detail: str = ""
@@ -85,11 +91,12 @@ class Result:
 @dataclass
 class Context:
     """What every check may use: a work folder, the device, generated data, the deadline."""
+
     work: Path
     gpus: int
     gpu_name: str
     deadline: float
-    device: str = "cuda"             # "cpu" only in the tests of this script's own logic
+    device: str = "cuda"  # "cpu" only in the tests of this script's own logic
     data: dict[str, Path] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -100,8 +107,13 @@ class Context:
 
 # ----------------------------------------------------------------------------- running checks
 
-def run_checks(checks: Sequence[Check], ctx: Context, jobs: int = 4,
-               on_result: Callable[[Result], None] | None = None) -> list[Result]:
+
+def run_checks(
+    checks: Sequence[Check],
+    ctx: Context,
+    jobs: int = 4,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
     """Run the functional checks ``jobs`` at a time, then the measurements one by one. Each
     check is isolated: whatever it raises becomes its own result. Results keep the list's
     order."""
@@ -125,8 +137,9 @@ def run_checks(checks: Sequence[Check], ctx: Context, jobs: int = 4,
 def run_one(check: Check, ctx: Context) -> Result:
     started = time.monotonic()
     if check.gpus > ctx.gpus:
-        return Result(check.name, "skip", 0.0, detail=f"needs {check.gpus} GPUs, "
-                      f"{ctx.gpus} visible")
+        return Result(
+            check.name, "skip", 0.0, detail=f"needs {check.gpus} GPUs, {ctx.gpus} visible"
+        )
     if ctx.seconds_left() < 20:
         return Result(check.name, "skip", 0.0, detail="out of time")
     try:
@@ -134,11 +147,15 @@ def run_one(check: Check, ctx: Context) -> Result:
         return Result(check.name, "pass", time.monotonic() - started, figures)
     except CheckFailed as err:
         return Result(check.name, "FAIL", time.monotonic() - started, err.figures, str(err))
-    except BaseException as err:   # noqa: BLE001 - isolation: any error is this check's result
+    except BaseException as err:  # noqa: BLE001 - isolation: any error is this check's result
         if isinstance(err, KeyboardInterrupt):
             raise
-        return Result(check.name, "ERROR", time.monotonic() - started,
-                      detail=f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}")
+        return Result(
+            check.name,
+            "ERROR",
+            time.monotonic() - started,
+            detail=f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}",
+        )
 
 
 def format_figures(figures: dict[str, Any]) -> str:
@@ -146,17 +163,21 @@ def format_figures(figures: dict[str, Any]) -> str:
         if isinstance(value, float):
             return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
         return str(value)
+
     return ", ".join(f"{key} {fmt(value)}" for key, value in figures.items())
 
 
 def format_table(results: Sequence[Result]) -> str:
     """check | status | seconds | figures, and under a failed check its first detail line."""
     width = max([len("check")] + [len(r.name) for r in results])
-    lines = [f"{'check':<{width}}  {'status':<6}  {'time':>6}  figures",
-             f"{'-' * width}  {'-' * 6}  {'-' * 6}  {'-' * 40}"]
+    lines = [
+        f"{'check':<{width}}  {'status':<6}  {'time':>6}  figures",
+        f"{'-' * width}  {'-' * 6}  {'-' * 6}  {'-' * 40}",
+    ]
     for r in results:
-        lines.append(f"{r.name:<{width}}  {r.status:<6}  {r.seconds:>5.0f}s  "
-                     f"{format_figures(r.figures)}")
+        lines.append(
+            f"{r.name:<{width}}  {r.status:<6}  {r.seconds:>5.0f}s  {format_figures(r.figures)}"
+        )
         if r.status != "pass" and r.detail:
             lines.append(f"{'':<{width}}  -> {r.detail.splitlines()[0][:200]}")
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "ERROR", "skip")}
@@ -165,23 +186,34 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def build_report(results: Sequence[Result], ctx: Context, seconds: float) -> dict[str, Any]:
-    return {"device": ctx.gpu_name, "gpus": ctx.gpus, "seconds": round(seconds, 1),
-            "versions": versions(), "passed": all(r.status in ("pass", "skip") for r in results),
-            "results": [vars(r) for r in results]}
+    return {
+        "device": ctx.gpu_name,
+        "gpus": ctx.gpus,
+        "seconds": round(seconds, 1),
+        "versions": versions(),
+        "passed": all(r.status in ("pass", "skip") for r in results),
+        "results": [vars(r) for r in results],
+    }
 
 
 def versions() -> dict[str, str]:
     import platform
 
     import torch
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": str(torch.version.cuda)}
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+    }
 
 
 # ----------------------------------------------------------------------------- data
 
-def write_dataset(root: Path, classes: int, train_per_class: int, val_per_class: int,
-                  side: int, threads: int = 8) -> Path:
+
+def write_dataset(
+    root: Path, classes: int, train_per_class: int, val_per_class: int, side: int, threads: int = 8
+) -> Path:
     """root/{train,val}/class_NN/*.jpg: noisy patches, one colour per class (learnable)."""
     import numpy as np
     from PIL import Image
@@ -193,8 +225,9 @@ def write_dataset(root: Path, classes: int, train_per_class: int, val_per_class:
         for c in range(classes):
             folder = root / split / f"class_{c:02d}"
             folder.mkdir(parents=True, exist_ok=True)
-            colour = np.array([(c * 97 + 40) % 256, (c * 57 + 90) % 256, (c * 23 + 160) % 256],
-                              dtype=np.float32)
+            colour = np.array(
+                [(c * 97 + 40) % 256, (c * 57 + 90) % 256, (c * 23 + 160) % 256], dtype=np.float32
+            )
             jobs += [(folder / f"{i:05d}.jpg", colour, i) for i in range(per_class)]
 
     def write(job: tuple) -> None:
@@ -209,17 +242,21 @@ def write_dataset(root: Path, classes: int, train_per_class: int, val_per_class:
 
 def dataset(ctx: Context, kind: str) -> Path:
     """The generated data set ``kind``, written once (checks running at once share it)."""
-    specs = {"tiny": (3, 32, 8, 40),          # 96 training images of 40 px
-             "mid": (3, 160, 16, 128),        # 480 images of 128 px: 30 steps of 16 per epoch
-             "224": (10, 540, 54, 280)}       # 5400 images of 280 px, for 224 px crops
+    specs = {
+        "tiny": (3, 32, 8, 40),  # 96 training images of 40 px
+        "mid": (3, 160, 16, 128),  # 480 images of 128 px: 30 steps of 16 per epoch
+        "224": (10, 540, 54, 280),
+    }  # 5400 images of 280 px, for 224 px crops
     with ctx.lock:
         if kind not in ctx.data:
-            ctx.data[kind] = write_dataset(ctx.work / f"data_{kind}", *specs[kind],
-                                           threads=min(16, os.cpu_count() or 1))
+            ctx.data[kind] = write_dataset(
+                ctx.work / f"data_{kind}", *specs[kind], threads=min(16, os.cpu_count() or 1)
+            )
         return ctx.data[kind]
 
 
 # ----------------------------------------------------------------------------- launcher runs
+
 
 @dataclass
 class Run:
@@ -242,18 +279,42 @@ class Run:
         return text.replace("\n", " | ")
 
 
-def launcher_command(ctx: Context, folder: Path, data: Path, flags: Sequence[str],
-                     gpus: int = 1, device: str | None = None) -> list[str]:
+def launcher_command(
+    ctx: Context,
+    folder: Path,
+    data: Path,
+    flags: Sequence[str],
+    gpus: int = 1,
+    device: str | None = None,
+) -> list[str]:
     device = device or ctx.device
     placement = ["--num_gpus", str(gpus)] if device == "cuda" else ["--nproc", str(gpus)]
-    return [sys.executable, str(LAUNCHER), "--device", device, *placement,
-            "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
-            "--checkpoint_dir", str(folder / "checkpoints"), "--log_dir", str(folder / "logs"),
-            *flags]
+    return [
+        sys.executable,
+        str(LAUNCHER),
+        "--device",
+        device,
+        *placement,
+        "--train_dir",
+        str(data / "train"),
+        "--val_dir",
+        str(data / "val"),
+        "--checkpoint_dir",
+        str(folder / "checkpoints"),
+        "--log_dir",
+        str(folder / "logs"),
+        *flags,
+    ]
 
 
-def start(ctx: Context, name: str, data: Path, flags: Sequence[str], gpus: int = 1,
-          device: str | None = None) -> tuple[subprocess.Popen, Path]:
+def start(
+    ctx: Context,
+    name: str,
+    data: Path,
+    flags: Sequence[str],
+    gpus: int = 1,
+    device: str | None = None,
+) -> tuple[subprocess.Popen, Path]:
     """Start the launcher for one run in a fresh folder ``work/name``."""
     folder = ctx.work / name
     folder.mkdir(parents=True, exist_ok=False)
@@ -262,25 +323,38 @@ def start(ctx: Context, name: str, data: Path, flags: Sequence[str], gpus: int =
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
         # Its own session: a timeout can stop it without touching this script.
-        process = subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=err,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=out, stderr=err, start_new_session=True
+        )
     return process, folder
 
 
-def finish(ctx: Context, process: subprocess.Popen, folder: Path, started: float,
-           timeout: float) -> Run:
+def finish(
+    ctx: Context, process: subprocess.Popen, folder: Path, started: float, timeout: float
+) -> Run:
     """Wait for a run; past its time, stop it and everything it started."""
     try:
         process.wait(timeout=max(1.0, min(timeout, ctx.seconds_left())))
     except subprocess.TimeoutExpired:
         stop_tree(process)
-    return Run(folder, process.returncode, time.monotonic() - started,
-               (folder / "stdout.txt").read_text(errors="replace"),
-               (folder / "stderr.txt").read_text(errors="replace"))
+    return Run(
+        folder,
+        process.returncode,
+        time.monotonic() - started,
+        (folder / "stdout.txt").read_text(errors="replace"),
+        (folder / "stderr.txt").read_text(errors="replace"),
+    )
 
 
-def launch(ctx: Context, name: str, data: Path, flags: Sequence[str], gpus: int = 1,
-           device: str | None = None, timeout: float | None = None) -> Run:
+def launch(
+    ctx: Context,
+    name: str,
+    data: Path,
+    flags: Sequence[str],
+    gpus: int = 1,
+    device: str | None = None,
+    timeout: float | None = None,
+) -> Run:
     started = time.monotonic()
     process, folder = start(ctx, name, data, flags, gpus, device)
     return finish(ctx, process, folder, started, timeout or RUN_SECONDS)
@@ -331,12 +405,17 @@ def expect_finished(run: Run, epochs: int) -> dict[str, Any]:
     last = records[-1]
     if not all(math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) for r in records):
         raise CheckFailed(f"non-finite loss: {[(r['train_loss'], r['val_loss']) for r in records]}")
-    return {"val_acc": last["val_acc"], "img/s": last["train_images_per_sec"],
-            "peak MiB": last["peak_memory_mb"], "run s": run.seconds}
+    return {
+        "val_acc": last["val_acc"],
+        "img/s": last["train_images_per_sec"],
+        "peak MiB": last["peak_memory_mb"],
+        "run s": run.seconds,
+    }
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     import torch
+
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -345,13 +424,23 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 TINY = ["--image_size", "32", "--batch_size", "16", "--epochs", "1", "--log_interval", "1"]
 
 
-def tiny_run(name: str, flags: Sequence[str], expect_in_stdout: str = "",
-             checkpoint_test: Callable[[dict], str] | None = None,
-             slow: bool = False) -> Callable[[Context], dict]:
+def tiny_run(
+    name: str,
+    flags: Sequence[str],
+    expect_in_stdout: str = "",
+    checkpoint_test: Callable[[dict], str] | None = None,
+    slow: bool = False,
+) -> Callable[[Context], dict]:
     """A check: one tiny epoch with ``flags``; optional checks of its output and checkpoint."""
+
     def check(ctx: Context) -> dict[str, Any]:
-        run = launch(ctx, name, dataset(ctx, "tiny"), [*TINY, *flags],
-                     timeout=2 * RUN_SECONDS if slow else None)
+        run = launch(
+            ctx,
+            name,
+            dataset(ctx, "tiny"),
+            [*TINY, *flags],
+            timeout=2 * RUN_SECONDS if slow else None,
+        )
         figures = expect_finished(run, 1)
         if expect_in_stdout and expect_in_stdout not in run.stdout:
             raise CheckFailed(f"{expect_in_stdout!r} not in the output", figures)
@@ -360,6 +449,7 @@ def tiny_run(name: str, flags: Sequence[str], expect_in_stdout: str = "",
             if problem:
                 raise CheckFailed(problem, figures)
         return figures
+
     return check
 
 
@@ -377,9 +467,22 @@ def no_scaler(ckpt: dict) -> str:
 def check_world_size_2(ctx: Context) -> dict[str, Any]:
     """NCCL at world size 2, with the host-side (gloo) agreement of --auto_micro_batch and
     --check_sync's comparison of the replicas."""
-    run = launch(ctx, "nccl_ws2", dataset(ctx, "tiny"),
-                 [*TINY, "--batch_size", "8", "--use_amp", "--auto_micro_batch",
-                  "--accum_steps", "2", "--check_sync"], gpus=2)
+    run = launch(
+        ctx,
+        "nccl_ws2",
+        dataset(ctx, "tiny"),
+        [
+            *TINY,
+            "--batch_size",
+            "8",
+            "--use_amp",
+            "--auto_micro_batch",
+            "--accum_steps",
+            "2",
+            "--check_sync",
+        ],
+        gpus=2,
+    )
     figures = expect_finished(run, 1)
     if run.history().get("world_size") != 2:
         raise CheckFailed(f"world size {run.history().get('world_size')}, expected 2", figures)
@@ -389,15 +492,22 @@ def check_world_size_2(ctx: Context) -> dict[str, Any]:
 def resume_across(first: str, second: str) -> Callable[[Context], dict]:
     """One epoch on ``first``, then a second epoch resumed from its checkpoint on ``second``,
     both with --use_amp (fused AdamW and float16 + GradScaler on CUDA, bfloat16 on the CPU)."""
+
     def check(ctx: Context) -> dict[str, Any]:
         data = dataset(ctx, "tiny")
         flags = [*TINY, "--use_amp"]
         one = launch(ctx, f"resume_{first}_then", data, flags, device=first)
         expect_finished(one, 1)
-        two = launch(ctx, f"resume_then_{second}", data,
-                     [*flags, "--epochs", "2", "--resume", str(one.latest)], device=second)
+        two = launch(
+            ctx,
+            f"resume_then_{second}",
+            data,
+            [*flags, "--epochs", "2", "--resume", str(one.latest)],
+            device=second,
+        )
         figures = expect_finished(two, 2)
         return {"epoch 2 loss": two.history()["epochs"][-1]["train_loss"], **figures}
+
     return check
 
 
@@ -419,29 +529,35 @@ def check_sigterm_resume(ctx: Context) -> dict[str, Any]:
     while process.poll() is None and not written.exists() and ctx.seconds_left() > 30:
         time.sleep(0.01)
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)   # what a scheduler's preemption sends
+        process.send_signal(signal.SIGTERM)  # what a scheduler's preemption sends
     stopped = finish(ctx, process, folder, started, RUN_SECONDS)
     if stopped.returncode == 0 or not stopped.latest.is_file():
-        raise CheckFailed(f"SIGTERM: exit code {stopped.returncode}, expected 143 and a "
-                          f"checkpoint: {stopped.tail()}")
+        raise CheckFailed(
+            f"SIGTERM: exit code {stopped.returncode}, expected 143 and a "
+            f"checkpoint: {stopped.tail()}"
+        )
     at = load_checkpoint(stopped.latest)
-    position = {"exit": stopped.returncode, "stopped at epoch": at["epoch"] + 1,
-                "step": at.get("step", 0)}
+    position = {
+        "exit": stopped.returncode,
+        "stopped at epoch": at["epoch"] + 1,
+        "step": at.get("step", 0),
+    }
     if at["epoch"] >= 2:
         raise CheckFailed("the run finished before SIGTERM arrived", position)
 
-    resumed = launch(ctx, "deterministic_resumed", data,
-                     [*flags, "--resume", str(stopped.latest)])
+    resumed = launch(ctx, "deterministic_resumed", data, [*flags, "--resume", str(stopped.latest)])
     expect_finished(resumed, 2)
     a, b = load_checkpoint(whole.latest), load_checkpoint(resumed.latest)
     pairs = list(zip_tensors(a["model_state_dict"], b["model_state_dict"]))
-    pairs += list(zip_tensors(a["optimizer_state_dict"]["state"],
-                              b["optimizer_state_dict"]["state"]))
+    pairs += list(
+        zip_tensors(a["optimizer_state_dict"]["state"], b["optimizer_state_dict"]["state"])
+    )
     differ = [name for name, x, y in pairs if not bitwise_equal(x, y)]
     figures = {**position, "tensors compared": len(pairs), "differ": len(differ)}
     if differ or not pairs:
-        raise CheckFailed(f"resumed run differs from the uninterrupted one in {differ[:5]}",
-                          figures)
+        raise CheckFailed(
+            f"resumed run differs from the uninterrupted one in {differ[:5]}", figures
+        )
     return figures
 
 
@@ -449,14 +565,16 @@ def zip_tensors(a: Any, b: Any, prefix: str = ""):
     """(name, a's tensor, b's tensor) for every tensor in two nested dicts of the same shape."""
     if isinstance(a, dict):
         for key in a:
-            yield from zip_tensors(a[key], b.get(key) if isinstance(b, dict) else None,
-                                   f"{prefix}{key}.")
+            yield from zip_tensors(
+                a[key], b.get(key) if isinstance(b, dict) else None, f"{prefix}{key}."
+            )
     elif hasattr(a, "shape"):
         yield prefix.rstrip("."), a, b
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
     import torch
+
     return torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
@@ -464,39 +582,64 @@ def check_low_memory(ctx: Context) -> dict[str, Any]:
     """--low_memory --max_memory_gb 2 at 224 px, batch 64, against the same run without it:
     peak allocated memory (must stay within the budget) and speed (epoch 2 of 2)."""
     data = dataset(ctx, "224")
-    flags = ["--image_size", "224", "--batch_size", "64", "--epochs", "2",
-             "--cache_images", "ram"]
+    flags = ["--image_size", "224", "--batch_size", "64", "--epochs", "2", "--cache_images", "ram"]
     normal = launch(ctx, "low_memory_off", data, flags)
     normal_fig = expect_finished(normal, 2)
-    low = launch(ctx, "low_memory_on", data,
-                 [*flags, "--low_memory", "--max_memory_gb", str(LOW_MEMORY_BUDGET_GB)])
+    low = launch(
+        ctx,
+        "low_memory_on",
+        data,
+        [*flags, "--low_memory", "--max_memory_gb", str(LOW_MEMORY_BUDGET_GB)],
+    )
     low_fig = expect_finished(low, 2)
     ratio = low_fig["img/s"] / normal_fig["img/s"]
-    figures = {"peak MiB": low_fig["peak MiB"], "normal peak MiB": normal_fig["peak MiB"],
-               "img/s": low_fig["img/s"], "normal img/s": normal_fig["img/s"],
-               "speed ratio": ratio, "speed target 0.6": "met" if ratio >= 0.6 else "missed",
-               "micro-batch": low.history()["epochs"][-1]["micro_batch"]}
+    figures = {
+        "peak MiB": low_fig["peak MiB"],
+        "normal peak MiB": normal_fig["peak MiB"],
+        "img/s": low_fig["img/s"],
+        "normal img/s": normal_fig["img/s"],
+        "speed ratio": ratio,
+        "speed target 0.6": "met" if ratio >= 0.6 else "missed",
+        "micro-batch": low.history()["epochs"][-1]["micro_batch"],
+    }
     if low_fig["peak MiB"] > LOW_MEMORY_BUDGET_GB * 1024:
-        raise CheckFailed(f"peak {low_fig['peak MiB']:.0f} MiB is over the "
-                          f"{LOW_MEMORY_BUDGET_GB} GiB budget", figures)
+        raise CheckFailed(
+            f"peak {low_fig['peak MiB']:.0f} MiB is over the {LOW_MEMORY_BUDGET_GB} GiB budget",
+            figures,
+        )
     return figures
 
 
 def check_cuda_tests(ctx: Context) -> dict[str, Any]:
     started = time.monotonic()
-    command = [sys.executable, "-m", "pytest", str(ROOT / "tests"), "-q", "-k", "cuda",
-               "-p", "no:cacheprovider"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(ROOT / "tests"),
+        "-q",
+        "-k",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+    ]
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              timeout=max(1.0, min(RUN_SECONDS, ctx.seconds_left())))
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, min(RUN_SECONDS, ctx.seconds_left())),
+        )
     except subprocess.TimeoutExpired:
         raise CheckFailed("pytest ran out of time") from None
     summary = (done.stdout.strip().splitlines() or [""])[-1]
     figures = {"summary": summary.strip("= "), "run s": time.monotonic() - started}
     if done.returncode != 0:
         failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
-        raise CheckFailed(f"pytest exit {done.returncode}: {failed[:3] or done.stdout[-300:]}",
-                          figures)
+        raise CheckFailed(
+            f"pytest exit {done.returncode}: {failed[:3] or done.stdout[-300:]}", figures
+        )
     return figures
 
 
@@ -508,36 +651,60 @@ def throughput_figures(images_per_sec: float, gpu_name: str) -> dict[str, Any]:
     """Achieved training TFLOP/s of ResNet18 at 224 px and its fraction of the bf16 peak."""
     tflops = images_per_sec * 3 * RESNET18_FWD_FLOPS_224 / 1e12
     peak = bf16_peak_tflops(gpu_name)
-    return {"TFLOP/s": tflops,
-            "of bf16 peak": tflops / peak if peak else "unknown device peak"}
+    return {"TFLOP/s": tflops, "of bf16 peak": tflops / peak if peak else "unknown device peak"}
 
 
-THROUGHPUT_FLAGS = ["--image_size", "224", "--batch_size", "256", "--warmup", "5",
-                    "--steps", "15", "--world_sizes", "1", "--device", "cuda"]
+THROUGHPUT_FLAGS = [
+    "--image_size",
+    "224",
+    "--batch_size",
+    "256",
+    "--warmup",
+    "5",
+    "--steps",
+    "15",
+    "--world_sizes",
+    "1",
+    "--device",
+    "cuda",
+]
 
 
 def throughput(cache: str) -> Callable[[Context], dict]:
     """bench/throughput.py's trainer measurement for one cache mode, against its ceiling (the
     bare loop on tensors in memory, measured once and shared by the cache modes)."""
+
     def check(ctx: Context) -> dict[str, Any]:
         bench = load_bench_module("throughput")
 
         data = dataset(ctx, "224")
-        args = bench.parse_args([*THROUGHPUT_FLAGS, "--", "--use_amp", "--amp_dtype",
-                                 "bfloat16", "--cache_images", cache])
+        args = bench.parse_args(
+            [
+                *THROUGHPUT_FLAGS,
+                "--",
+                "--use_amp",
+                "--amp_dtype",
+                "bfloat16",
+                "--cache_images",
+                cache,
+            ]
+        )
         folder = ctx.work / f"throughput_{cache}"
         folder.mkdir()
         if "ceiling" not in ctx.shared:
             ctx.shared["ceiling"] = run_bench(bench, args, "ceiling", data, folder)
         trainer = run_bench(bench, args, "trainer", data, folder)
         ceiling = ctx.shared["ceiling"]
-        figures = {"img/s": trainer["images_per_sec"],
-                   **throughput_figures(trainer["images_per_sec"], ctx.gpu_name),
-                   "ceiling img/s": ceiling["images_per_sec"],
-                   "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
-                   "first step s": trainer["seconds_to_first_step"]}
+        figures = {
+            "img/s": trainer["images_per_sec"],
+            **throughput_figures(trainer["images_per_sec"], ctx.gpu_name),
+            "ceiling img/s": ceiling["images_per_sec"],
+            "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
+            "first step s": trainer["seconds_to_first_step"],
+        }
         ctx.shared[f"trainer_{cache}"] = trainer
         return figures
+
     return check
 
 
@@ -552,26 +719,44 @@ def load_bench_module(name: str) -> Any:
     return module
 
 
-def run_bench(bench: Any, args: argparse.Namespace, mode: str, data: Path,
-              folder: Path) -> dict[str, Any]:
+def run_bench(
+    bench: Any, args: argparse.Namespace, mode: str, data: Path, folder: Path
+) -> dict[str, Any]:
     try:
         return bench.run_worker(args, mode, 1, data, folder / f"{mode}.json")
-    except SystemExit as err:   # run_worker exits with the worker's stderr on failure
+    except SystemExit as err:  # run_worker exits with the worker's stderr on failure
         raise CheckFailed(f"bench/throughput.py {mode}: {str(err.code)[-600:]}") from None
 
 
 def all_checks() -> list[Check]:
     return [
-        Check("cuda_ws1_fp16_gradscaler", tiny_run("ws1_fp16", ["--use_amp"],
-                                                   checkpoint_test=scaler_in_use)),
-        Check("bf16", tiny_run("bf16", ["--use_amp", "--amp_dtype", "bfloat16"],
-                               checkpoint_test=no_scaler)),
-        Check("channels_last_off", tiny_run("channels_last_off", ["--use_amp",
-                                                                  "--no_channels_last"])),
-        Check("cache_gpu", tiny_run("cache_gpu", ["--use_amp", "--cache_images", "gpu"],
-                                    expect_in_stdout="decoded images in gpu")),
-        Check("cache_ram", tiny_run("cache_ram", ["--use_amp", "--cache_images", "ram"],
-                                    expect_in_stdout="decoded images in ram")),
+        Check(
+            "cuda_ws1_fp16_gradscaler",
+            tiny_run("ws1_fp16", ["--use_amp"], checkpoint_test=scaler_in_use),
+        ),
+        Check(
+            "bf16",
+            tiny_run("bf16", ["--use_amp", "--amp_dtype", "bfloat16"], checkpoint_test=no_scaler),
+        ),
+        Check(
+            "channels_last_off", tiny_run("channels_last_off", ["--use_amp", "--no_channels_last"])
+        ),
+        Check(
+            "cache_gpu",
+            tiny_run(
+                "cache_gpu",
+                ["--use_amp", "--cache_images", "gpu"],
+                expect_in_stdout="decoded images in gpu",
+            ),
+        ),
+        Check(
+            "cache_ram",
+            tiny_run(
+                "cache_ram",
+                ["--use_amp", "--cache_images", "ram"],
+                expect_in_stdout="decoded images in ram",
+            ),
+        ),
         Check("cache_none", tiny_run("cache_none", ["--use_amp", "--cache_images", "none"])),
         Check("compile", tiny_run("compile", ["--use_amp", "--compile"], slow=True)),
         Check("nccl_ws2", check_world_size_2, gpus=2),
@@ -580,12 +765,15 @@ def all_checks() -> list[Check]:
         Check("sigterm_resume_deterministic", check_sigterm_resume),
         Check("pytest_cuda", check_cuda_tests),
         Check("low_memory_224", check_low_memory, measurement=True),
-        *[Check(f"throughput_224_cache_{cache}", throughput(cache), measurement=True)
-          for cache in ("gpu", "ram", "none")],
+        *[
+            Check(f"throughput_224_cache_{cache}", throughput(cache), measurement=True)
+            for cache in ("gpu", "ram", "none")
+        ],
     ]
 
 
 # ----------------------------------------------------------------------------- main
+
 
 def visible_gpus() -> tuple[int, str]:
     import torch
@@ -600,10 +788,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=ROOT / "bench_results" / "gpu_check.json")
     parser.add_argument("--only", default="", help="comma-separated check names")
     parser.add_argument("--jobs", type=int, default=4, help="functional checks run at once")
-    parser.add_argument("--work_dir", type=Path, default=None,
-                        help="keep every run here (default: a temporary folder, removed)")
-    parser.add_argument("--seconds", type=float, default=TOTAL_SECONDS,
-                        help="time budget; checks not started by then are skipped")
+    parser.add_argument(
+        "--work_dir",
+        type=Path,
+        default=None,
+        help="keep every run here (default: a temporary folder, removed)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=TOTAL_SECONDS,
+        help="time budget; checks not started by then are skipped",
+    )
     return parser.parse_args(argv)
 
 
@@ -618,8 +814,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = set(args.only.split(","))
         unknown = wanted - {c.name for c in checks}
         if unknown:
-            print(f"error: unknown check(s) {sorted(unknown)}; choose from "
-                  f"{[c.name for c in checks]}", file=sys.stderr)
+            print(
+                f"error: unknown check(s) {sorted(unknown)}; choose from "
+                f"{[c.name for c in checks]}",
+                file=sys.stderr,
+            )
             return 2
         checks = [c for c in checks if c.name in wanted]
     print(f"gpu_check: {len(checks)} checks on {gpus} x {name}", flush=True)
@@ -628,13 +827,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         ctx = Context(work, gpus, name, deadline=started + args.seconds)
-        results = run_checks(checks, ctx, args.jobs, on_result=lambda r: print(
-            f"  {r.status:<5} {r.name} ({r.seconds:.0f}s)", flush=True))
+        results = run_checks(
+            checks,
+            ctx,
+            args.jobs,
+            on_result=lambda r: print(f"  {r.status:<5} {r.name} ({r.seconds:.0f}s)", flush=True),
+        )
     seconds = time.monotonic() - started
     print("\n" + format_table(results) + f"\ntotal {seconds:.0f}s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(build_report(results, ctx, seconds), indent=2,
-                                      default=str) + "\n")
+    args.output.write_text(
+        json.dumps(build_report(results, ctx, seconds), indent=2, default=str) + "\n"
+    )
     print(f"Wrote {args.output}")
     return 0 if all(r.status in ("pass", "skip") for r in results) else 1
 

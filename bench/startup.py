@@ -21,6 +21,7 @@ Prints:
 The phases come from the timeline the launcher and the ranks write when $TRAIN_DDP_TIMELINE names
 a file (``lifecycle.mark``). Other work on the machine slows every number: compare the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ END_PHASES = [
     ("launcher exit", "launcher exit"),
 ]
 
-MINIMAL_TIMM_LOOP = r'''
+MINIMAL_TIMM_LOOP = r"""
 import sys, time
 import torch, timm
 from timm.data import create_dataset, create_loader
@@ -84,7 +85,7 @@ for epoch in range(epochs):
         for images, targets in val_loader:
             correct += (model(images).argmax(1) == targets).sum().item()
     print(f"epoch {epoch + 1}: val_acc {correct / len(val):.3f}", flush=True)
-'''
+"""
 
 
 def timed(command: list[str], **kwargs) -> tuple[float, subprocess.CompletedProcess]:
@@ -92,8 +93,10 @@ def timed(command: list[str], **kwargs) -> tuple[float, subprocess.CompletedProc
     result = subprocess.run(command, capture_output=True, text=True, **kwargs)
     elapsed = time.time() - started
     if result.returncode != 0:
-        sys.exit(f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
-                 f"{result.stderr[-2000:]}")
+        sys.exit(
+            f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
+            f"{result.stderr[-2000:]}"
+        )
     return elapsed, result
 
 
@@ -101,15 +104,36 @@ def import_seconds() -> float:
     return timed([sys.executable, "-c", "import torch, torchvision, timm"])[0]
 
 
-def launcher_run(data: Path, work: Path, nproc: int, epochs: int, batch: int,
-                 workers: int | None) -> dict[str, float]:
+def launcher_run(
+    data: Path, work: Path, nproc: int, epochs: int, batch: int, workers: int | None
+) -> dict[str, float]:
     """One launcher run; returns {event: seconds since the launcher was started}."""
     timeline = work / f"timeline_{time.time_ns()}.txt"
     env = {**os.environ, TIMELINE_ENV: str(timeline)}
-    command = [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nproc",
-               str(nproc), "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
-               "--image_size", "32", "--batch_size", str(batch), "--epochs", str(epochs),
-               "--learning_rate", "0.001", "--optimizer", "adamw", "--log_interval", "50"]
+    command = [
+        sys.executable,
+        str(ROOT / "launch_ddp.py"),
+        "--device",
+        "cpu",
+        "--nproc",
+        str(nproc),
+        "--train_dir",
+        str(data / "train"),
+        "--val_dir",
+        str(data / "val"),
+        "--image_size",
+        "32",
+        "--batch_size",
+        str(batch),
+        "--epochs",
+        str(epochs),
+        "--learning_rate",
+        "0.001",
+        "--optimizer",
+        "adamw",
+        "--log_interval",
+        "50",
+    ]
     if workers is not None:
         command += ["--num_workers", str(workers)]
     started = time.time()
@@ -122,8 +146,9 @@ def launcher_run(data: Path, work: Path, nproc: int, epochs: int, batch: int,
     return events
 
 
-def phases(events: dict[str, float], table: list[tuple[str, str]], start: float
-           ) -> list[tuple[str, float]]:
+def phases(
+    events: dict[str, float], table: list[tuple[str, str]], start: float
+) -> list[tuple[str, float]]:
     rows, previous = [], start
     for name, event in table:
         if event in events:
@@ -134,8 +159,10 @@ def phases(events: dict[str, float], table: list[tuple[str, str]], start: float
 
 def show_start(title: str, events: dict[str, float], imports: float) -> None:
     first = events["first step done"]
-    print(f"{title}: launcher start -> end of first step {first:.2f} s "
-          f"= {first / imports:.2f} x the import time ({imports:.2f} s)")
+    print(
+        f"{title}: launcher start -> end of first step {first:.2f} s "
+        f"= {first / imports:.2f} x the import time ({imports:.2f} s)"
+    )
     for name, seconds in phases(events, START_PHASES, 0.0):
         print(f"    {name:<44}{seconds:6.2f} s")
 
@@ -152,18 +179,58 @@ def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, flo
         # The device through timm's -c config file: older train.py versions have no --device.
         device_file = work / "timm_device.yaml"
         device_file.write_text("device: cpu\n")
-        command = [sys.executable, str(args.timm_train), "-c", str(device_file),
-                   "--data-dir", str(data),
-                   "--train-split", "train", "--val-split", "val", "--model", "resnet18",
-                   "--num-classes", "10", "--img-size", "32", "-b", str(args.batch_size),
-                   "--epochs", str(args.epochs), "-j", "2", "--opt", "adamw", "--lr", "0.001",
-                   "--weight-decay", "0.01", "--sched", "cosine", "--warmup-epochs", "0",
-                   "--no-prefetcher", "--output", str(work / "timm_output")]
+        command = [
+            sys.executable,
+            str(args.timm_train),
+            "-c",
+            str(device_file),
+            "--data-dir",
+            str(data),
+            "--train-split",
+            "train",
+            "--val-split",
+            "val",
+            "--model",
+            "resnet18",
+            "--num-classes",
+            "10",
+            "--img-size",
+            "32",
+            "-b",
+            str(args.batch_size),
+            "--epochs",
+            str(args.epochs),
+            "-j",
+            "2",
+            "--opt",
+            "adamw",
+            "--lr",
+            "0.001",
+            "--weight-decay",
+            "0.01",
+            "--sched",
+            "cosine",
+            "--warmup-epochs",
+            "0",
+            "--no-prefetcher",
+            "--output",
+            str(work / "timm_output"),
+        ]
         return "timm's train.py", timed(command, cwd=work)[0]
-    command = [sys.executable, "-c", MINIMAL_TIMM_LOOP, str(data / "train"), str(data / "val"),
-               str(args.epochs), str(args.batch_size), "2"]
-    return ("a minimal one-process timm loop (timm's train.py not given: --timm_train)",
-            timed(command, cwd=work)[0])
+    command = [
+        sys.executable,
+        "-c",
+        MINIMAL_TIMM_LOOP,
+        str(data / "train"),
+        str(data / "val"),
+        str(args.epochs),
+        str(args.batch_size),
+        "2",
+    ]
+    return (
+        "a minimal one-process timm loop (timm's train.py not given: --timm_train)",
+        timed(command, cwd=work)[0],
+    )
 
 
 def main() -> None:
@@ -171,10 +238,18 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="launcher processes (default: 1)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--num_workers", type=int, default=None,
-                        help="the launcher run's loader workers (default: the trainer's choice)")
-    parser.add_argument("--timm_train", type=Path, default=None,
-                        help="timm's train.py, from a clone of pytorch-image-models")
+    parser.add_argument(
+        "--num_workers",
+        type=int,
+        default=None,
+        help="the launcher run's loader workers (default: the trainer's choice)",
+    )
+    parser.add_argument(
+        "--timm_train",
+        type=Path,
+        default=None,
+        help="timm's train.py, from a clone of pytorch-image-models",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
@@ -184,15 +259,16 @@ def main() -> None:
         images = sum(1 for _ in (data / "train").rglob("*.png"))
         before = import_seconds()
         print(f"python -c 'import torch, torchvision, timm': {before:.2f} s", flush=True)
-        cold = launcher_run(data, work, args.nproc, args.epochs, args.batch_size,
-                            args.num_workers)
+        cold = launcher_run(data, work, args.nproc, args.epochs, args.batch_size, args.num_workers)
         show_start("first start (decode check from scratch)", cold, before)
         show_end(cold)
         timm_name, timm_seconds = timm_run(args, data, work)
-        print(f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
-              f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
-              f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}",
-              flush=True)
+        print(
+            f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
+            f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
+            f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}",
+            flush=True,
+        )
         warm = launcher_run(data, work, args.nproc, 1, args.batch_size, args.num_workers)
         after = import_seconds()
         print(f"python -c 'import torch, torchvision, timm' again: {after:.2f} s", flush=True)

@@ -16,6 +16,7 @@ Times, in one process, side by side:
   * ``on_epoch_end`` with a history record of 11 fields (it flushes).
 and prints the logging cost as a share of a step at --log_interval 20 (the default) and 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def step_seconds(device: torch.device, image_size: int, batch_size: int, steps: 
         torch.nn.functional.cross_entropy(model(images), targets).backward()
         optimizer.step()
         sync()
-        if i >= 3:   # warm-up: allocator, kernels
+        if i >= 3:  # warm-up: allocator, kernels
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -60,8 +61,9 @@ def paced_seconds(calls: int, log) -> float:
     for step in range(1, calls + 1):
         time.sleep(0.002)
         start = time.perf_counter()
-        log(step, {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5,
-                   "data_wait_share": 0.03})
+        log(
+            step, {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5, "data_wait_share": 0.03}
+        )
         total += time.perf_counter() - start
     return total
 
@@ -71,11 +73,13 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
     with one add_scalar per value; per on_epoch_end call."""
     with tempfile.TemporaryDirectory() as folder:
         logger = TensorBoardLogger(Path(folder), enabled=True, purge_step=0)
-        logger.on_log_step(0, {"loss": 1.0})   # the event file is opened lazily
+        logger.on_log_step(0, {"loss": 1.0})  # the event file is opened lazily
         start = time.perf_counter()
         for step in range(1, calls + 1):
-            logger.on_log_step(step, {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5,
-                                      "data_wait_share": 0.03})
+            logger.on_log_step(
+                step,
+                {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5, "data_wait_share": 0.03},
+            )
         called = time.perf_counter() - start
         logger.close()
         written = time.perf_counter() - start
@@ -85,14 +89,28 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
         paced = paced_seconds(calls, logger.on_log_step)
         # For comparison: SummaryWriter.add_scalar once per value, one event each.
         writer = logger._writer
-        per_value = paced_seconds(calls, lambda step, metrics: [
-            writer.add_scalar(f"train/{name}", value, step) for name, value in metrics.items()])
+        per_value = paced_seconds(
+            calls,
+            lambda step, metrics: [
+                writer.add_scalar(f"train/{name}", value, step) for name, value in metrics.items()
+            ],
+        )
         logger.close()
 
         logger = TensorBoardLogger(Path(folder) / "epochs", enabled=True, purge_step=0)
-        record = {"epoch": 1, "train_loss": 1.0, "train_acc": 0.5, "val_loss": 1.1,
-                  "val_acc": 0.4, "val_top5": 0.9, "lr": 1e-3, "epoch_seconds": 20.0,
-                  "train_images_per_sec": 380.0, "peak_memory_mb": 900.0, "micro_batch": 64}
+        record = {
+            "epoch": 1,
+            "train_loss": 1.0,
+            "train_acc": 0.5,
+            "val_loss": 1.1,
+            "val_acc": 0.4,
+            "val_top5": 0.9,
+            "lr": 1e-3,
+            "epoch_seconds": 20.0,
+            "train_images_per_sec": 380.0,
+            "peak_memory_mb": 900.0,
+            "micro_batch": 64,
+        }
         start = time.perf_counter()
         for epoch in range(1, 21):
             logger.on_epoch_end(epoch * 100, {**record, "epoch": epoch})
@@ -108,24 +126,31 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     step = step_seconds(torch.device(args.device), args.image_size, args.batch_size, args.steps)
     call, written, paced, per_value, epoch_end = log_step_seconds(args.calls)
-    print(f"training step (ResNet18, {args.image_size} px, batch {args.batch_size}, "
-          f"{args.device}, {torch.get_num_threads()} threads): {step * 1e3:.1f} ms (median)")
-    print(f"on_log_step, 4 scalars, {args.calls} calls: back to back {call * 1e6:.1f} us per "
-          f"call, {written * 1e6:.1f} us with the writing; paced {paced * 1e6:.1f} us per call "
-          f"(SummaryWriter.add_scalar per value, paced: {per_value * 1e6:.1f} us)")
+    print(
+        f"training step (ResNet18, {args.image_size} px, batch {args.batch_size}, "
+        f"{args.device}, {torch.get_num_threads()} threads): {step * 1e3:.1f} ms (median)"
+    )
+    print(
+        f"on_log_step, 4 scalars, {args.calls} calls: back to back {call * 1e6:.1f} us per "
+        f"call, {written * 1e6:.1f} us with the writing; paced {paced * 1e6:.1f} us per call "
+        f"(SummaryWriter.add_scalar per value, paced: {per_value * 1e6:.1f} us)"
+    )
     print(f"on_epoch_end, 11 fields + flush: {epoch_end * 1e6:.1f} us per call")
     for interval in (20, 1):
-        print(f"share of a step at --log_interval {interval}: "
-              f"{100 * paced / interval / step:.4f}% paced, "
-              f"{100 * written / interval / step:.4f}% back to back with the writing")
+        print(
+            f"share of a step at --log_interval {interval}: "
+            f"{100 * paced / interval / step:.4f}% paced, "
+            f"{100 * written / interval / step:.4f}% back to back with the writing"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ each step spent waiting for data, in forward/backward, in the optimizer, in metr
 and the all-reduce wait not hidden behind backward (from DDP's own timing), the time from start
 to the first step, and on CUDA the achieved TFLOP/s and the fraction of the device's peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-              "V100": 125e12, "4090": 165e12, "3090": 71e12, "T4": 65e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "4090": 165e12,
+    "3090": 71e12,
+    "T4": 65e12,
+}
 
 
 # ----------------------------------------------------------------------------- orchestration
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,9 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--startup_images", type=int, default=5400,
-                        help="images in the generated training folder, at least (the scan of "
-                             "Animals-90 is part of the time to first step)")
+    parser.add_argument(
+        "--startup_images",
+        type=int,
+        default=5400,
+        help="images in the generated training folder, at least (the scan of "
+        "Animals-90 is part of the time to first step)",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench_results/throughput.json"))
     parser.add_argument("--worker", choices=["ceiling", "trainer"], help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -76,17 +91,41 @@ def make_dataset(root: Path, images: int, classes: int, side: int) -> Path:
     return root
 
 
-def run_worker(args: argparse.Namespace, mode: str, world_size: int, data: Path,
-               result: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world_size}", __file__, "--worker", mode,
-               "--result", str(result), "--data", str(data),
-               "--image_size", str(args.image_size), "--batch_size", str(args.batch_size),
-               "--model", args.model, "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--device", args.device, "--", *args.trainer_flags]
+def run_worker(
+    args: argparse.Namespace, mode: str, world_size: int, data: Path, result: Path
+) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        __file__,
+        "--worker",
+        mode,
+        "--result",
+        str(result),
+        "--data",
+        str(data),
+        "--image_size",
+        str(args.image_size),
+        "--batch_size",
+        str(args.batch_size),
+        "--model",
+        args.model,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        "--",
+        *args.trainer_flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
-    completed = subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    completed = subprocess.run(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     if completed.returncode != 0:
         sys.exit(f"{mode} at world size {world_size} failed:\n{completed.stderr[-4000:]}")
     return json.loads(result.read_text())
@@ -99,20 +138,36 @@ def main(argv: list[str] | None = None) -> int:
     per_run = (args.warmup + args.steps + 1) * args.batch_size * max(args.world_sizes)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        data = make_dataset(Path(tmp) / "data", max(per_run, args.startup_images), classes=10,
-                            side=int(math.ceil(args.image_size * 1.25)))
-        print(f"Generated {max(per_run, args.startup_images)} training JPEGs in "
-              f"{time.perf_counter() - started:.1f}s", flush=True)
+        data = make_dataset(
+            Path(tmp) / "data",
+            max(per_run, args.startup_images),
+            classes=10,
+            side=int(math.ceil(args.image_size * 1.25)),
+        )
+        print(
+            f"Generated {max(per_run, args.startup_images)} training JPEGs in "
+            f"{time.perf_counter() - started:.1f}s",
+            flush=True,
+        )
         rows = []
         for world_size in args.world_sizes:
             ceiling = run_worker(args, "ceiling", world_size, data, Path(tmp) / "ceiling.json")
             trainer = run_worker(args, "trainer", world_size, data, Path(tmp) / "trainer.json")
-            rows.append({"world_size": world_size, "ceiling": ceiling, "trainer": trainer,
-                         "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"]})
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "ceiling": ceiling,
+                    "trainer": trainer,
+                    "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
+                }
+            )
             print_row(rows[-1])
-    report = {"settings": {k: v for k, v in vars(args).items()
-                           if k not in ("worker", "result", "data", "output")},
-              "results": rows}
+    report = {
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("worker", "result", "data", "output")
+        },
+        "results": rows,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str))
     print(f"Wrote {args.output}")
@@ -122,16 +177,22 @@ def main(argv: list[str] | None = None) -> int:
 def print_row(row: dict) -> None:
     c, t = row["ceiling"], row["trainer"]
     shares = "  ".join(f"{k} {v:.0%}" for k, v in t["step_shares"].items())
-    print(f"\nworld size {row['world_size']} on {t['device']} ({t['threads_per_process']} "
-          f"thread(s)/process, {t['loader_workers']} loader worker(s)/process)")
+    print(
+        f"\nworld size {row['world_size']} on {t['device']} ({t['threads_per_process']} "
+        f"thread(s)/process, {t['loader_workers']} loader worker(s)/process)"
+    )
     print(f"  ceiling  {c['images_per_sec']:8.1f} img/s   (bare loop, tensors in memory)")
     print(f"  trainer  {t['images_per_sec']:8.1f} img/s   efficiency {row['efficiency']:.3f}")
     print(f"  trainer step: {shares}")
     if t.get("allreduce_wait_share") is not None:
-        print(f"  all-reduce wait not hidden by backward: {t['allreduce_wait_share']:.1%} of a "
-              f"step (ceiling: {c.get('allreduce_wait_share', 0):.1%})")
-    print(f"  time to first step {t['seconds_to_first_step']:.1f}s (of which dataset + model "
-          f"set-up {t['setup_seconds']:.1f}s)")
+        print(
+            f"  all-reduce wait not hidden by backward: {t['allreduce_wait_share']:.1%} of a "
+            f"step (ceiling: {c.get('allreduce_wait_share', 0):.1%})"
+        )
+    print(
+        f"  time to first step {t['seconds_to_first_step']:.1f}s (of which dataset + model "
+        f"set-up {t['setup_seconds']:.1f}s)"
+    )
     if t.get("tflops") is not None:
         peak = f", {t['fraction_of_peak']:.1%} of peak" if t.get("fraction_of_peak") else ""
         print(f"  model FLOPs: {t['tflops']:.1f} TFLOP/s per GPU{peak}")
@@ -139,17 +200,35 @@ def print_row(row: dict) -> None:
 
 # ----------------------------------------------------------------------------- workers
 
+
 def worker_main(args: argparse.Namespace) -> int:
     """One measurement inside torchrun; rank 0 writes the result file."""
     from config import parse_config
     from distributed import cleanup_distributed, setup_distributed
 
-    cfg = parse_config(["--train_dir", str(args.data / "train"), "--val_dir",
-                        str(args.data / "val"), "--image_size", str(args.image_size),
-                        "--batch_size", str(args.batch_size), "--model", args.model,
-                        "--device", args.device, "--epochs", "1", "--log_dir",
-                        str(args.result.parent / "logs"), "--checkpoint_dir",
-                        str(args.result.parent / "checkpoints"), *args.trainer_flags])
+    cfg = parse_config(
+        [
+            "--train_dir",
+            str(args.data / "train"),
+            "--val_dir",
+            str(args.data / "val"),
+            "--image_size",
+            str(args.image_size),
+            "--batch_size",
+            str(args.batch_size),
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--epochs",
+            "1",
+            "--log_dir",
+            str(args.result.parent / "logs"),
+            "--checkpoint_dir",
+            str(args.result.parent / "checkpoints"),
+            *args.trainer_flags,
+        ]
+    )
     from engine import configure_backends
 
     dist = setup_distributed(cfg.device)
@@ -158,8 +237,11 @@ def worker_main(args: argparse.Namespace) -> int:
         configure_backends(dist.device, cfg.deterministic)
         measure = measure_ceiling if args.worker == "ceiling" else measure_trainer
         result = measure(cfg, dist, args.warmup, args.steps)
-        result.update(device=dist.device.type, world_size=dist.world_size,
-                      threads_per_process=__import__("torch").get_num_threads())
+        result.update(
+            device=dist.device.type,
+            world_size=dist.world_size,
+            threads_per_process=__import__("torch").get_num_threads(),
+        )
         if dist.is_main:
             args.result.write_text(json.dumps(result))
     finally:
@@ -176,7 +258,7 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
     parts = build_run_parts(cfg, dist, num_classes=10, steps_per_epoch=1)
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     precision, criterion = parts.precision, parts.criterion
-    channels_last = cfg.channels_last and dist.device.type == "cuda"   # as the trainer does
+    channels_last = cfg.channels_last and dist.device.type == "cuda"  # as the trainer does
     images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
@@ -194,9 +276,11 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
         scaler.update()
     synchronize(dist.device)
     seconds = time.perf_counter() - started
-    return {"images_per_sec": steps * cfg.batch_size * dist.world_size / seconds,
-            "step_seconds": seconds / steps,
-            "allreduce_wait_share": allreduce_wait_share(model, seconds / steps)}
+    return {
+        "images_per_sec": steps * cfg.batch_size * dist.world_size / seconds,
+        "step_seconds": seconds / steps,
+        "allreduce_wait_share": allreduce_wait_share(model, seconds / steps),
+    }
 
 
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
@@ -212,18 +296,21 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     # without it, then take the breakdown from a second, separately timed pass.
     timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=dist.device.type == "cpu"))
     if dist.device.type == "cuda":
-        timed["timer"] = run_trainer_steps(trainer, 1, steps, PhaseTimer(
-            enabled=True, synchronize=torch.cuda.synchronize))["timer"]
+        timed["timer"] = run_trainer_steps(
+            trainer, 1, steps, PhaseTimer(enabled=True, synchronize=torch.cuda.synchronize)
+        )["timer"]
     phases = dict(timed["timer"].seconds)
     step_total = sum(phases.values())
-    result = {"images_per_sec": steps * cfg.batch_size * dist.world_size / timed["seconds"],
-              "step_seconds": timed["seconds"] / steps,
-              "step_shares": {k: v / step_total for k, v in phases.items()},
-              "allreduce_wait_share": allreduce_wait_share(trainer.model, timed["seconds"] / steps),
-              "seconds_to_first_step": setup_seconds + timed["first_step_seconds"],
-              "setup_seconds": setup_seconds,
-              "loader_workers": trainer.train_loader.num_workers,
-              "train_images": len(trainer.train_loader.dataset)}
+    result = {
+        "images_per_sec": steps * cfg.batch_size * dist.world_size / timed["seconds"],
+        "step_seconds": timed["seconds"] / steps,
+        "step_shares": {k: v / step_total for k, v in phases.items()},
+        "allreduce_wait_share": allreduce_wait_share(trainer.model, timed["seconds"] / steps),
+        "seconds_to_first_step": setup_seconds + timed["first_step_seconds"],
+        "setup_seconds": setup_seconds,
+        "loader_workers": trainer.train_loader.num_workers,
+        "train_images": len(trainer.train_loader.dataset),
+    }
     if dist.device.type == "cuda":
         result.update(model_flops(trainer, cfg, timed["seconds"] / steps))
     return result
@@ -248,12 +335,20 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
             return info.step == warmup + steps
 
     trainer.sampler.set_epoch(0)
-    train_one_epoch(trainer.step_state, trainer.train_loader, hooks=[*trainer.hooks, Clock()],
-                    progress=ProgressBar(trainer.dist.is_main),
-                    log_interval=trainer.cfg.log_interval, timer=timer)
+    train_one_epoch(
+        trainer.step_state,
+        trainer.train_loader,
+        hooks=[*trainer.hooks, Clock()],
+        progress=ProgressBar(trainer.dist.is_main),
+        log_interval=trainer.cfg.log_interval,
+        timer=timer,
+    )
     synchronize(trainer.dist.device)
-    return {"seconds": time.perf_counter() - clock["timed_from"], "timer": timer,
-            "first_step_seconds": clock["first_step"]}
+    return {
+        "seconds": time.perf_counter() - clock["timed_from"],
+        "timer": timer,
+        "first_step_seconds": clock["first_step"],
+    }
 
 
 def synchronize(device) -> None:
@@ -272,7 +367,9 @@ def allreduce_wait_share(model, step_seconds: float) -> float | None:
         return None
     try:
         stats = ddp._get_ddp_logging_data()
-        exposed_ns = stats["avg_backward_comm_time"] - stats["avg_backward_compute_comm_overlap_time"]
+        exposed_ns = (
+            stats["avg_backward_comm_time"] - stats["avg_backward_compute_comm_overlap_time"]
+        )
     except (AttributeError, KeyError, RuntimeError):
         return None
     return max(0.0, exposed_ns / 1e9) / step_seconds
@@ -283,15 +380,19 @@ def model_flops(trainer, cfg, step_seconds: float) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size,
-                         device=trainer.dist.device)
+    images = torch.randn(
+        cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=trainer.dist.device
+    )
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         trainer.plain_model(images)
     achieved = 3 * counter.get_total_flops() / step_seconds
     name = torch.cuda.get_device_name(trainer.dist.device)
     peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-    return {"tflops": achieved / 1e12, "gpu": name,
-            "fraction_of_peak": achieved / peak if peak and cfg.use_amp else None}
+    return {
+        "tflops": achieved / 1e12,
+        "gpu": name,
+        "fraction_of_peak": achieved / peak if peak and cfg.use_amp else None,
+    }
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ plain model with ``strict=True``. ``format_version`` says which schema wrote it:
 one is refused on load with one line; a file without one (written before versions existed) is
 version 0, whose keys are those of version 1.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ import torch
 from errors import UserError
 from run_folder import BEST_NAME, LATEST_NAME, atomic_write
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 LATEST, BEST = LATEST_NAME, BEST_NAME
 
@@ -41,7 +42,7 @@ CHECKPOINT_SCHEMA = {
     "format_version": "CHECKPOINT_FORMAT of the trainer that wrote it",
     "model_state_dict": "the unwrapped model's weights and buffers",
     "state_dict": "the same dict, under the key timm's load_checkpoint / validate.py / "
-                  "create_model(checkpoint_path=) read (torch.save stores each tensor once)",
+    "create_model(checkpoint_path=) read (torch.save stores each tensor once)",
     "optimizer_state_dict": "optimizer.state_dict()",
     "scheduler_state_dict": "scheduler.state_dict()",
     "scaler_state_dict": "GradScaler.state_dict(), or None without float16 loss scaling",
@@ -68,9 +69,11 @@ def training_checkpoint(**fields: Any) -> dict[str, Any]:
     """The checkpoint dict: exactly the schema's keys (a bug otherwise), this format's version."""
     state = {"format_version": CHECKPOINT_FORMAT, **fields}
     if state.keys() != CHECKPOINT_SCHEMA.keys():
-        raise ValueError(f"checkpoint keys differ from CHECKPOINT_SCHEMA: missing "
-                         f"{sorted(CHECKPOINT_SCHEMA.keys() - state.keys())}, unknown "
-                         f"{sorted(state.keys() - CHECKPOINT_SCHEMA.keys())}")
+        raise ValueError(
+            f"checkpoint keys differ from CHECKPOINT_SCHEMA: missing "
+            f"{sorted(CHECKPOINT_SCHEMA.keys() - state.keys())}, unknown "
+            f"{sorted(state.keys() - CHECKPOINT_SCHEMA.keys())}"
+        )
     return state
 
 
@@ -82,9 +85,11 @@ def check_format_version(state: dict[str, Any], path: Path) -> None:
     """Refuse a checkpoint written by a newer trainer, whose keys may mean other things."""
     version = state.get("format_version", 0)
     if not isinstance(version, int) or version > CHECKPOINT_FORMAT:
-        raise NewerFormatError(f"checkpoint {path} has format version {version}, newer than "
-                              f"this trainer's {CHECKPOINT_FORMAT}: it was written by a newer "
-                              "version of this project; update the code to load it")
+        raise NewerFormatError(
+            f"checkpoint {path} has format version {version}, newer than "
+            f"this trainer's {CHECKPOINT_FORMAT}: it was written by a newer "
+            "version of this project; update the code to load it"
+        )
 
 
 def previous_path(path: Path) -> Path:
@@ -101,8 +106,12 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
     one error line naming the file and the space it needs; the partial file is removed and the
     checkpoints already there are left as they were.
     """
-    atomic_write(path, lambda f: torch.save(obj, f), lambda: tensor_bytes(obj),
-                 keep_previous_as=previous_path(path) if keep_previous else None)
+    atomic_write(
+        path,
+        lambda f: torch.save(obj, f),
+        lambda: tensor_bytes(obj),
+        keep_previous_as=previous_path(path) if keep_previous else None,
+    )
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -144,13 +153,16 @@ def _load_error(path: Path, err: Exception) -> CheckpointError:
         return CheckpointError(
             f"refused to load {path}: it contains Python objects other than tensors and "
             "plain values, which could run code when unpickled (loaded with "
-            "weights_only=True); only load checkpoints from sources you trust")
+            "weights_only=True); only load checkpoints from sources you trust"
+        )
     if not zipfile.is_zipfile(path):
         # torch.save writes a zip archive (since torch 1.6); its index sits at the end, so a
         # truncated copy is no longer a zip either.
-        return CheckpointError(f"{path} is not a readable PyTorch checkpoint: corrupt or "
-                               f"truncated, or another kind of file ({path.stat().st_size} "
-                               "bytes); give a .pth file written by src/train_ddp.py")
+        return CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint: corrupt or "
+            f"truncated, or another kind of file ({path.stat().st_size} "
+            "bytes); give a .pth file written by src/train_ddp.py"
+        )
     first_line = message.splitlines()[0] if message else type(err).__name__
     return CheckpointError(f"checkpoint {path} is corrupt ({first_line})")
 
@@ -167,35 +179,50 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
         state = load_checkpoint_file(fallback)
     missing = set(RESUME_KEYS) - state.keys()
     if missing:
-        raise CheckpointError(f"{path} is not a training checkpoint of this trainer "
-                              f"(missing {sorted(missing)})")
+        raise CheckpointError(
+            f"{path} is not a training checkpoint of this trainer (missing {sorted(missing)})"
+        )
     return state
 
 
-def check_resume_fits(state: dict[str, Any], path: Path, class_names: list[str],
-                      model_name: str, optimizer: str) -> None:
+def check_resume_fits(
+    state: dict[str, Any], path: Path, class_names: list[str], model_name: str, optimizer: str
+) -> None:
     """A checkpoint continues only the run it came from: same classes, model and optimizer."""
     saved_classes = state.get("class_names")
     if saved_classes is not None and saved_classes != class_names:
         only_saved = sorted(set(saved_classes) - set(class_names))
         only_data = sorted(set(class_names) - set(saved_classes))
-        raise CheckpointError(f"--resume {path} was trained on {len(saved_classes)} other classes "
-                              f"than the data's {len(class_names)} (only in the checkpoint: "
-                              f"{only_saved[:5] or 'none'}; only in the data: "
-                              f"{only_data[:5] or 'none'}); point --train_dir/--val_dir at the "
-                              "same dataset or start a new run")
+        raise CheckpointError(
+            f"--resume {path} was trained on {len(saved_classes)} other classes "
+            f"than the data's {len(class_names)} (only in the checkpoint: "
+            f"{only_saved[:5] or 'none'}; only in the data: "
+            f"{only_data[:5] or 'none'}); point --train_dir/--val_dir at the "
+            "same dataset or start a new run"
+        )
     saved = state.get("config", {})
     for flag, value in (("model", model_name), ("optimizer", optimizer)):
         if saved.get(flag, value) != value:
-            raise CheckpointError(f"--resume {path} was trained with --{flag} {saved[flag]}, "
-                                  f"not --{flag} {value}; resume with the same --{flag}")
+            raise CheckpointError(
+                f"--resume {path} was trained with --{flag} {saved[flag]}, "
+                f"not --{flag} {value}; resume with the same --{flag}"
+            )
 
 
 # Flags that change what the optimisation does: resuming under other values is silently another
 # run. --epochs may grow (continuing a finished run); --optimizer is checked above (its state does
 # not carry over to another optimizer); --accum_steps only splits the same batch.
-SCHEDULE_FLAGS = ("learning_rate", "lr_scaling", "scheduler", "warmup_epochs", "step_size",
-                  "gamma", "weight_decay", "momentum", "label_smoothing")
+SCHEDULE_FLAGS = (
+    "learning_rate",
+    "lr_scaling",
+    "scheduler",
+    "warmup_epochs",
+    "step_size",
+    "gamma",
+    "weight_decay",
+    "momentum",
+    "label_smoothing",
+)
 
 
 def saved_world_size(state: dict[str, Any]) -> int | None:
@@ -203,55 +230,66 @@ def saved_world_size(state: dict[str, Any]) -> int | None:
     return state.get("world_size") or len(state.get("rank_states") or []) or None
 
 
-def changed_settings(state: dict[str, Any], config: dict[str, Any],
-                     world_size: int) -> list[str]:
+def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
     """``--flag saved -> new`` for each flag that changes the schedule or the optimisation."""
     saved = state.get("config") or {}
     changes = []
     for flag in SCHEDULE_FLAGS:
         if flag not in saved or saved[flag] == config[flag]:
             continue
-        if flag in ("step_size", "gamma") and "step" not in (saved.get("scheduler"),
-                                                             config["scheduler"]):
-            continue   # only the step schedule reads them
+        if flag in ("step_size", "gamma") and "step" not in (
+            saved.get("scheduler"),
+            config["scheduler"],
+        ):
+            continue  # only the step schedule reads them
         if flag == "momentum" and config["optimizer"] != "sgd":
-            continue   # only sgd reads it
+            continue  # only sgd reads it
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
     processes = saved_world_size(state)
     if "batch_size" in saved and processes:
         before, after = saved["batch_size"] * processes, config["batch_size"] * world_size
         if before != after:
-            changes.append(f"batch per optimizer step (--batch_size x processes) "
-                           f"{saved['batch_size']}x{processes}={before} -> "
-                           f"{config['batch_size']}x{world_size}={after}")
+            changes.append(
+                f"batch per optimizer step (--batch_size x processes) "
+                f"{saved['batch_size']}x{processes}={before} -> "
+                f"{config['batch_size']}x{world_size}={after}"
+            )
     return changes
 
 
-def check_resume_settings(state: dict[str, Any], path: Path, config: dict[str, Any],
-                          world_size: int, override: bool) -> list[str]:
+def check_resume_settings(
+    state: dict[str, Any], path: Path, config: dict[str, Any], world_size: int, override: bool
+) -> list[str]:
     """Refuse a resume whose flags change the run's schedule or optimisation, unless
     ``override``; returns the changes (to apply and log)."""
     changes = changed_settings(state, config, world_size)
     if changes and not override:
-        raise CheckpointError(f"--resume {path}: these flags differ from the run being resumed "
-                              f"and would change its schedule or optimisation: "
-                              f"{'; '.join(changes)}; resume with the saved values, or add "
-                              "--resume_override to apply the new ones")
+        raise CheckpointError(
+            f"--resume {path}: these flags differ from the run being resumed "
+            f"and would change its schedule or optimisation: "
+            f"{'; '.join(changes)}; resume with the saved values, or add "
+            "--resume_override to apply the new ones"
+        )
     return changes
 
 
-def optimisation_settings(optimizer: torch.optim.Optimizer,
-                          scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, Any]:
+def optimisation_settings(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR
+) -> dict[str, Any]:
     """The hyperparameters a freshly built optimizer and scheduler hold (from the flags); taken
     before a checkpoint's state replaces them, to put them back under --resume_override."""
     keys = ("initial_lr", "weight_decay", "momentum")
-    return {"groups": [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups],
-            "base_lrs": list(scheduler.base_lrs)}
+    return {
+        "groups": [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups],
+        "base_lrs": list(scheduler.base_lrs),
+    }
 
 
-def apply_optimisation_settings(optimizer: torch.optim.Optimizer,
-                                scheduler: torch.optim.lr_scheduler.LambdaLR,
-                                settings: dict[str, Any]) -> None:
+def apply_optimisation_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    settings: dict[str, Any],
+) -> None:
     """Put the flags' hyperparameters back over a loaded state, keeping the optimizer's moments
     and the step count. The schedule's shape comes from the flags already (its lambda is built
     from them); its base learning rates and the learning rate of the next step are set here."""
@@ -259,8 +297,9 @@ def apply_optimisation_settings(optimizer: torch.optim.Optimizer,
         group.update(fresh)
     scheduler.base_lrs = list(settings["base_lrs"])
     # What LambdaLR.step() sets after ``last_epoch`` steps, under the new schedule.
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
-                                   scheduler.lr_lambdas, strict=True):
+    for group, base, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
@@ -317,15 +356,21 @@ class CheckpointWriter:
 
 # ----------------------------------------------------------------------------- rank state
 
+
 def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any]:
     """This rank's random state and running epoch metrics, as tensors and plain values."""
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "python": random.getstate(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                       *map(_plain, np_state[2:])),
-             "train_sums": None if sums is None else sums.detach().cpu()}
-    if device.type == "cuda":   # this rank's GPU only: a resumed job may see fewer GPUs
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            *map(_plain, np_state[2:]),
+        ),
+        "train_sums": None if sums is None else sums.detach().cpu(),
+    }
+    if device.type == "cuda":  # this rank's GPU only: a resumed job may see fewer GPUs
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 

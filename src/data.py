@@ -7,6 +7,7 @@ Two properties make a run reproducible and resumable at any step:
 * each sample's random augmentation is seeded from (seed, epoch, index), never from the loader
   worker that happened to handle it, so results do not change with ``--num_workers``.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ from image_files import (
 from lifecycle import STOP_SIGNALS, die_with_parent, mark
 from preflight import check_data_folders, find_classes  # noqa: F401 (also used by evaluate.py)
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -53,6 +54,7 @@ EVAL_RESIZE_RATIO = 0.875  # resize to size/0.875, then center-crop to size (the
 
 # ----------------------------------------------------------------------------- transforms
 
+
 class RandomResizedCropFlip:
     """torchvision's RandomResizedCrop then RandomHorizontalFlip, on uint8 images, drawing all its
     random numbers from the torch generator in one call.
@@ -65,8 +67,13 @@ class RandomResizedCropFlip:
 
     TRIES = 10  # like torchvision: then fall back to a center crop
 
-    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5):
+    def __init__(
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: float = 0.5,
+    ):
         self.size, self.scale, self.hflip = size, scale, hflip
         self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
         self.ratio = ratio
@@ -77,9 +84,10 @@ class RandomResizedCropFlip:
         height, width = image.shape[-2:]
         uniforms = torch.rand(2 * self.TRIES + 3).tolist()
         top, left, h, w = self.crop_box(height, width, uniforms)
-        crop = image[None, :, top:top + h, left:left + w].float()
-        out = torch.nn.functional.interpolate(crop, size=(self.size, self.size), mode="bilinear",
-                                              antialias=True, align_corners=False)[0]
+        crop = image[None, :, top : top + h, left : left + w].float()
+        out = torch.nn.functional.interpolate(
+            crop, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False
+        )[0]
         if uniforms[-1] < self.hflip:
             out = out.flip(-1)
         return out.round_().clamp_(0, 255).to(torch.uint8)
@@ -89,7 +97,9 @@ class RandomResizedCropFlip:
         area = height * width
         for t in range(self.TRIES):
             target = area * (self.scale[0] + u[2 * t] * (self.scale[1] - self.scale[0]))
-            aspect = math.exp(self.log_ratio[0] + u[2 * t + 1] * (self.log_ratio[1] - self.log_ratio[0]))
+            aspect = math.exp(
+                self.log_ratio[0] + u[2 * t + 1] * (self.log_ratio[1] - self.log_ratio[0])
+            )
             w = int(round(math.sqrt(target * aspect)))
             h = int(round(math.sqrt(target / aspect)))
             if 0 < w <= width and 0 < h <= height:
@@ -104,28 +114,37 @@ class RandomResizedCropFlip:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-def build_transforms(image_size: int, train: bool, crop_scale_min: float = 0.08,
-                     hflip: float = 0.5) -> v2.Compose | RandomResizedCropFlip:
+def build_transforms(
+    image_size: int, train: bool, crop_scale_min: float = 0.08, hflip: float = 0.5
+) -> v2.Compose | RandomResizedCropFlip:
     """Per-sample geometry on uint8 images. Conversion to float and normalization happen once per
     batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
     processes."""
     if train:
         return RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
-    return v2.Compose([v2.ToImage(),
-                       v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
-                       v2.CenterCrop(image_size)])
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
+            v2.CenterCrop(image_size),
+        ]
+    )
 
 
-def normalize_batch(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN,
-                    std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+def normalize_batch(
+    images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
+) -> torch.Tensor:
     """uint8 (N, 3, H, W) in 0..255 -> float32, normalized with ``mean`` and ``std``."""
     mean_t = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
     std_t = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
     return images.float().div_(255).sub_(mean_t).div_(std_t)
 
 
-def collate_normalized(batch: list[tuple[torch.Tensor, int]], mean: Sequence[float] = IMAGENET_MEAN,
-                       std: Sequence[float] = IMAGENET_STD) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_normalized(
+    batch: list[tuple[torch.Tensor, int]],
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = default_collate(batch)
     return normalize_batch(images, mean, std), labels
 
@@ -143,8 +162,9 @@ class SeededImageDataset(Dataset):
     random stream (used by dropout, for instance) is untouched. Plain integer keys (validation) use no seeding.
     """
 
-    def __init__(self, folder: datasets.ImageFolder | DecodedImageCache, transform: v2.Compose,
-                 seed: int):
+    def __init__(
+        self, folder: datasets.ImageFolder | DecodedImageCache, transform: v2.Compose, seed: int
+    ):
         self.folder = folder
         self.transform = transform
         self.seed = seed
@@ -170,7 +190,6 @@ class SeededImageDataset(Dataset):
             generator.set_state(saved)
 
 
-
 class DecodedImageCache(Dataset):
     """Every image of a folder decoded once and kept in memory as a uint8 tensor (3, S, W).
 
@@ -182,30 +201,35 @@ class DecodedImageCache(Dataset):
     there. Items are ``(image, label)`` like ImageFolder's.
     """
 
-    def __init__(self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu",
-                 threads: int = 4):
+    def __init__(
+        self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu", threads: int = 4
+    ):
         side = cache_side(image_size)
-        problems: dict[str, str] = {}   # path -> why it does not decode
+        problems: dict[str, str] = {}  # path -> why it does not decode
 
         def decode(path: str) -> torch.Tensor | None:
             try:
                 image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
             except Exception as err:  # any decoder failure on a user's file: leave it out
-                text = str(err).splitlines()[0] if str(err) else ""   # as image_problem
+                text = str(err).splitlines()[0] if str(err) else ""  # as image_problem
                 problems[path] = f"{type(err).__name__}: {text}" if text else type(err).__name__
                 return None
             scale = side / min(image.size)
-            image = image.resize((max(side, round(image.width * scale)),
-                                  max(side, round(image.height * scale))), Image.BILINEAR)
+            image = image.resize(
+                (max(side, round(image.width * scale)), max(side, round(image.height * scale))),
+                Image.BILINEAR,
+            )
             return v2.functional.pil_to_tensor(image).to(device)
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
         self.images = [image for image in decoded if image is not None]
-        self.samples = [s for s, image in zip(folder.samples, decoded, strict=True) if image is not None]
+        self.samples = [
+            s for s, image in zip(folder.samples, decoded, strict=True) if image is not None
+        ]
         self.targets = [target for _, target in self.samples]
-        self.unreadable = problems   # left out here; build_datasets reports them once
+        self.unreadable = problems  # left out here; build_datasets reports them once
 
     def leave_out(self, paths: set[str]) -> None:
         keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
@@ -238,6 +262,7 @@ def choose_cache(cache: str, num_images: int, image_size: int, budget_bytes: int
 
 # ----------------------------------------------------------------------------- samplers
 
+
 class EpochSampler(Sampler):
     """This rank's share of a shuffled epoch, as ``(index, epoch)`` keys; resumable by position.
 
@@ -266,10 +291,10 @@ class EpochSampler(Sampler):
         order = torch.randperm(self.dataset_size, generator=generator).tolist()
         padding = self.per_rank * self.world_size - self.dataset_size
         order += (order * math.ceil(padding / max(1, len(order))))[:padding]
-        return order[self.rank::self.world_size]
+        return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        for index in self.indices()[self.start:]:
+        for index in self.indices()[self.start :]:
             yield index, self.epoch
 
     def __len__(self) -> int:
@@ -292,8 +317,10 @@ class ShardSampler(Sampler):
 
 # ----------------------------------------------------------------------------- loaders
 
-def default_num_workers(cores_per_process: int, device_type: str = "cuda",
-                        cached: bool = False) -> int:
+
+def default_num_workers(
+    cores_per_process: int, device_type: str = "cuda", cached: bool = False
+) -> int:
     """Loader workers when the user does not say. With a GPU, up to 4 per process keep it fed.
     On the CPU the model already uses every core: workers only take cores from it, unless
     decoding files makes the data costly; images cached in memory are cheapest to augment in the
@@ -316,13 +343,25 @@ def quiet_loader_worker(worker_id: int) -> None:
     die_with_parent(signal.SIGKILL)
 
 
-def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: bool,
-                num_workers: int, pin_memory: bool, prefetch_factor: int = 2,
-                mean: Sequence[float] = IMAGENET_MEAN,
-                std: Sequence[float] = IMAGENET_STD) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    *,
+    train: bool,
+    num_workers: int,
+    pin_memory: bool,
+    prefetch_factor: int = 2,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> DataLoader:
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        pin_memory=pin_memory, drop_last=train,
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=train,
         collate_fn=partial(collate_normalized, mean=tuple(mean), std=tuple(std)),
         # Its own generator: the loader's worker seeds must not draw from the process's random
         # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
@@ -335,18 +374,31 @@ def make_loader(dataset: Dataset, sampler: Sampler, batch_size: int, *, train: b
     )
 
 
-def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
-                   crop_scale_min: float, hflip: float, *, log_dir: Path | None = None,
-                   rank: int = 0, world_size: int = 1, cache: str = "none",
-                   cache_budget_bytes: int = 0, cache_device: str = "cpu", threads: int = 4
-                   ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
+def build_datasets(
+    train_dir: Path,
+    val_dir: Path,
+    image_size: int,
+    seed: int,
+    crop_scale_min: float,
+    hflip: float,
+    *,
+    log_dir: Path | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    cache: str = "none",
+    cache_budget_bytes: int = 0,
+    cache_device: str = "cpu",
+    threads: int = 4,
+) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
     """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
     call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
     ``cache`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``), which
     is the check; "auto" means "ram" when the decoded images fit in ``cache_budget_bytes``."""
     class_names = check_data_folders(train_dir, val_dir)
-    folders = {"training": ReadableImageFolder(train_dir),
-               "validation": ReadableImageFolder(val_dir)}
+    folders = {
+        "training": ReadableImageFolder(train_dir),
+        "validation": ReadableImageFolder(val_dir),
+    }
     cache = choose_cache(cache, sum(map(len, folders.values())), image_size, cache_budget_bytes)
     # Free memory differs between nodes; every rank must read the same images the same way.
     if "none" in all_gather_objects(cache):
@@ -360,32 +412,46 @@ def build_datasets(train_dir: Path, val_dir: Path, image_size: int, seed: int,
         # check first and a second decoding of every image after it.
         mark("data checked")
         started = time.perf_counter()
-        train_folder, val_folder = cache_decoded(folders, image_size, cache_device, threads,
-                                                 log_dir)
+        train_folder, val_folder = cache_decoded(
+            folders, image_size, cache_device, threads, log_dir
+        )
         mark("images cached")
-        log.info(f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
-                 f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
-                 f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
-                 "every epoch instead")
+        log.info(
+            f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
+            f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
+            f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
+            "every epoch instead"
+        )
     train_set = SeededImageDataset(
-        train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed)
+        train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed
+    )
     val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)
     return train_set, val_set, class_names
 
 
-def cache_decoded(folders: dict[str, ReadableImageFolder], image_size: int, device: str,
-                  threads: int, log_dir: Path | None
-                  ) -> tuple[DecodedImageCache, DecodedImageCache]:
+def cache_decoded(
+    folders: dict[str, ReadableImageFolder],
+    image_size: int,
+    device: str,
+    threads: int,
+    log_dir: Path | None,
+) -> tuple[DecodedImageCache, DecodedImageCache]:
     """The training and validation images decoded into memory, the files that do not decode
     left out as ``leave_out_unreadable`` leaves them out (one warning, the list in ``log_dir``,
     an error for a class left without images). Every rank must call this."""
-    cached = {role: DecodedImageCache(folder, image_size, device, threads)
-              for role, folder in folders.items()}
+    cached = {
+        role: DecodedImageCache(folder, image_size, device, threads)
+        for role, folder in folders.items()
+    }
     # A file that fails to decode on one rank is left out on all of them: the ranks must
     # shuffle the same dataset.
-    unreadable = {path: why for part in all_gather_objects(
-        {path: why for c in cached.values() for path, why in c.unreadable.items()})
-        for path, why in part.items()}
+    unreadable = {
+        path: why
+        for part in all_gather_objects(
+            {path: why for c in cached.values() for path, why in c.unreadable.items()}
+        )
+        for path, why in part.items()
+    }
     if unreadable:
         report_unreadable(unreadable, sum(map(len, folders.values())), log_dir)
     for role, folder in folders.items():
@@ -396,6 +462,7 @@ def cache_decoded(folders: dict[str, ReadableImageFolder], image_size: int, devi
 
 
 # ----------------------------------------------------------------------------- unreadable files
+
 
 class ReadableImageFolder(datasets.ImageFolder):
     """An ImageFolder that reads images as upright RGB, ignores files that are not images, can
@@ -409,8 +476,7 @@ class ReadableImageFolder(datasets.ImageFolder):
         self.wanted_classes = list(class_names) if class_names is not None else None
         # allow_empty: an empty class folder is reported by check_no_empty_class, with its name,
         # after the unreadable files are left out too.
-        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file,
-                         allow_empty=True)
+        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file, allow_empty=True)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         names = self.wanted_classes or find_classes(Path(directory), "image")
@@ -424,8 +490,11 @@ class ReadableImageFolder(datasets.ImageFolder):
     def empty_classes(self) -> list[str]:
         """Class folders that exist but hold no usable image."""
         used = set(self.targets)
-        return [name for name, i in self.class_to_idx.items()
-                if i not in used and (Path(self.root) / name).is_dir()]
+        return [
+            name
+            for name, i in self.class_to_idx.items()
+            if i not in used and (Path(self.root) / name).is_dir()
+        ]
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         # A file that passed the start-up check can still fail later (replaced, deleted, a disk
@@ -435,16 +504,22 @@ class ReadableImageFolder(datasets.ImageFolder):
             try:
                 image = self.loader(path)
             except Exception as err:  # any decoder failure on a user's file
-                log.warning(f"could not read {path} ({type(err).__name__}: {err}); "
-                            "using the next image in its place")
+                log.warning(
+                    f"could not read {path} ({type(err).__name__}: {err}); "
+                    "using the next image in its place"
+                )
                 continue
             return image, target
         raise RuntimeError(f"none of the {len(self.samples)} images under {self.root} can be read")
 
 
-def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path | None,
-                         rank: int = 0, world_size: int = 1,
-                         cache_dir: Path | None = None) -> dict[str, str]:
+def leave_out_unreadable(
+    folders: dict[str, ReadableImageFolder],
+    log_dir: Path | None,
+    rank: int = 0,
+    world_size: int = 1,
+    cache_dir: Path | None = None,
+) -> dict[str, str]:
     """Find the files that do not decode, leave them out with one warning (the list goes to
     ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
     of the files left out. With ``cache_dir``, results are remembered there per file (see
@@ -459,8 +534,9 @@ def leave_out_unreadable(folders: dict[str, ReadableImageFolder], log_dir: Path 
     return unreadable
 
 
-def find_unreadable_shared(paths: list[str], rank: int, world_size: int,
-                           cache_dir: Path | None = None) -> dict[str, str]:
+def find_unreadable_shared(
+    paths: list[str], rank: int, world_size: int, cache_dir: Path | None = None
+) -> dict[str, str]:
     """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
     which distributed.setup_distributed sets); the results are gathered so that every rank leaves
     out exactly the same files: the samplers index the same list on every rank. Files whose
@@ -491,7 +567,7 @@ class DecodeCheckCache:
     """
 
     NAME = "image_check_cache.json"
-    VERSION = 1   # bump when the check itself changes: old results are then ignored
+    VERSION = 1  # bump when the check itself changes: old results are then ignored
 
     def __init__(self, folder: Path | None):
         self.folder = folder
@@ -517,8 +593,7 @@ class DecodeCheckCache:
     def unknown(self, paths: list[str]) -> list[str]:
         if self.folder is None:
             return list(paths)
-        return [p for p in paths
-                if p not in self.results or self.results[p][:2] != self._stat(p)]
+        return [p for p in paths if p not in self.results or self.results[p][:2] != self._stat(p)]
 
     def remember(self, checked: list[str], problems: dict[str, str]) -> None:
         for path in checked:
@@ -545,13 +620,16 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
     else:
         shown = sorted(unreadable)[:3]
         where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
-    log.warning(f"{len(unreadable)} of {total} image files cannot be decoded and are "
-                f"left out ({where})")
+    log.warning(
+        f"{len(unreadable)} of {total} image files cannot be decoded and are left out ({where})"
+    )
 
 
 def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
     empty = folder.empty_classes()
     if empty:
-        raise UserError(f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
-                        f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
-                        "images or remove the folder")
+        raise UserError(
+            f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
+            f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
+            "images or remove the folder"
+        )

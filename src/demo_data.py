@@ -3,6 +3,7 @@
 Written once to data/demo/{train,val}/<digit>/*.png with a stratified 80/20 split and a fixed
 seed, then reused. A marker file written last means an interrupted write is redone, not reused.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -25,8 +26,9 @@ def write_demo_dataset(root: Path, seed: int = 0, val_ratio: float = 0.2) -> tup
 
     digits = load_digits()
     indices = np.arange(len(digits.target))
-    train_idx, val_idx = train_test_split(indices, test_size=val_ratio, random_state=seed,
-                                          stratify=digits.target)
+    train_idx, val_idx = train_test_split(
+        indices, test_size=val_ratio, random_state=seed, stratify=digits.target
+    )
     for folder in (train_dir, val_dir):
         shutil.rmtree(folder, ignore_errors=True)
     for folder, split in ((train_dir, train_idx), (val_dir, val_idx)):
@@ -34,7 +36,8 @@ def write_demo_dataset(root: Path, seed: int = 0, val_ratio: float = 0.2) -> tup
             label = int(digits.target[i])
             pixels = (digits.images[i] * (255.0 / 16.0)).astype(np.uint8)  # values are 0..16
             image = Image.fromarray(pixels, mode="L").resize(
-                (DEMO_IMAGE_SIZE, DEMO_IMAGE_SIZE), Image.BILINEAR)
+                (DEMO_IMAGE_SIZE, DEMO_IMAGE_SIZE), Image.BILINEAR
+            )
             out = folder / str(label) / f"digit_{i:04d}.png"
             out.parent.mkdir(parents=True, exist_ok=True)
             image.save(out)

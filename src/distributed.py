@@ -4,6 +4,7 @@ Training and evaluation code never test ``rank == 0``: they log through the logg
 (console on the main process only, a file per rank) and hand main-process-only work to objects
 built with ``enabled=dist.is_main``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,13 +50,17 @@ class DistInfo:
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is visible; "
-                        "use --device cpu or check CUDA_VISIBLE_DEVICES and the driver")
+        raise UserError(
+            "--device cuda was asked for but no CUDA GPU is visible; "
+            "use --device cpu or check CUDA_VISIBLE_DEVICES and the driver"
+        )
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} needs GPU {local_rank} but only "
-                        f"{torch.cuda.device_count()} are visible; start fewer processes per node")
+        raise UserError(
+            f"local rank {local_rank} needs GPU {local_rank} but only "
+            f"{torch.cuda.device_count()} are visible; start fewer processes per node"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -100,10 +105,14 @@ def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 3
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(minutes=timeout_minutes)
         torch_dist.init_process_group(
-            backend, store=_rendezvous_store(world_size), rank=rank, world_size=world_size,
-            timeout=timeout, device_id=device if device.type == "cuda" else None,
+            backend,
+            store=_rendezvous_store(world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
         )
-        host_group(timeout)   # now, with the job's timeout; later calls reuse it
+        host_group(timeout)  # now, with the job's timeout; later calls reuse it
     return DistInfo(rank, local_rank, world_size, local_world_size, device)
 
 
@@ -117,9 +126,14 @@ def _rendezvous_store(world_size: int) -> torch_dist.Store:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_server = int(os.environ.get("RANK", 0)) == 0 and not agent_hosts_store
-    store = torch_dist.TCPStore(host, port, world_size=None if agent_hosts_store else world_size,
-                                is_master=is_server, timeout=datetime.timedelta(minutes=5),
-                                wait_for_workers=False)
+    store = torch_dist.TCPStore(
+        host,
+        port,
+        world_size=None if agent_hosts_store else world_size,
+        is_master=is_server,
+        timeout=datetime.timedelta(minutes=5),
+        wait_for_workers=False,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return torch_dist.PrefixStore(f"attempt{attempt}", store)
 
@@ -177,8 +191,7 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = None
-               ) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = None) -> torch.Tensor:
     """Reduce a tensor over all ranks in place with ``op`` ("sum", "max" or "min"); a no-op for
     one process. Every rank must call it."""
     if torch_dist.is_initialized():
@@ -214,7 +227,7 @@ def host_group(timeout: datetime.timedelta | None = None) -> object | None:
     if not torch_dist.is_initialized() or torch_dist.get_backend() == "gloo":
         return None
     world = torch_dist.group.WORLD
-    if not _host_group or _host_group[0][0] is not world:   # a new job in this process
+    if not _host_group or _host_group[0][0] is not world:  # a new job in this process
         _host_group[:] = [(world, torch_dist.new_group(backend="gloo", timeout=timeout))]
     return _host_group[0][1]
 
@@ -266,16 +279,21 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def check_ranks_in_sync(model: torch.nn.Module) -> None:
     """Every rank must call this. Stops with one line naming the first tensor that differs."""
-    digests = {name: hashlib.sha1(t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
-                                  .tobytes()).hexdigest()
-               for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    digests = {
+        name: hashlib.sha1(
+            t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for name, t in list(model.named_parameters()) + list(model.named_buffers())
+    }
     per_rank = all_gather_objects(digests)
     for name in digests:
         values = [d[name] for d in per_rank]
         if len(set(values)) > 1:
             ranks = [r for r, v in enumerate(values) if v != values[0]]
-            raise UserError(f"--check_sync: {name} differs between rank 0 and rank(s) {ranks}; "
-                            "the replicas have drifted apart")
+            raise UserError(
+                f"--check_sync: {name} differs between rank 0 and rank(s) {ranks}; "
+                "the replicas have drifted apart"
+            )
 
 
 def barrier() -> None:

@@ -13,6 +13,7 @@ losses are weighted by their share of the batch, so the accumulated gradient is 
 batch's, and DDP exchanges gradients once, on the last micro-batch. The loader still yields whole
 batches, so sample order and resuming do not depend on the micro-batch size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,16 +33,17 @@ from tqdm import tqdm
 from distributed import all_reduce_sum, any_rank, world_size
 from memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 # Index of each running sum in the metric tensors.
-LOSS, CORRECT, COUNT = 0, 1, 2          # training: [loss_sum, correct, count]
-TOP5 = 3                                # evaluation adds correct-in-top-5
+LOSS, CORRECT, COUNT = 0, 1, 2  # training: [loss_sum, correct, count]
+TOP5 = 3  # evaluation adds correct-in-top-5
 
 
 @dataclass(frozen=True)
 class Precision:
     """How the forward pass runs: autocast on or off, and in which dtype."""
+
     enabled: bool
     dtype: torch.dtype
 
@@ -101,23 +103,25 @@ NO_TIMER = PhaseTimer(enabled=False)
 @dataclass
 class StepState:
     """Everything a training step works with, built once per run (``run_parts.build_run_parts``)."""
-    model: nn.Module            # as trained: DDP and/or compiled
+
+    model: nn.Module  # as trained: DDP and/or compiled
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     criterion: nn.Module
     precision: Precision
-    plan: MemoryPlan            # the micro-batch; halved on out-of-memory if it allows
+    plan: MemoryPlan  # the micro-batch; halved on out-of-memory if it allows
     device: torch.device
 
 
 @dataclass
 class StepInfo:
     """What the ``on_step_end`` hooks see after each loaded batch's optimizer step."""
-    step: int                   # optimizer steps done in this epoch, this one included
-    global_step: int            # since the start of the run
-    sums: torch.Tensor          # this rank's running [loss_sum, correct, count] of the epoch
-    _skipped: torch.Tensor | None = None   # on the device: the GradScaler skipped the step
+
+    step: int  # optimizer steps done in this epoch, this one included
+    global_step: int  # since the start of the run
+    sums: torch.Tensor  # this rank's running [loss_sum, correct, count] of the epoch
+    _skipped: torch.Tensor | None = None  # on the device: the GradScaler skipped the step
 
     @property
     def taken(self) -> bool:
@@ -159,15 +163,24 @@ class ProgressBar:
         self.bar: tqdm | None = None
 
     def wrap(self, loader, start_step: int) -> Iterable:
-        self.bar = tqdm(loader, total=start_step + len(loader), initial=start_step,
-                        desc=self.description, disable=not self.enabled, dynamic_ncols=True,
-                        leave=False)
+        self.bar = tqdm(
+            loader,
+            total=start_step + len(loader),
+            initial=start_step,
+            desc=self.description,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+            leave=False,
+        )
         return self.bar
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
         if self.enabled and self.bar is not None:
-            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}",
-                                 acc=f"{metrics['train_acc']:.4f}", lr=f"{metrics['lr']:.2e}")
+            self.bar.set_postfix(
+                loss=f"{metrics['train_loss']:.4f}",
+                acc=f"{metrics['train_acc']:.4f}",
+                lr=f"{metrics['lr']:.2e}",
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -199,28 +212,39 @@ class LogWindow:
         """The window's figures; starts the next window."""
         now = time.perf_counter()
         seconds = max(now - self.started, 1e-9)
-        figures = {"images_per_sec": self.images * world_size() / seconds,
-                   "data_wait_share": min(self.waited / seconds, 1.0)}
+        figures = {
+            "images_per_sec": self.images * world_size() / seconds,
+            "data_wait_share": min(self.waited / seconds, 1.0),
+        }
         self.started, self.waited, self.images = now, 0.0, 0
         return figures
 
 
-def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
-                    progress: ProgressBar | None = None, start_step: int = 0,
-                    first_global_step: int = 0, sums: torch.Tensor | None = None,
-                    log_interval: int = 20, timer: PhaseTimer = NO_TIMER) -> dict[str, float]:
+def train_one_epoch(
+    state: StepState,
+    loader,
+    *,
+    hooks: Sequence = (),
+    progress: ProgressBar | None = None,
+    start_step: int = 0,
+    first_global_step: int = 0,
+    sums: torch.Tensor | None = None,
+    log_interval: int = 20,
+    timer: PhaseTimer = NO_TIMER,
+) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
     resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
     the run's step count at the epoch's first batch (for the hooks)."""
     state.model.train()
     device, plan = state.device, state.plan
     if plan.retry_on_oom:
-        check_ddp_internals(_ddp(state.model))   # before the first step, not at the first OOM
+        check_ddp_internals(_ddp(state.model))  # before the first step, not at the first OOM
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     progress = progress or ProgressBar(enabled=False)
     # Only hooks that want the logging step make it read the metrics (a host synchronisation).
-    log_hooks = [h for h in (progress, *hooks)
-                 if hasattr(h, "on_log_step") and getattr(h, "enabled", True)]
+    log_hooks = [
+        h for h in (progress, *hooks) if hasattr(h, "on_log_step") and getattr(h, "enabled", True)
+    ]
     step = start_step
     window = LogWindow()
     for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
@@ -233,9 +257,12 @@ def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
             global_step = first_global_step + step - start_step
             if log_hooks and step % log_interval == 0:
                 count = sums[COUNT].item()
-                metrics = {"train_loss": sums[LOSS].item() / count,
-                           "train_acc": sums[CORRECT].item() / count,
-                           "lr": state.optimizer.param_groups[0]["lr"], **window.read()}
+                metrics = {
+                    "train_loss": sums[LOSS].item() / count,
+                    "train_acc": sums[CORRECT].item() / count,
+                    "lr": state.optimizer.param_groups[0]["lr"],
+                    **window.read(),
+                }
                 call_hooks(log_hooks, "on_log_step", global_step, metrics)
             info = StepInfo(step, global_step, sums, skipped)
             stop = any(call_hooks(hooks, "on_step_end", info))
@@ -244,14 +271,18 @@ def train_one_epoch(state: StepState, loader, *, hooks: Sequence = (),
     progress.close()
 
     total = all_reduce_sum(sums.clone()).tolist()
-    return {"train_loss": total[LOSS] / max(total[COUNT], 1),
-            "train_acc": total[CORRECT] / max(total[COUNT], 1),
-            "train_samples": int(total[COUNT]), "steps": step,
-            "micro_batch": plan.micro_batch}
+    return {
+        "train_loss": total[LOSS] / max(total[COUNT], 1),
+        "train_acc": total[CORRECT] / max(total[COUNT], 1),
+        "train_samples": int(total[COUNT]),
+        "steps": step,
+        "micro_batch": plan.micro_batch,
+    }
 
 
-def train_step(state: StepState, images: torch.Tensor, targets: torch.Tensor,
-               timer: PhaseTimer = NO_TIMER) -> tuple[torch.Tensor, torch.Tensor | None]:
+def train_step(
+    state: StepState, images: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer = NO_TIMER
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
     (with a GradScaler) a device flag set when the scaler skipped the step.
 
@@ -274,8 +305,10 @@ def train_step(state: StepState, images: torch.Tensor, targets: torch.Tensor,
         ddp = _ddp(model)
         if ddp is not None:
             reset_ddp_after_failed_attempt(ddp)
-        log.warning(f"out of memory with micro-batch {failed_size}; redoing this step "
-                    f"with micro-batch {plan.micro_batch}")
+        log.warning(
+            f"out of memory with micro-batch {failed_size}; redoing this step "
+            f"with micro-batch {plan.micro_batch}"
+        )
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
     # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
@@ -287,8 +320,9 @@ def train_step(state: StepState, images: torch.Tensor, targets: torch.Tensor,
     return step_sums, skipped
 
 
-def accumulate_gradients(state: StepState, images: torch.Tensor,
-                         targets: torch.Tensor) -> torch.Tensor | None:
+def accumulate_gradients(
+    state: StepState, images: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
     """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
     or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).
 
@@ -324,28 +358,31 @@ def accumulate_gradients(state: StepState, images: torch.Tensor,
                 raise
             failed = True
             break
-    del chunks   # each micro-batch's input can go once its backward ran
+    del chunks  # each micro-batch's input can go once its backward ran
     if plan.retry_on_oom and any_rank(failed):
         return None
     return sums if _synced_backward(model, scaler, last_loss, plan) else None
 
 
-def _inputs_on_device(images: torch.Tensor, targets: torch.Tensor, size: int,
-                      device: torch.device, plan: MemoryPlan
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def _inputs_on_device(
+    images: torch.Tensor, targets: torch.Tensor, size: int, device: torch.device, plan: MemoryPlan
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Every micro-batch of the batch on the device (the fitting counts the whole batch's
     inputs there), or None if that ran out of memory and the plan retries."""
     try:
-        return [to_device(x, y, device, plan.channels_last)
-                for x, y in zip(images.split(size), targets.split(size), strict=True)]
+        return [
+            to_device(x, y, device, plan.channels_last)
+            for x, y in zip(images.split(size), targets.split(size), strict=True)
+        ]
     except RuntimeError as err:
         if not (plan.retry_on_oom and is_out_of_memory(err)):
             raise
         return None
 
 
-def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor,
-                     plan: MemoryPlan) -> bool:
+def _synced_backward(
+    model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor, plan: MemoryPlan
+) -> bool:
     """The last micro-batch's backward, where DDP exchanges gradients. False if it ran out of
     memory and can be redone: only without DDP. Under DDP the other ranks are already inside
     the gradient exchange, which cannot be called off, so the error ends the run."""
@@ -356,9 +393,11 @@ def _synced_backward(model: nn.Module, scaler: torch.amp.GradScaler, loss: torch
         if not (plan.retry_on_oom and is_out_of_memory(err)):
             raise
         if _ddp(model) is not None:
-            log.error("out of memory during the gradient exchange of the last micro-batch, "
-                      "which cannot be redone on one rank alone; restart with --resume auto "
-                      "(and a smaller --max_memory_gb)")
+            log.error(
+                "out of memory during the gradient exchange of the last micro-batch, "
+                "which cannot be redone on one rank alone; restart with --resume auto "
+                "(and a smaller --max_memory_gb)"
+            )
             raise
     return False
 
@@ -377,8 +416,11 @@ def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
 
 # DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
 # (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
-DDP_INTERNALS = (("reducer", "_reset_state"), ("ddp", "_has_rebuilt_buckets"),
-                 ("ddp", "require_forward_param_sync"))
+DDP_INTERNALS = (
+    ("reducer", "_reset_state"),
+    ("ddp", "_has_rebuilt_buckets"),
+    ("ddp", "require_forward_param_sync"),
+)
 
 
 def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
@@ -386,14 +428,16 @@ def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
     if ddp is None:
         return
     owners = {"ddp": ddp, "reducer": getattr(ddp, "reducer", None)}
-    missing = [f"{owner}.{name}" for owner, name in DDP_INTERNALS
-               if not hasattr(owners[owner], name)]
+    missing = [
+        f"{owner}.{name}" for owner, name in DDP_INTERNALS if not hasattr(owners[owner], name)
+    ]
     if missing:
         raise RuntimeError(
             f"torch {torch.__version__}'s DistributedDataParallel has no {', '.join(missing)}, "
             "which the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
             "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
-            "(--max_memory_gb without --low_memory)")
+            "(--max_memory_gb without --low_memory)"
+        )
 
 
 def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
@@ -414,16 +458,24 @@ def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
     ddp.require_forward_param_sync = True
 
 
-def to_device(images: torch.Tensor, targets: torch.Tensor, device: torch.device,
-              channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device(
+    images: torch.Tensor, targets: torch.Tensor, device: torch.device, channels_last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Move one micro-batch to the device, in the model's memory layout."""
     layout = torch.channels_last if channels_last else torch.preserve_format
-    return (images.to(device, non_blocking=True, memory_format=layout),
-            targets.to(device, non_blocking=True))
+    return (
+        images.to(device, non_blocking=True, memory_format=layout),
+        targets.to(device, non_blocking=True),
+    )
 
 
-def forward_loss(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
-                 criterion: nn.Module, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_loss(
+    model: nn.Module,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    criterion: nn.Module,
+    precision: Precision,
+) -> tuple[torch.Tensor, torch.Tensor]:
     with precision.autocast(images.device):
         logits = model(images)
         loss = criterion(logits, targets)
@@ -431,8 +483,9 @@ def forward_loss(model: nn.Module, images: torch.Tensor, targets: torch.Tensor,
 
 
 @torch.no_grad()
-def record_metrics(sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor,
-                   targets: torch.Tensor) -> None:
+def record_metrics(
+    sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor, targets: torch.Tensor
+) -> None:
     sums[LOSS] += loss.detach().double() * targets.size(0)
     sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
     sums[COUNT] += targets.size(0)
@@ -443,9 +496,15 @@ def record_metrics(sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor,
 PredictionHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
-             show_progress: bool = True, plan: MemoryPlan | None = None,
-             on_predictions: PredictionHook | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: Precision,
+    show_progress: bool = True,
+    plan: MemoryPlan | None = None,
+    on_predictions: PredictionHook | None = None,
+) -> dict[str, float]:
     """Loss, top-1 and top-5 over this rank's shard, summed over all ranks; loaded batches go
     through the model in ``plan``'s micro-batches, as in training. ``on_predictions`` sees every
     prediction (src/evaluate.py's report is built from this same pass, so it matches the
@@ -455,24 +514,36 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
     most one image, which is fine: ``model`` is the unwrapped module, so the forward passes run
     no collectives and no rank waits for another inside the loop.
     """
-    total = evaluation_sums(model, loader, device, precision, show_progress, plan,
-                            on_predictions).tolist()
+    total = evaluation_sums(
+        model, loader, device, precision, show_progress, plan, on_predictions
+    ).tolist()
     count = max(total[COUNT], 1)
-    return {"val_loss": total[LOSS] / count, "val_acc": total[CORRECT] / count,
-            "val_top5": total[TOP5] / count, "val_samples": int(total[COUNT])}
+    return {
+        "val_loss": total[LOSS] / count,
+        "val_acc": total[CORRECT] / count,
+        "val_top5": total[TOP5] / count,
+        "val_samples": int(total[COUNT]),
+    }
 
 
 @torch.no_grad()
-def evaluation_sums(model: nn.Module, loader, device: torch.device, precision: Precision,
-                    show_progress: bool = True, plan: MemoryPlan | None = None,
-                    on_predictions: PredictionHook | None = None) -> torch.Tensor:
+def evaluation_sums(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: Precision,
+    show_progress: bool = True,
+    plan: MemoryPlan | None = None,
+    on_predictions: PredictionHook | None = None,
+) -> torch.Tensor:
     """``evaluate``'s pass: [loss_sum, correct, count, top5_correct] summed over all ranks, as
     float64 on the device. Every rank must call this."""
     model.eval()
     plan = plan or MemoryPlan()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    for batch_images, batch_targets in tqdm(loader, desc="val", disable=not show_progress,
-                                            dynamic_ncols=True, leave=False):
+    for batch_images, batch_targets in tqdm(
+        loader, desc="val", disable=not show_progress, dynamic_ncols=True, leave=False
+    ):
         size = plan.size_for(len(batch_targets))
         for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):
             images, targets = to_device(x, y, device, plan.channels_last)

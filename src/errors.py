@@ -5,6 +5,7 @@ Every command-line tool of the project wraps its ``main`` with :func:`exit_on_us
 Code anywhere below raises :class:`UserError` for problems the user can fix (bad flags, missing
 folders, corrupt files); unexpected failures keep their traceback.
 """
+
 from __future__ import annotations
 
 import functools

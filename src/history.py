@@ -6,6 +6,7 @@ together with its checkpoints). On resume it is rebuilt from the history stored 
 checkpoint, so records after the checkpoint's position are dropped and every epoch appears
 exactly once.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ from run_folder import atomic_write
 class HistoryWriter:
     """Keeps the epoch records; writes the file only where ``enabled`` (the main process)."""
 
-    def __init__(self, path: Path, header: dict[str, Any], enabled: bool,
-                 records: list[dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        header: dict[str, Any],
+        enabled: bool,
+        records: list[dict[str, Any]] | None = None,
+    ):
         self.path = path
         self.header = header
         self.enabled = enabled

@@ -3,6 +3,7 @@ start-up check that finds the files that do not decode.
 
 No torch here: ``src/prepare_data.py`` imports this module and starts in a fraction of a second.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,7 +69,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        image.mode == "P" and "transparency" in image.info)
+        image.mode == "P" and "transparency" in image.info
+    )
     if not has_alpha:
         return image.convert("RGB")
     rgba = image.convert("RGBA")
@@ -98,7 +100,9 @@ def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
             problems = list(pool.map(image_problem, paths))
     else:
         problems = [image_problem(path) for path in paths]
-    return {path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None}
+    return {
+        path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None
+    }
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

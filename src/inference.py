@@ -4,6 +4,7 @@ preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
 A training checkpoint (``checkpoint.CHECKPOINT_SCHEMA``) stores the model name, class names, image size and
 normalisation next to the weights, so no training flag has to be repeated here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,11 @@ from model import build_model, strip_wrapper_prefixes
 
 @dataclass(frozen=True)
 class Classifier:
-    model: nn.Module            # in eval mode, on the requested device
-    class_names: list[str]      # index -> name, the order of the model's outputs
+    model: nn.Module  # in eval mode, on the requested device
+    class_names: list[str]  # index -> name, the order of the model's outputs
     image_size: int
-    transform: v2.Compose       # the evaluation geometry of training (resize, center crop)
-    mean: tuple[float, ...]     # normalisation, applied per batch (data.normalize_batch)
+    transform: v2.Compose  # the evaluation geometry of training (resize, center crop)
+    mean: tuple[float, ...]  # normalisation, applied per batch (data.normalize_batch)
     std: tuple[float, ...]
     # How training ran its evaluation pass (autocast, micro-batch, layout), so the tools'
     # predictions are the ones behind the recorded val_acc.
@@ -46,18 +47,28 @@ def load_classifier(path: Path, device: torch.device) -> Classifier:
     try:
         model.load_state_dict(strip_wrapper_prefixes(state["model_state_dict"]))
     except RuntimeError as err:
-        raise CheckpointError(f"the weights in {path} do not fit {state['model_name']} with "
-                              f"{len(class_names)} classes ({str(err).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"the weights in {path} do not fit {state['model_name']} with "
+            f"{len(class_names)} classes ({str(err).splitlines()[0]})"
+        ) from None
     image_size = int(state["image_size"])
     config = state.get("config") or {}
-    plan = MemoryPlan(micro_batch=state.get("micro_batch"),
-                      channels_last=bool(config.get("channels_last")) and device.type == "cuda")
+    plan = MemoryPlan(
+        micro_batch=state.get("micro_batch"),
+        channels_last=bool(config.get("channels_last")) and device.type == "cuda",
+    )
     if plan.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return Classifier(model.to(device).eval(), class_names, image_size,
-                      build_transforms(image_size, train=False),
-                      tuple(state.get("mean", IMAGENET_MEAN)), tuple(state.get("std", IMAGENET_STD)),
-                      training_precision(config, device), plan)
+    return Classifier(
+        model.to(device).eval(),
+        class_names,
+        image_size,
+        build_transforms(image_size, train=False),
+        tuple(state.get("mean", IMAGENET_MEAN)),
+        tuple(state.get("std", IMAGENET_STD)),
+        training_precision(config, device),
+        plan,
+    )
 
 
 def training_precision(config: dict[str, Any], device: torch.device) -> Precision:
@@ -67,20 +78,33 @@ def training_precision(config: dict[str, Any], device: torch.device) -> Precisio
     if not config.get("use_amp"):
         return Precision(False, torch.float32)
     if device.type == "cpu":
-        return (Precision(False, torch.float32) if config.get("low_memory")
-                else Precision(True, torch.bfloat16))
+        return (
+            Precision(False, torch.float32)
+            if config.get("low_memory")
+            else Precision(True, torch.bfloat16)
+        )
     return Precision(True, getattr(torch, config.get("amp_dtype", "float16")))
 
 
-def add_inference_arguments(parser: argparse.ArgumentParser, batch_size: int,
-                            batch_size_help: str, num_workers_help: str) -> None:
+def add_inference_arguments(
+    parser: argparse.ArgumentParser, batch_size: int, batch_size_help: str, num_workers_help: str
+) -> None:
     """The flags src/evaluate.py and src/predict.py share, with the same meaning."""
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="checkpoint written by src/train_ddp.py")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="auto: CUDA when visible, else the CPU (default: auto)")
-    parser.add_argument("--batch_size", type=int, default=batch_size,
-                        help=f"{batch_size_help} (default: {batch_size})")
+    parser.add_argument(
+        "--checkpoint", type=Path, required=True, help="checkpoint written by src/train_ddp.py"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="auto: CUDA when visible, else the CPU (default: auto)",
+    )
+    parser.add_argument(
+        "--batch_size",
+        type=int,
+        default=batch_size,
+        help=f"{batch_size_help} (default: {batch_size})",
+    )
     parser.add_argument("--num_workers", type=int, default=None, help=num_workers_help)
 
 
@@ -98,8 +122,12 @@ def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise CheckpointError(
             f"{path} is not a checkpoint of src/train_ddp.py: it has no {', '.join(missing)} "
             "(a bare state dict or another tool's file?); use checkpoint_best.pth or "
-            "checkpoint_latest.pth from a training run")
+            "checkpoint_latest.pth from a training run"
+        )
     names = state["class_names"]
-    if not isinstance(names, (list, tuple)) or not names or not all(
-            isinstance(name, str) for name in names):
+    if (
+        not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(name, str) for name in names)
+    ):
         raise CheckpointError(f"{path}: class_names must be a non-empty list of strings")

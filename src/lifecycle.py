@@ -14,6 +14,7 @@ its traceback) to a small JSON file in ``$TRAIN_DDP_REPORT_DIR``, and the launch
 first failure as one line, with the traceback of a real bug once. No torch here: the launcher
 imports this module.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -73,6 +74,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 # ----------------------------------------------------------------------------- rank outcomes
 
+
 def report_dir() -> Path | None:
     folder = os.environ.get(REPORT_DIR_ENV)
     return Path(folder) if folder else None
@@ -82,8 +84,14 @@ def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> N
     """This rank's ending, for the launcher: written to a temporary file renamed into place."""
     rank = int(os.environ.get("RANK", 0))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    record = {"rank": rank, "attempt": attempt, "code": code, "line": line, "traceback": trace,
-              "time": time.time()}
+    record = {
+        "rank": rank,
+        "attempt": attempt,
+        "code": code,
+        "line": line,
+        "traceback": trace,
+        "time": time.time(),
+    }
     path = folder / f"rank{rank}.attempt{attempt}.json"
     tmp = path.with_suffix(".tmp")
     try:
@@ -142,8 +150,7 @@ def run_reporting(main: Callable[[], int]) -> int:
     except (StoppedEarly, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         code = exit_code_for(signum)
-        line = (f"stopped by {signal.Signals(signum).name} before training started; "
-                "nothing to save")
+        line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
     except BaseException:  # a bug: its traceback, once

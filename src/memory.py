@@ -19,6 +19,7 @@ This module chooses that size:
 
 It never reads files; its only collective is that agreement.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,14 +38,16 @@ from torch import nn
 from distributed import all_reduce_min
 from errors import UserError
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 GIB = 2**30
 
 # What helps when even one image per forward/backward does not fit.
-OOM_HELP = ("what would help: --low_memory (float16 and activation checkpointing), a smaller "
-            "--image_size, a smaller --model, or more memory (a larger --max_memory_gb, or "
-            "closing other programs that use the GPU)")
+OOM_HELP = (
+    "what would help: --low_memory (float16 and activation checkpointing), a smaller "
+    "--image_size, a smaller --model, or more memory (a larger --max_memory_gb, or "
+    "closing other programs that use the GPU)"
+)
 
 
 def gib(num_bytes: float) -> str:
@@ -53,14 +56,16 @@ def gib(num_bytes: float) -> str:
 
 # ----------------------------------------------------------------------------- the plan
 
+
 @dataclass
 class MemoryPlan:
     """How each loaded batch goes through the model. Mutable on purpose: the engine halves
     ``micro_batch`` when an out-of-memory error forces it, and the trainer stores the value in
     checkpoints and history."""
-    micro_batch: int | None = None   # images per forward/backward; None: the whole batch
-    retry_on_oom: bool = False       # on out-of-memory, halve and redo the step (ranks agree)
-    channels_last: bool = False      # move inputs in channels_last layout (the model is too)
+
+    micro_batch: int | None = None  # images per forward/backward; None: the whole batch
+    retry_on_oom: bool = False  # on out-of-memory, halve and redo the step (ranks agree)
+    channels_last: bool = False  # move inputs in channels_last layout (the model is too)
 
     def size_for(self, batch_size: int) -> int:
         return batch_size if self.micro_batch is None else min(self.micro_batch, batch_size)
@@ -69,8 +74,9 @@ class MemoryPlan:
         """Halve the micro-batch after an out-of-memory error; one clear error below 1 image."""
         current = self.size_for(batch_size)
         if current == 1:
-            raise UserError(f"out of memory even with a micro-batch of 1 during training; "
-                            f"{OOM_HELP}")
+            raise UserError(
+                f"out of memory even with a micro-batch of 1 during training; {OOM_HELP}"
+            )
         self.micro_batch = smaller_micro_batch(current, batch_size)
 
 
@@ -95,7 +101,7 @@ OUT_OF_MEMORY_MESSAGES = (
     "out of memory",
     "can't allocate memory",
     "unable to find a valid cudnn algorithm",
-    "was unable to find an engine",            # cuDNN v8/v9 frontend: "GET was unable to ..."
+    "was unable to find an engine",  # cuDNN v8/v9 frontend: "GET was unable to ..."
     "cudnn_status_alloc_failed",
     "cudnn_status_not_enough_workspace",
     "cublas_status_alloc_failed",
@@ -133,22 +139,27 @@ class BufferSnapshot:
 
 # ----------------------------------------------------------------------------- model set-up
 
-def enable_memory_savers(model: nn.Module, *, grad_checkpointing: bool,
-                         channels_last: bool) -> None:
+
+def enable_memory_savers(
+    model: nn.Module, *, grad_checkpointing: bool, channels_last: bool
+) -> None:
     """Activation checkpointing (timm's ``set_grad_checkpointing``) and the channels_last
     layout. Call before DDP wraps the model: DDP lays out its buckets from the parameters."""
     if grad_checkpointing:
         try:
             model.set_grad_checkpointing(True)
         except (AttributeError, NotImplementedError, AssertionError) as err:
-            log.warning(f"{type(model).__name__} has no activation checkpointing in "
-                        f"timm ({err or type(err).__name__}); training without it")
+            log.warning(
+                f"{type(model).__name__} has no activation checkpointing in "
+                f"timm ({err or type(err).__name__}); training without it"
+            )
     if channels_last:
         model.to(memory_format=torch.channels_last)
 
 
-def memory_budget(max_memory_gb: float | None, device: torch.device,
-                  processes_on_device: int) -> int:
+def memory_budget(
+    max_memory_gb: float | None, device: torch.device, processes_on_device: int
+) -> int:
     """Bytes one process may use: ``--max_memory_gb``, else what the device has (on the CPU,
     the RAM shared by this node's processes)."""
     if max_memory_gb is not None:
@@ -161,15 +172,17 @@ def memory_budget(max_memory_gb: float | None, device: torch.device,
 
 # ----------------------------------------------------------------------------- measuring
 
+
 @dataclass(frozen=True)
 class StepCost:
     """What one forward and backward of ``size`` images costs, in bytes."""
+
     size: int
-    state_bytes: int       # weights, gradients, buffers and optimizer state
-    batch_bytes: int       # what the forward pass keeps for backward (the input aside)
-    peak_bytes: int = 0    # the real peak, the inputs aside (0: not measured), plus the
-                           # optimizer state still to come
-    input_bytes: int = 0   # the loaded batch's inputs on the device during a step
+    state_bytes: int  # weights, gradients, buffers and optimizer state
+    batch_bytes: int  # what the forward pass keeps for backward (the input aside)
+    peak_bytes: int = 0  # the real peak, the inputs aside (0: not measured), plus the
+    # optimizer state still to come
+    input_bytes: int = 0  # the loaded batch's inputs on the device during a step
 
     @property
     def total(self) -> int:
@@ -198,8 +211,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return slots * params
 
 
-def batch_input_bytes(batch_size: int, image_size: int, device: torch.device,
-                      cache_images: str, channels_last: bool) -> int:
+def batch_input_bytes(
+    batch_size: int, image_size: int, device: torch.device, cache_images: str, channels_last: bool
+) -> int:
     """Bytes of one loaded batch's float32 inputs that sit in ``device`` memory during its step.
 
     The engine copies every micro-batch of a step to the device before the first forward (so
@@ -241,7 +255,7 @@ class ResidentMemory:
         serves tensors from its heap and keeps freed ones resident: a training run then holds
         more than its trial measured (~30-90 MB here). Costs page faults (a few % on the CPU)."""
         try:
-            ctypes.CDLL(None).mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD
+            ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
         except (OSError, AttributeError):
             pass
 
@@ -256,7 +270,7 @@ class ResidentMemory:
     def _field(self, name: str) -> int:
         for line in self.STATUS.read_text().splitlines():
             if line.startswith(name + ":"):
-                return int(line.split()[1]) * 1024   # kB
+                return int(line.split()[1]) * 1024  # kB
         raise RuntimeError(f"{name} not in {self.STATUS}")
 
     def current(self) -> int:
@@ -273,22 +287,24 @@ def resident_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) 
     return tensor_bytes(model.parameters()) + tensor_bytes(model.buffers()) + existing
 
 
-def cpu_baseline(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 resident: ResidentMemory) -> int | None:
+def cpu_baseline(
+    model: nn.Module, optimizer: torch.optim.Optimizer, resident: ResidentMemory
+) -> int | None:
     """What this process holds that the CPU budget does not cover (the interpreter, the
     libraries, the dataset and its cache): the resident memory now, less the training state.
     None where the resident memory cannot be measured. The budget then covers the same things
     as on CUDA, where the allocator counts neither the libraries nor the CUDA context."""
     if not resident.available:
         return None
-    resident.return_freed_blocks()   # so that training holds what the trials measure
-    resident.reset_peak()   # also trims: what glibc keeps from building the model is not held
+    resident.return_freed_blocks()  # so that training holds what the trials measure
+    resident.reset_peak()  # also trims: what glibc keeps from building the model is not held
     return resident.current() - resident_training_state(model, optimizer)
 
 
 @contextlib.contextmanager
-def saved_tensor_bytes(model: nn.Module,
-                       exclude: torch.Tensor | None = None) -> Iterator[dict[int, int]]:
+def saved_tensor_bytes(
+    model: nn.Module, exclude: torch.Tensor | None = None
+) -> Iterator[dict[int, int]]:
     """Counts the distinct storages that the forward pass inside keeps for backward, weights
     and ``exclude`` (the input) left out: they are counted once, elsewhere. The dict maps
     storage address to bytes."""
@@ -307,12 +323,21 @@ def saved_tensor_bytes(model: nn.Module,
         yield seen
 
 
-def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
-                        precision: Any, device: torch.device, size: int, *,
-                        image_shape: tuple[int, int, int], num_classes: int,
-                        channels_last: bool = False, loaded_input_bytes: int = 0,
-                        cpu_baseline_bytes: int | None = None,
-                        resident: ResidentMemory | None = None) -> StepCost:
+def measure_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    precision: Any,
+    device: torch.device,
+    size: int,
+    *,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    channels_last: bool = False,
+    loaded_input_bytes: int = 0,
+    cpu_baseline_bytes: int | None = None,
+    resident: ResidentMemory | None = None,
+) -> StepCost:
     """Run one forward and backward of ``size`` synthetic images on ``model`` (the plain model:
     no collective runs) and return what it cost.
 
@@ -324,13 +349,18 @@ def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, crit
     Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
     the loader's position). The model's buffers, its gradients and the random state are left as
     they were. An out-of-memory error propagates to the caller."""
-    measure_rss = (device.type == "cpu" and cpu_baseline_bytes is not None
-                   and resident is not None and resident.available)
+    measure_rss = (
+        device.type == "cpu"
+        and cpu_baseline_bytes is not None
+        and resident is not None
+        and resident.available
+    )
     if measure_rss:
         resident.reset_peak()
     generator = torch.Generator().manual_seed(size)
     images = torch.randn(size, *image_shape, generator=generator).to(
-        device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
+        device, memory_format=torch.channels_last if channels_last else torch.preserve_format
+    )
     targets = torch.randint(0, num_classes, (size,), generator=generator).to(device)
     image_bytes = tensor_bytes([images])
     snapshot, was_training = BufferSnapshot(model), model.training
@@ -355,22 +385,27 @@ def measure_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, crit
         elif measure_rss:
             peak = resident.peak() - cpu_baseline_bytes
         if peak:
-            peak -= image_bytes   # counted with the inputs below
+            peak -= image_bytes  # counted with the inputs below
             if not optimizer.state:  # not allocated yet: it will be at the first step
                 peak += optimizer_state_bytes(optimizer)
     finally:
         model.zero_grad(set_to_none=True)
         snapshot.restore()
         model.train(was_training)
-    state = (2 * tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
-             + optimizer_state_bytes(optimizer))
+    state = (
+        2 * tensor_bytes(model.parameters())
+        + tensor_bytes(model.buffers())
+        + optimizer_state_bytes(optimizer)
+    )
     return StepCost(size, state, batch_bytes, peak, max(image_bytes, loaded_input_bytes))
 
 
 # ----------------------------------------------------------------------------- fitting
 
-def _cost_or_oom(measure: Callable[[int], StepCost], size: int,
-                 device: torch.device) -> StepCost | None:
+
+def _cost_or_oom(
+    measure: Callable[[int], StepCost], size: int, device: torch.device
+) -> StepCost | None:
     try:
         return measure(size)
     except RuntimeError as err:
@@ -380,8 +415,13 @@ def _cost_or_oom(measure: Callable[[int], StepCost], size: int,
     return None
 
 
-def largest_fitting(measure: Callable[[int], StepCost], start: int, batch_size: int,
-                    budget: int, device: torch.device = torch.device("cpu")) -> tuple[int, str]:
+def largest_fitting(
+    measure: Callable[[int], StepCost],
+    start: int,
+    batch_size: int,
+    budget: int,
+    device: torch.device = torch.device("cpu"),
+) -> tuple[int, str]:
     """The largest size from ``halving_sizes(start, batch_size)`` whose measured cost fits in
     ``budget`` bytes, and ``(0, why)`` when not even 1 does. This rank only: no collective."""
     probe_size = min(2, start)
@@ -396,16 +436,22 @@ def largest_fitting(measure: Callable[[int], StepCost], start: int, batch_size: 
             continue  # a trial would only overshoot the budget
         cost = probe if size == probe_size else _cost_or_oom(measure, size, device)
         if cost is not None and cost.total <= budget:
-            log.info(f"micro-batch {size}: needs {gib(cost.total)}, within the budget of "
-                     f"{gib(budget)}")
+            log.info(
+                f"micro-batch {size}: needs {gib(cost.total)}, within the budget of {gib(budget)}"
+            )
             return size, ""
         why = "out of memory" if cost is None else f"needs {gib(cost.total)}"
         log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
     return 0, why
 
 
-def fit_micro_batch(measure: Callable[[int], StepCost], start: int, batch_size: int,
-                    budget: int, device: torch.device) -> int:
+def fit_micro_batch(
+    measure: Callable[[int], StepCost],
+    start: int,
+    batch_size: int,
+    budget: int,
+    device: torch.device,
+) -> int:
     """``largest_fitting`` on every rank, then the smallest size any rank found. Every rank must
     call it. Sizes are agreed (rather than each rank using its own) because DDP needs every rank
     to run the same number of backward passes per step."""
@@ -413,17 +459,27 @@ def fit_micro_batch(measure: Callable[[int], StepCost], start: int, batch_size: 
     agreed = int(all_reduce_min(torch.tensor([local], device=device)).item())
     if agreed == 0:
         where = why if local == 0 else "on another process"
-        raise UserError(f"out of memory even with a micro-batch of 1 ({where}; budget "
-                        f"{gib(budget)}); {OOM_HELP}")
+        raise UserError(
+            f"out of memory even with a micro-batch of 1 ({where}; budget "
+            f"{gib(budget)}); {OOM_HELP}"
+        )
     if agreed < local:
-        log.info(f"micro-batch {agreed}: the smallest that fits on every process "
-                 f"(this one fits {local})")
+        log.info(
+            f"micro-batch {agreed}: the smallest that fits on every process (this one fits {local})"
+        )
     return agreed
 
 
-def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
-                      model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module,
-                      precision: Any, num_classes: int) -> MemoryPlan:
+def build_memory_plan(
+    cfg: Any,
+    device: torch.device,
+    processes_on_device: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    precision: Any,
+    num_classes: int,
+) -> MemoryPlan:
     """The micro-batch of this run: ``--batch_size / --accum_steps``, or with
     ``--auto_micro_batch`` the largest that fits, found by trials on ``model`` (the plain,
     unwrapped model: trials of different sizes on different ranks must run no collective).
@@ -434,15 +490,24 @@ def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
     if cfg.auto_micro_batch:
         budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)
         resident = ResidentMemory()
-        measure = partial(measure_micro_batch, model, optimizer, criterion, precision, device,
-                          image_shape=(3, cfg.image_size, cfg.image_size),
-                          num_classes=num_classes, channels_last=channels_last,
-                          loaded_input_bytes=batch_input_bytes(
-                              cfg.batch_size, cfg.image_size, device, cfg.cache_images,
-                              channels_last),
-                          cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
-                          if device.type == "cpu" else None,
-                          resident=resident)
+        measure = partial(
+            measure_micro_batch,
+            model,
+            optimizer,
+            criterion,
+            precision,
+            device,
+            image_shape=(3, cfg.image_size, cfg.image_size),
+            num_classes=num_classes,
+            channels_last=channels_last,
+            loaded_input_bytes=batch_input_bytes(
+                cfg.batch_size, cfg.image_size, device, cfg.cache_images, channels_last
+            ),
+            cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
+            if device.type == "cpu"
+            else None,
+            resident=resident,
+        )
         plan.micro_batch = fit_micro_batch(measure, start, cfg.batch_size, budget, device)
         if device.type == "cuda":
             # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
@@ -451,9 +516,11 @@ def build_memory_plan(cfg: Any, device: torch.device, processes_on_device: int,
             torch.cuda.reset_peak_memory_stats(device)
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
-    log.info(f"Memory: micro-batch {plan.micro_batch} ({cfg.batch_size // plan.micro_batch} "
-             f"forward/backward pass(es) per optimizer step of {cfg.batch_size} images per "
-             f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
-             f"activation checkpointing {checkpointing}"
-             + (", halving on out-of-memory" if plan.retry_on_oom else ""))
+    log.info(
+        f"Memory: micro-batch {plan.micro_batch} ({cfg.batch_size // plan.micro_batch} "
+        f"forward/backward pass(es) per optimizer step of {cfg.batch_size} images per "
+        f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
+        f"activation checkpointing {checkpointing}"
+        + (", halving on out-of-memory" if plan.retry_on_oom else "")
+    )
     return plan

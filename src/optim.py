@@ -1,6 +1,7 @@
 """The optimizer, its learning-rate schedule, and its state across runs: a resumed optimizer
 runs with this run's own kernels and its parameters' device, dtype and memory layout, whatever
 the checkpoint was written with."""
+
 from __future__ import annotations
 
 import math
@@ -22,14 +23,21 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torc
     lr = cfg.learning_rate * scale
     fused = next(model.parameters()).is_cuda  # the fused kernels exist on CUDA only
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, fused=fused or None)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay,
-                             fused=fused or None)
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            fused=fused or None,
+        )
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused or None
+    )
 
 
-def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int,
-              decay_every: int, gamma: float) -> float:
+def lr_factor(
+    step: int, *, kind: str, warmup_steps: int, total_steps: int, decay_every: int, gamma: float
+) -> float:
     """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then the schedule."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -41,12 +49,17 @@ def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int,
     return 1.0
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
-                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    factor = partial(lr_factor, kind=cfg.scheduler,
-                     warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
-                     total_steps=cfg.epochs * steps_per_epoch,
-                     decay_every=max(1, cfg.step_size * steps_per_epoch), gamma=cfg.gamma)
+def build_scheduler(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    factor = partial(
+        lr_factor,
+        kind=cfg.scheduler,
+        warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+        total_steps=cfg.epochs * steps_per_epoch,
+        decay_every=max(1, cfg.step_size * steps_per_epoch),
+        gamma=cfg.gamma,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -68,8 +81,10 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[s
     device as float32 for fused or capturable kernels, else on the host (as torch.optim keeps it
     so that no kernel launch is needed to count steps).
     """
-    own = [{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}
-           for group in optimizer.param_groups]
+    own = [
+        {key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}
+        for group in optimizer.param_groups
+    ]
     optimizer.load_state_dict(state_dict)
     with torch.no_grad():
         for group, options in zip(optimizer.param_groups, own, strict=True):
@@ -82,12 +97,16 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[s
                         state[key] = _like_param(key, value, param, step_on_device)
 
 
-def _like_param(key: str, value: torch.Tensor, param: torch.Tensor,
-                step_on_device: bool) -> torch.Tensor:
+def _like_param(
+    key: str, value: torch.Tensor, param: torch.Tensor, step_on_device: bool
+) -> torch.Tensor:
     if key == "step":
-        return (value.to(device=param.device, dtype=torch.float32) if step_on_device
-                else value.to("cpu"))
-    if value.shape != param.shape:   # a per-parameter scalar or the like: its device only
+        return (
+            value.to(device=param.device, dtype=torch.float32)
+            if step_on_device
+            else value.to("cpu")
+        )
+    if value.shape != param.shape:  # a per-parameter scalar or the like: its device only
         return value.to(param.device)
     dtype = param.dtype if value.is_floating_point() else value.dtype
     return torch.empty_like(param, dtype=dtype).copy_(value)

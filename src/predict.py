@@ -7,6 +7,7 @@ Folders are searched recursively for image files. The class names, image size an
 come from the checkpoint. A file that cannot be read is reported in the output (with its
 error) and the others are still predicted. Prints a table, or JSON with ``--json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,17 @@ from inference import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="predict.py", description="Top-k class predictions for image files and folders.")
-    parser.add_argument("inputs", nargs="+", type=Path,
-                        help="image files and/or folders (searched recursively)")
-    add_inference_arguments(parser, 32, "images per batch",
-                            "loader workers (default: min(4, cores); none for a single batch)")
+        prog="predict.py", description="Top-k class predictions for image files and folders."
+    )
+    parser.add_argument(
+        "inputs", nargs="+", type=Path, help="image files and/or folders (searched recursively)"
+    )
+    add_inference_arguments(
+        parser,
+        32,
+        "images per batch",
+        "loader workers (default: min(4, cores); none for a single batch)",
+    )
     parser.add_argument("--topk", type=int, default=3, help="predictions per image (default: 3)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -58,9 +65,15 @@ def collect_images(inputs: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for item in inputs:
         if item.is_dir():
-            found = sorted(p for p in item.rglob("*") if p.is_file() and is_image_file(p)
-                           and not any(is_hidden_folder_name(part)
-                                       for part in p.relative_to(item).parent.parts))
+            found = sorted(
+                p
+                for p in item.rglob("*")
+                if p.is_file()
+                and is_image_file(p)
+                and not any(
+                    is_hidden_folder_name(part) for part in p.relative_to(item).parent.parts
+                )
+            )
             if not found:
                 raise UserError(f"{item} holds no image files ({'/'.join(IMAGE_EXTENSIONS)})")
             files += found
@@ -91,13 +104,22 @@ class ImageFiles(Dataset):
 
 
 @torch.no_grad()
-def predict(classifier: Classifier, paths: list[Path], topk: int, device: torch.device,
-            batch_size: int, num_workers: int) -> list[dict[str, Any]]:
+def predict(
+    classifier: Classifier,
+    paths: list[Path],
+    topk: int,
+    device: torch.device,
+    batch_size: int,
+    num_workers: int,
+) -> list[dict[str, Any]]:
     """One record per file, in order: ``{"path", "predictions": [{"class", "probability"}]}``
     or ``{"path", "error"}``."""
-    loader = DataLoader(ImageFiles(paths, classifier.transform, classifier.image_size),
-                        batch_size=batch_size, num_workers=num_workers,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        ImageFiles(paths, classifier.transform, classifier.image_size),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
     k = min(topk, len(classifier.class_names))
     results: list[dict[str, Any]] = []
     for images, errors in loader:
@@ -113,9 +135,15 @@ def predict(classifier: Classifier, paths: list[Path], topk: int, device: torch.
             if error:
                 results.append({"path": path, "error": error})
                 continue
-            results.append({"path": path, "predictions": [
-                {"class": classifier.class_names[i], "probability": p}
-                for i, p in zip(top_i[j], top_p[j], strict=True)]})
+            results.append(
+                {
+                    "path": path,
+                    "predictions": [
+                        {"class": classifier.class_names[i], "probability": p}
+                        for i, p in zip(top_i[j], top_p[j], strict=True)
+                    ],
+                }
+            )
     return results
 
 
@@ -138,9 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = choose_device(args.device, local_rank=0)
     classifier = load_classifier(args.checkpoint, device)
     # Loader processes only pay for themselves when there is more than one batch to read.
-    workers = (args.num_workers if args.num_workers is not None
-               else 0 if len(paths) <= args.batch_size
-               else default_num_workers(cpu_cores_available()))
+    workers = (
+        args.num_workers
+        if args.num_workers is not None
+        else 0
+        if len(paths) <= args.batch_size
+        else default_num_workers(cpu_cores_available())
+    )
     results = predict(classifier, paths, args.topk, device, args.batch_size, workers)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     failed = sum("error" in r for r in results)

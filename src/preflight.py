@@ -7,6 +7,7 @@ and everything that needs torch or timm (the model name, decoding the images, th
 loading a checkpoint) is checked there and reaches the console as one line through the launcher
 (see ``outcome.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ from image_files import IMAGE_EXTENSIONS, class_folders, is_image_file
 
 # ----------------------------------------------------------------------------- data folders
 
+
 def find_classes(folder: Path, role: str) -> list[str]:
     """Class folder names of an ImageFolder (hidden folders and __MACOSX are never classes), or
     one clear error."""
@@ -27,8 +29,9 @@ def find_classes(folder: Path, role: str) -> list[str]:
         raise UserError(f"{role} folder {folder} does not exist")
     classes = [p.name for p in class_folders(folder)]
     if not classes:
-        raise UserError(f"{role} folder {folder} has no class folders; expected "
-                        f"{folder}/<class>/<image files>")
+        raise UserError(
+            f"{role} folder {folder} has no class folders; expected {folder}/<class>/<image files>"
+        )
     return classes
 
 
@@ -39,36 +42,46 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
             f"no dataset found: looked for {train_dir.resolve()} and {val_dir.resolve()}. "
             "Try the bundled demo with `python launch_ddp.py --demo`, or put your images in "
             f"{train_dir}/<class>/*.jpg and {val_dir}/<class>/*.jpg "
-            "(or point --train_dir/--val_dir at them)")
+            "(or point --train_dir/--val_dir at them)"
+        )
     train_classes = find_classes(train_dir, "training")
     val_classes = find_classes(val_dir, "validation")
     if train_classes != val_classes:
         only_train = sorted(set(train_classes) - set(val_classes))
         only_val = sorted(set(val_classes) - set(train_classes))
-        raise UserError(f"the class folders of {train_dir} and {val_dir} differ: "
-                        f"missing in validation: {only_train or 'none'}; "
-                        f"missing in training: {only_val or 'none'}")
+        raise UserError(
+            f"the class folders of {train_dir} and {val_dir} differ: "
+            f"missing in validation: {only_train or 'none'}; "
+            f"missing in training: {only_val or 'none'}"
+        )
     return train_classes
 
 
 def count_images(folder: Path, classes: list[str]) -> dict[str, int]:
     """Image files (by extension) under each class folder, walked the way torchvision's
     ImageFolder walks it (recursively, following links)."""
-    return {name: sum(is_image_file(file) for _, _, files in os.walk(folder / name,
-                                                                     followlinks=True)
-                      for file in files)
-            for name in classes}
+    return {
+        name: sum(
+            is_image_file(file)
+            for _, _, files in os.walk(folder / name, followlinks=True)
+            for file in files
+        )
+        for name in classes
+    }
 
 
 def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str) -> None:
     empty = [name for name, n in counts.items() if n == 0]
     if empty:
-        raise UserError(f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no "
-                        f"image files ({'/'.join(IMAGE_EXTENSIONS)}); add images or remove the "
-                        "folder")
+        raise UserError(
+            f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no "
+            f"image files ({'/'.join(IMAGE_EXTENSIONS)}); add images or remove the "
+            "folder"
+        )
 
 
 # ----------------------------------------------------------------------------- flags
+
 
 def check_device_options(cfg: TrainConfig, device_type: str) -> None:
     if device_type == "cuda":
@@ -76,16 +89,19 @@ def check_device_options(cfg: TrainConfig, device_type: str) -> None:
     if cfg.cache_images == "gpu":
         raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
     if cfg.sync_bn:
-        raise UserError("--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the "
-                        "CPU")
+        raise UserError(
+            "--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the CPU"
+        )
 
 
 def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
     """Every process needs at least one full batch per epoch (the last partial one is dropped)."""
     if math.ceil(train_images / world_size) < cfg.batch_size:
-        raise UserError(f"{cfg.train_dir} has {train_images} images: too few for "
-                        f"--batch_size {cfg.batch_size} on {world_size} process(es); "
-                        "lower --batch_size")
+        raise UserError(
+            f"{cfg.train_dir} has {train_images} images: too few for "
+            f"--batch_size {cfg.batch_size} on {world_size} process(es); "
+            "lower --batch_size"
+        )
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
@@ -107,12 +123,14 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
     classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
     train_counts = count_images(Path(cfg.train_dir), classes)
     check_no_empty_class_folder(Path(cfg.train_dir), train_counts, "training")
-    check_no_empty_class_folder(Path(cfg.val_dir), count_images(Path(cfg.val_dir), classes),
-                                "validation")
+    check_no_empty_class_folder(
+        Path(cfg.val_dir), count_images(Path(cfg.val_dir), classes), "validation"
+    )
     check_batch_fits(sum(train_counts.values()), cfg, world_size)
 
 
 # ----------------------------------------------------------------------------- GPUs
+
 
 def visible_gpu_count() -> int:
     """The CUDA GPUs a process started from here would see, without importing torch.

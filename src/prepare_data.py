@@ -8,6 +8,7 @@ on its own (so every class keeps the ratio), in an order drawn from (--seed, cla
 seed gives the same split, and adding a class does not move the files of the others. Files are
 copied, or linked with --link. Files that are not images are left out and counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ STAGING = ".prepare_data.partial"
 @dataclass
 class ClassSplit:
     name: str
-    train: list[Path] = field(default_factory=list)   # paths relative to the class folder
+    train: list[Path] = field(default_factory=list)  # paths relative to the class folder
     val: list[Path] = field(default_factory=list)
     not_images: int = 0
 
@@ -42,22 +43,37 @@ class ClassSplit:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prepare_data.py",
-        description="Split SOURCE/<class>/<images> into OUTPUT/train and OUTPUT/val, per class.")
-    parser.add_argument("--source", type=Path, required=True,
-                        help="folder of class folders (or a folder holding one such folder)")
-    parser.add_argument("--output", type=Path, default=Path("data"),
-                        help="writes OUTPUT/train and OUTPUT/val (default: data)")
-    parser.add_argument("--val_ratio", type=float, default=0.2,
-                        help="share of each class put in val (default: 0.2)")
+        description="Split SOURCE/<class>/<images> into OUTPUT/train and OUTPUT/val, per class.",
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        required=True,
+        help="folder of class folders (or a folder holding one such folder)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("data"),
+        help="writes OUTPUT/train and OUTPUT/val (default: data)",
+    )
+    parser.add_argument(
+        "--val_ratio", type=float, default=0.2, help="share of each class put in val (default: 0.2)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
-    parser.add_argument("--link", action="store_true",
-                        help="symlink the files instead of copying them")
-    parser.add_argument("--force", action="store_true",
-                        help="replace OUTPUT/train and OUTPUT/val if they are not empty")
+    parser.add_argument(
+        "--link", action="store_true", help="symlink the files instead of copying them"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUTPUT/train and OUTPUT/val if they are not empty",
+    )
     return parser
 
 
 # ----------------------------------------------------------------------------- finding classes
+
 
 def visible_subfolders(folder: Path) -> list[Path]:
     """Subfolders that can be classes (the shared rule: not hidden, not __MACOSX)."""
@@ -74,11 +90,14 @@ def find_class_root(source: Path) -> Path:
         return source
     # Only folders holding images count: a zip made on a Mac adds __MACOSX/ full of "._" files.
     with_images = [folder for folder in subfolders if _holds_images(folder)]
-    if len(with_images) == 1 and any(_has_direct_images(f)
-                                     for f in visible_subfolders(with_images[0])):
+    if len(with_images) == 1 and any(
+        _has_direct_images(f) for f in visible_subfolders(with_images[0])
+    ):
         return with_images[0]
-    raise UserError(f"--source {source} holds no class folders with images; expected "
-                    f"{source}/<class>/<image files> ({'/'.join(IMAGE_EXTENSIONS)})")
+    raise UserError(
+        f"--source {source} holds no class folders with images; expected "
+        f"{source}/<class>/<image files> ({'/'.join(IMAGE_EXTENSIONS)})"
+    )
 
 
 def _has_direct_images(folder: Path) -> bool:
@@ -107,6 +126,7 @@ def list_class_files(class_folder: Path) -> tuple[list[Path], int]:
 
 
 # ----------------------------------------------------------------------------- splitting
+
 
 def val_count(images: int, val_ratio: float) -> int:
     """Images of a class put in val: the ratio rounded half up, at least one on each side when
@@ -143,20 +163,28 @@ def plan_split(root: Path, val_ratio: float, seed: int) -> list[ClassSplit]:
 
 # ----------------------------------------------------------------------------- writing
 
+
 def check_output(output: Path, root: Path, force: bool) -> None:
     """Refuse to mix a new split with an old one, and never let --force delete the source."""
     source = root.resolve()
     for split in SPLITS:
         target = (output / split).resolve()
         if target == source or source in target.parents or target in source.parents:
-            raise UserError(f"--output {output} and --source {root} overlap: "
-                            f"{output / split} would contain or replace the source images")
-    busy = [output / s for s in SPLITS
-            if (output / s).exists() and (not (output / s).is_dir() or any((output / s).iterdir()))]
+            raise UserError(
+                f"--output {output} and --source {root} overlap: "
+                f"{output / split} would contain or replace the source images"
+            )
+    busy = [
+        output / s
+        for s in SPLITS
+        if (output / s).exists() and (not (output / s).is_dir() or any((output / s).iterdir()))
+    ]
     if busy and not force:
-        raise UserError(f"{busy[0]} is not empty; pass --force to replace {output / 'train'} and "
-                        f"{output / 'val'} (nothing else in {output} is touched), or choose "
-                        "another --output")
+        raise UserError(
+            f"{busy[0]} is not empty; pass --force to replace {output / 'train'} and "
+            f"{output / 'val'} (nothing else in {output} is touched), or choose "
+            "another --output"
+        )
 
 
 def write_split(plan: list[ClassSplit], root: Path, output: Path, link: bool) -> None:
@@ -167,8 +195,9 @@ def write_split(plan: list[ClassSplit], root: Path, output: Path, link: bool) ->
     for split in plan:
         for name, files in (("train", split.train), ("val", split.val)):
             for relative in files:
-                place_file(root / split.name / relative, staging / name / split.name / relative,
-                           link)
+                place_file(
+                    root / split.name / relative, staging / name / split.name / relative, link
+                )
     for name in SPLITS:
         (staging / name).mkdir(parents=True, exist_ok=True)
         target = output / name
@@ -213,12 +242,17 @@ def warnings_for(plan: list[ClassSplit], val_ratio: float) -> list[str]:
         warnings.append(f"WARNING: class folders without images, left out: {', '.join(empty)}")
     few = [s for s in plan if s.images and too_few_to_split(s.images, val_ratio)]
     if few:
-        listed = ", ".join(f"{s.name} ({s.images}: {len(s.train)} train / {len(s.val)} val)"
-                           for s in few)
-        advice = ("; training needs every class in val: add images or remove the folder"
-                  if any(not s.val for s in few) else "")
-        warnings.append(f"WARNING: too few images to split at --val_ratio {val_ratio}: "
-                        f"{listed}{advice}")
+        listed = ", ".join(
+            f"{s.name} ({s.images}: {len(s.train)} train / {len(s.val)} val)" for s in few
+        )
+        advice = (
+            "; training needs every class in val: add images or remove the folder"
+            if any(not s.val for s in few)
+            else ""
+        )
+        warnings.append(
+            f"WARNING: too few images to split at --val_ratio {val_ratio}: {listed}{advice}"
+        )
     return warnings
 
 

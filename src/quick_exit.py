@@ -8,6 +8,7 @@ Everything torchrun does (rendezvous, monitoring, restarts, the exit barrier bet
 stopping workers on a signal) runs unchanged; only the teardown after its last action is skipped.
 Its exit code and its failure reports (on stderr) are torchrun's.
 """
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@
 Only the standard library and ``errors``: the launcher can run these checks before it starts
 torchrun, without importing torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 # errno values of a file system without flock (some network file systems).
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 
 class FolderBusy(UserError):
@@ -49,8 +50,10 @@ class FolderBusy(UserError):
 def check_checkpoint_dir(folder: Path) -> None:
     """``--checkpoint_dir`` must be a folder (or not exist yet), never a file."""
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"--checkpoint_dir {folder} is a file, not a folder; give a folder "
-                        "for the checkpoints (it is created if missing)")
+        raise UserError(
+            f"--checkpoint_dir {folder} is a file, not a folder; give a folder "
+            "for the checkpoints (it is created if missing)"
+        )
 
 
 class FolderLock:
@@ -71,16 +74,20 @@ class FolderLock:
             # No O_TRUNC: opening must not erase the holder's pid before we know we are not it.
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise UserError(f"cannot create the lock file {self.path} in --checkpoint_dir: "
-                            f"{err.strerror}; choose a folder you can write to") from None
+            raise UserError(
+                f"cannot create the lock file {self.path} in --checkpoint_dir: "
+                f"{err.strerror}; choose a folder you can write to"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
             if err.errno in NO_LOCKS:
-                log.warning(f"the file system of {self.path.parent} does not support "
-                            "file locks: nothing stops a second run from using it at the same "
-                            "time")
+                log.warning(
+                    f"the file system of {self.path.parent} does not support "
+                    "file locks: nothing stops a second run from using it at the same "
+                    "time"
+                )
                 return
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
@@ -89,15 +96,17 @@ class FolderLock:
         started = datetime.datetime.now().isoformat(timespec="seconds")
         try:
             os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n"
-                     .encode())
+            os.write(
+                fd,
+                f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(),
+            )
         except OSError:
-            pass   # a full disk: the lock holds all the same; only the holder's name is missing
+            pass  # a full disk: the lock holds all the same; only the holder's name is missing
 
     def release(self) -> None:
         # The file stays: deleting a lock file races with a process that has just opened it.
         if self._fd is not None:
-            os.close(self._fd)   # closing the descriptor releases the flock
+            os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
     def __enter__(self) -> FolderLock:
@@ -109,8 +118,10 @@ class FolderLock:
 
 
 def folder_busy(folder: Path, holder: str) -> FolderBusy:
-    return FolderBusy(f"--checkpoint_dir {folder} is in use by another run ({holder}); wait "
-                      "for it to finish or stop it, or give another --checkpoint_dir")
+    return FolderBusy(
+        f"--checkpoint_dir {folder} is in use by another run ({holder}); wait "
+        "for it to finish or stop it, or give another --checkpoint_dir"
+    )
 
 
 def read_holder(lock_path: Path) -> str:
@@ -145,8 +156,7 @@ def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().parent == folder.resolve()
 
 
-def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None,
-                  overwrite: bool) -> None:
+def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool) -> None:
     """A run may write into folders holding an earlier run's results only if it continues that
     run (``--resume auto`` finding a checkpoint there, or ``--resume`` one of that folder's
     checkpoints) or was told to start over (``--overwrite``)."""
@@ -155,8 +165,12 @@ def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None,
     found = previous_run_files(checkpoint_dir, log_dir)
     checkpoints = [path for path in found if path.parent == checkpoint_dir]
     # --resume auto continues from the latest checkpoint (or its fallback), never from the best.
-    continues = (resume == "auto" and any(path.name != BEST_NAME for path in checkpoints)
-                 or resume not in (None, "auto") and _inside(Path(resume), checkpoint_dir))
+    continues = (
+        resume == "auto"
+        and any(path.name != BEST_NAME for path in checkpoints)
+        or resume not in (None, "auto")
+        and _inside(Path(resume), checkpoint_dir)
+    )
     if continues or not found:
         return
     if resume is None:
@@ -165,18 +179,26 @@ def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None,
         start = f"--resume auto found no checkpoint to continue in {checkpoint_dir}, and a new run"
     else:
         start = f"--resume {resume} continues a checkpoint of another folder, and this run"
-    choices = (["--resume auto to continue that run"] if checkpoints and resume is None else [])
+    choices = ["--resume auto to continue that run"] if checkpoints and resume is None else []
     choices.append("--overwrite to start over and replace them")
-    folders = " and ".join(flag for flag, used in (("--checkpoint_dir", checkpoints),
-                                                   ("--log_dir", len(found) > len(checkpoints)))
-                           if used)
-    raise UserError(f"{start} would replace the results of an earlier run "
-                    f"({', '.join(str(path) for path in found)}): add {', '.join(choices)}, or "
-                    f"give another {folders}")
+    folders = " and ".join(
+        flag
+        for flag, used in (
+            ("--checkpoint_dir", checkpoints),
+            ("--log_dir", len(found) > len(checkpoints)),
+        )
+        if used
+    )
+    raise UserError(
+        f"{start} would replace the results of an earlier run "
+        f"({', '.join(str(path) for path in found)}): add {', '.join(choices)}, or "
+        f"give another {folders}"
+    )
 
 
-def check_run_folder(checkpoint_dir: Path, log_dir: Path, resume: str | None,
-                     overwrite: bool) -> None:
+def check_run_folder(
+    checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool
+) -> None:
     """The whole check, without keeping the lock: for a launcher, before it starts anything
     (the run itself still takes the lock, since another run may start in between)."""
     check_checkpoint_dir(checkpoint_dir)
@@ -187,10 +209,16 @@ def check_run_folder(checkpoint_dir: Path, log_dir: Path, resume: str | None,
 
 
 @contextlib.contextmanager
-def claim_run_folder(checkpoint_dir: Path, log_dir: Path, *, resume: str | None,
-                     overwrite: bool, enabled: bool, first_attempt: bool = True,
-                     agree: Callable[[str | None], str | None] = lambda error: error
-                     ) -> Iterator[None]:
+def claim_run_folder(
+    checkpoint_dir: Path,
+    log_dir: Path,
+    *,
+    resume: str | None,
+    overwrite: bool,
+    enabled: bool,
+    first_attempt: bool = True,
+    agree: Callable[[str | None], str | None] = lambda error: error,
+) -> Iterator[None]:
     """Lock ``checkpoint_dir`` for the duration of the block and check that the run may write
     there. Only the process that writes checkpoints (``enabled``) looks; ``agree`` must run on
     every process and return that process's verdict (None, or the error line), so all of them
@@ -223,8 +251,12 @@ def claim_run_folder(checkpoint_dir: Path, log_dir: Path, *, resume: str | None,
         lock.release()
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
-                 needed_bytes: Callable[[], int], keep_previous_as: Path | None = None) -> None:
+def atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    needed_bytes: Callable[[], int],
+    keep_previous_as: Path | None = None,
+) -> None:
     """``write(file)`` to a temporary file beside ``path``, fsync, then rename it into place.
 
     A crash leaves the old file or the new one, never a torn one. With ``keep_previous_as`` the
@@ -239,7 +271,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
             write(f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException as err:   # the partial file goes, whatever stopped the write
+    except BaseException as err:  # the partial file goes, whatever stopped the write
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError) and err.errno in NO_SPACE:
             raise disk_full_error(path, needed_bytes()) from None
@@ -261,10 +293,12 @@ def _fsync_dir(folder: Path) -> None:
 
 def disk_full_error(path: Path, needed: int) -> UserError:
     free = shutil.disk_usage(path.parent).free
-    return UserError(f"no space left on the device to write {path}: it needs about "
-                     f"{format_bytes(needed)}, {format_bytes(free)} are free there; free some "
-                     "space, then continue with --resume auto (the files written before are "
-                     "intact)")
+    return UserError(
+        f"no space left on the device to write {path}: it needs about "
+        f"{format_bytes(needed)}, {format_bytes(free)} are free there; free some "
+        "space, then continue with --resume auto (the files written before are "
+        "intact)"
+    )
 
 
 def format_bytes(n: float) -> str:

@@ -7,6 +7,7 @@ them was signalled; they then save a checkpoint together and leave the loop. A s
 later than the burst a single Ctrl-C produces (the terminal and torchrun both deliver it), exits
 at once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ import torch
 from distributed import all_reduce_max, host_group
 from lifecycle import STOP_SIGNALS, exit_code_for
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 SIGNALS = STOP_SIGNALS
 # One request can reach a rank twice: a signal sent to every process of a job (SLURM, Kubernetes)
@@ -46,8 +47,10 @@ class StopRequest:
         now = time.monotonic()
         if self.signum is None:
             self.signum, self.received_at = signum, now
-            log.warning(f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
-                        "step and stopping (send it again to exit at once)")
+            log.warning(
+                f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
+                "step and stopping (send it again to exit at once)"
+            )
         elif now - self.received_at > SAME_REQUEST_SECONDS:
             log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
             os._exit(exit_code_for(signum))
@@ -94,6 +97,7 @@ def kill_point(rank: int) -> tuple[int, int] | None:
 
 def maybe_inject_fault(point: tuple[int, int] | None, epoch: int, step: int, rank: int) -> None:
     if point == (epoch, step):
-        log.warning(f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, "
-                    f"step {step}")
+        log.warning(
+            f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, step {step}"
+        )
         os.kill(os.getpid(), signal.SIGKILL)

@@ -27,6 +27,7 @@ Cost. Each call is one event (all its values in one protocol buffer) put on a qu
 background thread writes the file. The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
 refuses tensors, so it can never make the host wait for the GPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,11 +69,14 @@ class TensorBoardLogger:
             if purge_step is not None:
                 dropped = truncate_event_files(self.folder, purge_step)
                 if dropped:
-                    log.info(f"TensorBoard: removed {dropped} event(s) at step {purge_step} or "
-                             f"later from {self.folder} (written after the point this run "
-                             "starts from)")
-            self._writer = SummaryWriter(str(self.folder), purge_step=purge_step,
-                                         max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS)
+                    log.info(
+                        f"TensorBoard: removed {dropped} event(s) at step {purge_step} or "
+                        f"later from {self.folder} (written after the point this run "
+                        "starts from)"
+                    )
+            self._writer = SummaryWriter(
+                str(self.folder), purge_step=purge_step, max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS
+            )
 
     @property
     def enabled(self) -> bool:
@@ -84,21 +88,28 @@ class TensorBoardLogger:
         images_per_sec, data_wait_share)."""
         if self._writer is None:
             return
-        self._add_scalars({f"train/{name}": _number(name, value)
-                           for name, value in metrics.items()}, global_step)
+        self._add_scalars(
+            {f"train/{name}": _number(name, value) for name, value in metrics.items()}, global_step
+        )
 
     def on_epoch_end(self, global_step: int, record: Mapping[str, Any]) -> None:
         """Every numeric field of the epoch's history record, as ``epoch/<field>``, at the global
         step where the epoch ended; then flushes, so finished epochs are on disk."""
         if self._writer is None:
             return
-        self._add_scalars({f"epoch/{name}": float(value) for name, value in record.items()
-                           if isinstance(value, numbers.Real)},   # skips strings, None, lists
-                          global_step)
+        self._add_scalars(
+            {
+                f"epoch/{name}": float(value)
+                for name, value in record.items()
+                if isinstance(value, numbers.Real)
+            },  # skips strings, None, lists
+            global_step,
+        )
         self._writer.flush()
 
-    def on_run_end(self, global_step: int, hparams: Mapping[str, Any],
-                   final_metrics: Mapping[str, float]) -> None:
+    def on_run_end(
+        self, global_step: int, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]
+    ) -> None:
         """The run's settings and final metrics, for TensorBoard's HPARAMS tab, in this run's
         own folder (see ``_write_hparams``); the metrics are also ``final/<name>`` scalars."""
         if self._writer is None:
@@ -108,9 +119,15 @@ class TensorBoardLogger:
         self._add_scalars(metrics, global_step)
         self._writer.flush()
 
-    def add_image_grid(self, images, tag: str = "train/augmented_images", global_step: int = 0,
-                       mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                       max_images: int = 16) -> None:
+    def add_image_grid(
+        self,
+        images,
+        tag: str = "train/augmented_images",
+        global_step: int = 0,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        max_images: int = 16,
+    ) -> None:
         """A grid of the first ``max_images`` of a batch [N, C, H, W]: uint8 (0-255), or float,
         normalised with ``mean``/``std`` if given, else in [0, 1]. It copies the images to the
         host (a GPU sync): call it once, outside the timed steps."""
@@ -145,12 +162,14 @@ class TensorBoardLogger:
         cost of a logging step with four values."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)
-                                 for tag, value in values.items()])
+        summary = Summary(
+            value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()]
+        )
         self._writer._get_file_writer().add_summary(summary, global_step)
 
-    def _write_hparams(self, global_step: int, hparams: dict[str, bool | float | str],
-                       metric_tags: list[str]) -> None:
+    def _write_hparams(
+        self, global_step: int, hparams: dict[str, bool | float | str], metric_tags: list[str]
+    ) -> None:
         """The hparams plugin's experiment and session summaries, in this writer's own file.
 
         torch's ``SummaryWriter.add_hparams`` writes them, with a copy of the metrics, into a new
@@ -166,7 +185,8 @@ class TensorBoardLogger:
 
         experiment = summary_v2.hparams_config_pb(
             hparams=[summary_v2.HParam(name) for name in hparams],
-            metrics=[summary_v2.Metric(tag) for tag in metric_tags])
+            metrics=[summary_v2.Metric(tag) for tag in metric_tags],
+        )
         session = summary_v2.hparams_pb(hparams)
         file_writer = self._writer._get_file_writer()
         file_writer.add_summary(experiment, global_step)
@@ -204,12 +224,18 @@ def truncate_event_files(folder: Path, step: int) -> int:
 def hparams_for_tensorboard(config: Mapping[str, Any]) -> dict[str, bool | float | str]:
     """The config as the hparams plugin accepts it: booleans, numbers and strings; anything
     else (None, lists, paths) as its text."""
-    return {name: value if isinstance(value, (bool, int, float, str)) else str(value)
-            for name, value in config.items()}
+    return {
+        name: value if isinstance(value, (bool, int, float, str)) else str(value)
+        for name, value in config.items()
+    }
 
 
-def image_grid(images, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-               max_images: int = 16):
+def image_grid(
+    images,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    max_images: int = 16,
+):
     """[3, H', W'] float grid in [0, 1] of up to ``max_images`` images (see ``add_image_grid``)."""
     import torch
     from torchvision.utils import make_grid
@@ -223,7 +249,7 @@ def image_grid(images, mean: Sequence[float] | None = None, std: Sequence[float]
         batch = batch.float()
         if mean is not None and std is not None:
             shape = (1, -1, 1, 1)
-            batch = (batch * torch.tensor(std).view(shape) + torch.tensor(mean).view(shape))
+            batch = batch * torch.tensor(std).view(shape) + torch.tensor(mean).view(shape)
     return make_grid(batch.clamp(0, 1), nrow=min(8, len(batch)), padding=2)
 
 
@@ -231,6 +257,8 @@ def _number(name: str, value: Any) -> float:
     """A Python number as float. A tensor is refused: reading it here would wait for the GPU
     (the caller reads its values once, at the every-log_interval sync)."""
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"TensorBoard metric {name!r} must be a Python number, got "
-                        f"{type(value).__name__}; read tensors with .item() at the log sync")
+        raise TypeError(
+            f"TensorBoard metric {name!r} must be a Python number, got "
+            f"{type(value).__name__}; read tensors with .item() at the log sync"
+        )
     return float(value)

@@ -7,6 +7,7 @@ Run it through the launcher, under torchrun directly, or alone (world size 1):
     python src/train_ddp.py --train_dir data/train --val_dir data/val --use_amp
     python src/train_ddp.py --demo --device cpu
 """
+
 from __future__ import annotations
 
 import time
@@ -81,11 +82,12 @@ from run_parts import build_run_parts
 from stopping import StopRequest, kill_point, maybe_inject_fault
 from tensorboard_log import TensorBoardLogger
 
-log = logging.getLogger(f"trainer.{__name__}")   # under the project logger
+log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 DEMO_ROOT = Path("data/demo")
 
 
 # ----------------------------------------------------------------------------- set-up pieces
+
 
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     check_device_options(cfg, dist.device.type)
@@ -93,63 +95,113 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
     train_set, val_set, class_names = build_datasets(
-        Path(cfg.train_dir), Path(cfg.val_dir), cfg.image_size, cfg.seed,
-        cfg.crop_scale_min, cfg.hflip, log_dir=Path(cfg.log_dir), rank=dist.rank,
-        world_size=dist.world_size, cache=cfg.cache_images, cache_budget_bytes=budget,
-        cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu", threads=cores)
+        Path(cfg.train_dir),
+        Path(cfg.val_dir),
+        cfg.image_size,
+        cfg.seed,
+        cfg.crop_scale_min,
+        cfg.hflip,
+        log_dir=Path(cfg.log_dir),
+        rank=dist.rank,
+        world_size=dist.world_size,
+        cache=cfg.cache_images,
+        cache_budget_bytes=budget,
+        cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu",
+        threads=cores,
+    )
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
-    workers = (cfg.num_workers if cfg.num_workers is not None
-               else default_num_workers(cores, dist.device.type, cached))
+    workers = (
+        cfg.num_workers
+        if cfg.num_workers is not None
+        else default_num_workers(cores, dist.device.type, cached)
+    )
     pin = dist.device.type == "cuda"
-    if cfg.cache_images == "gpu":   # batches are made on the device by the main process
+    if cfg.cache_images == "gpu":  # batches are made on the device by the main process
         workers, pin = 0, False
-    train_loader = make_loader(train_set, train_sampler, cfg.batch_size, train=True,
-                               num_workers=workers, pin_memory=pin,
-                               prefetch_factor=cfg.prefetch_factor)
-    val_loader = make_loader(val_set, ShardSampler(len(val_set), dist.rank, dist.world_size),
-                             cfg.batch_size, train=False, num_workers=workers, pin_memory=pin,
-                             prefetch_factor=cfg.prefetch_factor)
+    train_loader = make_loader(
+        train_set,
+        train_sampler,
+        cfg.batch_size,
+        train=True,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=cfg.prefetch_factor,
+    )
+    val_loader = make_loader(
+        val_set,
+        ShardSampler(len(val_set), dist.rank, dist.world_size),
+        cfg.batch_size,
+        train=False,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=cfg.prefetch_factor,
+    )
     return train_loader, val_loader, train_sampler, class_names
 
 
 def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict[str, Any]:
-    return {"config": cfg.to_dict(), "world_size": dist.world_size,
-            "device": str(dist.device.type), "class_names": class_names,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "torchvision": torchvision.__version__, "timm": timm.__version__}}
+    return {
+        "config": cfg.to_dict(),
+        "world_size": dist.world_size,
+        "device": str(dist.device.type),
+        "class_names": class_names,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "timm": timm.__version__,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- the trainer
+
 
 class Trainer:
     """The state of one run and the steps of its loop; ``main()`` below is its table of contents."""
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
-        self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(cfg, dist)
+        self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(
+            cfg, dist
+        )
         self.steps_per_epoch = len(self.train_loader)
         self.parts = build_run_parts(cfg, dist, len(self.class_names), self.steps_per_epoch)
         self.model, self.plain_model = self.parts.model, self.parts.plain_model
         self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
         self.precision, self.scaler = self.parts.precision, self.parts.scaler
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
-        self.plan = build_memory_plan(cfg, dist.device, dist.local_world_size, self.plain_model,
-                                      self.optimizer, self.parts.criterion, self.precision,
-                                      len(self.class_names))
+        self.plan = build_memory_plan(
+            cfg,
+            dist.device,
+            dist.local_world_size,
+            self.plain_model,
+            self.optimizer,
+            self.parts.criterion,
+            self.precision,
+            len(self.class_names),
+        )
         self.step_state = self.parts.step_state(self.plan)
-        self.checkpoints = CheckpointWriter(Path(cfg.checkpoint_dir), enabled=dist.is_main,
-                                            replace_previous_run=cfg.overwrite)
-        self.history = HistoryWriter(Path(cfg.log_dir) / "training_history.json",
-                                     run_header(cfg, dist, self.class_names), enabled=dist.is_main)
+        self.checkpoints = CheckpointWriter(
+            Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
+        )
+        self.history = HistoryWriter(
+            Path(cfg.log_dir) / "training_history.json",
+            run_header(cfg, dist, self.class_names),
+            enabled=dist.is_main,
+        )
         self.stop = StopRequest(dist.is_distributed)
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
         # Per-step work, each at the loop's hook points (see engine.StepHook); a logger is one
         # more entry here.
-        self.hooks: list = [PositionKeeper(self), FaultInjection(dist.rank, self),
-                            CheckpointAndStop(self)]
+        self.hooks: list = [
+            PositionKeeper(self),
+            FaultInjection(dist.rank, self),
+            CheckpointAndStop(self),
+        ]
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -160,9 +212,11 @@ class Trainer:
         # one) would train other weights from another position, and hang at the epoch's end.
         positions = all_gather_objects((self.epoch, self.step))
         if len(set(positions)) > 1:
-            raise UserError(f"the processes resume from different positions (epoch, step) "
-                            f"{positions}: --checkpoint_dir must be one folder that every node "
-                            "sees (a shared file system), or give --resume PATH on every node")
+            raise UserError(
+                f"the processes resume from different positions (epoch, step) "
+                f"{positions}: --checkpoint_dir must be one folder that every node "
+                "sees (a shared file system), or give --resume PATH on every node"
+            )
         # The logger continues from the position resumed (dropping what a crashed run wrote
         # after it), so it joins the hooks once that position is known.
         self.hooks.append(TensorBoardHook(self))
@@ -175,39 +229,49 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         ckpt = load_training_checkpoint(path)
         check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
-        changes = check_resume_settings(ckpt, path, self.cfg.to_dict(), self.dist.world_size,
-                                        override=self.cfg.resume_override)
+        changes = check_resume_settings(
+            ckpt, path, self.cfg.to_dict(), self.dist.world_size, override=self.cfg.resume_override
+        )
         from_flags = optimisation_settings(self.optimizer, self.scheduler)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
         restore_optimizer_state(self.optimizer, ckpt["optimizer_state_dict"])
         self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
-        if changes:   # --resume_override: the new values, over the loaded moments and step count
+        if changes:  # --resume_override: the new values, over the loaded moments and step count
             apply_optimisation_settings(self.optimizer, self.scheduler, from_flags)
-            log.info(f"--resume_override: applied {'; '.join(changes)}; learning rate now "
-                     f"{self.optimizer.param_groups[0]['lr']:.3g}")
+            log.info(
+                f"--resume_override: applied {'; '.join(changes)}; learning rate now "
+                f"{self.optimizer.param_groups[0]['lr']:.3g}"
+            )
         if ckpt.get("scaler_state_dict"):
             self.scaler.load_state_dict(ckpt["scaler_state_dict"])
         self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
         self.best_acc = ckpt.get("best_acc", 0.0)
         # A micro-batch halved after an out-of-memory error stays halved.
-        self.plan.micro_batch = min(self.plan.micro_batch,
-                                    ckpt.get("micro_batch", self.plan.micro_batch))
+        self.plan.micro_batch = min(
+            self.plan.micro_batch, ckpt.get("micro_batch", self.plan.micro_batch)
+        )
         # The checkpoint's own history: records written after it (by the run that crashed)
         # are dropped, so every epoch appears exactly once.
         self.history.records = list(ckpt.get("history", []))
         self.history.save()
         rank_states = ckpt.get("rank_states") or []
-        same_layout = (len(rank_states) == self.dist.world_size
-                       and ckpt.get("config", {}).get("batch_size") == self.cfg.batch_size)
+        same_layout = (
+            len(rank_states) == self.dist.world_size
+            and ckpt.get("config", {}).get("batch_size") == self.cfg.batch_size
+        )
         if same_layout:
             self.resumed_sums = restore_rank_state(rank_states[self.dist.rank], self.dist.device)
         elif self.step:
-            log.warning(f"{path} was written by {len(rank_states)} process(es) with "
-                        f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
-                        f"layout, epoch {self.epoch + 1} restarts from its first step")
+            log.warning(
+                f"{path} was written by {len(rank_states)} process(es) with "
+                f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
+                f"layout, epoch {self.epoch + 1} restarts from its first step"
+            )
             self.step = 0
-        log.info(f"Resumed from {path}: epoch {self.epoch + 1}, step {self.step} of "
-                 f"{self.steps_per_epoch}, best val_acc {self.best_acc:.4f}")
+        log.info(
+            f"Resumed from {path}: epoch {self.epoch + 1}, step {self.step} of "
+            f"{self.steps_per_epoch}, best val_acc {self.best_acc:.4f}"
+        )
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
@@ -219,7 +283,7 @@ class Trainer:
             # the two loses nothing.
             self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
             self.history.save()
-        except UserError as err:   # a full disk on the main process
+        except UserError as err:  # a full disk on the main process
             error = str(err)
         # Every rank stops with the main process's error line, instead of waiting for it at the
         # next collective.
@@ -231,16 +295,24 @@ class Trainer:
         weights = self.plain_model.state_dict()
         return training_checkpoint(
             model_state_dict=weights,
-            state_dict=weights,   # timm's key; the same dict, stored once
+            state_dict=weights,  # timm's key; the same dict, stored once
             optimizer_state_dict=self.optimizer.state_dict(),
             scheduler_state_dict=self.scheduler.state_dict(),
             scaler_state_dict=self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            epoch=self.epoch, step=self.step, micro_batch=self.plan.micro_batch,
-            best_acc=self.best_acc, class_names=self.class_names,
-            image_size=self.cfg.image_size, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
-            model_name=self.cfg.model, config=self.cfg.to_dict(),
-            world_size=self.dist.world_size, history=self.history.records,
-            rank_states=rank_states)
+            epoch=self.epoch,
+            step=self.step,
+            micro_batch=self.plan.micro_batch,
+            best_acc=self.best_acc,
+            class_names=self.class_names,
+            image_size=self.cfg.image_size,
+            mean=list(IMAGENET_MEAN),
+            std=list(IMAGENET_STD),
+            model_name=self.cfg.model,
+            config=self.cfg.to_dict(),
+            world_size=self.dist.world_size,
+            history=self.history.records,
+            rank_states=rank_states,
+        )
 
     # -- one epoch ------------------------------------------------------------------------
     def run_epoch(self) -> bool:
@@ -250,48 +322,72 @@ class Trainer:
         first_step, started = self.step, time.perf_counter()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         train = train_one_epoch(
-            self.step_state, self.train_loader, hooks=self.hooks, progress=progress,
-            start_step=self.step, first_global_step=self.epoch * self.steps_per_epoch + self.step,
-            sums=self.resumed_sums, log_interval=self.cfg.log_interval)
+            self.step_state,
+            self.train_loader,
+            hooks=self.hooks,
+            progress=progress,
+            start_step=self.step,
+            first_global_step=self.epoch * self.steps_per_epoch + self.step,
+            sums=self.resumed_sums,
+            log_interval=self.cfg.log_interval,
+        )
         self.resumed_sums = None
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
         broadcast_buffers(self.plain_model)
-        val = evaluate(self.plain_model, self.val_loader, self.dist.device, self.precision,
-                       show_progress=self.dist.is_main, plan=self.plan)
+        val = evaluate(
+            self.plain_model,
+            self.val_loader,
+            self.dist.device,
+            self.precision,
+            show_progress=self.dist.is_main,
+            plan=self.plan,
+        )
         if self.cfg.check_sync:
             check_ranks_in_sync(self.plain_model)
         self.epoch, self.step = self.epoch + 1, 0
         is_best = val["val_acc"] > self.best_acc
         self.best_acc = max(self.best_acc, val["val_acc"])
         # Speed counts the steps this process ran, not those restored from a checkpoint.
-        images_per_sec = ((train["steps"] - first_step) * self.cfg.batch_size
-                          * self.dist.world_size / max(train_seconds, 1e-9))
+        images_per_sec = (
+            (train["steps"] - first_step)
+            * self.cfg.batch_size
+            * self.dist.world_size
+            / max(train_seconds, 1e-9)
+        )
         self.history.append(self.epoch_record(train, val, images_per_sec, started))
         self.save_checkpoint(None, is_best)
         call_hooks(self.hooks, "on_epoch_end", self.epoch, self.history.records[-1])
         self.log_epoch(is_best)
         return True
 
-    def epoch_record(self, train: dict, val: dict, images_per_sec: float,
-                     started: float) -> dict[str, Any]:
-        return {"epoch": self.epoch,
-                "train_loss": train["train_loss"], "train_acc": train["train_acc"],
-                "val_loss": val["val_loss"], "val_acc": val["val_acc"], "val_top5": val["val_top5"],
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "epoch_seconds": time.perf_counter() - started,
-                "train_images_per_sec": images_per_sec,
-                "peak_memory_mb": peak_memory_mb(self.dist.device),
-                "micro_batch": self.plan.micro_batch}
+    def epoch_record(
+        self, train: dict, val: dict, images_per_sec: float, started: float
+    ) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "train_loss": train["train_loss"],
+            "train_acc": train["train_acc"],
+            "val_loss": val["val_loss"],
+            "val_acc": val["val_acc"],
+            "val_top5": val["val_top5"],
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "epoch_seconds": time.perf_counter() - started,
+            "train_images_per_sec": images_per_sec,
+            "peak_memory_mb": peak_memory_mb(self.dist.device),
+            "micro_batch": self.plan.micro_batch,
+        }
 
     def log_epoch(self, is_best: bool) -> None:
         r = self.history.records[-1]
-        log.info(f"epoch {r['epoch']}/{self.cfg.epochs}  train_loss {r['train_loss']:.4f}  "
-                 f"train_acc {r['train_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
-                 f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
-                 f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
-                 f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else ""))
+        log.info(
+            f"epoch {r['epoch']}/{self.cfg.epochs}  train_loss {r['train_loss']:.4f}  "
+            f"train_acc {r['train_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
+            f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
+            f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else "")
+        )
 
     def end_hooks(self, finished: bool) -> None:
         """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
@@ -309,6 +405,7 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- per-step work
+
 
 class PositionKeeper:
     """Keeps the trainer's position (for checkpoints and the stop message) after every step."""
@@ -344,10 +441,12 @@ class TensorBoardHook:
         # event is at N + 1: what a crashed run wrote from there on goes. A new run (N = 0)
         # replaces the folder's earlier events, as it replaces the history.
         start = trainer.global_step
-        self.logger = TensorBoardLogger(Path(trainer.cfg.log_dir),
-                                        enabled=trainer.dist.is_main and trainer.cfg.tensorboard,
-                                        purge_step=start + 1 if start else 0)
-        self.enabled = self.logger.enabled   # a disabled logger makes no logging step read
+        self.logger = TensorBoardLogger(
+            Path(trainer.cfg.log_dir),
+            enabled=trainer.dist.is_main and trainer.cfg.tensorboard,
+            purge_step=start + 1 if start else 0,
+        )
+        self.enabled = self.logger.enabled  # a disabled logger makes no logging step read
         if self.enabled and trainer.global_step == 0:
             self.add_augmented_images()
 
@@ -359,10 +458,16 @@ class TensorBoardHook:
         self.logger.add_image_grid(torch.stack([image.cpu() for image in images]))
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
-        self.logger.on_log_step(global_step, {
-            "loss": metrics["train_loss"], "acc": metrics["train_acc"], "lr": metrics["lr"],
-            "images_per_sec": metrics["images_per_sec"],
-            "data_wait_share": metrics["data_wait_share"]})
+        self.logger.on_log_step(
+            global_step,
+            {
+                "loss": metrics["train_loss"],
+                "acc": metrics["train_acc"],
+                "lr": metrics["lr"],
+                "images_per_sec": metrics["images_per_sec"],
+                "data_wait_share": metrics["data_wait_share"],
+            },
+        )
 
     def on_epoch_end(self, epoch: int, record: dict) -> None:
         self.logger.on_epoch_end(self.trainer.global_step, record)
@@ -394,27 +499,33 @@ class CheckpointAndStop:
 
 
 def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
-    log.info(f"Training {cfg.model} on {len(trainer.class_names)} classes, "
-             f"{len(trainer.train_loader.dataset)} train / "
-             f"{len(trainer.val_loader.dataset)} val images, world size {dist.world_size} "
-             f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
-             f"{trainer.train_loader.num_workers} loader worker(s) per process")
+    log.info(
+        f"Training {cfg.model} on {len(trainer.class_names)} classes, "
+        f"{len(trainer.train_loader.dataset)} train / "
+        f"{len(trainer.val_loader.dataset)} val images, world size {dist.world_size} "
+        f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
+        f"{trainer.train_loader.num_workers} loader worker(s) per process"
+    )
     log.info("Config: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
 
 
 def log_summary(trainer: Trainer, finished: bool) -> None:
     cfg = trainer.cfg
     if not finished:
-        log.info(f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}; checkpoint saved "
-                 f"to {trainer.checkpoints.latest}. Resume with the same command plus "
-                 f"--resume {trainer.checkpoints.latest}")
+        log.info(
+            f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}; checkpoint saved "
+            f"to {trainer.checkpoints.latest}. Resume with the same command plus "
+            f"--resume {trainer.checkpoints.latest}"
+        )
         return
     history = Path(cfg.log_dir) / "training_history.json"
-    log.info(f"Done: best val_acc {trainer.best_acc:.4f}\n"
-             f"  best checkpoint:   {trainer.checkpoints.best}\n"
-             f"  latest checkpoint: {trainer.checkpoints.latest}\n"
-             f"  history:           {history}\n"
-             f"  plot the curves:   python src/utils.py --history {history} --output curves.png")
+    log.info(
+        f"Done: best val_acc {trainer.best_acc:.4f}\n"
+        f"  best checkpoint:   {trainer.checkpoints.best}\n"
+        f"  latest checkpoint: {trainer.checkpoints.latest}\n"
+        f"  history:           {history}\n"
+        f"  plot the curves:   python src/utils.py --history {history} --output curves.png"
+    )
 
 
 def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:
@@ -442,10 +553,15 @@ def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     """One run per checkpoint folder, never over another run's results: the main process locks
     the folder and checks it; every rank takes part in sharing the verdict."""
     return claim_run_folder(
-        Path(cfg.checkpoint_dir), Path(cfg.log_dir), resume=cfg.resume, overwrite=cfg.overwrite,
-        enabled=dist.is_main, agree=lambda error: all_gather_objects(error)[0],
+        Path(cfg.checkpoint_dir),
+        Path(cfg.log_dir),
+        resume=cfg.resume,
+        overwrite=cfg.overwrite,
+        enabled=dist.is_main,
+        agree=lambda error: all_gather_objects(error)[0],
         # Workers restarted by torchrun find their own run's checkpoints, not another's.
-        first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+        first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
+    )
 
 
 def train(cfg: TrainConfig, dist: DistInfo) -> int:
@@ -463,7 +579,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
             finished = trainer.fit()
         trainer.end_hooks(finished)
     finally:
-        call_hooks(trainer.hooks, "close")   # loggers flush their files whatever happened
+        call_hooks(trainer.hooks, "close")  # loggers flush their files whatever happened
     log_summary(trainer, finished)
     mark("summary logged")
     return 0 if finished else trainer.stop.exit_code

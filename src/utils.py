@@ -1,7 +1,8 @@
 """Plot the curves of a run from its history file (no torch needed, no display needed).
 
-    python src/utils.py --history logs/training_history.json --output curves.png
+python src/utils.py --history logs/training_history.json --output curves.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,10 @@ from history import read_history  # noqa: E402
 
 def load_history(path: Path) -> dict:
     if not path.is_file():
-        raise UserError(f"history file {path} does not exist; a training run writes it to "
-                        "<log_dir>/training_history.json")
+        raise UserError(
+            f"history file {path} does not exist; a training run writes it to "
+            "<log_dir>/training_history.json"
+        )
     try:
         history = read_history(path)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
@@ -31,6 +34,7 @@ def load_history(path: Path) -> dict:
 
 def plot_curves(history: dict, output: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt
 
@@ -53,8 +57,7 @@ def plot_curves(history: dict, output: Path) -> None:
     ax_acc.legend()
     model = history.get("config", {}).get("model", "model")
     best = max(r["val_acc"] for r in records)
-    fig.suptitle(f"{model}, world size {history.get('world_size', '?')}: "
-                 f"best val top-1 {best:.4f}")
+    fig.suptitle(f"{model}, world size {history.get('world_size', '?')}: best val top-1 {best:.4f}")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)

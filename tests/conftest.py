@@ -1,5 +1,6 @@
 """Shared helpers: tiny generated image folders, running the real tools (in this process or as
 a user would, in a new interpreter), and one trained run shared by the tests that need one."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 40), (200, 40
 CLASSES = ["cat", "dog", "fox"]
 
 
-def write_image_folder(root: Path, classes: list[str], per_class: int, size: int = 16,
-                       seed: int = 0, ext: str = "jpg") -> Path:
+def write_image_folder(
+    root: Path, classes: list[str], per_class: int, size: int = 16, seed: int = 0, ext: str = "jpg"
+) -> Path:
     """``root/<class>/img_<i>.<ext>``: each class a noisy patch of its own colour."""
     rng = np.random.default_rng(seed)
     for c, name in enumerate(classes):
@@ -41,8 +43,10 @@ def write_image_folder(root: Path, classes: list[str], per_class: int, size: int
 
 def write_tiny_dataset(root: Path) -> tuple[Path, Path]:
     """3 classes, 16 train and 5 val images each (15 val: not a multiple of 2)."""
-    return (write_image_folder(root / "data" / "train", CLASSES, 16, seed=1),
-            write_image_folder(root / "data" / "val", CLASSES, 5, seed=2))
+    return (
+        write_image_folder(root / "data" / "train", CLASSES, 16, seed=1),
+        write_image_folder(root / "data" / "val", CLASSES, 5, seed=2),
+    )
 
 
 @pytest.fixture
@@ -51,19 +55,38 @@ def tiny_dataset(tmp_path: Path) -> tuple[Path, Path]:
 
 
 # Flags that make a training run on the tiny dataset take seconds.
-TINY_FLAGS = ["--image_size", "16", "--batch_size", "8", "--num_workers", "0",
-              "--learning_rate", "0.01", "--log_interval", "1"]
+TINY_FLAGS = [
+    "--image_size",
+    "16",
+    "--batch_size",
+    "8",
+    "--num_workers",
+    "0",
+    "--learning_rate",
+    "0.01",
+    "--log_interval",
+    "1",
+]
 
 
 # ----------------------------------------------------------------------------- new interpreters
 
-def run_cli(args: list, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
-            **kwargs) -> subprocess.CompletedProcess:
+
+def run_cli(
+    args: list, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     """Run ``python <args>`` the way a user would, capturing its output; ``env``: variables
     set on top of this process's environment."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env, **kwargs)
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kwargs,
+    )
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
@@ -78,12 +101,13 @@ def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> Non
 
 # ----------------------------------------------------------------------------- in this process
 
+
 @contextlib.contextmanager
 def restored_process_state() -> Iterator[None]:
     """What a tool's ``main`` changes in its process and a test must not leak to the next one:
     the deterministic-algorithms switch (``--deterministic``). (The logging set-up undoes
     itself: ``distributed.logging_for_run``.)"""
-    torch = sys.modules.get("torch")    # not imported here: the plotting tests run without it
+    torch = sys.modules.get("torch")  # not imported here: the plotting tests run without it
     deterministic = torch is not None and torch.are_deterministic_algorithms_enabled()
     try:
         yield
@@ -113,8 +137,9 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence, cwd: Path | None 
             return exit_.code
 
 
-def user_error_line(main: Callable[[list[str]], int], argv: Sequence, capsys,
-                    cwd: Path | None = None) -> str:
+def user_error_line(
+    main: Callable[[list[str]], int], argv: Sequence, capsys, cwd: Path | None = None
+) -> str:
     """Runs ``main`` in this process; asserts it exits with code 2 and one error line on stderr,
     without a traceback, and returns that line."""
     capsys.readouterr()
@@ -135,10 +160,12 @@ def run_train(argv: Sequence, cwd: Path) -> int:
 
 # ----------------------------------------------------------------------------- a shared run
 
+
 @dataclass(frozen=True)
 class TrainedRun:
     """A finished 2-epoch, single-process run on the tiny dataset. Shared by every test of the
     session: read it, or ``copy_to`` a folder of your own before resuming or changing it."""
+
     root: Path
     train: Path
     val: Path

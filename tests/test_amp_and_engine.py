@@ -1,5 +1,6 @@
 """The AMP path on the CPU (bfloat16 autocast), the CUDA float16 + GradScaler path where a GPU
 exists, and the learning-rate schedule."""
+
 from __future__ import annotations
 
 import logging
@@ -18,24 +19,39 @@ from run_parts import choose_precision
 
 def tiny_batches(n: int = 4, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 3, 16, 16, generator=g).to(device),
-             torch.randint(0, 3, (8,), generator=g).to(device)) for _ in range(n)]
+    return [
+        (
+            torch.randn(8, 3, 16, 16, generator=g).to(device),
+            torch.randint(0, 3, (8,), generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
 
 
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)
+    )
 
 
-def run_epoch(precision: Precision, device: str = "cpu",
-              model: nn.Module | None = None) -> tuple[dict, nn.Module]:
+def run_epoch(
+    precision: Precision, device: str = "cpu", model: nn.Module | None = None
+) -> tuple[dict, nn.Module]:
     model = (model or tiny_model()).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision.dtype == torch.float16)
-    state = StepState(model, optimizer, scheduler, scaler, nn.CrossEntropyLoss(), precision,
-                      MemoryPlan(), torch.device(device))
+    state = StepState(
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        nn.CrossEntropyLoss(),
+        precision,
+        MemoryPlan(),
+        torch.device(device),
+    )
     metrics = train_one_epoch(state, tiny_batches(device=device))
     return metrics, model
 
@@ -56,7 +72,7 @@ def test_cpu_amp_trains_and_evaluates_with_the_forward_in_bfloat16():
     model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     bf16 = Precision(True, torch.bfloat16)
     metrics, model = run_epoch(bf16, model=model)
-    assert seen == [torch.bfloat16] * 4                              # one forward per step
+    assert seen == [torch.bfloat16] * 4  # one forward per step
     assert metrics["train_samples"] == 32 and metrics["steps"] == 4
     assert math.isfinite(metrics["train_loss"])
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
@@ -96,4 +112,5 @@ def test_lr_scaling_by_world_size():
     for scaling, expected in (("none", 0.01), ("linear", 0.04), ("sqrt", 0.02)):
         cfg = parse_config(["--learning_rate", "0.01", "--lr_scaling", scaling])
         assert build_optimizer(cfg, model, world_size=4).param_groups[0]["lr"] == pytest.approx(
-            expected)
+            expected
+        )

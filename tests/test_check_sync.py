@@ -1,4 +1,5 @@
 """--check_sync: replicas that drift apart are caught, naming the tensor and the ranks."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ def messages(tmp_path_factory) -> dict[str, list[str]]:
 
     out = tmp_path_factory.mktemp("check_sync")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
-    return {case: [(out / f"{case}{r}.txt").read_text() for r in (0, 1)]
-            for case in ("identical", "drifted")}
+    return {
+        case: [(out / f"{case}{r}.txt").read_text() for r in (0, 1)]
+        for case in ("identical", "drifted")
+    }
 
 
 @pytest.mark.slow
@@ -52,5 +55,5 @@ def test_identical_replicas_pass(messages):
 
 @pytest.mark.slow
 def test_a_drifted_rank_is_named_with_the_first_differing_tensor(messages):
-    for message in messages["drifted"]:   # every rank stops, with the same one-line explanation
+    for message in messages["drifted"]:  # every rank stops, with the same one-line explanation
         assert "layer2.0.conv1.weight differs between rank 0 and rank(s) [1]" in message

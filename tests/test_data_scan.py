@@ -1,4 +1,5 @@
 """The training images are decoded once at start: with an image cache, caching is the check."""
+
 from __future__ import annotations
 
 import logging
@@ -39,12 +40,14 @@ def folders_with_a_broken_file(root: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("cache", ["none", "ram"])
 def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
-        cache: str, tmp_path: Path, decodes: dict[str, int], caplog):
+    cache: str, tmp_path: Path, decodes: dict[str, int], caplog
+):
     train, val = folders_with_a_broken_file(tmp_path)
     files = 3 * 4 + 1 + 3 * 2
     with caplog.at_level(logging.WARNING, logger="trainer"):
         train_set, val_set, _ = data.build_datasets(
-            train, val, 16, 0, 0.08, 0.5, log_dir=tmp_path / "logs", cache=cache, threads=1)
+            train, val, 16, 0, 0.08, 0.5, log_dir=tmp_path / "logs", cache=cache, threads=1
+        )
     assert decodes["check"] + decodes["cache"] == files
     assert (decodes["cache"] == files) == (cache == "ram")
     assert len(train_set) == 12 and len(val_set) == 6

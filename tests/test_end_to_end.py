@@ -1,5 +1,6 @@
 """What a finished run leaves behind: in one process, and through the real launcher, torchrun
 and two gloo processes on a tiny generated dataset."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ def check_run_outputs(workdir: Path, world_size: int) -> None:
     assert history["config"]["epochs"] == 2 and "torch" in history["versions"]
     assert [r["epoch"] for r in history["epochs"]] == [1, 2]
     for record in history["epochs"]:
-        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_top5", "lr",
-                    "epoch_seconds", "train_images_per_sec", "peak_memory_mb"):
+        for key in (
+            "train_loss",
+            "train_acc",
+            "val_loss",
+            "val_acc",
+            "val_top5",
+            "lr",
+            "epoch_seconds",
+            "train_images_per_sec",
+            "peak_memory_mb",
+        ):
             assert isinstance(record[key], float), key
         assert 0.0 <= record["val_acc"] <= record["val_top5"] <= 1.0
     for rank in range(world_size):
@@ -48,12 +58,26 @@ def test_single_process_run_leaves_checkpoints_history_and_logs(trained_run):
 @pytest.mark.slow
 def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
-    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
-                      "--train_dir", train, "--val_dir", val, "--epochs", "2", "--check_sync",
-                      *TINY_FLAGS],
-                     cwd=tmp_path)
+    result = run_cli(
+        [
+            ROOT / "launch_ddp.py",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--train_dir",
+            train,
+            "--val_dir",
+            val,
+            "--epochs",
+            "2",
+            "--check_sync",
+            *TINY_FLAGS,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "torch.distributed.run" in result.stdout.splitlines()[0]      # the printed command
+    assert "torch.distributed.run" in result.stdout.splitlines()[0]  # the printed command
     assert "Done: best val_acc" in result.stdout
     assert "python src/utils.py --history" in result.stdout
 
@@ -84,11 +108,35 @@ def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
     for node_rank in (0, 1):
         workdir = tmp_path / f"node{node_rank}"
         workdir.mkdir()
-        nodes.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nnodes", "2",
-             "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port,
-             "--train_dir", str(train), "--val_dir", str(val), "--epochs", "1", *TINY_FLAGS],
-            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        nodes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "launch_ddp.py"),
+                    "--device",
+                    "cpu",
+                    "--nnodes",
+                    "2",
+                    "--node_rank",
+                    str(node_rank),
+                    "--master_addr",
+                    "127.0.0.1",
+                    "--master_port",
+                    port,
+                    "--train_dir",
+                    str(train),
+                    "--val_dir",
+                    str(val),
+                    "--epochs",
+                    "1",
+                    *TINY_FLAGS,
+                ],
+                cwd=workdir,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     # Exactly one node holds global rank 0, and only it writes the history.

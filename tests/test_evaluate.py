@@ -1,5 +1,6 @@
 """src/evaluate.py: the report files match a hand-computed confusion matrix; two processes under
 torchrun give the report of one; bad checkpoints and folders are one error line."""
+
 from __future__ import annotations
 
 import csv
@@ -37,8 +38,17 @@ def solid_images(folder: Path, colours: list[tuple[int, int, int]]) -> None:
 
 
 def hand_checkpoint(path: Path, model_name: str = "channel_means", weights=None) -> Path:
-    torch.save({"model_state_dict": weights or {}, "class_names": CLASSES, "image_size": 16,
-                "mean": [0.5] * 3, "std": [0.5] * 3, "model_name": model_name}, path)
+    torch.save(
+        {
+            "model_state_dict": weights or {},
+            "class_names": CLASSES,
+            "image_size": 16,
+            "mean": [0.5] * 3,
+            "std": [0.5] * 3,
+            "model_name": model_name,
+        },
+        path,
+    )
     return path
 
 
@@ -54,14 +64,27 @@ def run_evaluate(argv: list[str], capsys) -> tuple[int, str, str]:
 def test_report_matches_a_hand_computed_confusion_matrix(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setattr(inference, "build_model", lambda name, classes: ChannelMeans())
     data = tmp_path / "val"
-    solid_images(data / "a", [RED, RED, RED, GREEN])       # 3 right, 1 taken for b
-    solid_images(data / "b", [RED, GREEN, GREEN])           # 1 taken for a, 2 right
-    solid_images(data / "c", [GREEN, BLUE, BLUE])           # 1 taken for b, 2 right
+    solid_images(data / "a", [RED, RED, RED, GREEN])  # 3 right, 1 taken for b
+    solid_images(data / "b", [RED, GREEN, GREEN])  # 1 taken for a, 2 right
+    solid_images(data / "c", [GREEN, BLUE, BLUE])  # 1 taken for b, 2 right
     (data / "c" / "notes.txt").write_text("not an image")
     checkpoint = hand_checkpoint(tmp_path / "ckpt.pth")
 
-    code, out, _ = run_evaluate(["--checkpoint", checkpoint, "--data_dir", data, "--output",
-                             tmp_path / "eval", "--num_workers", "0", "--device", "cpu"], capsys)
+    code, out, _ = run_evaluate(
+        [
+            "--checkpoint",
+            checkpoint,
+            "--data_dir",
+            data,
+            "--output",
+            tmp_path / "eval",
+            "--num_workers",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["confusion_matrix"] == [[3, 1, 0], [1, 2, 0], [0, 1, 2]]
@@ -79,8 +102,9 @@ def test_report_matches_a_hand_computed_confusion_matrix(tmp_path: Path, monkeyp
 
     with open(tmp_path / "eval" / "misclassified.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((Path(r["path"]).parent.name, r["true_class"], r["predicted_class"])
-                  for r in rows) == [("a", "a", "b"), ("b", "b", "a"), ("c", "c", "b")]
+    assert sorted(
+        (Path(r["path"]).parent.name, r["true_class"], r["predicted_class"]) for r in rows
+    ) == [("a", "a", "b"), ("b", "b", "a"), ("c", "c", "b")]
     confidence = math.e / (math.e + 2 / math.e)
     assert all(float(r["confidence"]) == pytest.approx(confidence, abs=1e-4) for r in rows)
 
@@ -96,18 +120,39 @@ def random_checkpoint(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_two_processes_under_torchrun_write_the_report_of_one(tmp_path: Path, capsys):
-    data = write_image_folder(tmp_path / "val", CLASSES, per_class=5, seed=3)   # 15: uneven shards
+    data = write_image_folder(tmp_path / "val", CLASSES, per_class=5, seed=3)  # 15: uneven shards
     (data / "b" / "broken.jpg").write_bytes(b"not a jpeg")
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
-    common = ["--checkpoint", checkpoint, "--data_dir", data, "--batch_size", "4",
-              "--num_workers", "0", "--device", "cpu"]
+    common = [
+        "--checkpoint",
+        checkpoint,
+        "--data_dir",
+        data,
+        "--batch_size",
+        "4",
+        "--num_workers",
+        "0",
+        "--device",
+        "cpu",
+    ]
     code, single_out, _ = run_evaluate([*common, "--output", tmp_path / "one"], capsys)
-    double = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                      SRC / "evaluate.py", *common, "--output", tmp_path / "two"], cwd=tmp_path)
+    double = run_cli(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            SRC / "evaluate.py",
+            *common,
+            "--output",
+            tmp_path / "two",
+        ],
+        cwd=tmp_path,
+    )
     assert code == 0
     assert double.returncode == 0, double.stderr
     assert single_out.count("cannot be decoded") == 1
-    assert double.stdout.count("cannot be decoded") == 1      # printed by one process only
+    assert double.stdout.count("cannot be decoded") == 1  # printed by one process only
 
     one, two = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
     assert one["images"] == two["images"] == 15
@@ -119,39 +164,65 @@ def test_two_processes_under_torchrun_write_the_report_of_one(tmp_path: Path, ca
     rows = [(tmp_path / d / "misclassified.csv").read_text().splitlines() for d in ("one", "two")]
     assert len(rows[0]) == 1 + one["misclassified"]
     assert sorted(r.rsplit(",", 1)[0] for r in rows[0]) == sorted(
-        r.rsplit(",", 1)[0] for r in rows[1])
+        r.rsplit(",", 1)[0] for r in rows[1]
+    )
     assert (tmp_path / "two" / "evaluate_rank_1.log").exists()
 
 
 def test_missing_checkpoint_is_one_error_line(tmp_path: Path):
     write_image_folder(tmp_path / "val", CLASSES, 1)
-    result = run_cli([SRC / "evaluate.py", "--checkpoint", tmp_path / "nope.pth", "--data_dir",
-                      tmp_path / "val", "--output", tmp_path / "eval"], cwd=tmp_path)
+    result = run_cli(
+        [
+            SRC / "evaluate.py",
+            "--checkpoint",
+            tmp_path / "nope.pth",
+            "--data_dir",
+            tmp_path / "val",
+            "--output",
+            tmp_path / "eval",
+        ],
+        cwd=tmp_path,
+    )
     assert_user_error(result, "nope.pth", "does not exist")
 
 
 def test_checkpoint_of_another_tool_is_refused(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", CLASSES, 1)
     bare = tmp_path / "bare.pth"
-    torch.save(build_model("resnet18", 3).state_dict(), bare)   # a plain state dict
-    assert "class_names" in user_error_line(evaluate_main, [
-        "--checkpoint", bare, "--data_dir", tmp_path / "val", "--output", tmp_path / "eval"],
-        capsys)
+    torch.save(build_model("resnet18", 3).state_dict(), bare)  # a plain state dict
+    assert "class_names" in user_error_line(
+        evaluate_main,
+        ["--checkpoint", bare, "--data_dir", tmp_path / "val", "--output", tmp_path / "eval"],
+        capsys,
+    )
 
 
 def test_folder_with_classes_the_checkpoint_does_not_know(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", ["a", "zebra"], 1)
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
-    assert "zebra" in user_error_line(evaluate_main, [
-        "--checkpoint", checkpoint, "--data_dir", tmp_path / "val", "--output",
-        tmp_path / "eval"], capsys)
+    assert "zebra" in user_error_line(
+        evaluate_main,
+        ["--checkpoint", checkpoint, "--data_dir", tmp_path / "val", "--output", tmp_path / "eval"],
+        capsys,
+    )
 
 
 def test_folder_with_some_of_the_classes_is_evaluated(tmp_path: Path, capsys):
     write_image_folder(tmp_path / "val", ["b"], 3)
     checkpoint = random_checkpoint(tmp_path / "ckpt.pth")
-    code, _, _ = run_evaluate(["--checkpoint", checkpoint, "--data_dir", tmp_path / "val",
-                           "--output", tmp_path / "eval", "--num_workers", "0"], capsys)
+    code, _, _ = run_evaluate(
+        [
+            "--checkpoint",
+            checkpoint,
+            "--data_dir",
+            tmp_path / "val",
+            "--output",
+            tmp_path / "eval",
+            "--num_workers",
+            "0",
+        ],
+        capsys,
+    )
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert code == 0 and metrics["images"] == 3
     assert np.array(metrics["confusion_matrix"]).sum(axis=1).tolist() == [0, 3, 0]

@@ -1,6 +1,7 @@
 """One evaluation path: src/evaluate.py's report comes from engine.evaluate's own pass, so it gives
 the val_acc training recorded, with the checkpoint's autocast; the inference tools share their
 argument checks."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,23 @@ from run_parts import choose_precision
 
 
 def evaluate_report(checkpoint: Path, data_dir: Path, output: Path) -> dict:
-    code = run_main(evaluate_main, ["--checkpoint", checkpoint, "--data_dir", data_dir,
-                                    "--output", output, "--device", "cpu", "--num_workers", "0",
-                                    "--batch_size", "8"])
+    code = run_main(
+        evaluate_main,
+        [
+            "--checkpoint",
+            checkpoint,
+            "--data_dir",
+            data_dir,
+            "--output",
+            output,
+            "--device",
+            "cpu",
+            "--num_workers",
+            "0",
+            "--batch_size",
+            "8",
+        ],
+    )
     assert code == 0
     return json.loads((output / "metrics.json").read_text())
 
@@ -32,7 +47,7 @@ def test_report_gives_the_val_acc_training_recorded(trained_run: TrainedRun, tmp
     history = json.loads((trained_run.root / "logs" / "training_history.json").read_text())
     record = next(r for r in history["epochs"] if r["epoch"] == state["epoch"])
     metrics = evaluate_report(trained_run.best, trained_run.val, tmp_path / "eval")
-    assert metrics["images"] == 15     # the tiny val folder, all of it
+    assert metrics["images"] == 15  # the tiny val folder, all of it
     # Exactly, not approximately: the same pass over the same images with the same weights.
     assert metrics["top1"] == record["val_acc"] == state["best_acc"]
     assert metrics["top5"] == record["val_top5"]
@@ -54,34 +69,55 @@ def test_report_runs_under_the_checkpoints_autocast(trained_run: TrainedRun, tmp
     assert classifier.precision == Precision(True, torch.bfloat16)
     folder = ReadableImageFolder(trained_run.val, class_names=classifier.class_names)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
-    loader = make_loader(dataset, ShardSampler(len(dataset), 0, 1), 8, train=False,
-                         num_workers=0, pin_memory=False, mean=classifier.mean,
-                         std=classifier.std)
+    loader = make_loader(
+        dataset,
+        ShardSampler(len(dataset), 0, 1),
+        8,
+        train=False,
+        num_workers=0,
+        pin_memory=False,
+        mean=classifier.mean,
+        std=classifier.std,
+    )
     cpu = torch.device("cpu")
     amp = evaluate(classifier.model, loader, cpu, classifier.precision, show_progress=False)
-    fp32 = evaluate(classifier.model, loader, cpu, Precision(False, torch.float32),
-                    show_progress=False)
-    assert amp["val_loss"] != fp32["val_loss"]     # else this test could not tell them apart
+    fp32 = evaluate(
+        classifier.model, loader, cpu, Precision(False, torch.float32), show_progress=False
+    )
+    assert amp["val_loss"] != fp32["val_loss"]  # else this test could not tell them apart
     assert metrics["loss"] == amp["val_loss"]
     assert metrics["top1"] == amp["val_acc"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("flags", [{}, {"use_amp": True}, {"use_amp": True, "low_memory": True},
-                                   {"use_amp": True, "amp_dtype": "bfloat16"}])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"use_amp": True},
+        {"use_amp": True, "low_memory": True},
+        {"use_amp": True, "amp_dtype": "bfloat16"},
+    ],
+)
 def test_inference_precision_is_the_trainers(device: str, flags: dict):
     """inference.training_precision reads the checkpoint's config the way training chose."""
     cfg = TrainConfig(**flags)
-    assert training_precision(cfg.to_dict(), torch.device(device)) == \
-        choose_precision(cfg, torch.device(device))
+    assert training_precision(cfg.to_dict(), torch.device(device)) == choose_precision(
+        cfg, torch.device(device)
+    )
 
 
 @pytest.mark.parametrize("main", [evaluate_main, predict_main], ids=["evaluate", "predict"])
-@pytest.mark.parametrize("flag, value, phrase", [
-    ("--batch_size", "0", "--batch_size must be positive"),
-    ("--num_workers", "-1", "--num_workers must be 0 or more")])
-def test_inference_tools_check_their_shared_flags_alike(main, flag: str, value: str, phrase: str,
-                                                        tmp_path: Path, capsys):
+@pytest.mark.parametrize(
+    "flag, value, phrase",
+    [
+        ("--batch_size", "0", "--batch_size must be positive"),
+        ("--num_workers", "-1", "--num_workers must be 0 or more"),
+    ],
+)
+def test_inference_tools_check_their_shared_flags_alike(
+    main, flag: str, value: str, phrase: str, tmp_path: Path, capsys
+):
     argv = ["--checkpoint", tmp_path / "missing.pth", flag, value]
     if main is predict_main:
         argv.append(tmp_path)
@@ -97,16 +133,44 @@ def test_report_gives_the_val_acc_of_a_float16_channels_last_run_on_cuda(tmp_pat
     from conftest import TINY_FLAGS, run_main, write_tiny_dataset
 
     train, val = write_tiny_dataset(tmp_path)
-    code = run_main(train_ddp.main, ["--device", "cuda", "--train_dir", train, "--val_dir", val,
-                                     *TINY_FLAGS, "--epochs", "1", "--use_amp"], cwd=tmp_path)
+    code = run_main(
+        train_ddp.main,
+        [
+            "--device",
+            "cuda",
+            "--train_dir",
+            train,
+            "--val_dir",
+            val,
+            *TINY_FLAGS,
+            "--epochs",
+            "1",
+            "--use_amp",
+        ],
+        cwd=tmp_path,
+    )
     assert code == 0
     best = tmp_path / "checkpoints" / "checkpoint_best.pth"
     classifier = load_classifier(best, torch.device("cuda"))
     assert classifier.precision == Precision(True, torch.float16) and classifier.plan.channels_last
     history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
-    code = run_main(evaluate_main, ["--checkpoint", best, "--data_dir", val, "--output",
-                                    tmp_path / "eval", "--device", "cuda", "--num_workers", "0",
-                                    "--batch_size", "8"])
+    code = run_main(
+        evaluate_main,
+        [
+            "--checkpoint",
+            best,
+            "--data_dir",
+            val,
+            "--output",
+            tmp_path / "eval",
+            "--device",
+            "cuda",
+            "--num_workers",
+            "0",
+            "--batch_size",
+            "8",
+        ],
+    )
     assert code == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics["top1"] == history["epochs"][0]["val_acc"]

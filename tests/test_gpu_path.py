@@ -1,6 +1,7 @@
 """The fixes to the CUDA paths (issue 9): their logic on the CPU, and `cuda`-marked tests that run
 the CUDA side for real (skipped without a GPU; bench/gpu_check.py runs them with `pytest -m cuda`).
 Also the self-check's own logic: its behaviour without CUDA and how it builds its table."""
+
 from __future__ import annotations
 
 import copy
@@ -53,14 +54,17 @@ class GlobalMean(nn.Module):
 
 def conv_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
-                         GlobalMean(), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), GlobalMean(), nn.Linear(8, 3)
+    )
 
 
 def batches(count: int, size: int, seed: int = 0, side: int = 12):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 3, side, side, generator=g),
-             torch.randint(0, 3, (size,), generator=g)) for _ in range(count)]
+    return [
+        (torch.randn(size, 3, side, side, generator=g), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(count)
+    ]
 
 
 def make_optimizer(model: nn.Module, name: str, fused: bool | None = None):
@@ -81,6 +85,7 @@ def sgd_steps(model: nn.Module, optimizer, loader, device=CPU, scaler=None) -> N
 
 # ----------------------------------------------------------------------------- 1: resume
 
+
 def as_written_elsewhere(state: dict) -> dict:
     """The same optimizer state as a fused, channels_last run would have written it."""
     other = copy.deepcopy(state)
@@ -99,8 +104,10 @@ def test_resume_runs_with_this_runs_flags_and_parameter_layout(name, tmp_path):
     optimizer = make_optimizer(model, name)
     sgd_steps(model, optimizer, batches(2, 8))
     clean = optimizer.state_dict()
-    torch.save({"clean": clean, "other": as_written_elsewhere(clean),
-                "weights": model.state_dict()}, tmp_path / "ckpt.pth")
+    torch.save(
+        {"clean": clean, "other": as_written_elsewhere(clean), "weights": model.state_dict()},
+        tmp_path / "ckpt.pth",
+    )
     ckpt = torch.load(tmp_path / "ckpt.pth", weights_only=True)
     assert ckpt["other"]["param_groups"][0]["fused"] is True
 
@@ -108,7 +115,7 @@ def test_resume_runs_with_this_runs_flags_and_parameter_layout(name, tmp_path):
     for which in ("clean", "other"):
         model = conv_model(seed=1)
         model.load_state_dict(ckpt["weights"])
-        optimizer = make_optimizer(model, name)   # this run: fused=None, as on the CPU
+        optimizer = make_optimizer(model, name)  # this run: fused=None, as on the CPU
         restore_optimizer_state(optimizer, ckpt[which])
         assert all(group["fused"] is None for group in optimizer.param_groups)
         for param in model.parameters():
@@ -126,19 +133,28 @@ def test_resume_runs_with_this_runs_flags_and_parameter_layout(name, tmp_path):
 
 # ----------------------------------------------------------------------------- 2, 6: host group
 
+
 def test_host_group_is_made_once_with_the_timeout_and_any_rank_agrees_on_the_host(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """Under NCCL (the backend faked: the default group here is gloo), the host group is a gloo
     group made once, with the timeout given, and any_rank all-reduces a CPU tensor through it."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         made, reduced = [], []
         real_new_group, real_all_reduce = dist.new_group, dist.all_reduce
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
         monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or real_new_group(**kw))
-        monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: (
-            reduced.append((t.device, group)), real_all_reduce(t, op=op, group=group))[1])
+        monkeypatch.setattr(
+            dist,
+            "all_reduce",
+            lambda t, op=None, group=None: (
+                reduced.append((t.device, group)),
+                real_all_reduce(t, op=op, group=group),
+            )[1],
+        )
         timeout = datetime.timedelta(minutes=7)
         group = distributed.host_group(timeout)
         assert distributed.any_rank(True) is True
@@ -157,8 +173,13 @@ def test_setup_makes_the_host_group_with_the_dist_timeout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(distributed, "_rendezvous_store", lambda world_size: dist.HashStore())
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: real_init(
-        "gloo", store=kw["store"], rank=0, world_size=1, timeout=kw["timeout"]))
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kw: real_init(
+            "gloo", store=kw["store"], rank=0, world_size=1, timeout=kw["timeout"]
+        ),
+    )
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or real_new_group(**kw))
     threads = torch.get_num_threads()
@@ -166,13 +187,14 @@ def test_setup_makes_the_host_group_with_the_dist_timeout(monkeypatch):
         distributed.setup_distributed("cpu", timeout_minutes=7)
         assert made == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}]
         distributed.any_rank(False)
-        assert len(made) == 1   # reused, not made again
+        assert len(made) == 1  # reused, not made again
     finally:
         distributed.cleanup_distributed()
         torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- 3: OOM agreement
+
 
 class Recorder(nn.Module):
     """Logs each forward in ``events``; any_rank calls are logged there too."""
@@ -193,7 +215,7 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
 
     def to_device(*args, **kwargs):
         copies["count"] += 1
-        if copies["count"] == 3:   # step 2's first micro-batch: this rank cannot copy it
+        if copies["count"] == 3:  # step 2's first micro-batch: this rank cannot copy it
             raise torch.OutOfMemoryError("CUDA out of memory (injected in the copy)")
         return real_to_device(*args, **kwargs)
 
@@ -203,15 +225,28 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
     plan = MemoryPlan(4, retry_on_oom=True)
     loader = batches(2, 8)
     opt = make_optimizer(model, "sgd")
-    metrics = train_one_epoch(StepState(
-        model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-        torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), FP32, plan, CPU),
-        loader)
+    metrics = train_one_epoch(
+        StepState(
+            model,
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            torch.amp.GradScaler("cpu", enabled=False),
+            nn.CrossEntropyLoss(),
+            FP32,
+            plan,
+            CPU,
+        ),
+        loader,
+    )
     # Step 1: agree (copy ok), 2 forwards, agree. Step 2: the copy fails: agreed on before any
     # forward; redone with micro-batch 2: agree, 4 forwards, agree.
-    assert events == ([("agree", False), "forward", "forward", ("agree", False)]
-                      + [("agree", True)]
-                      + [("agree", False)] + ["forward"] * 4 + [("agree", False)])
+    assert events == (
+        [("agree", False), "forward", "forward", ("agree", False)]
+        + [("agree", True)]
+        + [("agree", False)]
+        + ["forward"] * 4
+        + [("agree", False)]
+    )
     assert (metrics["steps"], metrics["train_samples"], plan.micro_batch) == (2, 16, 2)
 
     reference = conv_model()
@@ -235,8 +270,7 @@ class FailingForward(nn.Module):
 
 def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     try:
         copies = {"count": 0}
@@ -255,13 +289,28 @@ def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
         plan = MemoryPlan(4, retry_on_oom=True)
         model = DDP(hit)
         opt = make_optimizer(model, "sgd")
-        metrics = train_one_epoch(StepState(
-            model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-            torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), FP32, plan, CPU),
-            batches(2, 8, seed=rank))
-        (out / f"rank{rank}.json").write_text(json.dumps({
-            "micro_batch": plan.micro_batch, "steps": metrics["steps"],
-            "params": [p.detach().flatten().tolist() for p in hit.model.parameters()]}))
+        metrics = train_one_epoch(
+            StepState(
+                model,
+                opt,
+                torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                torch.amp.GradScaler("cpu", enabled=False),
+                nn.CrossEntropyLoss(),
+                FP32,
+                plan,
+                CPU,
+            ),
+            batches(2, 8, seed=rank),
+        )
+        (out / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "micro_batch": plan.micro_batch,
+                    "steps": metrics["steps"],
+                    "params": [p.detach().flatten().tolist() for p in hit.model.parameters()],
+                }
+            )
+        )
     finally:
         dist.destroy_process_group()
 
@@ -274,8 +323,10 @@ def test_two_processes_redo_a_step_whose_copy_failed_on_one_rank(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["micro_batch"], r["steps"]) for r in results] == [(1, 2)] * 2
     reference = conv_model()
-    both = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
-            for a, b in zip(batches(2, 8, seed=0), batches(2, 8, seed=1), strict=True)]
+    both = [
+        (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
+        for a, b in zip(batches(2, 8, seed=0), batches(2, 8, seed=1), strict=True)
+    ]
     sgd_steps(reference, make_optimizer(reference, "sgd"), both)
     for r in results:
         for got, want in zip(r["params"], reference.parameters(), strict=True):
@@ -284,17 +335,29 @@ def test_two_processes_redo_a_step_whose_copy_failed_on_one_rank(tmp_path):
 
 # ----------------------------------------------------------------------------- 4: batch inputs
 
+
 def test_the_loaded_batch_inputs_count_in_the_fitting():
     # --cache_images gpu with channels_last: the loader's batch and the engine's copy.
     assert batch_input_bytes(64, 224, torch.device("cuda"), "gpu", True) == 2 * 64 * 3 * 224**2 * 4
     assert batch_input_bytes(64, 224, torch.device("cuda"), "ram", True) == 64 * 3 * 224**2 * 4
     assert batch_input_bytes(64, 224, torch.device("cuda"), "gpu", False) == 64 * 3 * 224**2 * 4
     model = conv_model()
-    measure = partial(measure_micro_batch, model, make_optimizer(model, "adamw"),
-                      nn.CrossEntropyLoss(), FP32, CPU, image_shape=(3, 12, 12), num_classes=3)
+    measure = partial(
+        measure_micro_batch,
+        model,
+        make_optimizer(model, "adamw"),
+        nn.CrossEntropyLoss(),
+        FP32,
+        CPU,
+        image_shape=(3, 12, 12),
+        num_classes=3,
+    )
     alone, loaded = measure(4), measure(4, loaded_input_bytes=50 * 2**20)
     assert alone.input_bytes == 4 * 3 * 12 * 12 * 4
-    assert loaded.input_bytes == 50 * 2**20 and loaded.total - alone.total == 50 * 2**20 - alone.input_bytes
+    assert (
+        loaded.input_bytes == 50 * 2**20
+        and loaded.total - alone.total == 50 * 2**20 - alone.input_bytes
+    )
     # The inputs of the loaded batch do not shrink with the micro-batch.
     assert loaded.estimate(2) - alone.estimate(2) == loaded.total - alone.total
     budget = alone.total + 2**20
@@ -304,29 +367,39 @@ def test_the_loaded_batch_inputs_count_in_the_fitting():
 
 # ----------------------------------------------------------------------------- 5: OOM messages
 
-@pytest.mark.parametrize("message", [
-    "Unable to find a valid cuDNN algorithm to run convolution",
-    "GET was unable to find an engine to execute this computation",
-    "FIND was unable to find an engine to execute this computation",
-    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
-    "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
-])
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Unable to find a valid cuDNN algorithm to run convolution",
+        "GET was unable to find an engine to execute this computation",
+        "FIND was unable to find an engine to execute this computation",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
+    ],
+)
 def test_cudnn_and_cublas_exhaustion_counts_as_out_of_memory(message):
     assert is_out_of_memory(RuntimeError(message))
 
 
-@pytest.mark.parametrize("error", [
-    RuntimeError("CUDA error: CUBLAS_STATUS_INVALID_VALUE"),
-    RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"),
-    RuntimeError("Given groups=1, weight of size [8, 3, 3, 3], expected input to have 3 channels"),
-    ValueError("Unable to find a valid cuDNN algorithm"),   # not a RuntimeError: not ours
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: CUBLAS_STATUS_INVALID_VALUE"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"),
+        RuntimeError(
+            "Given groups=1, weight of size [8, 3, 3, 3], expected input to have 3 channels"
+        ),
+        ValueError("Unable to find a valid cuDNN algorithm"),  # not a RuntimeError: not ours
+    ],
+)
 def test_other_errors_are_not_out_of_memory(error):
     assert not is_out_of_memory(error)
 
 
 # ----------------------------------------------------------------------------- 7: set-up
+
 
 def test_trainer_and_benchmarks_share_the_kernel_set_up(monkeypatch):
     saved = (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled())
@@ -345,6 +418,7 @@ def test_trainer_and_benchmarks_share_the_kernel_set_up(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 8: evaluate
+
 
 class FixedLogits(nn.Module):
     """Returns the logits stored for each image, found by its first pixel (its index)."""
@@ -375,10 +449,12 @@ def _evaluate(device: torch.device, count: int = 40, classes: int = 7):
     logits = torch.randn(count, classes, generator=g)
     targets = torch.randint(0, classes, (count,), generator=g)
     model = FixedLogits(logits).to(device)
-    classifier = Classifier(model, [f"c{k}" for k in range(classes)], 2, None, (0.0,) * 3,
-                            (1.0,) * 3)
-    counts = count_predictions(classifier, _indexed_loader(targets, 16), device,
-                               show_progress=False)
+    classifier = Classifier(
+        model, [f"c{k}" for k in range(classes)], 2, None, (0.0,) * 3, (1.0,) * 3
+    )
+    counts = count_predictions(
+        classifier, _indexed_loader(targets, 16), device, show_progress=False
+    )
     return logits, targets, counts
 
 
@@ -414,15 +490,26 @@ def test_cuda_evaluation_synchronises_once_per_batch():
 
 # ----------------------------------------------------------------------------- 9: prefixes
 
+
 def test_wrapper_prefixes_are_stripped_from_the_start_only():
-    state = {"module._orig_mod.layer.submodule.weight": 1, "_orig_mod.module.fc.bias": 2,
-             "module.module.head.module.x": 3, "conv.weight": 4, "submodule.weight": 5}
-    assert strip_wrapper_prefixes(state) == {"layer.submodule.weight": 1, "fc.bias": 2,
-                                             "head.module.x": 3, "conv.weight": 4,
-                                             "submodule.weight": 5}
+    state = {
+        "module._orig_mod.layer.submodule.weight": 1,
+        "_orig_mod.module.fc.bias": 2,
+        "module.module.head.module.x": 3,
+        "conv.weight": 4,
+        "submodule.weight": 5,
+    }
+    assert strip_wrapper_prefixes(state) == {
+        "layer.submodule.weight": 1,
+        "fc.bias": 2,
+        "head.module.x": 3,
+        "conv.weight": 4,
+        "submodule.weight": 5,
+    }
 
 
 # ----------------------------------------------------------------------------- 10: CPU peak
+
 
 class TemporaryHog(nn.Module):
     """Holds ``per_image`` bytes per image during its forward that it does not keep for backward:
@@ -434,7 +521,7 @@ class TemporaryHog(nn.Module):
         self.linear = nn.Linear(3 * 12 * 12, 3)
 
     def forward(self, x):
-        workspace = torch.ones(len(x), self.per_image // 4)   # written: resident
+        workspace = torch.ones(len(x), self.per_image // 4)  # written: resident
         return self.linear(x.flatten(1)) + workspace.sum() * 0
 
 
@@ -444,12 +531,21 @@ def test_cpu_fitting_measures_the_real_resident_peak():
     model = TemporaryHog(per_image)
     optimizer = make_optimizer(model, "adamw")
     resident = ResidentMemory()
-    base = partial(measure_micro_batch, model, optimizer, nn.CrossEntropyLoss(), FP32, CPU,
-                   image_shape=(3, 12, 12), num_classes=3)
-    measured = partial(base, cpu_baseline_bytes=cpu_baseline(model, optimizer, resident),
-                       resident=resident)
+    base = partial(
+        measure_micro_batch,
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        FP32,
+        CPU,
+        image_shape=(3, 12, 12),
+        num_classes=3,
+    )
+    measured = partial(
+        base, cpu_baseline_bytes=cpu_baseline(model, optimizer, resident), resident=resident
+    )
     estimated, real = base(16), measured(16)
-    assert estimated.total < 16 * per_image / 4            # the saved tensors miss it
+    assert estimated.total < 16 * per_image / 4  # the saved tensors miss it
     # The resident peak sees it (to within what other pages of the process came and went).
     assert real.total >= 0.95 * 16 * per_image
     # Largest first, as the fitting runs them: the smaller trial is not hidden in memory the
@@ -457,11 +553,12 @@ def test_cpu_fitting_measures_the_real_resident_peak():
     small = measured(4)
     assert 0.95 * 4 * per_image <= small.total < 8 * per_image
     budget = 10 * per_image
-    assert largest_fitting(base, 16, 16, budget)[0] == 16   # what the estimate let through
+    assert largest_fitting(base, 16, 16, budget)[0] == 16  # what the estimate let through
     assert largest_fitting(measured, 16, 16, budget)[0] == 8
 
 
 # ----------------------------------------------------------------------------- CUDA only
+
 
 @cuda_test
 def test_cuda_resume_of_cpu_and_other_layout_checkpoints_with_fused_kernels():
@@ -475,7 +572,7 @@ def test_cuda_resume_of_cpu_and_other_layout_checkpoints_with_fused_kernels():
 
     results = []
     deterministic = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True   # the two resumes must compute the same
+    torch.backends.cudnn.deterministic = True  # the two resumes must compute the same
     for transform in (lambda s: s, as_written_elsewhere):
         model = conv_model(seed=1)
         model.load_state_dict(weights)
@@ -507,15 +604,16 @@ def test_cuda_resume_of_cpu_and_other_layout_checkpoints_with_fused_kernels():
 def test_cuda_any_rank_does_not_synchronise_the_device(tmp_path):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, device_id=device)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=device
+    )
     try:
         distributed.host_group(datetime.timedelta(minutes=1))
         busy = torch.randn(4096, 4096, device=device)
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
-                busy = busy @ busy / 4096   # GPU work queued: a sync would wait for it
+                busy = busy @ busy / 4096  # GPU work queued: a sync would wait for it
             assert distributed.any_rank(True) and not distributed.any_rank(False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -524,6 +622,7 @@ def test_cuda_any_rank_does_not_synchronise_the_device(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the self-check
+
 
 def gpu_check_module():
     """bench/gpu_check.py, loaded from its file: putting bench/ on sys.path would make
@@ -566,20 +665,30 @@ def test_gpu_check_isolates_checks_and_builds_its_table(tmp_path):
         ran.append("crashes")
         raise KeyError("epochs")
 
-    def exits(ctx):   # bench/throughput.py's run_worker calls sys.exit on failure
+    def exits(ctx):  # bench/throughput.py's run_worker calls sys.exit on failure
         ran.append("exits")
         raise SystemExit("worker failed")
 
-    checks = [gc.Check("a_pass", passes), gc.Check("b_fail", fails),
-              gc.Check("c_error", crashes), gc.Check("d_exit", exits, measurement=True),
-              gc.Check("e_two_gpus", passes, gpus=2), gc.Check("f_measured", passes,
-                                                              measurement=True)]
-    ctx = gc.Context(tmp_path, gpus=1, gpu_name="NVIDIA H100 80GB HBM3",
-                     deadline=time.monotonic() + 60)
+    checks = [
+        gc.Check("a_pass", passes),
+        gc.Check("b_fail", fails),
+        gc.Check("c_error", crashes),
+        gc.Check("d_exit", exits, measurement=True),
+        gc.Check("e_two_gpus", passes, gpus=2),
+        gc.Check("f_measured", passes, measurement=True),
+    ]
+    ctx = gc.Context(
+        tmp_path, gpus=1, gpu_name="NVIDIA H100 80GB HBM3", deadline=time.monotonic() + 60
+    )
     results = gc.run_checks(checks, ctx, jobs=2)
     assert [(r.name, r.status) for r in results] == [
-        ("a_pass", "pass"), ("b_fail", "FAIL"), ("c_error", "ERROR"), ("d_exit", "ERROR"),
-        ("e_two_gpus", "skip"), ("f_measured", "pass")]
+        ("a_pass", "pass"),
+        ("b_fail", "FAIL"),
+        ("c_error", "ERROR"),
+        ("d_exit", "ERROR"),
+        ("e_two_gpus", "skip"),
+        ("f_measured", "pass"),
+    ]
     assert sorted(ran) == sorted(["passes", "fails", "crashes", "exits", "passes"])
     assert results[1].figures == {"peak MiB": 2100.0} and "KeyError" in results[2].detail
 
@@ -603,15 +712,32 @@ def test_gpu_check_covers_the_cuda_paths():
     gc = gpu_check_module()
     names = [c.name for c in gc.all_checks()]
     assert len(names) == len(set(names))
-    for wanted in ("cuda_ws1_fp16_gradscaler", "nccl_ws2", "bf16", "channels_last_off",
-                   "cache_gpu", "cache_ram", "cache_none", "compile", "low_memory_224",
-                   "resume_cpu_to_gpu", "resume_gpu_to_cpu", "sigterm_resume_deterministic",
-                   "pytest_cuda", "throughput_224_cache_gpu", "throughput_224_cache_ram",
-                   "throughput_224_cache_none"):
+    for wanted in (
+        "cuda_ws1_fp16_gradscaler",
+        "nccl_ws2",
+        "bf16",
+        "channels_last_off",
+        "cache_gpu",
+        "cache_ram",
+        "cache_none",
+        "compile",
+        "low_memory_224",
+        "resume_cpu_to_gpu",
+        "resume_gpu_to_cpu",
+        "sigterm_resume_deterministic",
+        "pytest_cuda",
+        "throughput_224_cache_gpu",
+        "throughput_224_cache_ram",
+        "throughput_224_cache_none",
+    ):
         assert wanted in names, wanted
     measured = {c.name for c in gc.all_checks() if c.measurement}
-    assert measured == {"low_memory_224", "throughput_224_cache_gpu", "throughput_224_cache_ram",
-                        "throughput_224_cache_none"}
+    assert measured == {
+        "low_memory_224",
+        "throughput_224_cache_gpu",
+        "throughput_224_cache_ram",
+        "throughput_224_cache_none",
+    }
 
 
 def test_gpu_check_figures_and_comparison():
@@ -626,7 +752,10 @@ def test_gpu_check_figures_and_comparison():
     assert figures["of bf16 peak"] == pytest.approx(figures["TFLOP/s"] / 989.0)
     assert gc.throughput_figures(1.0, "unknown")["of bf16 peak"] == "unknown device peak"
 
-    a = {"model": {"w": torch.ones(2), "b": torch.zeros(1)}, "state": {0: {"step": torch.tensor(3.)}}}
+    a = {
+        "model": {"w": torch.ones(2), "b": torch.zeros(1)},
+        "state": {0: {"step": torch.tensor(3.0)}},
+    }
     b = copy.deepcopy(a)
     assert all(gc.bitwise_equal(x, y) for _, x, y in gc.zip_tensors(a, b))
     b["model"]["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
@@ -641,8 +770,16 @@ def test_gpu_check_reads_what_a_run_wrote(tmp_path):
     logs.mkdir()
 
     def run(code: int, losses: list[float]) -> gc.Run:
-        records = [{"train_loss": x, "val_loss": x, "val_acc": 0.5, "train_images_per_sec": 9.0,
-                    "peak_memory_mb": 100.0} for x in losses]
+        records = [
+            {
+                "train_loss": x,
+                "val_loss": x,
+                "val_acc": 0.5,
+                "train_images_per_sec": 9.0,
+                "peak_memory_mb": 100.0,
+            }
+            for x in losses
+        ]
         (logs / "training_history.json").write_text(json.dumps({"epochs": records}))
         return gc.Run(tmp_path, code, 3.0, "", "Traceback ...\nRuntimeError: boom\n")
 
@@ -653,7 +790,8 @@ def test_gpu_check_reads_what_a_run_wrote(tmp_path):
         gc.expect_finished(run(0, [1.0]), 2)
     with pytest.raises(gc.CheckFailed, match="non-finite"):
         gc.expect_finished(run(0, [1.0, float("nan")]), 2)
-    command = gc.launcher_command(gc.Context(tmp_path, 2, "x", 0.0), tmp_path / "r",
-                                  tmp_path / "data", ["--use_amp"], gpus=2)
+    command = gc.launcher_command(
+        gc.Context(tmp_path, 2, "x", 0.0), tmp_path / "r", tmp_path / "data", ["--use_amp"], gpus=2
+    )
     assert command[1:6] == [str(ROOT / "launch_ddp.py"), "--device", "cuda", "--num_gpus", "2"]
     assert str(tmp_path / "r" / "checkpoints") in command and command[-1] == "--use_amp"

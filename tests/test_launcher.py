@@ -1,5 +1,6 @@
 """The command line the launcher builds (--dry_run) and its own errors: in this process, and one
 error through the real command line (tests/test_bad_input.py) for its exit code."""
+
 from __future__ import annotations
 
 import shlex
@@ -18,7 +19,7 @@ def dry_run(capsys, *flags: str) -> list[str]:
     assert run_main(launch_ddp.main, ["--dry_run", *flags]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("Running: ")
-    return shlex.split(line[len("Running: "):])
+    return shlex.split(line[len("Running: ") :])
 
 
 def test_single_node_cpu_command(capsys):
@@ -29,24 +30,46 @@ def test_single_node_cpu_command(capsys):
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
     assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:") and int(endpoint.rsplit(":", 1)[1]) > 0
     script = cmd.index(str(ROOT / "src" / "train_ddp.py"))
-    assert cmd[script + 1:] == ["--device", "cpu", "--epochs", "3", "--use_amp"]  # passed through
+    assert cmd[script + 1 :] == ["--device", "cpu", "--epochs", "3", "--use_amp"]  # passed through
 
 
 def test_multi_node_command(capsys):
-    cmd = dry_run(capsys, "--device", "cpu", "--nnodes", "2", "--node_rank", "1",
-                  "--master_addr", "10.1.2.3", "--master_port", "29400", "--max_restarts", "3")
+    cmd = dry_run(
+        capsys,
+        "--device",
+        "cpu",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "10.1.2.3",
+        "--master_port",
+        "29400",
+        "--max_restarts",
+        "3",
+    )
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--max-restarts=3" in cmd
     assert "--rdzv-endpoint=10.1.2.3:29400" in cmd and "--rdzv-conf=is_host=0" in cmd
-    host = dry_run(capsys, "--device", "cpu", "--nnodes", "2", "--node_rank", "0",
-                   "--master_addr", "10.1.2.3")
+    host = dry_run(
+        capsys, "--device", "cpu", "--nnodes", "2", "--node_rank", "0", "--master_addr", "10.1.2.3"
+    )
     assert "--rdzv-conf=is_host=1" in host and "--rdzv-endpoint=10.1.2.3:29500" in host
 
 
 def test_help_lists_launcher_and_trainer_flags(capsys):
     assert run_main(launch_ddp.main, ["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--num_gpus", "--nproc", "--master_port", "--dry_run",      # launcher
-                 "--batch_size", "--use_amp", "--lr_scaling", "--resume"):  # trainer
+    for flag in (
+        "--num_gpus",
+        "--nproc",
+        "--master_port",
+        "--dry_run",  # launcher
+        "--batch_size",
+        "--use_amp",
+        "--lr_scaling",
+        "--resume",
+    ):  # trainer
         assert flag in out, flag
 
 
@@ -73,4 +96,5 @@ def test_more_gpus_than_visible_names_both_numbers(monkeypatch):
     with pytest.raises(UserError, match=r"--num_gpus 4 asked for 4 GPUs but only 2 are visible"):
         launch_ddp.resolve_device_and_nproc(args)
     assert launch_ddp.resolve_device_and_nproc(
-        argparse.Namespace(device="auto", num_gpus="all", nproc=1)) == ("cuda", 2)
+        argparse.Namespace(device="auto", num_gpus="all", nproc=1)
+    ) == ("cuda", 2)

@@ -1,5 +1,6 @@
 """Logging per module under one project logger: set up for a tool's run and undone after it; the
 level is written by the format, never by hand."""
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,7 @@ def test_a_run_logs_to_its_rank_file_and_leaves_the_logger_as_it_was(tmp_path: P
         engine.log.warning("a warning")
         files = [h for h in project.handlers if isinstance(h, logging.FileHandler)]
     assert (list(project.handlers), project.level, project.propagate) == before
-    assert files and all(h.stream is None for h in files)    # closed
+    assert files and all(h.stream is None for h in files)  # closed
     out = capsys.readouterr().out
     assert out.splitlines() == ["an information", "WARNING: a warning"]
     text = (tmp_path / "tool_rank_0.log").read_text()
@@ -48,7 +49,10 @@ def test_other_ranks_write_their_file_and_print_nothing(tmp_path: Path, capsys):
 
 def test_no_log_call_writes_its_level_by_hand():
     pattern = re.compile(r"log\.\w+\(f?[\"'](WARNING|ERROR|INFO):")
-    offenders = [f"{path.name}:{n}" for path in sorted(SRC.glob("*.py"))
-                 for n, line in enumerate(path.read_text().splitlines(), 1)
-                 if pattern.search(line)]
+    offenders = [
+        f"{path.name}:{n}"
+        for path in sorted(SRC.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []

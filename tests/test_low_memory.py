@@ -1,6 +1,7 @@
 """--accum_steps, --low_memory and automatic micro-batch fitting, all on the CPU: out-of-memory
 errors are injected (a model that raises torch.OutOfMemoryError) or come from a memory budget.
 The CUDA-only paths have their own tests at the end, skipped without a GPU."""
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,9 @@ class OutOfMemoryAt(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         call, self.calls = self.calls, self.calls + 1
         if call in self.fail_calls or (self.limit is not None and len(x) > self.limit):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
-                                         "(injected)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected)"
+            )
         return self.model(x)
 
 
@@ -59,8 +61,16 @@ def small_model(batch_norm: bool = False) -> nn.Module:
     """A small CNN; without BatchNorm, micro-batching cannot change its gradients."""
     torch.manual_seed(0)
     norm = nn.BatchNorm2d(8) if batch_norm else nn.Identity()
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        norm,
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
     # A buffer that is not BatchNorm's: DDP broadcasts buffers, which the two-process test needs.
     model.register_buffer("marker", torch.ones(2))
     return model
@@ -68,8 +78,10 @@ def small_model(batch_norm: bool = False) -> nn.Module:
 
 def batches(count: int, size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 3, 12, 12, generator=g), torch.randint(0, 3, (size,), generator=g))
-            for _ in range(count)]
+    return [
+        (torch.randn(size, 3, 12, 12, generator=g), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(count)
+    ]
 
 
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -78,13 +90,19 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(model: nn.Module, loader, plan: MemoryPlan | None, optimizer: str = "sgd",
-          scaler: torch.amp.GradScaler | None = None) -> dict:
+def train(
+    model: nn.Module,
+    loader,
+    plan: MemoryPlan | None,
+    optimizer: str = "sgd",
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict:
     opt = make_optimizer(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
-    state = StepState(model, opt, scheduler, scaler, nn.CrossEntropyLoss(), FP32,
-                      plan or MemoryPlan(), CPU)
+    state = StepState(
+        model, opt, scheduler, scaler, nn.CrossEntropyLoss(), FP32, plan or MemoryPlan(), CPU
+    )
     return train_one_epoch(state, loader)
 
 
@@ -94,6 +112,7 @@ def max_difference(a: nn.Module, b: nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------- accumulation
+
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_accumulating_4x8_equals_one_step_on_32(optimizer):
@@ -130,21 +149,30 @@ def test_evaluation_in_micro_batches_gives_the_same_metrics():
 
 
 def test_batch_size_not_divisible_by_accum_steps_is_one_clear_error():
-    with pytest.raises(UserError, match="--batch_size 30 is not divisible by --accum_steps 4.*"
-                                        "28 or 32"):
+    with pytest.raises(
+        UserError, match="--batch_size 30 is not divisible by --accum_steps 4.*28 or 32"
+    ):
         parse_config(["--batch_size", "30", "--accum_steps", "4"])
 
 
 # ----------------------------------------------------------------------------- the preset
 
+
 def test_low_memory_preset_and_explicit_flags_win(caplog):
     from run_parts import choose_precision
 
     cfg = parse_config(["--low_memory"])
-    assert (cfg.use_amp, cfg.channels_last, cfg.grad_checkpointing, cfg.auto_micro_batch,
-            cfg.num_workers, cfg.prefetch_factor) == (True, True, True, True, 2, 1)
-    mine = parse_config(["--low_memory", "--no_grad_checkpointing", "--num_workers", "0",
-                         "--max_memory_gb", "2"])
+    assert (
+        cfg.use_amp,
+        cfg.channels_last,
+        cfg.grad_checkpointing,
+        cfg.auto_micro_batch,
+        cfg.num_workers,
+        cfg.prefetch_factor,
+    ) == (True, True, True, True, 2, 1)
+    mine = parse_config(
+        ["--low_memory", "--no_grad_checkpointing", "--num_workers", "0", "--max_memory_gb", "2"]
+    )
     assert (mine.grad_checkpointing, mine.num_workers, mine.use_amp) == (False, 0, True)
     summary = preset_summary(mine, "low_memory")
     assert "use_amp=True" in summary and "your flags kept: grad_checkpointing=False" in summary
@@ -175,24 +203,36 @@ def test_memory_savers_on_a_timm_model_and_a_plain_one(caplog):
 def test_out_of_memory_errors_are_recognised():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory"))
-    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
-                                         "DefaultCPUAllocator: can't allocate memory"))
+    assert is_out_of_memory(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+        )
+    )
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
 
 
 # ----------------------------------------------------------------------------- fitting
 
+
 def test_halving_keeps_every_micro_batch_a_divisor():
     assert halving_sizes(64, 64) == [64, 32, 16, 8, 4, 2, 1]
     assert halving_sizes(48, 48) == [48, 24, 12, 6, 3, 1]
     assert halving_sizes(30, 30) == [30, 15, 6, 3, 1]
-    assert halving_sizes(12, 36) == [12, 6, 3, 1]   # from --batch_size 36 --accum_steps 3
+    assert halving_sizes(12, 36) == [12, 6, 3, 1]  # from --batch_size 36 --accum_steps 3
 
 
 def fit_with(model: nn.Module, start: int, batch_size: int, budget: int = HUGE) -> int:
-    measure = partial(measure_micro_batch, model, make_optimizer(model, "adamw"),
-                      nn.CrossEntropyLoss(), FP32, CPU, image_shape=(3, 12, 12), num_classes=3)
+    measure = partial(
+        measure_micro_batch,
+        model,
+        make_optimizer(model, "adamw"),
+        nn.CrossEntropyLoss(),
+        FP32,
+        CPU,
+        image_shape=(3, 12, 12),
+        num_classes=3,
+    )
     return fit_micro_batch(measure, start, batch_size, budget, CPU)
 
 
@@ -203,8 +243,16 @@ def test_fitting_halves_until_the_injected_limit():
 
 def test_fitting_under_a_budget_uses_the_measured_cost_and_leaves_the_model_as_it_was():
     model = small_model(batch_norm=True)
-    measure = partial(measure_micro_batch, model, make_optimizer(model, "adamw"),
-                      nn.CrossEntropyLoss(), FP32, CPU, image_shape=(3, 12, 12), num_classes=3)
+    measure = partial(
+        measure_micro_batch,
+        model,
+        make_optimizer(model, "adamw"),
+        nn.CrossEntropyLoss(),
+        FP32,
+        CPU,
+        image_shape=(3, 12, 12),
+        num_classes=3,
+    )
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
     costs = {m: measure(m) for m in (2, 8, 16)}
@@ -212,7 +260,7 @@ def test_fitting_under_a_budget_uses_the_measured_cost_and_leaves_the_model_as_i
     assert costs[16].batch_bytes == pytest.approx(2 * costs[8].batch_bytes, rel=0.05)
     assert costs[2].state_bytes == costs[16].state_bytes
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert costs[2].state_bytes >= 4 * params      # weights, gradients, two AdamW moments
+    assert costs[2].state_bytes >= 4 * params  # weights, gradients, two AdamW moments
     # BatchNorm's statistics untouched:
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
     assert all(p.grad is None for p in model.parameters())
@@ -234,15 +282,31 @@ def test_nothing_fits_is_one_clear_error(tiny_dataset, tmp_path: Path, capsys):
     with pytest.raises(UserError, match="even with a micro-batch of 1 .*--image_size"):
         fit_with(OutOfMemoryAt(small_model(), limit=0), start=8, batch_size=8)
     train_dir, val_dir = tiny_dataset
-    line = user_error_line(train_ddp.main, [
-        "--device", "cpu", "--train_dir", train_dir, "--val_dir", val_dir, "--low_memory",
-        "--max_memory_gb", "0.01", *TINY_FLAGS], capsys, cwd=tmp_path)
-    assert all(phrase in line for phrase in ("micro-batch of 1", "budget 0.01 GiB",
-                                             "--image_size")), line
+    line = user_error_line(
+        train_ddp.main,
+        [
+            "--device",
+            "cpu",
+            "--train_dir",
+            train_dir,
+            "--val_dir",
+            val_dir,
+            "--low_memory",
+            "--max_memory_gb",
+            "0.01",
+            *TINY_FLAGS,
+        ],
+        capsys,
+        cwd=tmp_path,
+    )
+    assert all(
+        phrase in line for phrase in ("micro-batch of 1", "budget 0.01 GiB", "--image_size")
+    ), line
     assert not (tmp_path / "checkpoints" / "checkpoint_latest.pth").exists()
 
 
 # ----------------------------------------------------------------------------- OOM in training
+
 
 def test_out_of_memory_mid_training_halves_and_redoes_the_step():
     loader = batches(4, 16)
@@ -255,8 +319,8 @@ def test_out_of_memory_mid_training_halves_and_redoes_the_step():
     metrics = train(hit, loader, plan)
     assert plan.micro_batch == metrics["micro_batch"] == 4
     assert (metrics["steps"], metrics["train_samples"]) == (4, 64)
-    assert hit.calls == 4 + 2 + 4 + 4      # steps 1-2, the failed attempt, steps 3-4 by 4
-    assert max_difference(reference, hit.model) < 1e-5   # nothing skipped, nothing twice
+    assert hit.calls == 4 + 2 + 4 + 4  # steps 1-2, the failed attempt, steps 3-4 by 4
+    assert max_difference(reference, hit.model) < 1e-5  # nothing skipped, nothing twice
 
 
 def test_a_redone_step_leaves_batchnorm_statistics_counted_once():
@@ -275,10 +339,10 @@ def test_out_of_memory_with_a_micro_batch_of_1_is_one_clear_error():
 
 # ----------------------------------------------------------------------------- two processes
 
+
 def _agreement_worker(rank: int, port: int, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     try:
         result = {}
@@ -294,9 +358,12 @@ def _agreement_worker(rank: int, port: int, out: Path) -> None:
         hit = OutOfMemoryAt(small_model(), calls=(1,) if rank == 1 else ())
         plan = MemoryPlan(8, retry_on_oom=True)
         metrics = train(DDP(hit), batches(2, 16, seed=rank), plan)
-        result.update(micro_batch=plan.micro_batch, steps=metrics["steps"],
-                      samples=metrics["train_samples"],
-                      params=[p.detach().flatten().tolist() for p in hit.model.parameters()])
+        result.update(
+            micro_batch=plan.micro_batch,
+            steps=metrics["steps"],
+            samples=metrics["train_samples"],
+            params=[p.detach().flatten().tolist() for p in hit.model.parameters()],
+        )
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -315,8 +382,10 @@ def test_two_gloo_processes_agree_on_the_micro_batch_and_redo_steps_together(tmp
 
     # The same two steps in one process, on both ranks' batches at once.
     reference = small_model()
-    global_batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
-                      for a, b in zip(batches(2, 16, seed=0), batches(2, 16, seed=1), strict=True)]
+    global_batches = [
+        (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
+        for a, b in zip(batches(2, 16, seed=0), batches(2, 16, seed=1), strict=True)
+    ]
     train(reference, global_batches, None)
     expected = [p.detach().flatten() for p in reference.parameters()]
     for r in results:
@@ -326,13 +395,32 @@ def test_two_gloo_processes_agree_on_the_micro_batch_and_redo_steps_together(tmp
 
 # ----------------------------------------------------------------------------- end to end
 
+
 @pytest.mark.slow
 def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path):
     train_dir, val_dir = tiny_dataset
-    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
-                      "--train_dir", train_dir, "--val_dir", val_dir, "--epochs", "1",
-                      "--low_memory", "--accum_steps", "2", "--max_memory_gb", "4", *TINY_FLAGS],
-                     cwd=tmp_path)
+    result = run_cli(
+        [
+            ROOT / "launch_ddp.py",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--train_dir",
+            train_dir,
+            "--val_dir",
+            val_dir,
+            "--epochs",
+            "1",
+            "--low_memory",
+            "--accum_steps",
+            "2",
+            "--max_memory_gb",
+            "4",
+            *TINY_FLAGS,
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "--low_memory chose: use_amp=True, channels_last=True, grad_checkpointing=True" in out
@@ -365,8 +453,16 @@ def test_cuda_float16_channels_last_accumulation():
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cuda")
     plan = MemoryPlan(4, retry_on_oom=True, channels_last=True)
-    state = StepState(model, opt, scheduler, scaler, nn.CrossEntropyLoss(),
-                      Precision(True, torch.float16), plan, device)
+    state = StepState(
+        model,
+        opt,
+        scheduler,
+        scaler,
+        nn.CrossEntropyLoss(),
+        Precision(True, torch.float16),
+        plan,
+        device,
+    )
     metrics = train_one_epoch(state, batches(2, 16))
     assert (metrics["steps"], metrics["train_samples"]) == (2, 32)
     assert torch.isfinite(torch.tensor(metrics["train_loss"]))
@@ -383,8 +479,16 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
     device = torch.device("cuda", torch.cuda.current_device())
     model = build_model("resnet18", 3).to(device)
     optimizer = make_optimizer(model, "adamw")
-    measure = partial(measure_micro_batch, model, optimizer, nn.CrossEntropyLoss(), FP32, device,
-                      image_shape=(3, 224, 224), num_classes=3)
+    measure = partial(
+        measure_micro_batch,
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        FP32,
+        device,
+        image_shape=(3, 224, 224),
+        num_classes=3,
+    )
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.5 * GIB / total, device)
@@ -403,8 +507,9 @@ def test_ddp_is_found_inside_a_compiled_model(tmp_path):
     """--compile wraps DDP in torch.compile: no_sync and the OOM reset must still reach DDP."""
     from engine import _ddp, _no_sync
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
         compiled = torch.compile(ddp)

@@ -1,4 +1,5 @@
 """src/predict.py: a tiny model trained on the separable colour set predicts its classes back."""
+
 from __future__ import annotations
 
 import json
@@ -33,17 +34,33 @@ def test_folder_predictions_are_the_trained_classes(trained, capsys):
     (photos / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     (photos / "dog" / "notes.txt").write_text("ignored: not an image")
     capsys.readouterr()
-    assert run_main(predict_main, ["--checkpoint", checkpoint, photos, "--json", "--topk", "2",
-                                   "--batch_size", "4", "--device", "cpu"]) == 0
+    assert (
+        run_main(
+            predict_main,
+            [
+                "--checkpoint",
+                checkpoint,
+                photos,
+                "--json",
+                "--topk",
+                "2",
+                "--batch_size",
+                "4",
+                "--device",
+                "cpu",
+            ],
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     records = json.loads(out)
     by_name = {Path(r["path"]).relative_to(photos).as_posix(): r for r in records}
-    assert len(records) == 3 * 3 + 3 + 1                 # recursive; the text file skipped
+    assert len(records) == 3 * 3 + 3 + 1  # recursive; the text file skipped
     assert "error" in by_name["dog/broken.jpg"] and "predictions" not in by_name["dog/broken.jpg"]
     for name, record in by_name.items():
         if name == "dog/broken.jpg":
             continue
-        true_class = name.split("/")[-2]                  # the class folder it came from
+        true_class = name.split("/")[-2]  # the class folder it came from
         top = record["predictions"]
         assert len(top) == 2 and top[0]["class"] == true_class, (name, top)
         assert 0.0 <= top[1]["probability"] <= top[0]["probability"] <= 1.0
@@ -53,12 +70,16 @@ def test_folder_predictions_are_the_trained_classes(trained, capsys):
 def test_table_by_default_with_class_names(trained, tmp_path: Path, capsys):
     checkpoint, photos = trained
     single = photos / "cat" / "img_000.png"
-    assert predict_main(["--checkpoint", str(checkpoint), str(single), "--topk", "5",
-                         "--device", "cpu"]) == 0
+    assert (
+        predict_main(
+            ["--checkpoint", str(checkpoint), str(single), "--topk", "5", "--device", "cpu"]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("file") and len(lines) == 2
     assert lines[1].startswith(str(single)) and lines[1].split()[1] == "cat"
-    assert all(name in lines[1] for name in CLASSES)     # top 5 of 3 classes: all 3
+    assert all(name in lines[1] for name in CLASSES)  # top 5 of 3 classes: all 3
 
 
 def error_line(argv: list, capsys) -> str:
@@ -67,8 +88,9 @@ def error_line(argv: list, capsys) -> str:
 
 def test_missing_checkpoint(tmp_path: Path):
     photos = write_image_folder(tmp_path / "photos", ["x"], 1)
-    result = run_cli([SRC / "predict.py", "--checkpoint", tmp_path / "missing.pth", photos],
-                     cwd=tmp_path)
+    result = run_cli(
+        [SRC / "predict.py", "--checkpoint", tmp_path / "missing.pth", photos], cwd=tmp_path
+    )
     assert_user_error(result, "missing.pth", "does not exist")
 
 
@@ -83,8 +105,11 @@ def test_empty_folder_and_missing_file(trained, tmp_path: Path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "readme.txt").write_text("no images here")
     assert "holds no image files" in error_line(
-        ["--checkpoint", checkpoint, tmp_path / "empty"], capsys)
+        ["--checkpoint", checkpoint, tmp_path / "empty"], capsys
+    )
     assert "does not exist" in error_line(
-        ["--checkpoint", checkpoint, tmp_path / "nope.jpg"], capsys)
+        ["--checkpoint", checkpoint, tmp_path / "nope.jpg"], capsys
+    )
     assert "--topk" in error_line(
-        ["--checkpoint", checkpoint, tmp_path / "empty", "--topk", "0"], capsys)
+        ["--checkpoint", checkpoint, tmp_path / "empty", "--topk", "0"], capsys
+    )

@@ -1,4 +1,5 @@
 """src/prepare_data.py: stratified, deterministic train/val split of a folder of class folders."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,27 @@ def source_with_junk(root: Path) -> Path:
 
 def test_split_counts_per_class_smallest_class_and_left_out_files(tmp_path: Path, capsys):
     source = source_with_junk(tmp_path / "animals")
-    assert prepare_main(["--source", str(source), "--output", str(tmp_path / "data"),
-                         "--val_ratio", "0.2"]) == 0
+    assert (
+        prepare_main(
+            ["--source", str(source), "--output", str(tmp_path / "data"), "--val_ratio", "0.2"]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
-    counts = {(split, c): len(list((tmp_path / "data" / split / c).glob("*.png")))
-              for split in ("train", "val") for c in ("cat", "dog", "owl")}
+    counts = {
+        (split, c): len(list((tmp_path / "data" / split / c).glob("*.png")))
+        for split in ("train", "val")
+        for c in ("cat", "dog", "owl")
+    }
     # 10 * 0.2 = 2 ; 7 * 0.2 = 1.4 -> 1 ; a single image cannot be split: train only.
-    assert counts == {("train", "cat"): 8, ("val", "cat"): 2, ("train", "dog"): 6,
-                      ("val", "dog"): 1, ("train", "owl"): 1, ("val", "owl"): 0}
+    assert counts == {
+        ("train", "cat"): 8,
+        ("val", "cat"): 2,
+        ("train", "dog"): 6,
+        ("val", "dog"): 1,
+        ("train", "owl"): 1,
+        ("val", "owl"): 0,
+    }
     assert "train:     15 images" in out and "val:        3 images" in out
     assert "smallest class: owl (1 images: 1 train / 0 val)" in out
     assert "left out: 2 files that are not images" in out
@@ -55,11 +69,12 @@ def test_finds_class_folders_nested_one_level_deeper(tmp_path: Path, capsys):
     download = tmp_path / "animals"
     write_image_folder(download / "animals", ["cat", "dog"], 5, ext="png")
     (download / "name of the animals.txt").write_text("cat\ndog\n")
-    mac = download / "__MACOSX" / "animals" / "cat"       # what a zip made on a Mac adds
+    mac = download / "__MACOSX" / "animals" / "cat"  # what a zip made on a Mac adds
     mac.mkdir(parents=True)
     (mac / "._img_000.png").write_bytes(b"resource fork")
-    prepare_main(["--source", str(download), "--output", str(tmp_path / "data"),
-                  "--val_ratio", "0.4"])
+    prepare_main(
+        ["--source", str(download), "--output", str(tmp_path / "data"), "--val_ratio", "0.4"]
+    )
     assert sorted(p.name for p in (tmp_path / "data" / "train").iterdir()) == ["cat", "dog"]
     assert len(files_of(tmp_path / "data" / "val")) == 4
     assert f"from {download / 'animals'}" in capsys.readouterr().out
@@ -80,26 +95,32 @@ def test_refuses_non_empty_output_unless_forced(tmp_path: Path):
     old.write_bytes(b"earlier split")
     (tmp_path / "data" / ".gitkeep").touch()
 
-    result = run_cli([SRC / "prepare_data.py", "--source", source, "--output", "data"],
-                     cwd=tmp_path)
+    result = run_cli(
+        [SRC / "prepare_data.py", "--source", source, "--output", "data"], cwd=tmp_path
+    )
     assert_user_error(result, "data/train is not empty", "--force")
     assert old.read_bytes() == b"earlier split"
 
     prepare_main(["--source", str(source), "--output", str(tmp_path / "data"), "--force"])
     assert not old.exists()
-    assert (tmp_path / "data" / ".gitkeep").exists()      # only train/ and val/ are replaced
-    assert len(files_of(tmp_path / "data" / "train")) + len(
-        files_of(tmp_path / "data" / "val")) == 10
+    assert (tmp_path / "data" / ".gitkeep").exists()  # only train/ and val/ are replaced
+    assert (
+        len(files_of(tmp_path / "data" / "train")) + len(files_of(tmp_path / "data" / "val")) == 10
+    )
 
 
-@pytest.mark.parametrize("make_source, phrase", [
-    (lambda p: p.mkdir(), "holds no class folders with images"),
-    (lambda p: None, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "make_source, phrase",
+    [
+        (lambda p: p.mkdir(), "holds no class folders with images"),
+        (lambda p: None, "does not exist"),
+    ],
+)
 def test_empty_or_missing_source_is_one_error_line(tmp_path: Path, capsys, make_source, phrase):
     make_source(tmp_path / "empty")
-    assert phrase in user_error_line(prepare_main, ["--source", tmp_path / "empty", "--output",
-                                                    tmp_path / "data"], capsys)
+    assert phrase in user_error_line(
+        prepare_main, ["--source", tmp_path / "empty", "--output", tmp_path / "data"], capsys
+    )
 
 
 def test_force_never_deletes_the_source(tmp_path: Path, capsys):

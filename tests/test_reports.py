@@ -1,5 +1,6 @@
 """Reports that scale with the class count, precise messages for bad checkpoint files, and
 command-line tools that stop quietly when their reader goes away."""
+
 from __future__ import annotations
 
 import csv
@@ -20,12 +21,10 @@ from model import build_model
 
 
 def test_most_confused_pairs_by_count_then_matrix_order():
-    confusion = np.array([[5, 2, 0],
-                          [3, 1, 3],
-                          [0, 1, 4]])
+    confusion = np.array([[5, 2, 0], [3, 1, 3], [0, 1, 4]])
     assert most_confused_pairs(confusion, 3) == [(1, 0, 3), (1, 2, 3), (0, 1, 2)]
     assert most_confused_pairs(confusion, 10) == [(1, 0, 3), (1, 2, 3), (0, 1, 2), (2, 1, 1)]
-    assert most_confused_pairs(np.eye(3, dtype=np.int64), 5) == []   # no mistakes, no pairs
+    assert most_confused_pairs(np.eye(3, dtype=np.int64), 5) == []  # no mistakes, no pairs
 
 
 @pytest.mark.slow
@@ -34,32 +33,57 @@ def test_evaluate_on_a_thousand_classes_writes_the_summary_and_the_csv(tmp_path:
     assert len(classes) > FULL_MATRIX_MAX_CLASSES
     write_image_folder(tmp_path / "val", classes, per_class=1, size=16)
     torch.manual_seed(0)
-    torch.save({"model_state_dict": build_model("resnet18", len(classes)).state_dict(),
-                "class_names": classes, "image_size": 16, "model_name": "resnet18"},
-               tmp_path / "checkpoint.pth")
-    code = evaluate_main(["--checkpoint", str(tmp_path / "checkpoint.pth"), "--data_dir",
-                          str(tmp_path / "val"), "--output", str(tmp_path / "eval"),
-                          "--device", "cpu", "--num_workers", "0"])
+    torch.save(
+        {
+            "model_state_dict": build_model("resnet18", len(classes)).state_dict(),
+            "class_names": classes,
+            "image_size": 16,
+            "model_name": "resnet18",
+        },
+        tmp_path / "checkpoint.pth",
+    )
+    code = evaluate_main(
+        [
+            "--checkpoint",
+            str(tmp_path / "checkpoint.pth"),
+            "--data_dir",
+            str(tmp_path / "val"),
+            "--output",
+            str(tmp_path / "eval"),
+            "--device",
+            "cpu",
+            "--num_workers",
+            "0",
+        ]
+    )
     assert code == 0
     report = tmp_path / "eval"
     assert (report / "confusion_summary.png").stat().st_size > 0
-    assert not (report / "confusion_matrix.png").exists()   # unreadable at this size
+    assert not (report / "confusion_matrix.png").exists()  # unreadable at this size
     metrics = json.loads((report / "metrics.json").read_text())
-    assert "confusion_matrix" not in metrics and metrics["confusion_matrix_csv"] == "confusion_matrix.csv"
+    assert (
+        "confusion_matrix" not in metrics
+        and metrics["confusion_matrix_csv"] == "confusion_matrix.csv"
+    )
     with open(report / "confusion_matrix.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0][1:] == classes and [row[0] for row in rows[1:]] == classes
     matrix = np.array([[int(v) for v in row[1:]] for row in rows[1:]])
     assert matrix.shape == (1000, 1000)
-    assert matrix.sum(axis=1).tolist() == [1] * 1000          # one image per class
+    assert matrix.sum(axis=1).tolist() == [1] * 1000  # one image per class
     assert int(np.trace(matrix)) == metrics["correct"]
 
 
-@pytest.mark.parametrize("content, phrase", [
-    (bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)),
-     "is not a readable PyTorch checkpoint"),
-    (b"epoch,loss\n1,0.5\n", "is not a readable PyTorch checkpoint"),
-])
+@pytest.mark.parametrize(
+    "content, phrase",
+    [
+        (
+            bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)),
+            "is not a readable PyTorch checkpoint",
+        ),
+        (b"epoch,loss\n1,0.5\n", "is not a readable PyTorch checkpoint"),
+    ],
+)
 def test_a_file_that_is_no_checkpoint_is_named_so(tmp_path: Path, content: bytes, phrase: str):
     path = tmp_path / "model.pth"
     path.write_bytes(content)
@@ -86,8 +110,9 @@ def test_a_pickle_of_python_objects_keeps_the_unsafe_message(tmp_path: Path):
 @pytest.mark.parametrize("tool", [ROOT / "launch_ddp.py", SRC / "evaluate.py"])
 def test_help_into_a_closed_pipe_ends_quietly(tool: Path):
     """`tool --help | head` : the reader is gone before the tool writes."""
-    process = subprocess.Popen([sys.executable, str(tool), "--help"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, str(tool), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     process.stdout.close()
     stderr = process.stderr.read().decode()
     code = process.wait(timeout=120)
@@ -111,11 +136,15 @@ def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ddp = DDP(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)),
-                      **no_forward_buffer_sync())
+            ddp = DDP(
+                torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)),
+                **no_forward_buffer_sync(),
+            )
         assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
         # Whichever name this torch knows, buffers are not synced in each forward.
-        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+        assert (
+            getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+        )
     finally:
         torch_dist.destroy_process_group()
 
@@ -131,12 +160,26 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
 
     train, val = tiny_dataset
     monkeypatch.chdir(tmp_path)
-    assert train_main(["--device", "cpu", "--train_dir", str(train), "--val_dir", str(val),
-                       "--epochs", "1", *TINY_FLAGS]) == 0
+    assert (
+        train_main(
+            [
+                "--device",
+                "cpu",
+                "--train_dir",
+                str(train),
+                "--val_dir",
+                str(val),
+                "--epochs",
+                "1",
+                *TINY_FLAGS,
+            ]
+        )
+        == 0
+    )
     best = tmp_path / "checkpoints" / "checkpoint_best.pth"
     saved = torch.load(best, map_location="cpu", weights_only=True)
     model = timm.create_model("resnet18", num_classes=3)
-    load_checkpoint(model, str(best))          # strict: every key must match
+    load_checkpoint(model, str(best))  # strict: every key must match
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved["model_state_dict"][name]), name
     built = timm.create_model("resnet18", num_classes=3, checkpoint_path=str(best))
@@ -150,7 +193,7 @@ def test_help_lists_every_trainer_flag_once_in_its_group():
 
     grouped = [name for names in HELP_GROUPS.values() for name in names]
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
-    assert sorted(grouped) == sorted(fields)      # none left out, none twice
+    assert sorted(grouped) == sorted(fields)  # none left out, none twice
     help_text = build_parser().format_help()
     titles = [f"{title}:" for title in HELP_GROUPS]
     assert all(title in help_text.splitlines() for title in titles), help_text

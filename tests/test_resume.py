@@ -1,4 +1,5 @@
 """Crash-safe training: exact resume after SIGKILL, SIGTERM, corrupt and malicious checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -24,21 +25,46 @@ TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
 def resume_dataset(tmp_path: Path) -> tuple[Path, Path]:
     """72 training images: 4 steps per epoch at batch 8 on 2 processes (9 on one)."""
     classes = ["cat", "dog", "fox"]
-    return (write_image_folder(tmp_path / "data" / "train", classes, 24, seed=1),
-            write_image_folder(tmp_path / "data" / "val", classes, 5, seed=2))
+    return (
+        write_image_folder(tmp_path / "data" / "train", classes, 24, seed=1),
+        write_image_folder(tmp_path / "data" / "val", classes, 5, seed=2),
+    )
 
 
 def train_flags(train: Path, val: Path, *extra: str) -> list[str]:
-    return ["--train_dir", str(train), "--val_dir", str(val), "--deterministic",
-            "--optimizer", "sgd", *TINY_FLAGS, *extra]
+    return [
+        "--train_dir",
+        str(train),
+        "--val_dir",
+        str(val),
+        "--deterministic",
+        "--optimizer",
+        "sgd",
+        *TINY_FLAGS,
+        *extra,
+    ]
 
 
-def launch(workdir: Path, flags: list[str], env: dict[str, str] | None = None,
-           nproc: int = 2) -> subprocess.CompletedProcess:
+def launch(
+    workdir: Path, flags: list[str], env: dict[str, str] | None = None, nproc: int = 2
+) -> subprocess.CompletedProcess:
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu",
-                           "--nproc", str(nproc), *flags], cwd=workdir, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch_ddp.py"),
+            "--device",
+            "cpu",
+            "--nproc",
+            str(nproc),
+            *flags,
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_same_tensors(a: object, b: object, where: str = "") -> int:
@@ -52,8 +78,10 @@ def assert_same_tensors(a: object, b: object, where: str = "") -> int:
         return sum(assert_same_tensors(a[k], b[k], f"{where}/{k}") for k in a)
     if isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        return sum(assert_same_tensors(x, y, f"{where}[{i}]")
-                   for i, (x, y) in enumerate(zip(a, b, strict=True)))
+        return sum(
+            assert_same_tensors(x, y, f"{where}[{i}]")
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+        )
     assert a == b, f"{where}: {a} != {b}"
     return 0
 
@@ -75,12 +103,17 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     assert clean.returncode == 0, clean.stderr[-3000:]
 
     # Rank 1 is SIGKILLed after step 3 of epoch 2; the checkpoint of step 2 is the newest.
-    crashed = launch(tmp_path / "crashed", [*flags, "--max_restarts", "1", "--resume", "auto"],
-                     env={"TRAIN_DDP_KILL_AT": "2:3:1"})
+    crashed = launch(
+        tmp_path / "crashed",
+        [*flags, "--max_restarts", "1", "--resume", "auto"],
+        env={"TRAIN_DDP_KILL_AT": "2:3:1"},
+    )
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     log0 = (tmp_path / "crashed" / "logs" / "train_rank_0.log").read_text()
-    assert "killing rank 1 with SIGKILL" in (tmp_path / "crashed" / "logs" /
-                                             "train_rank_1.log").read_text()
+    assert (
+        "killing rank 1 with SIGKILL"
+        in (tmp_path / "crashed" / "logs" / "train_rank_1.log").read_text()
+    )
     assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 2 of 4" in log0
 
     a, b = latest(tmp_path / "clean"), latest(tmp_path / "crashed")
@@ -89,7 +122,8 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     assert compared > 122 and (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
     # Every epoch once, with the same metrics as the uninterrupted run.
     assert metrics_without_timings(tmp_path / "crashed") == metrics_without_timings(
-        tmp_path / "clean")
+        tmp_path / "clean"
+    )
     assert [r["epoch"] for r in metrics_without_timings(tmp_path / "crashed")] == [1, 2]
 
 
@@ -105,14 +139,19 @@ def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_pa
     killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:5"})
     assert killed.returncode != 0
     assert latest(tmp_path / "resumed")["step"] == 4
-    resumed = launch(tmp_path / "resumed", [*flags, "--resume", "auto", "--num_workers", "2"],
-                     nproc=1)
+    resumed = launch(
+        tmp_path / "resumed", [*flags, "--resume", "auto", "--num_workers", "2"], nproc=1
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "epoch 1, step 4 of 9" in resumed.stdout
-    assert_same_tensors(latest(tmp_path / "clean")["model_state_dict"],
-                        latest(tmp_path / "resumed")["model_state_dict"], "model")
+    assert_same_tensors(
+        latest(tmp_path / "clean")["model_state_dict"],
+        latest(tmp_path / "resumed")["model_state_dict"],
+        "model",
+    )
     assert metrics_without_timings(tmp_path / "clean") == metrics_without_timings(
-        tmp_path / "resumed")
+        tmp_path / "resumed"
+    )
 
 
 @pytest.mark.slow
@@ -120,13 +159,16 @@ def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, 
     train, val = resume_dataset
     # 36 samples per rank at batch 4: 9 steps per epoch, a checkpoint after each one; the
     # signal is sent once the first is written, so it lands inside the (only) epoch.
-    flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "1",
-                        "--batch_size", "4")
+    flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "1", "--batch_size", "4")
     workdir = tmp_path / "run"
     workdir.mkdir()
-    launcher = subprocess.Popen([sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu",
-                                 "--nproc", "2", *flags], cwd=workdir, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nproc", "2", *flags],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline:
@@ -137,8 +179,8 @@ def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, 
     assert "Received SIGTERM" in stdout and "Resume with the same command plus --resume" in stdout
 
     saved = latest(workdir)
-    assert saved["epoch"] == 0 and 0 < saved["step"] < 9      # a step inside epoch 1
-    for rank in (0, 1):                                        # both ranks stopped cleanly
+    assert saved["epoch"] == 0 and 0 < saved["step"] < 9  # a step inside epoch 1
+    for rank in (0, 1):  # both ranks stopped cleanly
         log = (workdir / "logs" / f"train_rank_{rank}.log").read_text()
         assert f"Stopped at epoch 1, step {saved['step']}" in log
     resumed = launch(workdir, [*flags, "--resume", "auto"])
@@ -156,14 +198,18 @@ def test_history_drops_records_after_the_checkpoint(trained_run, tmp_path: Path)
     assert run_train([*trained_run.flags, "--epochs", "2", "--resume", prev], cwd=workdir) == 0
     history = json.loads((workdir / "logs" / "training_history.json").read_text())
     assert [r["epoch"] for r in history["epochs"]] == [1, 2]
-    assert history["epochs"][0] == json.loads(
-        (trained_run.root / "logs" / "training_history.json").read_text())["epochs"][0]
+    assert (
+        history["epochs"][0]
+        == json.loads((trained_run.root / "logs" / "training_history.json").read_text())["epochs"][
+            0
+        ]
+    )
 
 
 def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, capsys):
     workdir = trained_run.copy_to(tmp_path)
     latest_path = workdir / "checkpoints" / "checkpoint_latest.pth"
-    latest_path.write_bytes(latest_path.read_bytes()[:5000])      # a truncated write
+    latest_path.write_bytes(latest_path.read_bytes()[:5000])  # a truncated write
     capsys.readouterr()
     # The previous checkpoint holds epoch 1: epoch 2 is trained again.
     assert run_train([*trained_run.flags, "--epochs", "2", "--resume", "auto"], cwd=workdir) == 0
@@ -174,15 +220,15 @@ def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, caps
     assert latest(workdir)["epoch"] == 2
 
 
-def test_corrupt_checkpoint_without_fallback_is_one_clear_error(tiny_dataset, tmp_path: Path,
-                                                                 capsys):
+def test_corrupt_checkpoint_without_fallback_is_one_clear_error(
+    tiny_dataset, tmp_path: Path, capsys
+):
     train, val = tiny_dataset
     bad = tmp_path / "bad.pth"
     bad.write_bytes(b"not a checkpoint at all")
     data = ["--device", "cpu", "--train_dir", train, "--val_dir", val]
     assert "corrupt" in user_error_line(launch_ddp.main, [*data, "--resume", bad], capsys)
-    line = user_error_line(launch_ddp.main, [*data, "--resume", tmp_path / "missing.pth"],
-                           capsys)
+    line = user_error_line(launch_ddp.main, [*data, "--resume", tmp_path / "missing.pth"], capsys)
     assert "missing.pth" in line and "no such file" in line
 
 
@@ -196,27 +242,45 @@ class _Payload:
         return (open, (str(self.path), "w"))
 
 
-def test_malicious_checkpoint_is_refused_and_its_code_never_runs(tiny_dataset, tmp_path: Path,
-                                                                 capsys):
+def test_malicious_checkpoint_is_refused_and_its_code_never_runs(
+    tiny_dataset, tmp_path: Path, capsys
+):
     train, val = tiny_dataset
     marker = tmp_path / "pwned.txt"
     evil = tmp_path / "evil.pth"
-    torch.save({"model_state_dict": _Payload(marker), "optimizer_state_dict": {}, "epoch": 0},
-               evil)
+    torch.save({"model_state_dict": _Payload(marker), "optimizer_state_dict": {}, "epoch": 0}, evil)
     pickle.loads(pickle.dumps(_Payload(tmp_path / "probe.txt"))).close()  # the payload is live
     assert (tmp_path / "probe.txt").exists()
 
-    line = user_error_line(train_ddp.main, ["--device", "cpu", "--train_dir", train,
-                                            "--val_dir", val, "--resume", evil],
-                           capsys, cwd=tmp_path)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", "--train_dir", train, "--val_dir", val, "--resume", evil],
+        capsys,
+        cwd=tmp_path,
+    )
     assert "refused to load" in line and "weights_only=True" in line
     assert not marker.exists()
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path, capsys):
     train, val = tiny_dataset
-    assert run_train(["--train_dir", train, "--val_dir", val, "--epochs", "1", "--resume",
-                      "auto", *TINY_FLAGS], cwd=tmp_path) == 0
+    assert (
+        run_train(
+            [
+                "--train_dir",
+                train,
+                "--val_dir",
+                val,
+                "--epochs",
+                "1",
+                "--resume",
+                "auto",
+                *TINY_FLAGS,
+            ],
+            cwd=tmp_path,
+        )
+        == 0
+    )
     assert "no checkpoint in checkpoints, starting a new run" in capsys.readouterr().out
     assert latest(tmp_path)["epoch"] == 1
 
@@ -225,17 +289,43 @@ def test_resume_on_other_classes_is_one_clear_error(trained_run, tmp_path: Path,
     workdir = trained_run.copy_to(tmp_path)
     other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
     other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
-    line = user_error_line(launch_ddp.main, [
-        "--device", "cpu", "--train_dir", other_train, "--val_dir", other_val, *TINY_FLAGS,
-        "--resume", "auto"], capsys, cwd=workdir)
+    line = user_error_line(
+        launch_ddp.main,
+        [
+            "--device",
+            "cpu",
+            "--train_dir",
+            other_train,
+            "--val_dir",
+            other_val,
+            *TINY_FLAGS,
+            "--resume",
+            "auto",
+        ],
+        capsys,
+        cwd=workdir,
+    )
     assert "other classes" in line and "only in the data: ['ant', 'bee']" in line
 
 
 def test_resume_with_another_optimizer_is_one_clear_error(trained_run, tmp_path: Path, capsys):
     workdir = trained_run.copy_to(tmp_path)
     history = (workdir / "logs" / "training_history.json").read_text()
-    line = user_error_line(train_ddp.main, ["--device", "cpu", *trained_run.flags, "--epochs",
-                                            "3", "--optimizer", "sgd", "--resume", "auto"],
-                           capsys, cwd=workdir)
+    line = user_error_line(
+        train_ddp.main,
+        [
+            "--device",
+            "cpu",
+            *trained_run.flags,
+            "--epochs",
+            "3",
+            "--optimizer",
+            "sgd",
+            "--resume",
+            "auto",
+        ],
+        capsys,
+        cwd=workdir,
+    )
     assert "--optimizer adamw" in line and "not --optimizer sgd" in line
     assert (workdir / "logs" / "training_history.json").read_text() == history

@@ -1,5 +1,6 @@
 """Robust loading: non-images ignored, undecodable images left out once at start with one warning,
 every colour mode turned into RGB, EXIF orientation honoured, a class left empty refused."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,12 @@ from image_files import UNREADABLE_LIST, find_unreadable, open_rgb
 def add_bad_files(folder: Path) -> dict[str, Path]:
     """A truncated JPEG, garbage named .jpg, a text file and a CMYK JPEG in ``folder``."""
     good = next(folder.glob("*.jpg")).read_bytes()
-    files = {"truncated": folder / "truncated.jpg", "garbage": folder / "garbage.jpg",
-             "text": folder / "readme.txt", "cmyk": folder / "cmyk.jpg"}
+    files = {
+        "truncated": folder / "truncated.jpg",
+        "garbage": folder / "garbage.jpg",
+        "text": folder / "readme.txt",
+        "cmyk": folder / "cmyk.jpg",
+    }
     files["truncated"].write_bytes(good[: len(good) // 2])
     files["garbage"].write_bytes(b"this is not a JPEG at all" * 10)
     files["text"].write_text("a text file in a class folder")
@@ -28,9 +33,18 @@ def add_bad_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-@pytest.mark.parametrize("mode, colour", [("L", 128), ("P", 3), ("CMYK", (0, 255, 255, 0)),
-                                          ("RGBA", (10, 200, 30, 255)), ("LA", (50, 255)),
-                                          ("I;16", 300), ("1", 1)])
+@pytest.mark.parametrize(
+    "mode, colour",
+    [
+        ("L", 128),
+        ("P", 3),
+        ("CMYK", (0, 255, 255, 0)),
+        ("RGBA", (10, 200, 30, 255)),
+        ("LA", (50, 255)),
+        ("I;16", 300),
+        ("1", 1),
+    ],
+)
 def test_every_colour_mode_becomes_rgb(tmp_path: Path, mode, colour):
     path = tmp_path / ("image.tif" if mode == "I;16" else "image.png")
     if mode == "CMYK":
@@ -46,15 +60,15 @@ def test_transparent_pixels_become_white(tmp_path: Path):
 
 
 def test_exif_orientation_is_honoured(tmp_path: Path):
-    pixels = np.zeros((10, 30, 3), dtype=np.uint8)   # 30 wide, 10 high, left third red
+    pixels = np.zeros((10, 30, 3), dtype=np.uint8)  # 30 wide, 10 high, left third red
     pixels[:, :10] = (255, 0, 0)
     image = Image.fromarray(pixels)
     exif = image.getexif()
-    exif[0x0112] = 6          # orientation: rotate 90 degrees clockwise to display
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
     image.save(tmp_path / "portrait.jpg", exif=exif, quality=95)
     upright = open_rgb(tmp_path / "portrait.jpg")
     assert upright.size == (10, 30)
-    red, green, _ = upright.getpixel((5, 2))        # the red band is now on top
+    red, green, _ = upright.getpixel((5, 2))  # the red band is now on top
     assert red > 200 and green < 60
 
 
@@ -75,10 +89,11 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
     val = write_image_folder(tmp_path / "val", ["cat", "dog"], 2)
     add_bad_files(train / "dog")
     with caplog.at_level(logging.WARNING, logger="trainer"):
-        train_set, val_set, classes = build_datasets(train, val, 16, 0, 0.5, 0.5,
-                                                     log_dir=tmp_path / "logs")
+        train_set, val_set, classes = build_datasets(
+            train, val, 16, 0, 0.5, 0.5, log_dir=tmp_path / "logs"
+        )
     assert classes == ["cat", "dog"]
-    assert len(train_set) == 9 and len(val_set) == 4        # 8 + the CMYK image; text ignored
+    assert len(train_set) == 9 and len(val_set) == 4  # 8 + the CMYK image; text ignored
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "2 of 15 image files" in warnings[0] and UNREADABLE_LIST in warnings[0]
@@ -94,7 +109,7 @@ def test_a_file_broken_after_the_scan_does_not_stop_the_epoch(tmp_path: Path, ca
     Path(first_path).write_bytes(b"broken later")
     with caplog.at_level(logging.WARNING, logger="trainer"):
         image, label = folder[0]
-    assert image.mode == "RGB" and label == 0       # the next sample, a's second image
+    assert image.mode == "RGB" and label == 0  # the next sample, a's second image
     assert "could not read" in caplog.text
 
 
@@ -108,14 +123,19 @@ def test_class_left_empty_is_refused_by_name(tmp_path: Path):
         build_datasets(train, val, 16, 0, 0.5, 0.5)
 
 
-def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(tiny_dataset, tmp_path: Path,
-                                                                   capsys):
+def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(
+    tiny_dataset, tmp_path: Path, capsys
+):
     train, val = tiny_dataset
     add_bad_files(train / "dog")
     add_bad_files(val / "fox")
     capsys.readouterr()
-    assert run_train(["--train_dir", train, "--val_dir", val, "--epochs", "1", *TINY_FLAGS],
-                     cwd=tmp_path) == 0
+    assert (
+        run_train(
+            ["--train_dir", train, "--val_dir", val, "--epochs", "1", *TINY_FLAGS], cwd=tmp_path
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     warnings = [line for line in out.splitlines() if "cannot be decoded" in line]
@@ -129,6 +149,10 @@ def test_training_refuses_a_class_with_only_corrupt_images(tiny_dataset, tmp_pat
     train, val = tiny_dataset
     for image in (val / "fox").glob("*.jpg"):
         image.write_bytes(b"corrupt")
-    line = user_error_line(train_ddp.main, ["--device", "cpu", "--train_dir", train,
-                                            "--val_dir", val, *TINY_FLAGS], capsys, cwd=tmp_path)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS],
+        capsys,
+        cwd=tmp_path,
+    )
     assert "fox" in line and "no readable image" in line

@@ -1,5 +1,6 @@
 """YAML run files: --config sets any flag, the command line wins, bad keys and types are one
 error naming the key and the file, and the resolved configuration reruns to itself."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,11 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_file_sets_flags_and_the_command_line_wins(tmp_path: Path):
-    run = write(tmp_path, "epochs: 3\nlearning_rate: 1\nuse_amp: true\nbatch_size: 16\n"
-                          "nproc: 2\nmax_memory_gb: null\n")
+    run = write(
+        tmp_path,
+        "epochs: 3\nlearning_rate: 1\nuse_amp: true\nbatch_size: 16\n"
+        "nproc: 2\nmax_memory_gb: null\n",
+    )
     cfg = parse_config(["--config", str(run), "--epochs", "5"])
     assert (cfg.epochs, cfg.learning_rate, cfg.use_amp, cfg.batch_size) == (5, 1.0, True, 16)
     assert isinstance(cfg.learning_rate, float)
@@ -26,21 +30,25 @@ def test_file_sets_flags_and_the_command_line_wins(tmp_path: Path):
 
 def test_a_preset_switched_on_in_the_file_applies_under_the_files_values(tmp_path: Path):
     cfg = parse_config(["--config", str(write(tmp_path, "demo: true\nepochs: 2\n"))])
-    assert cfg.demo and cfg.image_size == 32 and cfg.epochs == 2   # preset, then the file
+    assert cfg.demo and cfg.image_size == 32 and cfg.epochs == 2  # preset, then the file
 
 
-@pytest.mark.parametrize("text, phrases", [
-    ("epoch: 3\n", ["unknown key 'epoch'", "did you mean 'epochs'"]),
-    ("epochs: three\n", ["epochs must be int", "'three'"]),
-    ("use_amp: 1\n", ["use_amp must be bool"]),
-    ("batch_size: true\n", ["batch_size must be int"]),
-    ("optimizer: adam\n", ["optimizer must be one of adamw, sgd"]),
-    ("nproc: two\n", ["nproc must be int"]),
-    ("- epochs\n", ["expected a mapping"]),
-    ("epochs: [1\n", ["not a readable YAML file"]),
-])
-def test_bad_keys_and_types_name_the_key_and_the_file(tmp_path: Path, text: str,
-                                                       phrases: list[str]):
+@pytest.mark.parametrize(
+    "text, phrases",
+    [
+        ("epoch: 3\n", ["unknown key 'epoch'", "did you mean 'epochs'"]),
+        ("epochs: three\n", ["epochs must be int", "'three'"]),
+        ("use_amp: 1\n", ["use_amp must be bool"]),
+        ("batch_size: true\n", ["batch_size must be int"]),
+        ("optimizer: adam\n", ["optimizer must be one of adamw, sgd"]),
+        ("nproc: two\n", ["nproc must be int"]),
+        ("- epochs\n", ["expected a mapping"]),
+        ("epochs: [1\n", ["not a readable YAML file"]),
+    ],
+)
+def test_bad_keys_and_types_name_the_key_and_the_file(
+    tmp_path: Path, text: str, phrases: list[str]
+):
     run = write(tmp_path, text)
     with pytest.raises(UserError) as err:
         parse_config(["--config", str(run)])
@@ -56,8 +64,18 @@ def test_a_missing_file_is_one_error(tmp_path: Path):
 
 
 def test_the_resolved_configuration_reruns_to_the_same_configuration(tmp_path: Path):
-    cfg = parse_config(["--low_memory", "--epochs", "7", "--no_channels_last",
-                        "--resume", "auto", "--learning_rate", "0.02"])
+    cfg = parse_config(
+        [
+            "--low_memory",
+            "--epochs",
+            "7",
+            "--no_channels_last",
+            "--resume",
+            "auto",
+            "--learning_rate",
+            "0.02",
+        ]
+    )
     resolved = write(tmp_path, config_yaml(cfg, {"nproc": 2}))
     assert parse_config(["--config", str(resolved)]) == cfg
     assert set(LAUNCHER_KEYS) >= {"nproc"}
@@ -80,18 +98,24 @@ def test_a_run_from_a_file_writes_the_config_that_repeats_it(tiny_dataset, tmp_p
     from conftest import ROOT, run_cli
 
     train, val = tiny_dataset
-    run = write(tmp_path, f"train_dir: {train}\nval_dir: {val}\nimage_size: 16\nbatch_size: 8\n"
-                          "num_workers: 0\nepochs: 3\nnproc: 2\ndevice: cpu\n"
-                          "learning_rate: 0.01\n")
+    run = write(
+        tmp_path,
+        f"train_dir: {train}\nval_dir: {val}\nimage_size: 16\nbatch_size: 8\n"
+        "num_workers: 0\nepochs: 3\nnproc: 2\ndevice: cpu\n"
+        "learning_rate: 0.01\n",
+    )
     result = run_cli([ROOT / "launch_ddp.py", "--config", run, "--epochs", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "world size 2" in result.stdout
     written = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
     assert written["epochs"] == 1 and written["nproc"] == 2 and written["learning_rate"] == 0.01
-    printed = [run_cli([ROOT / "launch_ddp.py", "--config", path, "--print_config"], cwd=tmp_path)
-               for path in (tmp_path / "logs" / "config.yaml", run)]
+    printed = [
+        run_cli([ROOT / "launch_ddp.py", "--config", path, "--print_config"], cwd=tmp_path)
+        for path in (tmp_path / "logs" / "config.yaml", run)
+    ]
     assert printed[0].returncode == 0, printed[0].stderr
     assert yaml.safe_load(printed[0].stdout) == written
     # The original file without the command line's --epochs 1 differs only there.
-    assert {k: v for k, v in yaml.safe_load(printed[1].stdout).items() if k != "epochs"} == \
-        {k: v for k, v in written.items() if k != "epochs"}
+    assert {k: v for k, v in yaml.safe_load(printed[1].stdout).items() if k != "epochs"} == {
+        k: v for k, v in written.items() if k != "epochs"
+    }

@@ -1,5 +1,6 @@
 """A run owns its checkpoint folder: the lock, the guard against replacing an earlier run's
 results, resume checks of the schedule flags (and --resume_override), and a full disk."""
+
 from __future__ import annotations
 
 import errno
@@ -38,6 +39,7 @@ from run_folder import (
 
 # ----------------------------------------------------------------------------- the lock
 
+
 def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
     folder = tmp_path / "ckpt"
     with FolderLock(folder) as held:
@@ -49,7 +51,7 @@ def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
         with pytest.raises(FolderBusy, match="in use by another run"):
             check_run_folder(folder, tmp_path / "logs", None, False)
     assert lock_holder(folder) is None
-    with FolderLock(folder):   # free again
+    with FolderLock(folder):  # free again
         pass
 
 
@@ -57,10 +59,18 @@ def test_lock_of_a_killed_process_is_free_at_once(tmp_path: Path):
     """The kernel drops the lock with its process, so a crash never leaves a folder stuck."""
     folder = tmp_path / "ckpt"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from run_folder import FolderLock; from pathlib import Path; "
-         "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
-         str(SRC), str(folder)], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from run_folder import FolderLock; from pathlib import Path; "
+            "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
+            str(SRC),
+            str(folder),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert f"pid {holder.pid} " in lock_holder(folder)
@@ -85,7 +95,7 @@ def test_the_main_process_decides_and_every_rank_raises_its_line(tmp_path: Path)
     folder = tmp_path / "ckpt"
     verdicts = []
 
-    def agree(error):   # what all_gather_objects(error)[0] returns on every rank
+    def agree(error):  # what all_gather_objects(error)[0] returns on every rank
         verdicts.append(error)
         return verdicts[0]
 
@@ -100,17 +110,17 @@ def test_the_main_process_decides_and_every_rank_raises_its_line(tmp_path: Path)
             pytest.fail("rank 1 must not start")
     assert str(rank0.value) == str(rank1.value) and verdicts[1] is None
     assert lock_holder(folder) is None
-    with claim_run_folder(folder, tmp_path / "logs", resume="auto", overwrite=False,
-                          enabled=True):
+    with claim_run_folder(folder, tmp_path / "logs", resume="auto", overwrite=False, enabled=True):
         assert f"pid {os.getpid()}" in lock_holder(folder)
     assert lock_holder(folder) is None
 
 
 # ----------------------------------------------------------------------------- earlier results
 
+
 def test_new_run_in_a_used_folder_is_refused_with_the_choices(tmp_path: Path):
     ckpt, logs = tmp_path / "checkpoints", tmp_path / "logs"
-    check_new_run(ckpt, logs, None, False)             # nothing there yet
+    check_new_run(ckpt, logs, None, False)  # nothing there yet
     ckpt.mkdir()
     logs.mkdir()
     (ckpt / "checkpoint_latest.pth").write_bytes(b"x")
@@ -118,12 +128,17 @@ def test_new_run_in_a_used_folder_is_refused_with_the_choices(tmp_path: Path):
     with pytest.raises(UserError) as err:
         check_new_run(ckpt, logs, None, False)
     message = str(err.value)
-    for phrase in ("checkpoint_latest.pth", "training_history.json", "--resume auto",
-                   "--overwrite", "another --checkpoint_dir and --log_dir"):
+    for phrase in (
+        "checkpoint_latest.pth",
+        "training_history.json",
+        "--resume auto",
+        "--overwrite",
+        "another --checkpoint_dir and --log_dir",
+    ):
         assert phrase in message
-    check_new_run(ckpt, logs, "auto", False)                                # continues it
-    check_new_run(ckpt, logs, str(ckpt / "checkpoint_latest.pth"), False)   # continues it
-    check_new_run(ckpt, logs, None, True)                                   # starts over
+    check_new_run(ckpt, logs, "auto", False)  # continues it
+    check_new_run(ckpt, logs, str(ckpt / "checkpoint_latest.pth"), False)  # continues it
+    check_new_run(ckpt, logs, None, True)  # starts over
     with pytest.raises(UserError, match="another folder"):
         check_new_run(ckpt, logs, str(tmp_path / "elsewhere.pth"), False)
     # Another --checkpoint_dir alone would still replace the history in --log_dir.
@@ -142,7 +157,10 @@ def test_overwrite_and_demo_flags():
         parse_config(["--resume_override"])
     demo = parse_config(["--demo"])
     assert (demo.checkpoint_dir, demo.log_dir, demo.overwrite) == (
-        "checkpoints/demo", "logs/demo", True)
+        "checkpoints/demo",
+        "logs/demo",
+        True,
+    )
     # The demo starts over only in its own folders, never when asked to resume.
     assert not parse_config(["--demo", "--resume", "auto"]).overwrite
     assert not parse_config(["--demo", "--checkpoint_dir", "mine"]).overwrite
@@ -157,18 +175,21 @@ def test_overwrite_removes_the_earlier_run_at_its_first_save_not_before(tmp_path
     writer.save({"epoch": torch.tensor(1)}, is_best=False)
     assert torch.load(writer.latest, weights_only=True)["epoch"] == 1
     assert not writer.best.exists() and not previous_path(writer.latest).exists()
-    writer.save({"epoch": torch.tensor(2)}, is_best=True)    # then the usual policy
+    writer.save({"epoch": torch.tensor(2)}, is_best=True)  # then the usual policy
     assert torch.load(previous_path(writer.latest), weights_only=True)["epoch"] == 1
     assert torch.load(writer.best, weights_only=True)["epoch"] == 2
 
 
 # ----------------------------------------------------------------------------- a full disk
 
+
 def fail_after_writing(nbytes: int):
     """A stand-in for torch.save that writes part of the file, then finds the disk full."""
+
     def save(obj, f):
         f.write(b"\0" * nbytes)
         raise OSError(errno.ENOSPC, "No space left on device")
+
     return save
 
 
@@ -177,10 +198,13 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoints(tmp_path: Path
     writer.save({"w": torch.zeros(10)}, is_best=True)
     writer.save({"w": torch.ones(10)}, is_best=False)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert set(before) == {"checkpoint_latest.pth", "checkpoint_latest.prev.pth",
-                           "checkpoint_best.pth"}
+    assert set(before) == {
+        "checkpoint_latest.pth",
+        "checkpoint_latest.prev.pth",
+        "checkpoint_best.pth",
+    }
     monkeypatch.setattr(checkpoint.torch, "save", fail_after_writing(1000))
-    state = {"model": {"w": torch.zeros(3, 1024, 1024)}}     # 12 MiB of float32
+    state = {"model": {"w": torch.zeros(3, 1024, 1024)}}  # 12 MiB of float32
     with pytest.raises(UserError) as err:
         writer.save(state, is_best=True)
     message = str(err.value)
@@ -190,7 +214,7 @@ def test_disk_full_is_one_line_and_keeps_the_previous_checkpoints(tmp_path: Path
     # The partial temporary file is gone; latest, its fallback and best are untouched.
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     monkeypatch.undo()
-    atomic_save({"w": torch.zeros(1)}, tmp_path / "ok.pth")   # a later write works as usual
+    atomic_save({"w": torch.zeros(1)}, tmp_path / "ok.pth")  # a later write works as usual
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -223,30 +247,49 @@ def test_other_write_errors_keep_their_traceback(tmp_path: Path, monkeypatch):
 
 # ----------------------------------------------------------------------------- resume checks
 
+
 def saved_state(**config) -> dict:
-    base = dict(learning_rate=0.01, lr_scaling="none", scheduler="cosine", warmup_epochs=0.0,
-                step_size=30, gamma=0.1, weight_decay=0.01, momentum=0.9, label_smoothing=0.0,
-                optimizer="adamw", batch_size=8, epochs=2)
-    return {"config": {**base, **config}, "rank_states": [{}, {}]}   # written by 2 processes
+    base = dict(
+        learning_rate=0.01,
+        lr_scaling="none",
+        scheduler="cosine",
+        warmup_epochs=0.0,
+        step_size=30,
+        gamma=0.1,
+        weight_decay=0.01,
+        momentum=0.9,
+        label_smoothing=0.0,
+        optimizer="adamw",
+        batch_size=8,
+        epochs=2,
+    )
+    return {"config": {**base, **config}, "rank_states": [{}, {}]}  # written by 2 processes
 
 
 def test_changed_schedule_flags_are_listed(tmp_path: Path):
     state = saved_state()
-    same = dict(state["config"], epochs=10)     # more epochs: allowed, as before
+    same = dict(state["config"], epochs=10)  # more epochs: allowed, as before
     assert changed_settings(state, same, world_size=2) == []
     # momentum is sgd's, step_size/gamma the step schedule's: not reported for adamw + cosine.
     assert changed_settings(state, dict(same, momentum=0.5, gamma=0.5), 2) == []
     new = dict(same, learning_rate=0.1, scheduler="step", gamma=0.5, label_smoothing=0.1)
-    assert changed_settings(state, new, 2) == ["--learning_rate 0.01 -> 0.1",
-                                               "--scheduler cosine -> step", "--gamma 0.1 -> 0.5",
-                                               "--label_smoothing 0.0 -> 0.1"]
+    assert changed_settings(state, new, 2) == [
+        "--learning_rate 0.01 -> 0.1",
+        "--scheduler cosine -> step",
+        "--gamma 0.1 -> 0.5",
+        "--label_smoothing 0.0 -> 0.1",
+    ]
     # The batch of one optimizer step: 8 x 2 processes; 16 x 1 is the same batch.
     assert changed_settings(state, dict(same, batch_size=16), 1) == []
     assert changed_settings(state, same, 1) == [
-        "batch per optimizer step (--batch_size x processes) 8x2=16 -> 8x1=8"]
+        "batch per optimizer step (--batch_size x processes) 8x2=16 -> 8x1=8"
+    ]
     path = tmp_path / "checkpoint_latest.pth"
-    with pytest.raises(UserError, match=r"--learning_rate 0.01 -> 0.1; --scheduler cosine -> "
-                                        r"step.*add --resume_override"):
+    with pytest.raises(
+        UserError,
+        match=r"--learning_rate 0.01 -> 0.1; --scheduler cosine -> "
+        r"step.*add --resume_override",
+    ):
         check_resume_settings(state, path, new, 2, override=False)
     assert len(check_resume_settings(state, path, new, 2, override=True)) == 4
 
@@ -260,8 +303,9 @@ def test_override_applies_new_hyperparameters_and_keeps_moments():
         model = torch.nn.Linear(4, 2)
         torch.manual_seed(0)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
-        factor = partial(lr_factor, kind=kind, warmup_steps=0, total_steps=10, decay_every=4,
-                         gamma=0.5)
+        factor = partial(
+            lr_factor, kind=kind, warmup_steps=0, total_steps=10, decay_every=4, gamma=0.5
+        )
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
     model, opt, sched = build(0.1, 0.01, "cosine")
@@ -275,21 +319,24 @@ def test_override_applies_new_hyperparameters_and_keeps_moments():
     from_flags = optimisation_settings(new_opt, new_sched)
     new_opt.load_state_dict(saved_opt)
     new_sched.load_state_dict(saved_sched)
-    assert new_opt.param_groups[0]["initial_lr"] == 0.1          # the checkpoint's, so far
+    assert new_opt.param_groups[0]["initial_lr"] == 0.1  # the checkpoint's, so far
     apply_optimisation_settings(new_opt, new_sched, from_flags)
     group = new_opt.param_groups[0]
     # After 5 steps the step schedule (decay every 4) is at 0.5 x the new base of 0.5.
     assert (group["lr"], group["initial_lr"], group["weight_decay"]) == (0.25, 0.5, 0.0)
     assert new_sched.get_last_lr() == [0.25] and new_sched.last_epoch == 5
-    for p in new_opt.param_groups[0]["params"]:                   # momentum kept
-        assert torch.equal(new_opt.state[p]["momentum_buffer"],
-                           saved_opt["state"][0 if p.dim() == 2 else 1]["momentum_buffer"])
+    for p in new_opt.param_groups[0]["params"]:  # momentum kept
+        assert torch.equal(
+            new_opt.state[p]["momentum_buffer"],
+            saved_opt["state"][0 if p.dim() == 2 else 1]["momentum_buffer"],
+        )
     new_opt.step()
     new_sched.step()
-    assert new_opt.param_groups[0]["lr"] == 0.25                 # step 6: still 0.5 x 0.5
+    assert new_opt.param_groups[0]["lr"] == 0.25  # step 6: still 0.5 x 0.5
 
 
 # ----------------------------------------------------------------------------- end to end
+
 
 def train_main(argv: list, capsys) -> tuple[int, str]:
     """train_ddp.main in this process: (exit code, stderr)."""
@@ -303,17 +350,39 @@ def train_main(argv: list, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(tiny_dataset, tmp_path,
-                                                                          capsys, monkeypatch):
+def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(
+    tiny_dataset, tmp_path, capsys, monkeypatch
+):
     train, val = tiny_dataset
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS,
-             "--batch_size", "16", "--scheduler", "none", "--checkpoint_dir", ckpt,
-             "--log_dir", logs, "--epochs", "1"]
+    flags = [
+        "--device",
+        "cpu",
+        "--train_dir",
+        train,
+        "--val_dir",
+        val,
+        *TINY_FLAGS,
+        "--batch_size",
+        "16",
+        "--scheduler",
+        "none",
+        "--checkpoint_dir",
+        ckpt,
+        "--log_dir",
+        logs,
+        "--epochs",
+        "1",
+    ]
     assert train_main(flags, capsys)[0] == 0
-    first = {p: p.read_bytes() for p in (ckpt / "checkpoint_latest.pth",
-                                         ckpt / "checkpoint_best.pth",
-                                         logs / "training_history.json")}
+    first = {
+        p: p.read_bytes()
+        for p in (
+            ckpt / "checkpoint_latest.pth",
+            ckpt / "checkpoint_best.pth",
+            logs / "training_history.json",
+        )
+    }
 
     # A second run in the same folders: refused, nothing replaced.
     code, err = train_main(flags, capsys)
@@ -327,8 +396,9 @@ def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(tiny_d
     assert train_main([*longer, "--resume_override"], capsys)[0] == 0
     records = json.loads((logs / "training_history.json").read_text())["epochs"]
     assert [(r["epoch"], r["lr"]) for r in records] == [(1, 0.01), (2, 0.05)]
-    group = torch.load(ckpt / "checkpoint_latest.pth",
-                       weights_only=True)["optimizer_state_dict"]["param_groups"][0]
+    group = torch.load(ckpt / "checkpoint_latest.pth", weights_only=True)["optimizer_state_dict"][
+        "param_groups"
+    ][0]
     assert (group["lr"], group["initial_lr"]) == (0.05, 0.05)
 
     # The disk fills at the next epoch's checkpoint: one line, the checkpoints and the history's
@@ -349,18 +419,32 @@ def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(tiny_d
     assert [r["epoch"] for r in history_after["epochs"]] == [1]
     latest = torch.load(ckpt / "checkpoint_latest.pth", weights_only=True)
     assert latest["epoch"] == 1 and latest["config"]["learning_rate"] == 0.02
-    assert not previous_path(ckpt / "checkpoint_latest.pth").exists()   # no fallback to the old run
+    assert not previous_path(ckpt / "checkpoint_latest.pth").exists()  # no fallback to the old run
     best = ckpt / "checkpoint_best.pth"
-    assert not best.exists() or torch.load(best, weights_only=True)["config"][
-        "learning_rate"] == 0.02
+    assert (
+        not best.exists() or torch.load(best, weights_only=True)["config"]["learning_rate"] == 0.02
+    )
 
 
 def test_a_locked_folder_is_one_line_naming_the_holder(tiny_dataset, tmp_path, capsys):
     train, val = tiny_dataset
     ckpt = tmp_path / "ckpt"
-    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS,
-             "--epochs", "1", "--checkpoint_dir", ckpt, "--log_dir", tmp_path / "logs"]
-    with FolderLock(ckpt):   # in this process, through another open file: still refused
+    flags = [
+        "--device",
+        "cpu",
+        "--train_dir",
+        train,
+        "--val_dir",
+        val,
+        *TINY_FLAGS,
+        "--epochs",
+        "1",
+        "--checkpoint_dir",
+        ckpt,
+        "--log_dir",
+        tmp_path / "logs",
+    ]
+    with FolderLock(ckpt):  # in this process, through another open file: still refused
         code, err = train_main(flags, capsys)
     assert code == 2 and err.count("error: ") == 1, err
     assert f"--checkpoint_dir {ckpt} is in use by another run (pid {os.getpid()} on host" in err
@@ -375,10 +459,26 @@ def test_a_locked_folder_stops_every_rank_with_the_same_line(tiny_dataset, tmp_p
     train, val = tiny_dataset
     ckpt = tmp_path / "ckpt"
     with FolderLock(ckpt):
-        result = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          SRC / "train_ddp.py", "--device", "cpu", "--train_dir", train,
-                          "--val_dir", val, *TINY_FLAGS, "--checkpoint_dir", ckpt],
-                         cwd=tmp_path, timeout=180)
+        result = run_cli(
+            [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                SRC / "train_ddp.py",
+                "--device",
+                "cpu",
+                "--train_dir",
+                train,
+                "--val_dir",
+                val,
+                *TINY_FLAGS,
+                "--checkpoint_dir",
+                ckpt,
+            ],
+            cwd=tmp_path,
+            timeout=180,
+        )
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 2 and lines[0] == lines[1], result.stderr[-3000:]
     assert f"{ckpt} is in use by another run (pid {os.getpid()} on host" in lines[0]

@@ -1,5 +1,6 @@
 """The shape of a run (issue 11): one builder for its parts, the engine's hook points, DDP's
 private internals checked in one place, and the checkpoint schema with its format version."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,30 +34,51 @@ ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 
 def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(size, 3, 8, 8, generator=g), torch.randint(0, 3, (size,), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(size, 3, 8, 8, generator=g), torch.randint(0, 3, (size,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def tiny_state(scaler: torch.amp.GradScaler | None = None) -> StepState:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(4, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return StepState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                     scaler or torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
-                     Precision(False, torch.float32), MemoryPlan(), CPU)
+    return StepState(
+        model,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        scaler or torch.amp.GradScaler("cpu", enabled=False),
+        nn.CrossEntropyLoss(),
+        Precision(False, torch.float32),
+        MemoryPlan(),
+        CPU,
+    )
 
 
 # ----------------------------------------------------------------------------- the builder
 
+
 def test_the_builder_takes_every_part_from_the_config():
-    cfg = parse_config(["--model", "resnet18", "--label_smoothing", "0.2", "--optimizer",
-                        "adamw", "--learning_rate", "0.003"])
+    cfg = parse_config(
+        [
+            "--model",
+            "resnet18",
+            "--label_smoothing",
+            "0.2",
+            "--optimizer",
+            "adamw",
+            "--learning_rate",
+            "0.003",
+        ]
+    )
     parts = build_run_parts(cfg, ONE_PROCESS, num_classes=5, steps_per_epoch=4)
-    assert parts.criterion.label_smoothing == 0.2   # the benchmarks used to drop it
+    assert parts.criterion.label_smoothing == 0.2  # the benchmarks used to drop it
     assert isinstance(parts.optimizer, torch.optim.AdamW)
     assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.003)
-    assert parts.plain_model is parts.model         # one process, no compile: nothing wraps it
+    assert parts.plain_model is parts.model  # one process, no compile: nothing wraps it
     assert parts.model.get_classifier().out_features == 5
     assert not parts.scaler.is_enabled() and not parts.precision.enabled
     # Two builds from one config give the same initial weights (every rank must).
@@ -73,6 +95,7 @@ def test_loss_scaling_only_for_float16():
 
 # ----------------------------------------------------------------------------- hook points
 
+
 class Recorder:
     def __init__(self, stop_at: int | None = None, enabled: bool = True):
         self.steps, self.logs, self.stop_at, self.enabled = [], [], stop_at, enabled
@@ -87,12 +110,18 @@ class Recorder:
 
 def test_hooks_see_every_step_and_the_logging_steps_with_floats():
     hook = Recorder()
-    metrics = train_one_epoch(tiny_state(), batches(5), hooks=[hook], start_step=2,
-                              first_global_step=12, log_interval=2)
+    metrics = train_one_epoch(
+        tiny_state(), batches(5), hooks=[hook], start_step=2, first_global_step=12, log_interval=2
+    )
     # The loader already skips the 2 steps done before a resume: steps 3..7 of the epoch.
-    assert [s[:3] for s in hook.steps] == [(3, 13, True), (4, 14, True), (5, 15, True),
-                                           (6, 16, True), (7, 17, True)]
-    assert [s[3] for s in hook.steps] == [4, 8, 12, 16, 20]   # the running sums, per step
+    assert [s[:3] for s in hook.steps] == [
+        (3, 13, True),
+        (4, 14, True),
+        (5, 15, True),
+        (6, 16, True),
+        (7, 17, True),
+    ]
+    assert [s[3] for s in hook.steps] == [4, 8, 12, 16, 20]  # the running sums, per step
     assert [g for g, _ in hook.logs] == [14, 16]
     for _, logged in hook.logs:
         assert set(logged) == {"train_loss", "train_acc", "lr"}
@@ -105,7 +134,7 @@ def test_a_hook_stops_the_epoch_and_a_disabled_logger_costs_no_read():
     stopper = Recorder(stop_at=2)
     metrics = train_one_epoch(tiny_state(), batches(5), hooks=[quiet, stopper], log_interval=1)
     assert metrics["steps"] == 2 and metrics["train_samples"] == 8
-    assert quiet.logs == [] and len(quiet.steps) == 2   # disabled: no logging step calls
+    assert quiet.logs == [] and len(quiet.steps) == 2  # disabled: no logging step calls
 
 
 def test_a_step_the_grad_scaler_skips_is_not_taken():
@@ -119,16 +148,18 @@ def test_a_step_the_grad_scaler_skips_is_not_taken():
 
 # ----------------------------------------------------------------------------- DDP internals
 
+
 def test_the_installed_torch_has_the_ddp_internals_the_retry_resets(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
         check_ddp_internals(ddp)
         ddp.require_forward_param_sync = False
         reset_ddp_after_failed_attempt(ddp)
         assert ddp.require_forward_param_sync and not ddp._has_rebuilt_buckets
-        ddp(torch.randn(3, 2)).sum().backward()   # still trains after the reset
+        ddp(torch.randn(3, 2)).sum().backward()  # still trains after the reset
     finally:
         dist.destroy_process_group()
 
@@ -140,10 +171,11 @@ def test_missing_ddp_internals_are_named():
 
     with pytest.raises(RuntimeError, match=r"reducer\._reset_state, ddp\.require_forward_param"):
         check_ddp_internals(OldDDP())
-    check_ddp_internals(None)   # a plain model: nothing to check
+    check_ddp_internals(None)  # a plain model: nothing to check
 
 
 # ----------------------------------------------------------------------------- the schema
+
 
 def test_the_checkpoint_holds_exactly_the_schema(trained_run):
     state = load_checkpoint_file(trained_run.best)
@@ -160,8 +192,12 @@ def test_a_newer_checkpoint_is_one_error_line(trained_run, tmp_path, capsys):
     # Not a damaged file: refused, without falling back to the previous checkpoint.
     torch.save(state, workdir / "checkpoints" / "checkpoint_latest.prev.pth")
     torch.save({**state, "format_version": CHECKPOINT_FORMAT + 1}, latest)
-    line = user_error_line(train_ddp.main, ["--device", "cpu", *trained_run.flags, "--epochs",
-                                            "3", "--resume", latest], capsys, cwd=workdir)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", *trained_run.flags, "--epochs", "3", "--resume", latest],
+        capsys,
+        cwd=workdir,
+    )
     assert f"format version {CHECKPOINT_FORMAT + 1}" in line and "newer" in line
 
 

@@ -1,4 +1,5 @@
 """The decoded-image cache, --compile, and the throughput benchmark on tiny settings."""
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,15 @@ def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
 
 def one_epoch_of_batches(train: Path, val: Path, cache: str) -> tuple[list, object]:
     """Every training batch of epoch 1 (random crops and flips drawn), then every val batch."""
-    train_set, val_set, _ = build_datasets(train, val, 16, seed=0, crop_scale_min=0.3, hflip=0.5,
-                                           cache=cache)
+    train_set, val_set, _ = build_datasets(
+        train, val, 16, seed=0, crop_scale_min=0.3, hflip=0.5, cache=cache
+    )
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
     sampler.set_epoch(1)
     train_loader = make_loader(train_set, sampler, 4, train=True, num_workers=0, pin_memory=False)
-    val_loader = make_loader(val_set, ShardSampler(len(val_set), 0, 1), 4, train=False,
-                             num_workers=0, pin_memory=False)
+    val_loader = make_loader(
+        val_set, ShardSampler(len(val_set), 0, 1), 4, train=False, num_workers=0, pin_memory=False
+    )
     return [*train_loader, *val_loader], train_set.folder
 
 
@@ -54,8 +57,8 @@ def test_cached_batches_are_the_uncached_ones_bitwise(tmp_path: Path):
     cached, cache = one_epoch_of_batches(train, val, "ram")
     uncached, folder = one_epoch_of_batches(train, val, "none")
     assert isinstance(cache, DecodedImageCache) and not isinstance(folder, DecodedImageCache)
-    assert all(image.dtype == torch.uint8 for image in cache.images)     # kept compact
-    assert len(cached) == len(uncached) == 4 + 3                         # 18 train, 9 val
+    assert all(image.dtype == torch.uint8 for image in cache.images)  # kept compact
+    assert len(cached) == len(uncached) == 4 + 3  # 18 train, 9 val
     for (x_c, y_c), (x_u, y_u) in zip(cached, uncached, strict=True):
         assert x_c.dtype == x_u.dtype == torch.float32 and x_c.shape[1:] == (3, 16, 16)
         assert torch.equal(y_c, y_u) and torch.equal(x_c, x_u)
@@ -67,11 +70,15 @@ def test_cache_keeps_the_evaluation_resize_of_larger_images(tmp_path: Path):
         (tmp_path / "a").mkdir(exist_ok=True)
         Image.new("RGB", size, (90, 20, 200)).save(tmp_path / "a" / f"{name}.png")
     cache = DecodedImageCache(ReadableImageFolder(tmp_path), image_size=16)
-    shapes = {Path(path).stem: tuple(image.shape) for (path, _), image in
-              zip(cache.samples, cache.images, strict=True)}
+    shapes = {
+        Path(path).stem: tuple(image.shape)
+        for (path, _), image in zip(cache.samples, cache.images, strict=True)
+    }
     assert shapes == {"wide": (3, 19, 25), "tall": (3, 57, 19), "small": (3, 19, 19)}
-    assert all(torch.equal(image[:, 0, 0], torch.tensor([90, 20, 200], dtype=torch.uint8))
-               for image in cache.images)                                # solid colours stay
+    assert all(
+        torch.equal(image[:, 0, 0], torch.tensor([90, 20, 200], dtype=torch.uint8))
+        for image in cache.images
+    )  # solid colours stay
 
 
 def test_compile_wraps_the_model_and_unwraps_for_checkpoints():
@@ -95,10 +102,28 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
     # TORCH_LOGS=dynamo: torch.compile says when it traced a frame and compiled its graph (with
     # DDP, through DDP's graph-splitting wrapper around inductor, so no backend name is checked).
-    result = run_cli([ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2",
-                      "--train_dir", train, "--val_dir", val, "--epochs", "1",
-                      "--cache_images", "ram", "--compile", *TINY_FLAGS], cwd=tmp_path,
-                     timeout=600, env={"TORCH_LOGS": "dynamo"})
+    result = run_cli(
+        [
+            ROOT / "launch_ddp.py",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--train_dir",
+            train,
+            "--val_dir",
+            val,
+            "--epochs",
+            "1",
+            "--cache_images",
+            "ram",
+            "--compile",
+            *TINY_FLAGS,
+        ],
+        cwd=tmp_path,
+        timeout=600,
+        env={"TORCH_LOGS": "dynamo"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Cached 63 decoded images in ram" in result.stdout
     output = result.stdout + result.stderr
@@ -113,24 +138,48 @@ def test_gpu_cache_without_cuda_is_one_clear_error(tiny_dataset, tmp_path: Path,
     import train_ddp
 
     train, val = tiny_dataset
-    line = user_error_line(train_ddp.main, ["--train_dir", train, "--val_dir", val,
-                                            "--cache_images", "gpu"], capsys, cwd=tmp_path)
+    line = user_error_line(
+        train_ddp.main,
+        ["--train_dir", train, "--val_dir", val, "--cache_images", "gpu"],
+        capsys,
+        cwd=tmp_path,
+    )
     assert "--cache_images gpu" in line and "--cache_images ram" in line
 
 
 @pytest.mark.slow
 def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
     output = tmp_path / "throughput.json"
-    result = run_cli([ROOT / "bench" / "throughput.py", "--image_size", "16", "--batch_size",
-                      "4", "--warmup", "1", "--steps", "2", "--world_sizes", "1", "2",
-                      "--startup_images", "0", "--output", output], cwd=tmp_path, timeout=600)
+    result = run_cli(
+        [
+            ROOT / "bench" / "throughput.py",
+            "--image_size",
+            "16",
+            "--batch_size",
+            "4",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--world_sizes",
+            "1",
+            "2",
+            "--startup_images",
+            "0",
+            "--output",
+            output,
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "efficiency" in result.stdout
     report = json.loads(output.read_text())
     assert [row["world_size"] for row in report["results"]] == [1, 2]
     for row in report["results"]:
         assert row["efficiency"] == pytest.approx(
-            row["trainer"]["images_per_sec"] / row["ceiling"]["images_per_sec"])
+            row["trainer"]["images_per_sec"] / row["ceiling"]["images_per_sec"]
+        )
         assert row["ceiling"]["images_per_sec"] > 0
         shares = row["trainer"]["step_shares"]
         assert {"data_wait", "forward_backward", "optimizer"} <= shares.keys()
@@ -149,24 +198,26 @@ def test_fast_crop_matches_torchvision_resize_and_respects_its_bounds():
     whole = RandomResizedCropFlip(32, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=0.0)(image)
     reference = v2.functional.resize(image, [32, 32], antialias=True)
     assert whole.dtype == torch.uint8 and whole.shape == (3, 32, 32)
-    assert (whole.int() - reference.int()).abs().max() <= 1          # same bilinear resize
+    assert (whole.int() - reference.int()).abs().max() <= 1  # same bilinear resize
 
     crop = RandomResizedCropFlip(16, scale=(0.2, 0.6))
     for _ in range(200):
         u = torch.rand(23).tolist()
         top, left, h, w = crop.crop_box(40, 60, u)
         assert 0 <= top and top + h <= 40 and 0 <= left and left + w <= 60
-        assert 0.2 * 0.9 <= h * w / 2400 <= 0.6 * 1.1                 # scale bounds, rounding
-        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1                   # ratio bounds, rounding
-    flips = [torch.equal(RandomResizedCropFlip(40, (1, 1), (1, 1), hflip=0.5)(image),
-                         image.flip(-1)) for _ in range(200)]
+        assert 0.2 * 0.9 <= h * w / 2400 <= 0.6 * 1.1  # scale bounds, rounding
+        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1  # ratio bounds, rounding
+    flips = [
+        torch.equal(RandomResizedCropFlip(40, (1, 1), (1, 1), hflip=0.5)(image), image.flip(-1))
+        for _ in range(200)
+    ]
     assert 60 < sum(flips) < 140
 
 
 def test_auto_cache_uses_ram_only_when_it_fits():
     from data import choose_cache
 
-    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30) == "ram"   # ~1.4 GB
+    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30) == "ram"  # ~1.4 GB
     assert choose_cache("auto", 5400, 224, budget_bytes=2**30) == "none"
     assert choose_cache("none", 10, 32, budget_bytes=2**40) == "none"
-    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == "ram"          # explicit wins
+    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == "ram"  # explicit wins

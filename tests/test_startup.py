@@ -1,5 +1,6 @@
 """A quick start: the launcher without torch, GPUs counted without torch, the decode check
 remembered, the shared rule for class folders, and how the launcher reads the ranks' endings."""
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,22 @@ from errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
 
+
 def modules_after(*args: str, cwd: Path) -> tuple[int, set[str]]:
     """The launcher's exit code and the heavy modules it imported, run in a fresh interpreter."""
-    code = ("import runpy, sys\n"
-            f"sys.argv = ['launch_ddp.py', *{list(args)!r}]\n"
-            "try:\n"
-            f"    runpy.run_path({str(ROOT / 'launch_ddp.py')!r}, run_name='__main__')\n"
-            "except SystemExit as end:\n"
-            "    code = end.code\n"
-            "heavy = [m for m in ('torch', 'torchvision', 'timm') if m in sys.modules]\n"
-            "print('MODULES', code, *heavy)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['launch_ddp.py', *{list(args)!r}]\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'launch_ddp.py')!r}, run_name='__main__')\n"
+        "except SystemExit as end:\n"
+        "    code = end.code\n"
+        "heavy = [m for m in ('torch', 'torchvision', 'timm') if m in sys.modules]\n"
+        "print('MODULES', code, *heavy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
     line = next(row for row in result.stdout.splitlines() if row.startswith("MODULES"))
     _, exit_code, *heavy = line.split()
     return int(exit_code), set(heavy)
@@ -45,8 +50,9 @@ def test_launcher_help_and_checks_import_no_torch(tmp_path: Path):
     val = write_image_folder(tmp_path / "val", ["a", "b"], 2)
     (train / "c").mkdir()
     (val / "c").mkdir()
-    assert modules_after("--device", "cpu", "--train_dir", str(train), "--val_dir", str(val),
-                         cwd=tmp_path) == (2, set())
+    assert modules_after(
+        "--device", "cpu", "--train_dir", str(train), "--val_dir", str(val), cwd=tmp_path
+    ) == (2, set())
 
 
 def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
@@ -54,13 +60,22 @@ def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
 
     train = write_image_folder(tmp_path / "train", ["a", "b"], 4)
     val = write_image_folder(tmp_path / "val", ["a", "b"], 2)
-    flags = ["--device", "cpu", "--train_dir", str(train), "--val_dir", str(val),
-             "--batch_size", "2"]
-    preflight.launcher_checks(parse_config(flags), "cpu", 2)   # fine as it is
+    flags = [
+        "--device",
+        "cpu",
+        "--train_dir",
+        str(train),
+        "--val_dir",
+        str(val),
+        "--batch_size",
+        "2",
+    ]
+    preflight.launcher_checks(parse_config(flags), "cpu", 2)  # fine as it is
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(UserError, match="--checkpoint_dir .* is a file"):
-        preflight.launcher_checks(parse_config([*flags, "--checkpoint_dir",
-                                                str(tmp_path / "taken")]), "cpu", 2)
+        preflight.launcher_checks(
+            parse_config([*flags, "--checkpoint_dir", str(tmp_path / "taken")]), "cpu", 2
+        )
     (val / "c").mkdir()
     (train / "c").mkdir()
     (train / "c" / "notes.txt").write_text("not an image")
@@ -68,16 +83,19 @@ def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
         preflight.launcher_checks(parse_config(flags), "cpu", 2)
 
 
-@pytest.mark.parametrize("listed, installed, expected", [
-    (None, ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"], 2),
-    ("1", ["nvidia0", "nvidia1"], 1),
-    ("0,1,2,3", ["nvidia0", "nvidia1"], 2),
-    ("", ["nvidia0"], 0),
-    ("-1", ["nvidia0"], 0),
-    ("0,-1,1", ["nvidia0", "nvidia1"], 1),   # CUDA stops at the first invalid entry
-    ("GPU-8f6e", ["nvidia0"], 1),
-    (None, ["null", "tty"], 0),
-])
+@pytest.mark.parametrize(
+    "listed, installed, expected",
+    [
+        (None, ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"], 2),
+        ("1", ["nvidia0", "nvidia1"], 1),
+        ("0,1,2,3", ["nvidia0", "nvidia1"], 2),
+        ("", ["nvidia0"], 0),
+        ("-1", ["nvidia0"], 0),
+        ("0,-1,1", ["nvidia0", "nvidia1"], 1),  # CUDA stops at the first invalid entry
+        ("GPU-8f6e", ["nvidia0"], 1),
+        (None, ["null", "tty"], 0),
+    ],
+)
 def test_visible_gpu_count_without_torch(monkeypatch, listed, installed, expected):
     monkeypatch.setattr(preflight, "_dev_entries", lambda: installed)
     if listed is None:
@@ -89,6 +107,7 @@ def test_visible_gpu_count_without_torch(monkeypatch, listed, installed, expecte
 
 # ----------------------------------------------------------------------------- decode check cache
 
+
 def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
     broken = folder / "a" / "broken.jpg"
@@ -96,17 +115,18 @@ def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
     paths = sorted(str(p) for p in (folder / "a").iterdir())
     checked: list[list[str]] = []
     real = data.find_unreadable
-    monkeypatch.setattr(data, "find_unreadable",
-                        lambda p, workers=1: checked.append(list(p)) or real(p, workers))
+    monkeypatch.setattr(
+        data, "find_unreadable", lambda p, workers=1: checked.append(list(p)) or real(p, workers)
+    )
     cache = tmp_path / "logs"
 
     first = data.find_unreadable_shared(paths, 0, 1, cache)
     second = data.find_unreadable_shared(paths, 0, 1, cache)
     assert set(first) == set(second) == {str(broken)}
-    assert checked == [paths, []]   # the second start decodes nothing
+    assert checked == [paths, []]  # the second start decodes nothing
 
     image = folder / "a" / "img_000.jpg"
-    image.write_bytes(broken.read_bytes())   # replaced: new size and time, checked again
+    image.write_bytes(broken.read_bytes())  # replaced: new size and time, checked again
     third = data.find_unreadable_shared(paths, 0, 1, cache)
     assert checked[-1] == [str(image)] and set(third) == {str(broken), str(image)}
 
@@ -116,6 +136,7 @@ def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- class folders
+
 
 def folder_with_junk(root: Path) -> Path:
     write_image_folder(root, ["cat", "dog"], 2)
@@ -135,28 +156,34 @@ def test_hidden_folders_and_macosx_are_never_classes(tmp_path: Path):
     assert data.ReadableImageFolder(root).classes == ["cat", "dog"]
     assert [p.name for p in prepare_data.visible_subfolders(root)] == ["cat", "dog"]
     assert prepare_data.find_class_root(root) == root
-    assert all("__MACOSX" not in p.parts and ".thumbnails" not in p.parts
-               for p in predict.collect_images([root]))
+    assert all(
+        "__MACOSX" not in p.parts and ".thumbnails" not in p.parts
+        for p in predict.collect_images([root])
+    )
     assert len(predict.collect_images([root])) == 4
 
 
 # ----------------------------------------------------------------------------- rank endings
+
 
 def run_rank(tmp_path: Path, body: str, rank: int = 1) -> tuple[int, list[dict], str]:
     """Run ``lifecycle.run_reporting`` on a main built from ``body`` in a fresh process, as a
     rank under the launcher; returns its exit code, the reports and its stderr."""
     reports = tmp_path / f"reports_{rank}"
     reports.mkdir(exist_ok=True)
-    code = ("import sys\n"
-            f"sys.path.insert(0, {str(SRC)!r})\n"
-            "from errors import UserError\n"
-            "from lifecycle import run_reporting\n"
-            "def main():\n"
-            f"    {body}\n"
-            "sys.exit(run_reporting(main))\n")
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(SRC)!r})\n"
+        "from errors import UserError\n"
+        "from lifecycle import run_reporting\n"
+        "def main():\n"
+        f"    {body}\n"
+        "sys.exit(run_reporting(main))\n"
+    )
     env = {**os.environ, lifecycle.REPORT_DIR_ENV: str(reports), "RANK": str(rank)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     return result.returncode, lifecycle.read_outcomes(reports), result.stderr
 
 
@@ -169,27 +196,34 @@ def test_rank_reports_bad_input_bug_and_early_stop(tmp_path: Path):
     assert code == 1 and "KeyError: 'missing'" in reports[0]["traceback"]
 
     code, reports, _ = run_rank(
-        tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)", rank=2)
+        tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)", rank=2
+    )
     assert code == 143 and "before training started" in reports[0]["line"]
 
 
 def outcome(rank: int, code: int, at: float, line: str = "", trace: str = "") -> dict:
-    return {"rank": rank, "attempt": 0, "code": code, "line": line, "traceback": trace,
-            "time": at}
+    return {"rank": rank, "attempt": 0, "code": code, "line": line, "traceback": trace, "time": at}
 
 
 def test_launcher_prints_the_first_failure_once(capsys):
     log = Path("logs/torchrun.log")
-    outcomes = [outcome(0, 143, 1.0), outcome(1, 2, 0.5, "error: bad folder"),
-                outcome(0, 1, 0.9, "error: RuntimeError: peer closed", "Traceback ...\n")]
+    outcomes = [
+        outcome(0, 143, 1.0),
+        outcome(1, 2, 0.5, "error: bad folder"),
+        outcome(0, 1, 0.9, "error: RuntimeError: peer closed", "Traceback ...\n"),
+    ]
     outcomes.sort(key=lambda o: o["time"])
     assert launch_ddp.exit_code(1, outcomes, [], log) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: rank 1: bad folder (torchrun's report and every "
-                                f"rank's stderr: {log})"]
+    assert err.splitlines() == [
+        f"error: rank 1: bad folder (torchrun's report and every rank's stderr: {log})"
+    ]
 
-    bug = [outcome(1, 1, 0.2, "error: KeyError: 'x'", "Traceback (most recent call last):\n"
-                                                      "KeyError: 'x'\n")]
+    bug = [
+        outcome(
+            1, 1, 0.2, "error: KeyError: 'x'", "Traceback (most recent call last):\nKeyError: 'x'\n"
+        )
+    ]
     assert launch_ddp.exit_code(1, bug, [], log) == 1
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "error: rank 1: KeyError: 'x'" in err
@@ -199,7 +233,7 @@ def test_launcher_exit_codes_after_signals_and_silent_failures(capsys):
     log = Path("logs/torchrun.log")
     stopped = [outcome(0, 130, 1.0), outcome(1, 130, 1.0)]
     assert launch_ddp.exit_code(1, stopped, [signal.SIGINT], log) == 130
-    assert launch_ddp.exit_code(1, [outcome(0, 143, 1.0)], [], log) == 143   # SIGTERM to torchrun
+    assert launch_ddp.exit_code(1, [outcome(0, 143, 1.0)], [], log) == 143  # SIGTERM to torchrun
     assert launch_ddp.exit_code(1, [], [signal.SIGHUP], log) == 143
     assert capsys.readouterr().err == ""
     assert launch_ddp.exit_code(0, [outcome(0, 0, 1.0)], [], log) == 0
@@ -210,20 +244,24 @@ def test_launcher_exit_codes_after_signals_and_silent_failures(capsys):
 def test_read_outcomes_keeps_the_last_torchrun_attempt(tmp_path: Path):
     for rank, attempt, code in ((0, 0, 1), (1, 0, 2), (0, 1, 0), (1, 1, 0)):
         (tmp_path / f"rank{rank}.attempt{attempt}.json").write_text(
-            json.dumps(outcome(rank, code, float(rank)) | {"attempt": attempt}))
+            json.dumps(outcome(rank, code, float(rank)) | {"attempt": attempt})
+        )
     assert [o["code"] for o in lifecycle.read_outcomes(tmp_path)] == [0, 0]
 
 
 def test_loader_workers_ignore_stop_signals(tmp_path: Path):
-    code = ("import os, signal, sys\n"
-            f"sys.path.insert(0, {str(SRC)!r})\n"
-            "from data import quiet_loader_worker\n"
-            "quiet_loader_worker(0)\n"
-            "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
-            "    os.kill(os.getpid(), sig)\n"
-            "print('still here')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+    code = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(SRC)!r})\n"
+        "from data import quiet_loader_worker\n"
+        "quiet_loader_worker(0)\n"
+        "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+        "    os.kill(os.getpid(), sig)\n"
+        "print('still here')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "still here" in result.stdout, result.stderr
 
 

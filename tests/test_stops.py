@@ -1,6 +1,7 @@
 """Every way a launcher run ends, through the real launcher with 2 CPU processes and loader workers:
 a signal stops it at an agreed step with a checkpoint and the code 130/143, a worker's bad input is
 one line and exit 2, and a killed launcher leaves no process behind."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,23 @@ pytestmark = pytest.mark.slow
 
 # 120 train images, batch 4 on 2 processes: 15 steps per epoch, a few seconds, enough to signal
 # the run in the middle of its first epoch.
-STOP_FLAGS = [*TINY_FLAGS, "--batch_size", "4", "--num_workers", "2", "--cache_images", "none",
-              "--save_every_steps", "1", "--epochs", "2", "--device", "cpu", "--nproc", "2"]
+STOP_FLAGS = [
+    *TINY_FLAGS,
+    "--batch_size",
+    "4",
+    "--num_workers",
+    "2",
+    "--cache_images",
+    "none",
+    "--save_every_steps",
+    "1",
+    "--epochs",
+    "2",
+    "--device",
+    "cpu",
+    "--nproc",
+    "2",
+]
 NOISE = ("Traceback", "ChildFailedError", "SignalException", "torch.distributed.elastic")
 
 
@@ -39,8 +55,14 @@ def stop_dataset(tmp_path: Path) -> list[str]:
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "launch_ddp.py"), *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "launch_ddp.py"), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -110,11 +132,12 @@ def test_signal_to_launcher_saves_and_resumes(stop_dataset, tmp_path: Path, sign
     assert f"Received {signal.Signals(signum).name}" in out
     assert "Resume with the same command plus --resume" in out
     epoch, step = saved_step(latest)
-    assert epoch == 0 and 0 < step < 15   # stopped inside the first epoch, at an agreed step
-    assert "on 3 classes" in out           # __MACOSX and .cache are not classes
+    assert epoch == 0 and 0 < step < 15  # stopped inside the first epoch, at an agreed step
+    assert "on 3 classes" in out  # __MACOSX and .cache are not classes
 
-    resumed = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"],
-                      cwd=tmp_path)
+    resumed = run_cli(
+        [ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"], cwd=tmp_path
+    )
     assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
     assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in resumed.stdout
     assert saved_step(latest) == (2, 0)
@@ -154,8 +177,9 @@ def test_bad_input_found_by_a_worker_is_one_line(stop_dataset, tmp_path: Path):
     checkpoint = tmp_path / "checkpoints" / "checkpoint_latest.pth"
     checkpoint.parent.mkdir()
     checkpoint.write_bytes(b"not a checkpoint")
-    result = run_cli([ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"],
-                     cwd=tmp_path)
+    result = run_cli(
+        [ROOT / "launch_ddp.py", *STOP_FLAGS, *stop_dataset, "--resume", "auto"], cwd=tmp_path
+    )
     assert_user_error(result, "rank ", "checkpoint_latest.pth", "torchrun.log")
     assert_clean(result.stdout, result.stderr)
     assert "ChildFailedError" in (tmp_path / "logs" / "torchrun.log").read_text()

@@ -3,6 +3,7 @@
 The last tests run the trainer: a 2-process run writes the events once, and a run resumed after
 a crash continues the curves without duplicate steps.
 """
+
 from __future__ import annotations
 
 import io
@@ -25,8 +26,11 @@ def read_events(log_dir: Path, purge: bool = True) -> EventAccumulator:
     """Everything in <log_dir>/tensorboard as TensorBoard's Python loader loads it; with
     ``purge=False`` ignoring restart markers, like TensorBoard's Rust data server (the default
     loader of ``tensorboard --logdir``): what the files themselves hold."""
-    acc = EventAccumulator(str(log_dir / SUBDIR), purge_orphaned_data=purge,
-                           size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(log_dir / SUBDIR),
+        purge_orphaned_data=purge,
+        size_guidance={"scalars": 0, "images": 0, "tensors": 0},
+    )
     acc.Reload()
     return acc
 
@@ -37,15 +41,24 @@ def steps_and_values(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]
 
 def log_steps(logger: TensorBoardLogger, steps: range, offset: float = 0.0) -> None:
     for step in steps:
-        logger.on_log_step(step, {"loss": offset + step, "lr": 0.1, "images_per_sec": 300.0,
-                                  "data_wait_share": 0.05})
+        logger.on_log_step(
+            step,
+            {"loss": offset + step, "lr": 0.1, "images_per_sec": 300.0, "data_wait_share": 0.05},
+        )
 
 
 def test_step_and_epoch_scalars_are_written(tmp_path: Path):
     logger = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(logger, range(1, 5))
-    record = {"epoch": 1, "train_loss": 0.9, "val_acc": 0.5, "val_acc_ema": 0.55,
-              "micro_batch": 8, "note": "not a number", "missing": None}
+    record = {
+        "epoch": 1,
+        "train_loss": 0.9,
+        "val_acc": 0.5,
+        "val_acc_ema": 0.55,
+        "micro_batch": 8,
+        "note": "not a number",
+        "missing": None,
+    }
     logger.on_epoch_end(4, record)
     logger.close()
 
@@ -58,8 +71,13 @@ def test_step_and_epoch_scalars_are_written(tmp_path: Path):
     assert steps_and_values(acc, "epoch/epoch") == [(4, 1.0)]
     assert steps_and_values(acc, "epoch/micro_batch") == [(4, 8.0)]
     epoch_tags = {t for t in acc.Tags()["scalars"] if t.startswith("epoch/")}
-    assert epoch_tags == {"epoch/epoch", "epoch/train_loss", "epoch/val_acc", "epoch/val_acc_ema",
-                          "epoch/micro_batch"}
+    assert epoch_tags == {
+        "epoch/epoch",
+        "epoch/train_loss",
+        "epoch/val_acc",
+        "epoch/val_acc_ema",
+        "epoch/micro_batch",
+    }
 
 
 def test_epoch_end_flushes_without_close(tmp_path: Path):
@@ -68,7 +86,7 @@ def test_epoch_end_flushes_without_close(tmp_path: Path):
     log_steps(logger, range(1, 3))
     logger.on_epoch_end(2, {"epoch": 1, "val_acc": 0.25})
     try:
-        acc = read_events(tmp_path)   # read while the writer is still open
+        acc = read_events(tmp_path)  # read while the writer is still open
         assert steps_and_values(acc, "epoch/val_acc") == [(2, 0.25)]
         assert [s for s, _ in steps_and_values(acc, "train/loss")] == [1, 2]
     finally:
@@ -92,7 +110,7 @@ def test_tensor_metrics_are_refused(tmp_path: Path):
     with TensorBoardLogger(tmp_path, enabled=True) as logger:
         with pytest.raises(TypeError, match="train_loss.*Python number"):
             logger.on_log_step(1, {"train_loss": torch.tensor(0.5)})
-        logger.on_log_step(1, {"loss": np.float32(0.5), "count": 3})   # numpy/int are fine
+        logger.on_log_step(1, {"loss": np.float32(0.5), "count": 3})  # numpy/int are fine
 
 
 def test_resume_purges_steps_after_the_checkpoint(tmp_path: Path):
@@ -100,9 +118,9 @@ def test_resume_purges_steps_after_the_checkpoint(tmp_path: Path):
     crashed = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(crashed, range(1, 11), offset=100.0)
     crashed.on_epoch_end(5, {"epoch": 1, "val_acc": 0.1})
-    crashed.on_epoch_end(10, {"epoch": 2, "val_acc": 0.2})   # after the checkpoint: stale
+    crashed.on_epoch_end(10, {"epoch": 2, "val_acc": 0.2})  # after the checkpoint: stale
     crashed.flush()
-    del crashed   # no close(): the process died
+    del crashed  # no close(): the process died
     # Event files sort by their creation second; a real restart is seconds later.
     time.sleep(1.1)
 
@@ -114,10 +132,26 @@ def test_resume_purges_steps_after_the_checkpoint(tmp_path: Path):
     for purge in (True, False):
         acc = read_events(tmp_path, purge)
         assert steps_and_values(acc, "train/loss") == [
-            (1, 101.0), (2, 102.0), (3, 103.0), (4, 104.0), (5, 105.0),
-            (6, 206.0), (7, 207.0), (8, 208.0)]
+            (1, 101.0),
+            (2, 102.0),
+            (3, 103.0),
+            (4, 104.0),
+            (5, 105.0),
+            (6, 206.0),
+            (7, 207.0),
+            (8, 208.0),
+        ]
         for name in STEP_METRICS:
-            assert [s for s, _ in steps_and_values(acc, f"train/{name}")] == [1, 2, 3, 4, 5, 6, 7, 8]
+            assert [s for s, _ in steps_and_values(acc, f"train/{name}")] == [
+                1,
+                2,
+                3,
+                4,
+                5,
+                6,
+                7,
+                8,
+            ]
         # The per-epoch series share the step axis, so the same purge removes the stale epoch.
         assert steps_and_values(acc, "epoch/val_acc") == [(5, 0.1)]
     assert len(list((tmp_path / SUBDIR).glob("events.out.tfevents.*"))) == 2
@@ -132,8 +166,10 @@ def test_fresh_run_removes_an_older_run_in_the_same_folder(tmp_path: Path):
     new = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(new, range(1, 3), offset=200.0)
     new.close()
-    assert steps_and_values(read_events(tmp_path, purge=False), "train/loss") == [(1, 201.0),
-                                                                                  (2, 202.0)]
+    assert steps_and_values(read_events(tmp_path, purge=False), "train/loss") == [
+        (1, 201.0),
+        (2, 202.0),
+    ]
     assert len(list((tmp_path / SUBDIR).glob("events.out.tfevents.*"))) == 1
 
 
@@ -147,8 +183,14 @@ def test_no_purge_step_leaves_the_folder_alone(tmp_path: Path):
 
 
 def test_hparams_in_the_run_folder(tmp_path: Path):
-    config = {"learning_rate": 0.003, "batch_size": 64, "use_amp": True, "model": "resnet18",
-              "resume": None, "mean": [0.5, 0.5]}
+    config = {
+        "learning_rate": 0.003,
+        "batch_size": 64,
+        "use_amp": True,
+        "model": "resnet18",
+        "resume": None,
+        "mean": [0.5, 0.5],
+    }
     with TensorBoardLogger(tmp_path, enabled=True, purge_step=0) as logger:
         log_steps(logger, range(1, 3))
         logger.on_run_end(2, config, {"best_val_acc": 0.75, "val_loss": 0.5})
@@ -158,27 +200,37 @@ def test_hparams_in_the_run_folder(tmp_path: Path):
     acc = read_events(tmp_path)
     content = acc.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
     session = hparams_metadata.parse_session_start_info_plugin_data(
-        content[hparams_metadata.SESSION_START_INFO_TAG])
+        content[hparams_metadata.SESSION_START_INFO_TAG]
+    )
     values = {name: value.WhichOneof("kind") for name, value in session.hparams.items()}
-    assert values == {"learning_rate": "number_value", "batch_size": "number_value",
-                      "use_amp": "bool_value", "model": "string_value",
-                      "resume": "string_value", "mean": "string_value"}
+    assert values == {
+        "learning_rate": "number_value",
+        "batch_size": "number_value",
+        "use_amp": "bool_value",
+        "model": "string_value",
+        "resume": "string_value",
+        "mean": "string_value",
+    }
     assert session.hparams["learning_rate"].number_value == pytest.approx(0.003)
     assert session.hparams["use_amp"].bool_value is True
     assert session.hparams["resume"].string_value == "None"
     assert session.hparams["mean"].string_value == "[0.5, 0.5]"
     experiment = hparams_metadata.parse_experiment_plugin_data(
-        content[hparams_metadata.EXPERIMENT_TAG])
-    assert sorted(m.name.tag for m in experiment.metric_infos) == ["final/best_val_acc",
-                                                                    "final/val_loss"]
+        content[hparams_metadata.EXPERIMENT_TAG]
+    )
+    assert sorted(m.name.tag for m in experiment.metric_infos) == [
+        "final/best_val_acc",
+        "final/val_loss",
+    ]
     assert steps_and_values(acc, "final/best_val_acc") == [(2, 0.75)]
 
 
 def test_image_grid_undoes_normalisation(tmp_path: Path):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     pixels = torch.randint(0, 256, (3, 3, 8, 8), dtype=torch.uint8)
-    normalised = ((pixels.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1))
-                  / torch.tensor(std).view(1, 3, 1, 1))
+    normalised = (pixels.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(
+        std
+    ).view(1, 3, 1, 1)
     with TensorBoardLogger(tmp_path, enabled=True, purge_step=0) as logger:
         logger.add_image_grid(normalised, mean=mean, std=std)
         logger.add_image_grid(pixels, tag="train/raw")
@@ -188,14 +240,14 @@ def test_image_grid_undoes_normalisation(tmp_path: Path):
     for tag in ("train/augmented_images", "train/raw"):
         (event,) = acc.Images(tag)
         grid = np.asarray(Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB"))
-        assert grid.shape == (8 + 4, 3 * (8 + 2) + 2, 3)   # 3 images in a row, 2 px padding
+        assert grid.shape == (8 + 4, 3 * (8 + 2) + 2, 3)  # 3 images in a row, 2 px padding
         first = torch.from_numpy(grid[2:10, 2:10].copy()).permute(2, 0, 1).int()
-        assert (first - pixels[0].int()).abs().max() <= 1   # the original pixels, back
+        assert (first - pixels[0].int()).abs().max() <= 1  # the original pixels, back
 
 
 def test_image_grid_limits_and_grey_images():
     grid = image_grid(torch.rand(40, 1, 4, 4), max_images=16)
-    assert grid.shape == (3, 2 * (4 + 2) + 2, 8 * (4 + 2) + 2)   # 16 images: 2 rows of 8
+    assert grid.shape == (3, 2 * (4 + 2) + 2, 8 * (4 + 2) + 2)  # 16 images: 2 rows of 8
     with pytest.raises(ValueError, match=r"\[N, C, H, W\]"):
         image_grid(torch.rand(3, 4, 4))
 
@@ -209,7 +261,7 @@ def test_logging_never_syncs_the_gpu(tmp_path: Path):
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(5):
-                x = x @ x / 2048   # queued kernels the logger must not wait for
+                x = x @ x / 2048  # queued kernels the logger must not wait for
             log_steps(logger, range(1, 4))
             logger.on_epoch_end(3, {"epoch": 1, "val_acc": 0.5})
             with pytest.raises(TypeError, match="Python number"):
@@ -220,6 +272,7 @@ def test_logging_never_syncs_the_gpu(tmp_path: Path):
 
 
 # ----------------------------------------------------------------------------- in the trainer
+
 
 def trainer_flags(train: Path, val: Path) -> list:
     from conftest import TINY_FLAGS
@@ -232,19 +285,23 @@ def test_a_two_process_run_writes_the_events_once(tiny_dataset, tmp_path: Path):
     from conftest import ROOT, run_cli
 
     train, val = tiny_dataset
-    result = run_cli([ROOT / "launch_ddp.py", "--nproc", "2", *trainer_flags(train, val),
-                      "--epochs", "2"], cwd=tmp_path)
+    result = run_cli(
+        [ROOT / "launch_ddp.py", "--nproc", "2", *trainer_flags(train, val), "--epochs", "2"],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     files = list((tmp_path / "logs" / SUBDIR).glob("events.out.tfevents.*"))
-    assert len(files) == 1, files                      # rank 0 alone writes
+    assert len(files) == 1, files  # rank 0 alone writes
     acc = read_events(tmp_path / "logs")
     tags = acc.Tags()
-    steps_per_epoch = 48 // (8 * 2)                    # 48 images, batch 8 on each of 2 ranks
+    steps_per_epoch = 48 // (8 * 2)  # 48 images, batch 8 on each of 2 ranks
     for name in STEP_METRICS:
         steps = [step for step, _ in steps_and_values(acc, f"train/{name}")]
         assert steps == list(range(1, 2 * steps_per_epoch + 1)), (name, steps)  # log_interval 1
-    assert [step for step, _ in steps_and_values(acc, "epoch/val_acc")] == \
-        [steps_per_epoch, 2 * steps_per_epoch]
+    assert [step for step, _ in steps_and_values(acc, "epoch/val_acc")] == [
+        steps_per_epoch,
+        2 * steps_per_epoch,
+    ]
     assert {"epoch/train_loss", "epoch/val_top5", "epoch/lr"} <= set(tags["scalars"])
     assert all(0.0 <= value <= 1.0 for _, value in steps_and_values(acc, "train/data_wait_share"))
     assert all(value > 0 for _, value in steps_and_values(acc, "train/images_per_sec"))
@@ -260,13 +317,14 @@ def test_a_run_resumed_after_a_crash_has_each_step_once(tiny_dataset, tmp_path: 
 
     train, val = tiny_dataset
     flags = [*trainer_flags(train, val), "--save_every_steps", "2", "--epochs", "2"]
-    crashed = run_cli([ROOT / "launch_ddp.py", *flags], cwd=tmp_path,
-                      env={"TRAIN_DDP_KILL_AT": "1:5"})
+    crashed = run_cli(
+        [ROOT / "launch_ddp.py", *flags], cwd=tmp_path, env={"TRAIN_DDP_KILL_AT": "1:5"}
+    )
     assert crashed.returncode != 0
     resumed = run_cli([ROOT / "launch_ddp.py", *flags, "--resume", "auto"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    for purge in (True, False):   # TensorBoard's Python loader, and what the files hold
+    for purge in (True, False):  # TensorBoard's Python loader, and what the files hold
         acc = read_events(tmp_path / "logs", purge=purge)
         steps = [step for step, _ in steps_and_values(acc, "train/loss")]
-        assert steps == list(range(1, 13)), steps      # 6 steps per epoch, 2 epochs
+        assert steps == list(range(1, 13)), steps  # 6 steps per epoch, 2 epochs
         assert [step for step, _ in steps_and_values(acc, "epoch/val_acc")] == [6, 12]

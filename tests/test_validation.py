@@ -1,4 +1,5 @@
 """Validation is exact across ranks: 2 processes give the metrics of 1 on the same weights."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,19 @@ FP32 = Precision(False, torch.float32)
 
 
 def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
-    _, val_set, classes = build_datasets(val_dir, val_dir, 16, seed=0, crop_scale_min=0.5,
-                                         hflip=0.5)
+    _, val_set, classes = build_datasets(
+        val_dir, val_dir, 16, seed=0, crop_scale_min=0.5, hflip=0.5
+    )
     torch.manual_seed(0)  # the same weights in every process
     model = build_model("resnet18", len(classes))
-    loader = make_loader(val_set, ShardSampler(len(val_set), rank, world_size), batch_size=4,
-                         train=False, num_workers=0, pin_memory=False)
+    loader = make_loader(
+        val_set,
+        ShardSampler(len(val_set), rank, world_size),
+        batch_size=4,
+        train=False,
+        num_workers=0,
+        pin_memory=False,
+    )
     return evaluate(model, loader, torch.device("cpu"), FP32, show_progress=False)
 
 
@@ -48,8 +56,8 @@ def test_two_processes_match_one_on_an_odd_sized_val_set(tmp_path: Path):
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     assert single["val_samples"] == 15
-    for result in per_rank:   # every rank holds the global, all-reduced metrics
-        assert result["val_samples"] == 15            # no padding counted, nothing missed
+    for result in per_rank:  # every rank holds the global, all-reduced metrics
+        assert result["val_samples"] == 15  # no padding counted, nothing missed
         for key in ("val_acc", "val_top5", "val_loss"):
             assert abs(result[key] - single[key]) < 1e-6, (key, result, single)
 
