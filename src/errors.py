@@ -31,7 +31,8 @@ def exit_on_user_error(main: F) -> F:
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {err}\n")  # one write: ranks never interleave in a line
+            sys.stderr.flush()
             sys.exit(EXIT_USER_ERROR)
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so the

@@ -160,13 +160,20 @@ def run_reporting(main: Callable[[], int]) -> int:
         if trace:
             sys.stderr.write(trace)
         elif line:
-            print(line, file=sys.stderr, flush=True)
+            write_line(sys.stderr, line)
         return code
     # Under the launcher: the rank's own stderr is the log file; the launcher prints the line.
     if trace or line:
-        print(trace or line, file=sys.__stderr__, flush=True)
+        write_line(sys.__stderr__, trace or line)
     write_outcome(folder, code, line, trace)
     return code
+
+
+def write_line(stream, text: str) -> None:
+    """``text`` and its newline in one write: ranks sharing a terminal or a log file then never
+    interleave within a line (``print`` writes the newline separately)."""
+    stream.write(text.rstrip("\n") + "\n")
+    stream.flush()
 
 
 def exit_now(code: int) -> None:

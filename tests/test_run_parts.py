@@ -124,8 +124,9 @@ def test_hooks_see_every_step_and_the_logging_steps_with_floats():
     assert [s[3] for s in hook.steps] == [4, 8, 12, 16, 20]  # the running sums, per step
     assert [g for g, _ in hook.logs] == [14, 16]
     for _, logged in hook.logs:
-        assert set(logged) == {"train_loss", "train_acc", "lr"}
+        assert set(logged) == {"train_loss", "train_acc", "lr", "images_per_sec", "data_wait_share"}
         assert all(type(v) is float for v in logged.values())
+        assert logged["images_per_sec"] > 0 and 0.0 <= logged["data_wait_share"] <= 1.0
     assert metrics["steps"] == 7
 
 
