@@ -133,6 +133,7 @@ def launcher_run(
         "adamw",
         "--log_interval",
         "50",
+        "--overwrite",  # the second start reuses the first one's folders
     ]
     if workers is not None:
         command += ["--num_workers", str(workers)]
