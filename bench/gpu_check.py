@@ -47,6 +47,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch_ddp.py"
+sys.path.insert(0, str(ROOT / "src"))
+
+from lifecycle import descendants  # noqa: E402
 
 RESNET18_FWD_FLOPS_224 = 3.64e9  # per image: 1.82 G multiply-adds, 2 FLOPs each; training counts forward + backward as 3x
 # Dense bf16 tensor-core peaks in TFLOP/s, by a fragment of torch.cuda.get_device_name();
@@ -358,25 +361,6 @@ def launch(
     started = time.monotonic()
     process, folder = start(ctx, name, data, flags, gpus, device)
     return finish(ctx, process, folder, started, timeout or RUN_SECONDS)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun runs in its own session, so a process group does
-    not reach it), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def stop_tree(process: subprocess.Popen) -> None:

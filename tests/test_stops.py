@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+from lifecycle import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -72,24 +73,6 @@ def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun, the ranks, their loader workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def alive(pid: int) -> bool:
