@@ -222,7 +222,18 @@ SCHEDULE_FLAGS = (
     "weight_decay",
     "momentum",
     "label_smoothing",
+    "decay_norm_and_bias",
+    "clip_grad_norm",
+    "head_lr_scale",
+    "freeze_backbone_epochs",
 )
+# What a checkpoint written before a flag existed ran with: its config lacks the key.
+VALUES_BEFORE_FLAG = {
+    "decay_norm_and_bias": True,  # weight decay was on every parameter
+    "clip_grad_norm": 0.0,
+    "head_lr_scale": 1.0,
+    "freeze_backbone_epochs": 0,
+}
 
 
 def saved_world_size(state: dict[str, Any]) -> int | None:
@@ -233,6 +244,8 @@ def saved_world_size(state: dict[str, Any]) -> int | None:
 def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
     """``--flag saved -> new`` for each flag that changes the schedule or the optimisation."""
     saved = state.get("config") or {}
+    if saved:  # a config without a flag's key was written before the flag existed
+        saved = {**VALUES_BEFORE_FLAG, **saved}
     changes = []
     for flag in SCHEDULE_FLAGS:
         if flag not in saved or saved[flag] == config[flag]:

@@ -29,6 +29,12 @@ class TrainConfig:
     train_dir: str = _opt("data/train", "training ImageFolder: <dir>/<class>/<image>")
     val_dir: str = _opt("data/val", "validation ImageFolder with the same class folders")
     image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
+    eval_resize_ratio: float = _opt(
+        0.875,
+        "validation: resize the short side to image_size / R, then centre-crop image_size "
+        "(timm's crop_pct; 1.0: no margin cropped); stored in the checkpoint for "
+        "evaluate.py / predict.py",
+    )
     num_workers: int | None = _opt(
         None,
         "loader worker processes per training process (default: min(4, CPU cores per process))",
@@ -87,6 +93,24 @@ class TrainConfig:
         choices=["none", "linear", "sqrt"],
     )
     label_smoothing: float = _opt(0.0, "label smoothing of the training loss")
+    decay_norm_and_bias: bool = _opt(
+        False,
+        "weight decay on every parameter; by default normalisation weights and biases "
+        "(every 1-D parameter, timm's filter) get none",
+    )
+    clip_grad_norm: float = _opt(
+        0.0,
+        "clip the gradient's total L2 norm to this before each optimizer step (0: off); "
+        "unscaled first under AMP, once per step across micro-batches",
+    )
+    head_lr_scale: float = _opt(
+        1.0, "the classifier head's learning rate is K times the rest's (fine-tuning)"
+    )
+    freeze_backbone_epochs: int = _opt(
+        0,
+        "train only the classifier head for the first N epochs (the backbone's learning "
+        "rate is 0; its BatchNorm statistics still adapt), then every layer",
+    )
     # Precision and device
     use_amp: bool = _opt(
         False,
@@ -144,8 +168,9 @@ class TrainConfig:
         False,
         "when resuming, apply flags that change the schedule or "
         "the optimisation (learning rate, scheduler, warm-up, "
-        "weight decay, momentum, label smoothing, batch per "
-        "step) instead of refusing them",
+        "weight decay and its grouping, momentum, label smoothing, "
+        "gradient clipping, head learning rate, frozen epochs, batch "
+        "per step) instead of refusing them",
     )
     tensorboard: bool = _opt(
         True,
@@ -227,6 +252,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "val_dir",
         "demo",
         "image_size",
+        "eval_resize_ratio",
         "num_workers",
         "cache_images",
         "prefetch_factor",
@@ -248,6 +274,10 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "gamma",
         "lr_scaling",
         "label_smoothing",
+        "decay_norm_and_bias",
+        "clip_grad_norm",
+        "head_lr_scale",
+        "freeze_backbone_epochs",
     ),
     "precision and memory": (
         "use_amp",
@@ -494,6 +524,20 @@ def validate(cfg: TrainConfig) -> None:
         )
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise UserError(f"--label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if not 0.0 < cfg.eval_resize_ratio <= 1.0:
+        raise UserError(
+            f"--eval_resize_ratio must be in (0, 1] (the crop's share of the resized "
+            f"image's short side), got {cfg.eval_resize_ratio}"
+        )
+    if cfg.clip_grad_norm < 0:
+        raise UserError(f"--clip_grad_norm must be 0 (off) or positive, got {cfg.clip_grad_norm}")
+    if cfg.head_lr_scale <= 0:
+        raise UserError(f"--head_lr_scale must be positive, got {cfg.head_lr_scale}")
+    if not 0 <= cfg.freeze_backbone_epochs <= cfg.epochs:
+        raise UserError(
+            f"--freeze_backbone_epochs must be between 0 and --epochs ({cfg.epochs}), "
+            f"got {cfg.freeze_backbone_epochs}"
+        )
     if not 0.0 < cfg.crop_scale_min <= 1.0:
         raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
     if cfg.accum_steps < 1:

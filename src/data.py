@@ -44,7 +44,9 @@ log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-EVAL_RESIZE_RATIO = 0.875  # resize to size/0.875, then center-crop to size (the usual 224/256)
+# The default of --eval_resize_ratio (timm's crop_pct): resize to size/0.875, then center-crop
+# to size (the usual 224/256).
+EVAL_RESIZE_RATIO = 0.875
 
 
 # ----------------------------------------------------------------------------- folder checks
@@ -115,20 +117,29 @@ class RandomResizedCropFlip:
 
 
 def build_transforms(
-    image_size: int, train: bool, crop_scale_min: float = 0.08, hflip: float = 0.5
+    image_size: int,
+    train: bool,
+    crop_scale_min: float = 0.08,
+    hflip: float = 0.5,
+    eval_resize_ratio: float = EVAL_RESIZE_RATIO,
 ) -> v2.Compose | RandomResizedCropFlip:
     """Per-sample geometry on uint8 images. Conversion to float and normalization happen once per
     batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
-    processes."""
+    processes. Evaluation resizes the short side to ``eval_resize_side`` and crops the centre."""
     if train:
         return RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
     return v2.Compose(
         [
             v2.ToImage(),
-            v2.Resize(int(math.ceil(image_size / EVAL_RESIZE_RATIO)), antialias=True),
+            v2.Resize(eval_resize_side(image_size, eval_resize_ratio), antialias=True),
             v2.CenterCrop(image_size),
         ]
     )
+
+
+def eval_resize_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
+    """The short side evaluation resizes to before its centre crop of ``image_size``."""
+    return int(math.ceil(image_size / ratio))
 
 
 def normalize_batch(
@@ -193,8 +204,8 @@ class SeededImageDataset(Dataset):
 class DecodedImageCache(Dataset):
     """Every image of a folder decoded once and kept in memory as a uint8 tensor (3, S, W).
 
-    Each image is resized once so its shorter side is S = image_size / 0.875 (the evaluation
-    resize; aspect ratio kept), so later epochs skip file reads and JPEG decoding and the random
+    Each image is resized once so its shorter side is S = image_size / ratio (the evaluation
+    resize, 0.875 for the training images; aspect ratio kept), so later epochs skip file reads and JPEG decoding and the random
     crop / flip run on small tensors (the transforms accept tensors). Training then crops from
     the resized picture instead of the full-resolution file: the same framing, less detail in
     the smallest crops. With ``device`` "cuda" the images live on the GPU and are augmented
@@ -202,9 +213,14 @@ class DecodedImageCache(Dataset):
     """
 
     def __init__(
-        self, folder: datasets.ImageFolder, image_size: int, device: str = "cpu", threads: int = 4
+        self,
+        folder: datasets.ImageFolder,
+        image_size: int,
+        device: str = "cpu",
+        threads: int = 4,
+        ratio: float = EVAL_RESIZE_RATIO,
     ):
-        side = cache_side(image_size)
+        side = cache_side(image_size, ratio)
         problems: dict[str, str] = {}  # path -> why it does not decode
 
         def decode(path: str) -> torch.Tensor | None:
@@ -248,8 +264,8 @@ class DecodedImageCache(Dataset):
         return sum(image.numel() for image in self.images)
 
 
-def cache_side(image_size: int) -> int:
-    return int(math.ceil(image_size / EVAL_RESIZE_RATIO))
+def cache_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
+    return eval_resize_side(image_size, ratio)
 
 
 def choose_cache(cache: str, num_images: int, image_size: int, budget_bytes: int) -> str:
@@ -382,6 +398,7 @@ def build_datasets(
     crop_scale_min: float,
     hflip: float,
     *,
+    eval_resize_ratio: float = EVAL_RESIZE_RATIO,
     log_dir: Path | None = None,
     rank: int = 0,
     world_size: int = 1,
@@ -413,7 +430,7 @@ def build_datasets(
         mark("data checked")
         started = time.perf_counter()
         train_folder, val_folder = cache_decoded(
-            folders, image_size, cache_device, threads, log_dir
+            folders, image_size, cache_device, threads, log_dir, eval_resize_ratio
         )
         mark("images cached")
         log.info(
@@ -425,7 +442,11 @@ def build_datasets(
     train_set = SeededImageDataset(
         train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed
     )
-    val_set = SeededImageDataset(val_folder, build_transforms(image_size, False), seed)
+    val_set = SeededImageDataset(
+        val_folder,
+        build_transforms(image_size, False, eval_resize_ratio=eval_resize_ratio),
+        seed,
+    )
     return train_set, val_set, class_names
 
 
@@ -435,12 +456,17 @@ def cache_decoded(
     device: str,
     threads: int,
     log_dir: Path | None,
+    eval_resize_ratio: float = EVAL_RESIZE_RATIO,
 ) -> tuple[DecodedImageCache, DecodedImageCache]:
     """The training and validation images decoded into memory, the files that do not decode
     left out as ``leave_out_unreadable`` leaves them out (one warning, the list in ``log_dir``,
-    an error for a class left without images). Every rank must call this."""
+    an error for a class left without images). Every rank must call this.
+
+    Validation images are kept at the evaluation resize (``eval_resize_ratio``), so the
+    evaluation transform only crops them; training images at the default ratio's side."""
+    ratios = {"training": EVAL_RESIZE_RATIO, "validation": eval_resize_ratio}
     cached = {
-        role: DecodedImageCache(folder, image_size, device, threads)
+        role: DecodedImageCache(folder, image_size, device, threads, ratios[role])
         for role, folder in folders.items()
     }
     # A file that fails to decode on one rank is left out on all of them: the ranks must

@@ -112,6 +112,7 @@ class StepState:
     precision: Precision
     plan: MemoryPlan  # the micro-batch; halved on out-of-memory if it allows
     device: torch.device
+    clip_grad_norm: float = 0.0  # max total gradient norm per optimizer step; 0: off
 
 
 @dataclass
@@ -314,10 +315,29 @@ def train_step(
     # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
     with timer.phase("optimizer"):
         scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+        if state.clip_grad_norm:
+            clip_gradients(state)
         scaler.step(state.optimizer)
         scaler.update()
         skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
     return step_sums, skipped
+
+
+def clip_gradients(state: StepState) -> None:
+    """Clip the step's whole gradient (every micro-batch's, accumulated) to
+    ``state.clip_grad_norm``. Under a GradScaler the gradients are unscaled first, or the limit
+    would apply to the loss-scaled ones; ``scaler.step`` then knows they are unscaled, and still
+    skips the step if they overflowed. Only groups that learn this step count: a frozen
+    backbone's gradients (learning rate 0) do not shrink the head's."""
+    state.scaler.unscale_(state.optimizer)
+    params = [
+        p
+        for group in state.optimizer.param_groups
+        if group["lr"] > 0
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
 
 
 def accumulate_gradients(

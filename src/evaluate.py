@@ -201,13 +201,20 @@ def count_predictions(
 
 
 def build_metrics(
-    counts: EvalCounts, class_names: list[str], args: argparse.Namespace, unreadable: int
+    counts: EvalCounts,
+    class_names: list[str],
+    args: argparse.Namespace,
+    unreadable: int,
+    classifier: Classifier,
 ) -> dict[str, Any]:
     images = max(counts.images, 1)
     correct = int(np.trace(counts.confusion))
     return {
         "checkpoint": str(args.checkpoint),
         "data_dir": str(args.data_dir),
+        # How the images were seen: the metrics depend on both.
+        "eval_resize_ratio": classifier.eval_resize_ratio,
+        "tta": classifier.tta,
         "images": counts.images,
         "unreadable_images_left_out": unreadable,
         "classes": len(class_names),
@@ -282,7 +289,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> int:
 
 
 def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
-    classifier: Classifier = load_classifier(args.checkpoint, dist.device)
+    classifier: Classifier = load_classifier(
+        args.checkpoint, dist.device, args.eval_resize_ratio, args.tta
+    )
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
     workers = (
@@ -302,12 +311,13 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     log.info(
         f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
-        f"({dist.world_size} process(es) on {dist.device.type})"
+        f"({dist.world_size} process(es) on {dist.device.type}; resize ratio "
+        f"{classifier.eval_resize_ratio}, test-time augmentation: {classifier.tta})"
     )
     started = time.perf_counter()
     counts = count_predictions(classifier, loader, dist.device, show_progress=dist.is_main)
     evaluated = time.perf_counter()
-    metrics = build_metrics(counts, classifier.class_names, args, unreadable)
+    metrics = build_metrics(counts, classifier.class_names, args, unreadable, classifier)
     written = ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
     log.info(
         f"Timing: evaluation pass {evaluated - started:.2f}s, report "

@@ -8,6 +8,7 @@ normalisation next to the weights, so no training flag has to be repeated here.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 from checkpoint import INFERENCE_KEYS, CheckpointError, load_checkpoint_file
-from data import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from data import EVAL_RESIZE_RATIO, IMAGENET_MEAN, IMAGENET_STD, build_transforms
 from engine import Precision
 from errors import UserError
 from memory import MemoryPlan
@@ -36,10 +37,44 @@ class Classifier:
     # predictions are the ones behind the recorded val_acc.
     precision: Precision = Precision(False, torch.float32)
     plan: MemoryPlan = field(default_factory=MemoryPlan)
+    eval_resize_ratio: float = EVAL_RESIZE_RATIO  # short side resized to image_size / this
+    tta: str = "none"  # test-time augmentation: none, or flip (``FlipAveraged``)
 
 
-def load_classifier(path: Path, device: torch.device) -> Classifier:
-    """The checkpoint's model ready for inference, or one clear error (exit code 2)."""
+TTA_CHOICES = ("none", "flip")
+
+
+class FlipAveraged(nn.Module):
+    """Flip test-time augmentation: the average of the softmax of an image and of its mirror
+    image, returned as log-probabilities. Softmax, not logits, is averaged (as timm's and
+    torchvision's references do): each view votes with its confidence. Log-probabilities are
+    logits whose softmax is that average, so the loss, top-k and confidence computed from the
+    output (``engine.evaluation_sums``, ``predict.py``) need no change."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        views = torch.stack(
+            [
+                self.model(images).float().log_softmax(dim=1),
+                self.model(images.flip(-1)).float().log_softmax(dim=1),
+            ]
+        )
+        # log((p + q) / 2) without leaving log space: no underflow to log(0).
+        return views.logsumexp(dim=0) - math.log(2)
+
+
+def load_classifier(
+    path: Path,
+    device: torch.device,
+    eval_resize_ratio: float | None = None,
+    tta: str = "none",
+) -> Classifier:
+    """The checkpoint's model ready for inference, or one clear error (exit code 2).
+    ``eval_resize_ratio`` None: the one training validated with (0.875 for a checkpoint from
+    before --eval_resize_ratio)."""
     state = load_checkpoint_file(path)  # weights_only=True: a file that runs code is refused
     check_inference_checkpoint(state, path)
     class_names = list(state["class_names"])
@@ -59,15 +94,21 @@ def load_classifier(path: Path, device: torch.device) -> Classifier:
     )
     if plan.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if eval_resize_ratio is None:
+        eval_resize_ratio = float(config.get("eval_resize_ratio", EVAL_RESIZE_RATIO))
+    if tta == "flip":
+        model = FlipAveraged(model)
     return Classifier(
         model.to(device).eval(),
         class_names,
         image_size,
-        build_transforms(image_size, train=False),
+        build_transforms(image_size, train=False, eval_resize_ratio=eval_resize_ratio),
         tuple(state.get("mean", IMAGENET_MEAN)),
         tuple(state.get("std", IMAGENET_STD)),
         training_precision(config, device),
         plan,
+        eval_resize_ratio,
+        tta,
     )
 
 
@@ -106,6 +147,20 @@ def add_inference_arguments(
         help=f"{batch_size_help} (default: {batch_size})",
     )
     parser.add_argument("--num_workers", type=int, default=None, help=num_workers_help)
+    parser.add_argument(
+        "--eval_resize_ratio",
+        type=float,
+        default=None,
+        help="resize the short side to image_size / R, then centre-crop image_size "
+        "(default: the value training validated with, stored in the checkpoint)",
+    )
+    parser.add_argument(
+        "--tta",
+        choices=TTA_CHOICES,
+        default="none",
+        help="test-time augmentation: flip averages the softmax of each image and its "
+        "horizontal mirror (two forward passes; default: none)",
+    )
 
 
 def check_inference_arguments(args: argparse.Namespace) -> None:
@@ -114,6 +169,8 @@ def check_inference_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--batch_size must be positive, got {args.batch_size}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
+    if args.eval_resize_ratio is not None and not 0.0 < args.eval_resize_ratio <= 1.0:
+        raise UserError(f"--eval_resize_ratio must be in (0, 1], got {args.eval_resize_ratio}")
 
 
 def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:

@@ -113,6 +113,7 @@ class RunParts:
     scaler: torch.amp.GradScaler
     criterion: nn.Module
     device: torch.device
+    clip_grad_norm: float = 0.0  # 0: off
 
     def step_state(self, plan: MemoryPlan | None = None) -> StepState:
         return StepState(
@@ -124,6 +125,7 @@ class RunParts:
             self.precision,
             plan or MemoryPlan(),
             self.device,
+            clip_grad_norm=self.clip_grad_norm,
         )
 
 
@@ -153,4 +155,5 @@ def build_run_parts(
         scaler=make_grad_scaler(precision, dist.device),
         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
         device=dist.device,
+        clip_grad_norm=cfg.clip_grad_norm,
     )

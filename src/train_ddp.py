@@ -75,7 +75,7 @@ from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan
-from optim import restore_optimizer_state
+from optim import restore_optimizer_state, restore_scheduler_state
 from preflight import check_batch_fits, check_device_options
 from run_folder import atomic_write, claim_run_folder
 from run_parts import build_run_parts
@@ -101,6 +101,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         cfg.seed,
         cfg.crop_scale_min,
         cfg.hflip,
+        eval_resize_ratio=cfg.eval_resize_ratio,
         log_dir=Path(cfg.log_dir),
         rank=dist.rank,
         world_size=dist.world_size,
@@ -234,8 +235,12 @@ class Trainer:
         )
         from_flags = optimisation_settings(self.optimizer, self.scheduler)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
-        restore_optimizer_state(self.optimizer, ckpt["optimizer_state_dict"])
-        self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
+        # Param groups laid out otherwise (the flags that choose them changed) are matched by
+        # name only under --resume_override.
+        restore_optimizer_state(
+            self.optimizer, ckpt["optimizer_state_dict"], self.plain_model, regroup=bool(changes)
+        )
+        restore_scheduler_state(self.scheduler, ckpt["scheduler_state_dict"])
         if changes:  # --resume_override: the new values, over the loaded moments and step count
             apply_optimisation_settings(self.optimizer, self.scheduler, from_flags)
             log.info(
