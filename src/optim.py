@@ -173,7 +173,7 @@ def restore_optimizer_state(
         {key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}
         for group in optimizer.param_groups
     ]
-    if group_sizes(state_dict["param_groups"]) != group_sizes(optimizer.param_groups):
+    if not same_layout(state_dict["param_groups"], optimizer.param_groups):
         if not regroup:
             raise UserError(
                 f"cannot resume: the checkpoint's optimizer has parameter groups of "
@@ -197,6 +197,16 @@ def restore_optimizer_state(
 
 def group_sizes(groups: list[dict[str, Any]]) -> list[int]:
     return [len(group["params"]) for group in groups]
+
+
+def same_layout(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> bool:
+    """The same parameters in the same groups: by name where both say (a checkpoint from
+    before names were saved has one group in model order, which the sizes tell)."""
+    if group_sizes(saved) != group_sizes(groups):
+        return False
+    if all("param_names" in g for g in saved) and all("param_names" in g for g in groups):
+        return [g["param_names"] for g in saved] == [g["param_names"] for g in groups]
+    return True
 
 
 def regroup_by_name(

@@ -180,6 +180,18 @@ def test_one_group_state_moves_to_the_new_groups_by_name_only_when_asked():
     assert [g["weight_decay"] for g in new.param_groups] == [0.0, 0.01, 0.0, 0.01]
 
 
+def test_groups_of_the_same_sizes_but_other_parameters_are_another_layout():
+    model = timm.create_model(SMALL_MODEL, num_classes=3)
+    saved = optim.build_optimizer(config(), model, world_size=1).state_dict()
+    current = optim.build_optimizer(config(), model, world_size=1)
+    assert optim.same_layout(saved["param_groups"], current.param_groups)
+    names = saved["param_groups"][1]["param_names"]
+    names[0], names[1] = names[1], names[0]
+    assert not optim.same_layout(saved["param_groups"], current.param_groups)
+    with pytest.raises(UserError, match="parameter groups"):
+        optim.restore_optimizer_state(current, saved, model)
+
+
 def test_resume_check_names_the_grouping_of_an_old_checkpoint():
     old = {"config": {"learning_rate": 0.001}}  # a checkpoint from before these flags
     assert changed_settings(old, TrainConfig().to_dict(), 1) == [
