@@ -342,6 +342,7 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
         progress=ProgressBar(trainer.dist.is_main),
         log_interval=trainer.cfg.log_interval,
         timer=timer,
+        mixer=trainer.mixer.for_epoch(0) if trainer.mixer else None,  # --mixup/--cutmix
     )
     synchronize(trainer.dist.device)
     return {

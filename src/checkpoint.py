@@ -211,7 +211,9 @@ def check_resume_fits(
 
 # Flags that change what the optimisation does: resuming under other values is silently another
 # run. --epochs may grow (continuing a finished run); --optimizer is checked above (its state does
-# not carry over to another optimizer); --accum_steps only splits the same batch.
+# not carry over to another optimizer); --accum_steps only splits the same batch. Mixup/cutmix
+# change the loss's targets, like label smoothing, and --mix_off_epochs is a schedule; the
+# per-image augmentation (crop, flip, --auto_augment, --random_erasing) is not checked.
 SCHEDULE_FLAGS = (
     "learning_rate",
     "lr_scaling",
@@ -226,6 +228,10 @@ SCHEDULE_FLAGS = (
     "clip_grad_norm",
     "head_lr_scale",
     "freeze_backbone_epochs",
+    "mixup",
+    "cutmix",
+    "mix_switch_prob",
+    "mix_off_epochs",
 )
 # What a checkpoint written before a flag existed ran with: its config lacks the key.
 VALUES_BEFORE_FLAG = {
@@ -257,6 +263,14 @@ def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: 
             continue  # only the step schedule reads them
         if flag == "momentum" and config["optimizer"] != "sgd":
             continue  # only sgd reads it
+        if flag == "mix_switch_prob" and not all(
+            c.get("mixup", 0) > 0 and c.get("cutmix", 0) > 0 for c in (saved, config)
+        ):
+            continue  # only read with both mixup and cutmix on
+        if flag == "mix_off_epochs" and not any(
+            c.get("mixup", 0) > 0 or c.get("cutmix", 0) > 0 for c in (saved, config)
+        ):
+            continue  # no mixing to turn off
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
     processes = saved_world_size(state)
     if "batch_size" in saved and processes:

@@ -50,6 +50,23 @@ class TrainConfig:
     prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead")
     crop_scale_min: float = _opt(0.08, "smallest area fraction kept by RandomResizedCrop")
     hflip: float = _opt(0.5, "probability of a horizontal flip in training")
+    auto_augment: str = _opt(
+        "none",
+        "per-image policy after the crop and flip: trivialaugment (TrivialAugmentWide), "
+        "randaugment (RandAugment, 2 ops at magnitude 9) or none",
+        choices=["none", "trivialaugment", "randaugment"],
+    )
+    random_erasing: float = _opt(
+        0.0,
+        "probability of erasing a random rectangle of each training image "
+        "(filled with the mean colour: 0 after normalization)",
+    )
+    mixup: float = _opt(0.0, "mixup alpha: blend image pairs with Beta(alpha, alpha) (0: off)")
+    cutmix: float = _opt(0.0, "cutmix alpha: paste a box of the paired image (0: off)")
+    mix_switch_prob: float = _opt(
+        0.5, "with both --mixup and --cutmix, the probability that a batch uses cutmix"
+    )
+    mix_off_epochs: int = _opt(0, "turn mixup/cutmix off for the last N epochs")
     # Model
     model: str = _opt("resnet18", "any timm model name")
     pretrained: bool = _opt(False, "start from timm's pretrained weights (needs network access)")
@@ -169,8 +186,8 @@ class TrainConfig:
         "when resuming, apply flags that change the schedule or "
         "the optimisation (learning rate, scheduler, warm-up, "
         "weight decay and its grouping, momentum, label smoothing, "
-        "gradient clipping, head learning rate, frozen epochs, batch "
-        "per step) instead of refusing them",
+        "mixup/cutmix, gradient clipping, head learning rate, frozen "
+        "epochs, batch per step) instead of refusing them",
     )
     tensorboard: bool = _opt(
         True,
@@ -256,8 +273,16 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "num_workers",
         "cache_images",
         "prefetch_factor",
+    ),
+    "augmentation": (
         "crop_scale_min",
         "hflip",
+        "auto_augment",
+        "random_erasing",
+        "mixup",
+        "cutmix",
+        "mix_switch_prob",
+        "mix_off_epochs",
     ),
     "model": ("model", "pretrained", "pretrained_path", "compile"),
     "optimisation": (
@@ -540,6 +565,16 @@ def validate(cfg: TrainConfig) -> None:
         )
     if not 0.0 < cfg.crop_scale_min <= 1.0:
         raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
+    for name in ("hflip", "random_erasing", "mix_switch_prob"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise UserError(f"--{name} is a probability in [0, 1], got {getattr(cfg, name)}")
+    for name in ("mixup", "cutmix"):
+        if getattr(cfg, name) < 0:
+            raise UserError(
+                f"--{name} is a Beta alpha: 0 (off) or positive, got {getattr(cfg, name)}"
+            )
+    if cfg.mix_off_epochs < 0:
+        raise UserError(f"--mix_off_epochs must be 0 or more, got {cfg.mix_off_epochs}")
     if cfg.accum_steps < 1:
         raise UserError(f"--accum_steps must be at least 1, got {cfg.accum_steps}")
     if cfg.batch_size % cfg.accum_steps:

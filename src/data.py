@@ -10,6 +10,7 @@ Two properties make a run reproducible and resumable at any step:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -121,13 +122,24 @@ def build_transforms(
     train: bool,
     crop_scale_min: float = 0.08,
     hflip: float = 0.5,
+    *,
     eval_resize_ratio: float = EVAL_RESIZE_RATIO,
+    auto_augment: str = "none",
+    random_erasing: float = 0.0,
 ) -> v2.Compose | RandomResizedCropFlip:
-    """Per-sample geometry on uint8 images. Conversion to float and normalization happen once per
-    batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
-    processes. Evaluation resizes the short side to ``eval_resize_side`` and crops the centre."""
+    """Per-sample augmentation on uint8 images. Conversion to float and normalization happen once
+    per batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
+    processes.
+
+    Training: the crop and flip, then ``auto_augment``'s policy, then random erasing, in the
+    order of torchvision's reference recipe. Every random number comes from torch's CPU
+    generator, which ``SeededImageDataset`` seeds per sample; the images may be CPU or CUDA
+    tensors (``--cache_images gpu``). Evaluation resizes the short side to ``eval_resize_side``
+    and crops the centre."""
     if train:
-        return RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
+        crop = RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
+        extra = image_augmentations(auto_augment, random_erasing)
+        return v2.Compose([crop, *extra]) if extra else crop
     return v2.Compose(
         [
             v2.ToImage(),
@@ -140,6 +152,26 @@ def build_transforms(
 def eval_resize_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
     """The short side evaluation resizes to before its centre crop of ``image_size``."""
     return int(math.ceil(image_size / ratio))
+
+
+AUTO_AUGMENT = {
+    "trivialaugment": v2.TrivialAugmentWide,
+    "randaugment": v2.RandAugment,  # torchvision's defaults: 2 ops at magnitude 9 of 31
+}
+
+
+def image_augmentations(auto_augment: str = "none", random_erasing: float = 0.0) -> list:
+    """The per-image augmentations after the crop and flip (``--auto_augment``,
+    ``--random_erasing``), as torchvision v2 transforms on uint8 tensors."""
+    transforms = []
+    if auto_augment != "none":
+        transforms.append(AUTO_AUGMENT[auto_augment]())
+    if random_erasing > 0:
+        # torchvision's recipe erases after normalization with 0, i.e. with the mean colour;
+        # here the images are still uint8, so the rectangle gets the mean colour in 0..255.
+        mean_colour = [round(255 * m) for m in IMAGENET_MEAN]
+        transforms.append(v2.RandomErasing(p=random_erasing, value=mean_colour))
+    return transforms
 
 
 def normalize_batch(
@@ -189,16 +221,24 @@ class SeededImageDataset(Dataset):
             return self.transform(image), label
         index, epoch = key
         image, label = self.folder[index]
-        # Seed the CPU generator that the transforms draw from, and put its state back after.
-        # (torch.manual_seed and fork_rng would also touch every accelerator's generator:
-        # ~0.3 ms per sample, more than the augmentation itself at small image sizes.)
-        generator = torch.default_generator
-        saved = generator.get_state()
-        generator.manual_seed(sample_seed(self.seed, epoch, index))
-        try:
+        with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
             return self.transform(image), label
-        finally:
-            generator.set_state(saved)
+
+
+@contextlib.contextmanager
+def seeded_cpu_generator(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
+    put its state back after: what runs inside depends only on ``seed``, and the process's own
+    random stream (dropout, for instance) is untouched. (torch.manual_seed and fork_rng would
+    also touch every accelerator's generator: ~0.3 ms per sample, more than the augmentation
+    itself at small image sizes.)"""
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
 
 
 class DecodedImageCache(Dataset):
@@ -406,6 +446,8 @@ def build_datasets(
     cache_budget_bytes: int = 0,
     cache_device: str = "cpu",
     threads: int = 4,
+    auto_augment: str = "none",
+    random_erasing: float = 0.0,
 ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
     """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
     call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
@@ -440,7 +482,16 @@ def build_datasets(
             "every epoch instead"
         )
     train_set = SeededImageDataset(
-        train_folder, build_transforms(image_size, True, crop_scale_min, hflip), seed
+        train_folder,
+        build_transforms(
+            image_size,
+            True,
+            crop_scale_min,
+            hflip,
+            auto_augment=auto_augment,
+            random_erasing=random_erasing,
+        ),
+        seed,
     )
     val_set = SeededImageDataset(
         val_folder,

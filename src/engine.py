@@ -232,10 +232,14 @@ def train_one_epoch(
     sums: torch.Tensor | None = None,
     log_interval: int = 20,
     timer: PhaseTimer = NO_TIMER,
+    mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
 ) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
     resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
-    the run's step count at the epoch's first batch (for the hooks)."""
+    the run's step count at the epoch's first batch (for the hooks). ``mixer`` (mixup/cutmix,
+    ``mixing.EpochMixer``) turns each batch into mixed images and soft targets, given the
+    batch's index in the epoch."""
     state.model.train()
     device, plan = state.device, state.plan
     if plan.retry_on_oom:
@@ -249,6 +253,9 @@ def train_one_epoch(
     step = start_step
     window = LogWindow()
     for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
+        if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
+            with timer.phase("mixing"):
+                images, targets = mixer(images, targets, step)
         step_sums, skipped = train_step(state, images, targets, timer)
         sums += step_sums
         state.scheduler.step()
@@ -507,7 +514,10 @@ def record_metrics(
     sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor, targets: torch.Tensor
 ) -> None:
     sums[LOSS] += loss.detach().double() * targets.size(0)
-    sums[CORRECT] += (logits.argmax(dim=1) == targets).sum()
+    # Soft targets (mixup/cutmix): a prediction is correct when it is the target's dominant
+    # label, the one with the larger share of the mixed image.
+    labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
+    sums[CORRECT] += (logits.argmax(dim=1) == labels).sum()
     sums[COUNT] += targets.size(0)
 
 

@@ -75,6 +75,7 @@ from errors import UserError, exit_on_user_error
 from history import HistoryWriter
 from lifecycle import exit_now, mark, run_reporting
 from memory import build_memory_plan
+from mixing import BatchMixer
 from optim import restore_optimizer_state, restore_scheduler_state
 from preflight import check_batch_fits, check_device_options
 from run_folder import atomic_write, claim_run_folder
@@ -109,6 +110,8 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         cache_budget_bytes=budget,
         cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu",
         threads=cores,
+        auto_augment=cfg.auto_augment,
+        random_erasing=cfg.random_erasing,
     )
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
@@ -185,6 +188,8 @@ class Trainer:
             len(self.class_names),
         )
         self.step_state = self.parts.step_state(self.plan)
+        # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
+        self.mixer = BatchMixer.from_config(cfg, len(self.class_names), dist.rank, dist.device)
         self.checkpoints = CheckpointWriter(
             Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
         )
@@ -335,6 +340,7 @@ class Trainer:
             first_global_step=self.epoch * self.steps_per_epoch + self.step,
             sums=self.resumed_sums,
             log_interval=self.cfg.log_interval,
+            mixer=self.mixer.for_epoch(self.epoch) if self.mixer else None,
         )
         self.resumed_sums = None
         if self.stop.requested_by_all:

@@ -1,0 +1,394 @@
+"""Augmentation: --auto_augment, --random_erasing (per sample, seeded by (seed, epoch, index)),
+--mixup / --cutmix (per batch, seeded by (seed, epoch, step, rank)), their soft-target loss,
+--mix_off_epochs, and exact resume with all of them on."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from timm.data.mixup import one_hot as timm_one_hot
+from timm.loss import SoftTargetCrossEntropy
+from torch import nn
+from torchvision.transforms import v2
+
+import train_ddp
+from config import HELP_GROUPS, parse_config
+from conftest import CLASSES, TINY_FLAGS, run_train, user_error_line, write_image_folder
+from data import (
+    IMAGENET_MEAN,
+    DecodedImageCache,
+    EpochSampler,
+    ReadableImageFolder,
+    SeededImageDataset,
+    build_datasets,
+    build_transforms,
+    make_loader,
+    normalize_batch,
+)
+from engine import Precision, StepState, train_one_epoch, train_step
+from memory import MemoryPlan
+from mixing import BatchMixer, step_seed
+from test_resume import assert_same_tensors, latest, launch, metrics_without_timings
+
+HAS_CUDA = torch.cuda.is_available()
+FP32 = Precision(False, torch.float32)
+AUGMENT = {"auto_augment": "trivialaugment", "random_erasing": 0.5}
+
+
+def scramble_global_rngs(seed: int) -> None:
+    """What another worker, an earlier sample or the model's dropout may have drawn before."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+# ----------------------------------------------------------------------------- per-image
+
+
+def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augment) -> list:
+    train_set, _, _ = build_datasets(train, val, 16, 7, 0.3, 0.5, cache="none", **augment)
+    sampler = EpochSampler(len(train_set), 0, 1, seed=7)
+    sampler.set_epoch(epoch)
+    loader = make_loader(train_set, sampler, 8, train=True, num_workers=workers, pin_memory=False)
+    batches = []
+    for images, labels in loader:
+        batches.append((images, labels))
+        if len(batches) == 3:
+            break
+    return batches
+
+
+def test_same_augmented_batches_with_0_and_2_loader_workers(tiny_dataset):
+    train, val = tiny_dataset
+    scramble_global_rngs(1)
+    alone = first_batches(train, val, workers=0, **AUGMENT)
+    scramble_global_rngs(2)
+    with_workers = first_batches(train, val, workers=2, **AUGMENT)
+    assert_same_tensors(alone, with_workers, "batches")
+    # The policies did change the images, and the next epoch draws other augmentations.
+    plain = first_batches(train, val, workers=0)
+    assert not torch.equal(alone[0][0], plain[0][0])
+    assert torch.equal(alone[0][1], plain[0][1])  # same samples, same order
+    next_epoch = first_batches(train, val, workers=0, epoch=1, **AUGMENT)
+    assert not torch.equal(alone[0][0], next_epoch[0][0])
+
+
+@pytest.mark.parametrize("policy", ["trivialaugment", "randaugment"])
+def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset, policy):
+    """The --cache_images ram/gpu path (tensors in memory, augmented in the training process):
+    a sample's augmentation depends on (seed, epoch, index) only, and leaves the process's
+    random stream where it was."""
+    train, _ = tiny_dataset
+    cache = DecodedImageCache(ReadableImageFolder(train), 16, device="cpu")
+    dataset = SeededImageDataset(
+        cache, build_transforms(16, True, 0.3, 0.5, auto_augment=policy, random_erasing=1.0), seed=3
+    )
+    assert [type(t) for t in dataset.transform.transforms[1:]] == [
+        {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}[policy],
+        v2.RandomErasing,
+    ]
+    scramble_global_rngs(5)
+    state = torch.get_rng_state()
+    first = [dataset[(i, 2)][0] for i in range(6)]
+    assert torch.equal(torch.get_rng_state(), state)
+    scramble_global_rngs(6)
+    again = [dataset[(i, 2)][0] for i in reversed(range(6))][::-1]
+    assert_same_tensors(first, again, "images")
+    assert not torch.equal(first[0], dataset[(0, 3)][0])  # another epoch, other draws
+
+
+def test_random_erasing_fills_with_the_mean_colour(tiny_dataset):
+    train, _ = tiny_dataset
+    cache = DecodedImageCache(ReadableImageFolder(train), 32, device="cpu")
+    erase_only = build_transforms(32, True, 1.0, 0.0, random_erasing=1.0)
+    plain = build_transforms(32, True, 1.0, 0.0)
+    dataset = SeededImageDataset(cache, erase_only, seed=0)
+    erased = dataset[(0, 0)][0]
+    unerased = SeededImageDataset(cache, plain, seed=0)[(0, 0)][0]
+    changed = (erased != unerased).any(0)
+    assert changed.any()
+    mean = torch.tensor([round(255 * m) for m in IMAGENET_MEAN], dtype=torch.uint8)
+    assert (erased.permute(1, 2, 0)[changed] == mean).all()
+    # After normalization the rectangle is (almost) 0, as in torchvision's recipe.
+    assert normalize_batch(erased[None])[0].permute(1, 2, 0)[changed].abs().max() < 0.01
+
+
+# ----------------------------------------------------------------------------- batch mixing
+
+
+def batch(n: int = 8, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def test_mixing_is_a_function_of_seed_epoch_step_and_rank():
+    images, labels = batch()
+    mixer = BatchMixer(3, mixup=0.4, cutmix=1.0, epochs=3, seed=11)
+    scramble_global_rngs(1)
+    state = torch.get_rng_state()
+    a = [mixer.for_epoch(1)(images, labels, step) for step in range(6)]
+    assert torch.equal(torch.get_rng_state(), state)  # the process's stream is untouched
+    scramble_global_rngs(2)
+    b = [mixer.for_epoch(1)(images, labels, step) for step in reversed(range(6))][::-1]
+    assert_same_tensors(a, b, "mixed")
+    for _, soft in a:
+        assert soft.shape == (8, 3) and torch.allclose(soft.sum(1), torch.ones(8))
+    # Each step, epoch and rank draws its own.
+    assert not torch.equal(a[0][0], a[1][0]) and not torch.equal(a[1][0], a[2][0])
+    other_epoch = mixer.for_epoch(2)(images, labels, 0)
+    other_rank = BatchMixer(3, 0.4, 1.0, epochs=3, seed=11, rank=1).for_epoch(1)(images, labels, 0)
+    assert not torch.equal(other_epoch[1], a[0][1]) and not torch.equal(other_rank[1], a[0][1])
+    assert len({step_seed(11, 1, s, r) for s in range(50) for r in range(4)}) == 200
+
+
+def test_switch_probability_picks_cutmix_or_mixup():
+    images, labels = batch()
+    paired = images.roll(1, 0)  # torchvision pairs each image with its neighbour
+    for step in range(8):
+        cut, soft = BatchMixer(3, 0.4, 1.0, switch_prob=1.0).for_epoch(0)(images, labels, step)
+        # cutmix: every pixel is the image's own or its partner's
+        assert ((cut == images) | (cut == paired)).all()
+        blend, _ = BatchMixer(3, 0.4, 1.0, switch_prob=0.0).for_epoch(0)(images, labels, step)
+        lam = ((blend - paired) / (images - paired))[images != paired].median()
+        assert torch.allclose(blend, lam * images + (1 - lam) * paired, atol=1e-5)
+    # Only one of them on: that one, whatever the switch probability.
+    only_cut, _ = BatchMixer(3, 0.0, 1.0, switch_prob=0.0).for_epoch(0)(images, labels, 0)
+    assert ((only_cut == images) | (only_cut == paired)).all()
+
+
+def test_mix_off_epochs_turns_mixing_off_for_the_last_epochs():
+    mixer = BatchMixer(3, 0.2, 0.0, off_epochs=2, epochs=5)
+    assert [mixer.for_epoch(e) is not None for e in range(5)] == [True, True, True, False, False]
+    cfg = parse_config(["--epochs", "4", "--cutmix", "1.0", "--mix_off_epochs", "1"])
+    built = BatchMixer.from_config(cfg, 3, rank=0, device=torch.device("cpu"))
+    assert [built.for_epoch(e) is not None for e in range(4)] == [True, True, True, False]
+    assert BatchMixer.from_config(parse_config([]), 3, 0, torch.device("cpu")) is None
+
+    # Without a mixer the engine trains on the hard labels: the loss is plain cross entropy.
+    images, labels = batch()
+    model = linear_model()
+    state = step_state(model, label_smoothing=0.0)
+    plain = train_one_epoch(state, [(images, labels)])
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(linear_model()(images), labels)
+    assert plain["train_loss"] == pytest.approx(float(expected), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def linear_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 3))  # no BatchNorm
+
+
+def step_state(
+    model: nn.Module, label_smoothing: float = 0.1, micro_batch: int | None = None
+) -> StepState:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return StepState(
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False),
+        nn.CrossEntropyLoss(label_smoothing=label_smoothing),
+        FP32,
+        MemoryPlan(micro_batch=micro_batch),
+        torch.device("cpu"),
+    )
+
+
+def test_soft_target_loss_is_timms_with_label_smoothing_folded_in():
+    """CrossEntropyLoss(label_smoothing) on the mixed targets equals timm's recipe: both
+    labels smoothed, mixed by lambda, soft-target cross entropy; and lambda-weighted cross
+    entropy of the two labels without smoothing."""
+    images, labels = batch(n=8, classes=5)
+    mixed, soft = BatchMixer(5, mixup=0.4, cutmix=0.0).for_epoch(0)(images, labels, 3)
+    partner = labels.roll(1, 0)
+    i = int((labels != partner).nonzero()[0])
+    lam = float(soft[i, labels[i]])  # the share of the image's own label
+    logits = torch.randn(8, 5, generator=torch.Generator().manual_seed(1))
+    off = 0.1 / 5
+    timm_targets = lam * timm_one_hot(labels, 5, 1 - 0.1 + off, off) + (1 - lam) * timm_one_hot(
+        partner, 5, 1 - 0.1 + off, off
+    )
+    ours = nn.CrossEntropyLoss(label_smoothing=0.1)(logits, soft)
+    assert float(ours) == pytest.approx(float(SoftTargetCrossEntropy()(logits, timm_targets)))
+    unsmoothed = nn.CrossEntropyLoss()(logits, soft)
+    two_labels = lam * nn.functional.cross_entropy(logits, labels) + (
+        1 - lam
+    ) * nn.functional.cross_entropy(logits, partner)
+    assert float(unsmoothed) == pytest.approx(float(two_labels), rel=1e-6)
+
+
+def test_mixed_step_in_micro_batches_has_the_whole_batchs_gradient_and_metrics():
+    images, labels = batch(n=8, classes=3)
+    mixed, soft = BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 0)
+    results = []
+    for micro_batch in (None, 2):
+        model = linear_model()
+        state = step_state(model, micro_batch=micro_batch)
+        state.optimizer.zero_grad()
+        sums, _ = train_step(state, mixed, soft)
+        results.append((sums, [p.detach().clone() for p in model.parameters()]))
+    (whole_sums, whole), (micro_sums, micro) = results
+    for a, b in zip(whole, micro, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.allclose(whole_sums, micro_sums)
+    # The recorded loss is the soft-target loss; accuracy counts the dominant label.
+    with torch.no_grad():
+        logits = linear_model()(mixed)
+    expected_loss = nn.CrossEntropyLoss(label_smoothing=0.1)(logits, soft)
+    assert float(whole_sums[0] / whole_sums[2]) == pytest.approx(float(expected_loss), rel=1e-5)
+    dominant = soft.argmax(1)
+    assert int(whole_sums[1]) == int((logits.argmax(1) == dominant).sum())
+
+
+def test_soft_targets_under_bfloat16_autocast():
+    images, labels = batch()
+    state = step_state(linear_model())
+    state.precision = Precision(True, torch.bfloat16)
+    metrics = train_one_epoch(state, [(images, labels)], mixer=BatchMixer(3, 0.4, 0).for_epoch(0))
+    assert metrics["train_samples"] == 8 and np.isfinite(metrics["train_loss"])
+
+
+def test_engine_mixes_each_batch_with_its_step_index():
+    """The engine hands the mixer the batch's index in the epoch: a resumed epoch (start_step)
+    mixes its remaining batches exactly as the uninterrupted one did."""
+    batches = [batch(seed=s) for s in range(4)]
+    seen = []
+
+    def recording_mixer(images, targets, step):
+        seen.append(step)
+        return BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, targets, step)
+
+    train_one_epoch(step_state(linear_model()), batches[2:], start_step=2, mixer=recording_mixer)
+    assert seen == [2, 3]
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def test_augmentation_flags_have_their_own_help_group():
+    groups = list(HELP_GROUPS)
+    assert groups[groups.index("data") + 1] == "augmentation"
+    assert HELP_GROUPS["augmentation"] == (
+        "crop_scale_min",
+        "hflip",
+        "auto_augment",
+        "random_erasing",
+        "mixup",
+        "cutmix",
+        "mix_switch_prob",
+        "mix_off_epochs",
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, phrase",
+    [
+        (["--random_erasing", "1.5"], "--random_erasing is a probability"),
+        (["--mix_switch_prob", "-0.1"], "--mix_switch_prob is a probability"),
+        (["--mixup", "-1"], "--mixup is a Beta alpha"),
+        (["--mix_off_epochs", "-1"], "--mix_off_epochs must be 0 or more"),
+    ],
+)
+def test_bad_augmentation_flags_are_one_error_line(flags, phrase, capsys):
+    assert phrase in user_error_line(train_ddp.main, ["--device", "cpu", *flags], capsys)
+
+
+def test_resume_with_other_mixing_is_refused(trained_run, tmp_path, capsys):
+    workdir = trained_run.copy_to(tmp_path)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", *trained_run.flags, "--epochs", "3", "--mixup", "0.2", "--resume"]
+        + ["auto"],
+        capsys,
+        cwd=workdir,
+    )
+    assert "--mixup 0.0 -> 0.2" in line and "--resume_override" in line
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_with_mixing_and_augmentation_is_exact(tmp_path):
+    """One process killed after step 4 of epoch 1 (checkpoint at step 3), resumed with 2 loader
+    workers instead of 0, every augmentation on and mixing off in epoch 2: the same weights,
+    bitwise, and the same history as the uninterrupted run."""
+    train = write_image_folder(tmp_path / "data" / "train", CLASSES, 16, seed=1)  # 6 steps
+    val = write_image_folder(tmp_path / "data" / "val", CLASSES, 5, seed=2)
+    flags = [
+        "--train_dir",
+        str(train),
+        "--val_dir",
+        str(val),
+        "--deterministic",
+        "--optimizer",
+        "sgd",
+        *TINY_FLAGS,
+        "--epochs",
+        "2",
+        "--save_every_steps",
+        "3",
+        "--auto_augment",
+        "trivialaugment",
+        "--random_erasing",
+        "0.5",
+        "--mixup",
+        "0.4",
+        "--cutmix",
+        "1.0",
+        "--label_smoothing",
+        "0.1",
+        "--mix_off_epochs",
+        "1",
+        "--cache_images",
+        "none",
+    ]
+    (tmp_path / "clean").mkdir()
+    assert run_train(flags, cwd=tmp_path / "clean") == 0
+    killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:4"})
+    assert killed.returncode != 0
+    assert latest(tmp_path / "resumed")["step"] == 3
+    resumed = launch(
+        tmp_path / "resumed", [*flags, "--resume", "auto", "--num_workers", "2"], nproc=1
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epoch 1, step 3 of 6" in resumed.stdout
+    clean, after = latest(tmp_path / "clean"), latest(tmp_path / "resumed")
+    assert assert_same_tensors(clean["model_state_dict"], after["model_state_dict"], "model")
+    assert_same_tensors(clean["optimizer_state_dict"], after["optimizer_state_dict"], "optim")
+    assert metrics_without_timings(tmp_path / "clean") == metrics_without_timings(
+        tmp_path / "resumed"
+    )
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dataset):
+    """--cache_images gpu: the images stay on the GPU through every augmentation and the
+    mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
+    train, _ = tiny_dataset
+    transform = build_transforms(
+        16, True, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0
+    )
+    on_gpu = SeededImageDataset(
+        DecodedImageCache(ReadableImageFolder(train), 16, "cuda"), transform, 3
+    )
+    first = torch.stack([on_gpu[(i, 0)][0] for i in range(8)])
+    assert first.is_cuda
+    assert torch.equal(first, torch.stack([on_gpu[(i, 0)][0] for i in range(8)]))
+    images, labels = batch()
+    cpu = BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 5)
+    gpu = BatchMixer(3, 0.4, 1.0, device="cuda").for_epoch(0)(images.cuda(), labels.cuda(), 5)
+    assert gpu[0].is_cuda and torch.equal(gpu[1].cpu(), cpu[1])
+    assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-5)
