@@ -261,6 +261,7 @@ def saved_state(**config) -> dict:
         label_smoothing=0.0,
         optimizer="adamw",
         batch_size=8,
+        accum_steps=1,
         epochs=2,
     )
     return {"config": {**base, **config}, "rank_states": [{}, {}]}  # written by 2 processes
@@ -282,7 +283,8 @@ def test_changed_schedule_flags_are_listed(tmp_path: Path):
     # The batch of one optimizer step: 8 x 2 processes; 16 x 1 is the same batch.
     assert changed_settings(state, dict(same, batch_size=16), 1) == []
     assert changed_settings(state, same, 1) == [
-        "batch per optimizer step (--batch_size x processes) 8x2=16 -> 8x1=8"
+        "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
+        "8x1x2=16 -> 8x1x1=8"
     ]
     path = tmp_path / "checkpoint_latest.pth"
     with pytest.raises(
