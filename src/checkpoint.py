@@ -5,7 +5,9 @@ A checkpoint is a plain dict of tensors and primitives, its keys listed once in
 so ``torch.load(path, weights_only=True)`` loads it and its ``model_state_dict`` loads into a
 plain model with ``strict=True``. ``format_version`` says which schema wrote it: a file of a newer
 one is refused on load with one line; a file without one (written before versions existed) is
-version 0, whose keys are those of version 1.
+version 0, whose keys are those of version 1. Version 2: the config's ``accum_steps`` counts
+batches of ``batch_size`` per optimizer step (in versions 0 and 1 it split ``batch_size`` into
+micro-batches), and ``effective_batch_size`` says what a step was (``saved_step_batch``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class CheckpointError(UserError):
 
 # Raise when a key's meaning changes or a key the loaders need is added; older files stay
 # readable (their missing keys are read with defaults where they are read), newer ones are refused.
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 
 # Every key a training checkpoint holds, with what it holds.
 CHECKPOINT_SCHEMA = {
@@ -56,7 +58,10 @@ CHECKPOINT_SCHEMA = {
     "std": "normalisation std",
     "model_name": "the timm model name",
     "config": "TrainConfig.to_dict() of the run",
-    "world_size": "processes that wrote it (with config batch_size: the batch of one step)",
+    "world_size": "processes that wrote it",
+    "effective_batch_size": "images per optimizer step over all processes: config batch_size x "
+    "accum_steps x world_size (absent before --accum_steps counted batches per step: then "
+    "batch_size alone was a process's step)",
     "history": "the history records up to this checkpoint",
     "rank_states": "per rank: RNG states and running epoch metrics (``rank_state``)",
 }
@@ -211,7 +216,7 @@ def check_resume_fits(
 
 # Flags that change what the optimisation does: resuming under other values is silently another
 # run. --epochs may grow (continuing a finished run); --optimizer is checked above (its state does
-# not carry over to another optimizer); --accum_steps only splits the same batch. Mixup/cutmix
+# not carry over to another optimizer); the effective batch is compared in ``changed_settings``. Mixup/cutmix
 # change the loss's targets, like label smoothing, and --mix_off_epochs is a schedule; the
 # per-image augmentation (crop, flip, --auto_augment, --random_erasing) is not checked.
 SCHEDULE_FLAGS = (
@@ -247,6 +252,19 @@ def saved_world_size(state: dict[str, Any]) -> int | None:
     return state.get("world_size") or len(state.get("rank_states") or []) or None
 
 
+def saved_step_batch(state: dict[str, Any]) -> tuple[int, int] | None:
+    """(--batch_size, --accum_steps) that make up one process's optimizer step in the run that
+    wrote ``state``, or None if it does not say. A checkpoint without ``effective_batch_size``
+    was written when --accum_steps split --batch_size into micro-batches: its step was
+    --batch_size images whatever --accum_steps said, which counts here as K = 1."""
+    saved = state.get("config") or {}
+    if "batch_size" not in saved:
+        return None
+    if "effective_batch_size" not in state:
+        return saved["batch_size"], 1
+    return saved["batch_size"], saved.get("accum_steps", 1)
+
+
 def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
     """``--flag saved -> new`` for each flag that changes the schedule or the optimisation."""
     saved = state.get("config") or {}
@@ -272,16 +290,37 @@ def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: 
         ):
             continue  # no mixing to turn off
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
-    processes = saved_world_size(state)
-    if "batch_size" in saved and processes:
-        before, after = saved["batch_size"] * processes, config["batch_size"] * world_size
+    processes, step = saved_world_size(state), saved_step_batch(state)
+    if step and processes:
+        (batch, accum), new_accum = step, config["accum_steps"]
+        before, after = batch * accum * processes, config["batch_size"] * new_accum * world_size
         if before != after:
             changes.append(
-                f"batch per optimizer step (--batch_size x processes) "
-                f"{saved['batch_size']}x{processes}={before} -> "
-                f"{config['batch_size']}x{world_size}={after}"
+                f"effective batch per optimizer step (--batch_size x --accum_steps x "
+                f"processes) {batch}x{accum}x{processes}={before} -> "
+                f"{config['batch_size']}x{new_accum}x{world_size}={after}"
+                + _old_accum_hint(saved, state)
             )
     return changes
+
+
+def _old_accum_hint(saved: dict[str, Any], state: dict[str, Any]) -> str:
+    """For a checkpoint written when --accum_steps K split --batch_size: the flags that keep its
+    batch now (--batch_size B --accum_steps K then is --batch_size B/K --accum_steps K now)."""
+    old_accum = saved.get("accum_steps", 1)
+    if "effective_batch_size" in state or old_accum == 1:
+        return ""
+    hint = (
+        f" (the checkpoint is from before --accum_steps counted batches per step: its "
+        f"--batch_size {saved['batch_size']} --accum_steps {old_accum} was "
+        f"{saved['batch_size']} images per step"
+    )
+    if saved["batch_size"] % old_accum == 0:
+        hint += (
+            f", which --batch_size {saved['batch_size'] // old_accum} --accum_steps "
+            f"{old_accum} gives now"
+        )
+    return hint + ")"
 
 
 def check_resume_settings(

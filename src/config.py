@@ -85,12 +85,14 @@ class TrainConfig:
     )
     # Optimisation
     epochs: int = _opt(50, "number of epochs")
-    batch_size: int = _opt(32, "images per optimizer step in each process")
+    batch_size: int = _opt(
+        32, "images per forward/backward pass in each process; a step takes --accum_steps of them"
+    )
     accum_steps: int = _opt(
         1,
-        "micro-batches per optimizer step: each step runs --batch_size "
-        "images as K forward/backward passes of --batch_size/K, with the "
-        "gradient of the whole batch",
+        "gradient accumulation: batches of --batch_size per optimizer step in each "
+        "process (gradients exchanged once per step); effective batch = batch_size x "
+        "accum_steps x processes",
     )
     learning_rate: float = _opt(0.001, "peak learning rate (before --lr_scaling)")
     weight_decay: float = _opt(0.01, "weight decay")
@@ -106,7 +108,8 @@ class TrainConfig:
     gamma: float = _opt(0.1, "decay factor for --scheduler step")
     lr_scaling: str = _opt(
         "none",
-        "scale the learning rate by the world size: linear (lr*W) or sqrt (lr*sqrt(W))",
+        "scale the learning rate by the effective batch's ratio to --batch_size, "
+        "R = accum_steps x processes: linear (lr*R) or sqrt (lr*sqrt(R))",
         choices=["none", "linear", "sqrt"],
     )
     label_smoothing: float = _opt(0.0, "label smoothing of the training loss")
@@ -154,7 +157,7 @@ class TrainConfig:
     auto_micro_batch: bool = _opt(
         False,
         "before training, find the largest micro-batch (from "
-        "--batch_size/--accum_steps, halving) that fits in "
+        "--batch_size, halving) that fits in "
         "--max_memory_gb; on out-of-memory during training, "
         "halve it and redo the step",
     )
@@ -577,14 +580,6 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--mix_off_epochs must be 0 or more, got {cfg.mix_off_epochs}")
     if cfg.accum_steps < 1:
         raise UserError(f"--accum_steps must be at least 1, got {cfg.accum_steps}")
-    if cfg.batch_size % cfg.accum_steps:
-        below = cfg.batch_size - cfg.batch_size % cfg.accum_steps
-        sizes = " or ".join(str(b) for b in (below, below + cfg.accum_steps) if b > 0)
-        raise UserError(
-            f"--batch_size {cfg.batch_size} is not divisible by --accum_steps "
-            f"{cfg.accum_steps}: every micro-batch must have the same size; use "
-            f"--batch_size {sizes}, or another --accum_steps"
-        )
     if cfg.prefetch_factor < 1:
         raise UserError(f"--prefetch_factor must be at least 1, got {cfg.prefetch_factor}")
     if cfg.max_memory_gb is not None:
@@ -600,8 +595,8 @@ def validate(cfg: TrainConfig) -> None:
         # micro-batch sizes on their own nor redo a step after one of them ran out of memory.
         raise UserError(
             "--sync_bn cannot be combined with --auto_micro_batch (part of "
-            "--low_memory); choose the micro-batch with --accum_steps instead, or add "
-            "--no_auto_micro_batch"
+            "--low_memory); choose the size of each pass with --batch_size (and add "
+            "--accum_steps for a larger step) instead, or add --no_auto_micro_batch"
         )
     if cfg.overwrite and cfg.resume == "auto":
         raise UserError(
@@ -615,6 +610,25 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
+
+
+def optimizer_batch(cfg: TrainConfig) -> int:
+    """Images per optimizer step in each process: --accum_steps loader batches of --batch_size.
+    The training loader yields them as one batch, so sample order and resuming do not depend on
+    how a step is split into forward/backward passes."""
+    return cfg.batch_size * cfg.accum_steps
+
+
+def effective_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Images per optimizer step over all processes: batch_size x accum_steps x world size."""
+    return optimizer_batch(cfg) * world_size
+
+
+def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
+    return (
+        f"Effective batch: {cfg.batch_size} x {cfg.accum_steps} step(s) x {world_size} "
+        f"process(es) = {effective_batch(cfg, world_size)} images per optimizer step"
+    )
 
 
 def preset_summary(cfg: TrainConfig, switch: str) -> str:

@@ -8,10 +8,11 @@ with ``all_reduce_sum`` at the end, so they are exact, never averages of average
 points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
 Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
 
-Each loaded batch is one optimizer step. A ``MemoryPlan`` may split it into micro-batches: their
-losses are weighted by their share of the batch, so the accumulated gradient is the whole
-batch's, and DDP exchanges gradients once, on the last micro-batch. The loader still yields whole
-batches, so sample order and resuming do not depend on the micro-batch size.
+Each loaded batch is one optimizer step (with ``--accum_steps K``, K batches of ``--batch_size``
+loaded as one). A ``MemoryPlan`` splits it into micro-batches (``--batch_size`` images, or fewer
+when fitting says so): their losses are weighted by their share of the batch, so the accumulated
+gradient is the whole batch's, and DDP exchanges gradients once, on the last micro-batch. The
+loader still yields whole batches, so sample order and resuming do not depend on the split.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Fitting training into a memory budget: the micro-batch size, what it costs, and recovery from
 out-of-memory errors.
 
-Each loaded batch (``--batch_size`` images per process: one optimizer step) goes through the
-model as micro-batches of ``MemoryPlan.micro_batch`` images, whose gradients the engine adds up.
-This module chooses that size:
+Each loaded batch (``--batch_size`` x ``--accum_steps`` images per process: one optimizer step)
+goes through the model as micro-batches of ``MemoryPlan.micro_batch`` images, whose gradients the
+engine adds up: ``--batch_size`` images each, unless fitting finds that fewer fit. This module
+chooses that size:
 
 * ``measure_micro_batch`` runs one forward and backward on synthetic images and returns what it
   costs: the bytes the forward pass keeps for backward (counted with ``saved_tensors_hooks``), the
@@ -12,7 +13,7 @@ This module chooses that size:
   before training (``ResidentMemory``). A CPU with RAM to spare never raises out-of-memory, so
   there the measured peak is what a budget (``--max_memory_gb``) is checked against: the count
   of saved tensors misses what the CPU kernels and the allocator hold (~half of the real peak).
-* ``fit_micro_batch`` starts at ``--batch_size / --accum_steps`` and halves: it skips the sizes
+* ``fit_micro_batch`` starts at ``--batch_size`` and halves: it skips the sizes
   that a linear estimate from a 2-image probe already puts over the budget (a trial would only
   overshoot it), and tries the others for real, halving on out-of-memory; every rank then takes
   the smallest size any rank found, so all ranks run the same number of micro-batches.
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from config import optimizer_batch
 from distributed import all_reduce_min
 from errors import UserError
 
@@ -480,11 +482,11 @@ def build_memory_plan(
     precision: Any,
     num_classes: int,
 ) -> MemoryPlan:
-    """The micro-batch of this run: ``--batch_size / --accum_steps``, or with
-    ``--auto_micro_batch`` the largest that fits, found by trials on ``model`` (the plain,
-    unwrapped model: trials of different sizes on different ranks must run no collective).
-    Every rank must call it."""
-    start = cfg.batch_size // cfg.accum_steps
+    """The micro-batch of this run: ``--batch_size`` (an optimizer step is ``--accum_steps``
+    of them), or with ``--auto_micro_batch`` the largest divisor of the step's batch up to
+    ``--batch_size`` that fits, found by trials on ``model`` (the plain, unwrapped model: trials
+    of different sizes on different ranks must run no collective). Every rank must call it."""
+    start, step_batch = cfg.batch_size, optimizer_batch(cfg)
     channels_last = cfg.channels_last and device.type == "cuda"
     plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
     if cfg.auto_micro_batch:
@@ -501,14 +503,14 @@ def build_memory_plan(
             num_classes=num_classes,
             channels_last=channels_last,
             loaded_input_bytes=batch_input_bytes(
-                cfg.batch_size, cfg.image_size, device, cfg.cache_images, channels_last
+                step_batch, cfg.image_size, device, cfg.cache_images, channels_last
             ),
             cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
             if device.type == "cpu"
             else None,
             resident=resident,
         )
-        plan.micro_batch = fit_micro_batch(measure, start, cfg.batch_size, budget, device)
+        plan.micro_batch = fit_micro_batch(measure, start, step_batch, budget, device)
         if device.type == "cuda":
             # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
             # the device's limit) from the peak_memory_mb that the history reports.
@@ -517,8 +519,8 @@ def build_memory_plan(
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
     log.info(
-        f"Memory: micro-batch {plan.micro_batch} ({cfg.batch_size // plan.micro_batch} "
-        f"forward/backward pass(es) per optimizer step of {cfg.batch_size} images per "
+        f"Memory: micro-batch {plan.micro_batch} ({step_batch // plan.micro_batch} "
+        f"forward/backward pass(es) per optimizer step of {step_batch} images per "
         f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
         f"activation checkpointing {checkpointing}"
         + (", halving on out-of-memory" if plan.retry_on_oom else "")

@@ -22,9 +22,16 @@ from model import unwrap_model
 IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
 
 
+def lr_scale(lr_scaling: str, accum_steps: int, world_size: int) -> float:
+    """The factor of --lr_scaling: the effective batch (batch_size x accum_steps x world size)
+    over the batch of one pass in one process (batch_size), R = accum_steps x world size;
+    linear: R, sqrt: sqrt(R)."""
+    ratio = accum_steps * world_size
+    return {"none": 1.0, "linear": float(ratio), "sqrt": math.sqrt(ratio)}[lr_scaling]
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
-    scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
-    lr = cfg.learning_rate * scale
+    lr = cfg.learning_rate * lr_scale(cfg.lr_scaling, cfg.accum_steps, world_size)
     groups = param_groups(cfg, unwrap_model(model), lr)
     fused = next(model.parameters()).is_cuda  # the fused kernels exist on CUDA only
     if cfg.optimizer == "sgd":

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from config import TrainConfig
+from config import TrainConfig, optimizer_batch
 from errors import UserError
 from image_files import IMAGE_EXTENSIONS, class_folders, is_image_file
 
@@ -95,13 +95,22 @@ def check_device_options(cfg: TrainConfig, device_type: str) -> None:
 
 
 def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
-    """Every process needs at least one full batch per epoch (the last partial one is dropped)."""
-    if math.ceil(train_images / world_size) < cfg.batch_size:
-        raise UserError(
-            f"{cfg.train_dir} has {train_images} images: too few for "
-            f"--batch_size {cfg.batch_size} on {world_size} process(es); "
-            "lower --batch_size"
+    """Every process needs at least one full optimizer step's batch per epoch (the training
+    loader yields --accum_steps batches of --batch_size as one, and drops a partial last one)."""
+    if math.ceil(train_images / world_size) >= optimizer_batch(cfg):
+        return
+    if cfg.accum_steps == 1:
+        asked, lower = f"--batch_size {cfg.batch_size}", "lower --batch_size"
+    else:
+        asked = (
+            f"one optimizer step of --batch_size {cfg.batch_size} x --accum_steps "
+            f"{cfg.accum_steps} = {optimizer_batch(cfg)} images"
         )
+        lower = "lower --batch_size or --accum_steps"
+    raise UserError(
+        f"{cfg.train_dir} has {train_images} images: too few for {asked} on "
+        f"{world_size} process(es); {lower}"
+    )
 
 
 def check_output_folders(cfg: TrainConfig) -> None:

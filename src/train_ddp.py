@@ -36,12 +36,16 @@ from checkpoint import (
     optimisation_settings,
     rank_state,
     restore_rank_state,
+    saved_step_batch,
     training_checkpoint,
 )
 from config import (
     TrainConfig,
     config_yaml,
+    effective_batch,
+    effective_batch_line,
     launcher_flags_from_env,
+    optimizer_batch,
     parse_config,
     preset_summary,
     print_config_requested,
@@ -124,10 +128,13 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     pin = dist.device.type == "cuda"
     if cfg.cache_images == "gpu":  # batches are made on the device by the main process
         workers, pin = 0, False
+    # One loader batch is one optimizer step: --accum_steps batches of --batch_size, which the
+    # engine runs as separate forward/backward passes. Loading them together keeps the sample
+    # order and the resume position independent of how a step is split.
     train_loader = make_loader(
         train_set,
         train_sampler,
-        cfg.batch_size,
+        optimizer_batch(cfg),
         train=True,
         num_workers=workers,
         pin_memory=pin,
@@ -149,6 +156,7 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
     return {
         "config": cfg.to_dict(),
         "world_size": dist.world_size,
+        "effective_batch_size": effective_batch(cfg, dist.world_size),
         "device": str(dist.device.type),
         "class_names": class_names,
         "versions": {
@@ -265,16 +273,22 @@ class Trainer:
         self.history.records = list(ckpt.get("history", []))
         self.history.save()
         rank_states = ckpt.get("rank_states") or []
+        # The position within the epoch counts loader batches of one optimizer step each.
+        saved_step = saved_step_batch(ckpt)
         same_layout = (
             len(rank_states) == self.dist.world_size
-            and ckpt.get("config", {}).get("batch_size") == self.cfg.batch_size
+            and saved_step is not None
+            and saved_step[0] * saved_step[1] == optimizer_batch(self.cfg)
         )
         if same_layout:
             self.resumed_sums = restore_rank_state(rank_states[self.dist.rank], self.dist.device)
         elif self.step:
+            per_process = (
+                f"{saved_step[0] * saved_step[1]}" if saved_step else "an unknown number of"
+            )
             log.warning(
                 f"{path} was written by {len(rank_states)} process(es) with "
-                f"batch size {ckpt.get('config', {}).get('batch_size')}; with a different "
+                f"{per_process} images per optimizer step each; with a different "
                 f"layout, epoch {self.epoch + 1} restarts from its first step"
             )
             self.step = 0
@@ -320,6 +334,7 @@ class Trainer:
             model_name=self.cfg.model,
             config=self.cfg.to_dict(),
             world_size=self.dist.world_size,
+            effective_batch_size=effective_batch(self.cfg, self.dist.world_size),
             history=self.history.records,
             rank_states=rank_states,
         )
@@ -328,7 +343,7 @@ class Trainer:
     def run_epoch(self) -> bool:
         """Train and evaluate one epoch; False if a stop signal ended it early."""
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
-        self.sampler.set_epoch(self.epoch, start=self.step * self.cfg.batch_size)
+        self.sampler.set_epoch(self.epoch, start=self.step * optimizer_batch(self.cfg))
         first_step, started = self.step, time.perf_counter()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         train = train_one_epoch(
@@ -363,8 +378,7 @@ class Trainer:
         # Speed counts the steps this process ran, not those restored from a checkpoint.
         images_per_sec = (
             (train["steps"] - first_step)
-            * self.cfg.batch_size
-            * self.dist.world_size
+            * effective_batch(self.cfg, self.dist.world_size)
             / max(train_seconds, 1e-9)
         )
         self.history.append(self.epoch_record(train, val, images_per_sec, started))
@@ -517,6 +531,7 @@ def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
         f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
         f"{trainer.train_loader.num_workers} loader worker(s) per process"
     )
+    log.info(effective_batch_line(cfg, dist.world_size))
     log.info("Config: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
 
 

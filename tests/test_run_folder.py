@@ -25,7 +25,7 @@ from checkpoint import (
     optimisation_settings,
     previous_path,
 )
-from config import parse_config
+from config import TrainConfig, parse_config
 from conftest import SRC, TINY_FLAGS, run_cli
 from errors import UserError
 from run_folder import (
@@ -249,20 +249,7 @@ def test_other_write_errors_keep_their_traceback(tmp_path: Path, monkeypatch):
 
 
 def saved_state(**config) -> dict:
-    base = dict(
-        learning_rate=0.01,
-        lr_scaling="none",
-        scheduler="cosine",
-        warmup_epochs=0.0,
-        step_size=30,
-        gamma=0.1,
-        weight_decay=0.01,
-        momentum=0.9,
-        label_smoothing=0.0,
-        optimizer="adamw",
-        batch_size=8,
-        epochs=2,
-    )
+    base = dict(TrainConfig().to_dict(), learning_rate=0.01, batch_size=8, epochs=2)
     return {"config": {**base, **config}, "rank_states": [{}, {}]}  # written by 2 processes
 
 
@@ -282,7 +269,8 @@ def test_changed_schedule_flags_are_listed(tmp_path: Path):
     # The batch of one optimizer step: 8 x 2 processes; 16 x 1 is the same batch.
     assert changed_settings(state, dict(same, batch_size=16), 1) == []
     assert changed_settings(state, same, 1) == [
-        "batch per optimizer step (--batch_size x processes) 8x2=16 -> 8x1=8"
+        "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
+        "8x1x2=16 -> 8x1x1=8"
     ]
     path = tmp_path / "checkpoint_latest.pth"
     with pytest.raises(
