@@ -201,12 +201,17 @@ def count_predictions(
 
 
 def build_metrics(
-    counts: EvalCounts, class_names: list[str], args: argparse.Namespace, unreadable: int
+    counts: EvalCounts,
+    class_names: list[str],
+    args: argparse.Namespace,
+    unreadable: int,
+    weights: str = "raw",
 ) -> dict[str, Any]:
     images = max(counts.images, 1)
     correct = int(np.trace(counts.confusion))
     return {
         "checkpoint": str(args.checkpoint),
+        "weights": weights,  # "ema" or "raw": which of the checkpoint's weights (--weights)
         "data_dir": str(args.data_dir),
         "images": counts.images,
         "unreadable_images_left_out": unreadable,
@@ -282,7 +287,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> int:
 
 
 def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
-    classifier: Classifier = load_classifier(args.checkpoint, dist.device)
+    classifier: Classifier = load_classifier(args.checkpoint, dist.device, args.weights)
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
     workers = (
@@ -302,12 +307,12 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     log.info(
         f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
-        f"({dist.world_size} process(es) on {dist.device.type})"
+        f"({dist.world_size} process(es) on {dist.device.type}) with {classifier.weights_note}"
     )
     started = time.perf_counter()
     counts = count_predictions(classifier, loader, dist.device, show_progress=dist.is_main)
     evaluated = time.perf_counter()
-    metrics = build_metrics(counts, classifier.class_names, args, unreadable)
+    metrics = build_metrics(counts, classifier.class_names, args, unreadable, classifier.weights)
     written = ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
     log.info(
         f"Timing: evaluation pass {evaluated - started:.2f}s, report "
