@@ -59,15 +59,14 @@ def choose_weights(
             "use --weights raw or auto"
         )
     if requested == "raw":
-        note = "the raw weights (--weights raw)"
-        return "raw", state["model_state_dict"], note
+        return "raw", state["model_state_dict"], "the raw weights (--weights raw)"
     if requested == "ema":
         return "ema", ema, "the EMA weights (--weights ema)"
     if ema is None:
         return "raw", state["model_state_dict"], "the trained weights (the checkpoint has no EMA)"
-    if state.get("best_weights") == "raw":
-        note = "the raw weights (they scored a higher val_acc than the EMA weights; --weights ema"
-        return "raw", state["model_state_dict"], note + " for those)"
+    if state.get("best_weights") == "raw":  # checkpoint_best.pth: the weights that scored best
+        note = "the raw weights (they scored a higher val_acc than the EMA weights; "
+        return "raw", state["model_state_dict"], note + "--weights ema for those)"
     return "ema", ema, "the EMA weights (--weights raw for the trained ones)"
 
 
