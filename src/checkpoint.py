@@ -45,13 +45,22 @@ CHECKPOINT_SCHEMA = {
     "model_state_dict": "the unwrapped model's weights and buffers",
     "state_dict": "the same dict, under the key timm's load_checkpoint / validate.py / "
     "create_model(checkpoint_path=) read (torch.save stores each tensor once)",
+    "model_ema_state_dict": "with --model_ema: the exponential moving average of the weights and "
+    "buffers (src/ema.py), with model_state_dict's keys, so it loads into the same plain model; "
+    "None without EMA",
+    "state_dict_ema": "the same dict, under the key timm's loaders prefer (use_ema=True, their "
+    "default); None without EMA",
+    "ema_updates": "EMA updates done: the position of its warm-up (None without EMA)",
+    "best_weights": "which weights scored the higher val_acc at the last evaluation: 'ema' "
+    "(model_ema_state_dict) or 'raw' (model_state_dict); in checkpoint_best.pth the ones that "
+    "scored best_acc. None before the first evaluation",
     "optimizer_state_dict": "optimizer.state_dict()",
     "scheduler_state_dict": "scheduler.state_dict()",
     "scaler_state_dict": "GradScaler.state_dict(), or None without float16 loss scaling",
     "epoch": "epochs completed",
     "step": "optimizer steps done in the next epoch",
     "micro_batch": "images per forward/backward pass",
-    "best_acc": "the best val_acc so far",
+    "best_acc": "the best val_acc so far (with EMA: of the raw or the EMA weights, the higher)",
     "class_names": "index -> class name, the order of the model's outputs",
     "image_size": "the side of the training crops",
     "mean": "normalisation mean",

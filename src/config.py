@@ -83,6 +83,17 @@ class TrainConfig:
         "recompute activations in backward instead of "
         "keeping them (less memory, slower steps)",
     )
+    model_ema: bool = _opt(
+        False,
+        "keep an exponential moving average (EMA) of the weights and BatchNorm "
+        "statistics, updated after every optimizer step taken; evaluated next to the "
+        "weights every epoch (val_acc_ema, ...) and saved as model_ema_state_dict",
+    )
+    ema_decay: float = _opt(
+        0.999,
+        "the EMA's decay per optimizer step, after a warm-up: update n uses "
+        "min(ema_decay, 1 - n^-0.75), so 0.999 is reached after 10,000 steps",
+    )
     # Optimisation
     epochs: int = _opt(50, "number of epochs")
     batch_size: int = _opt(
@@ -287,7 +298,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "mix_switch_prob",
         "mix_off_epochs",
     ),
-    "model": ("model", "pretrained", "pretrained_path", "compile"),
+    "model": ("model", "pretrained", "pretrained_path", "compile", "model_ema", "ema_decay"),
     "optimisation": (
         "epochs",
         "batch_size",
@@ -566,6 +577,8 @@ def validate(cfg: TrainConfig) -> None:
             f"--freeze_backbone_epochs must be between 0 and --epochs ({cfg.epochs}), "
             f"got {cfg.freeze_backbone_epochs}"
         )
+    if not 0.0 < cfg.ema_decay < 1.0:
+        raise UserError(f"--ema_decay must be in (0, 1), got {cfg.ema_decay}")
     if not 0.0 < cfg.crop_scale_min <= 1.0:
         raise UserError(f"--crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
     for name in ("hflip", "random_erasing", "mix_switch_prob"):

@@ -211,6 +211,7 @@ def build_metrics(
     correct = int(np.trace(counts.confusion))
     return {
         "checkpoint": str(args.checkpoint),
+        "weights": classifier.weights,  # "ema" or "raw": which of the checkpoint's weights (--weights)
         "data_dir": str(args.data_dir),
         # How the images were seen: the metrics depend on both.
         "eval_resize_ratio": classifier.eval_resize_ratio,
@@ -290,7 +291,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> int:
 
 def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     classifier: Classifier = load_classifier(
-        args.checkpoint, dist.device, args.eval_resize_ratio, args.tta
+        args.checkpoint, dist.device, args.weights, args.eval_resize_ratio, args.tta
     )
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
@@ -311,8 +312,8 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     log.info(
         f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
-        f"({dist.world_size} process(es) on {dist.device.type}; resize ratio "
-        f"{classifier.eval_resize_ratio}, test-time augmentation: {classifier.tta})"
+        f"({dist.world_size} process(es) on {dist.device.type}) with {classifier.weights_note}; "
+        f"resize ratio {classifier.eval_resize_ratio}, test-time augmentation: {classifier.tta}"
     )
     started = time.perf_counter()
     counts = count_predictions(classifier, loader, dist.device, show_progress=dist.is_main)

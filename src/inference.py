@@ -3,6 +3,11 @@ preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
 
 A training checkpoint (``checkpoint.CHECKPOINT_SCHEMA``) stores the model name, class names, image size and
 normalisation next to the weights, so no training flag has to be repeated here.
+
+A checkpoint of a run with --model_ema holds two sets of weights, the trained ones ("raw") and
+their moving average ("ema"), and says which scored the higher val_acc (``best_weights``).
+``--weights auto`` takes the EMA weights unless the checkpoint says the raw ones scored higher:
+so on checkpoint_best.pth the tools run the weights behind its best_acc.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Classifier:
     plan: MemoryPlan = field(default_factory=MemoryPlan)
     eval_resize_ratio: float = EVAL_RESIZE_RATIO  # short side resized to image_size / this
     tta: str = "none"  # test-time augmentation: none, or flip (``FlipAveraged``)
+    weights: str = "raw"  # which of the checkpoint's weights: "raw" or "ema"
+    weights_note: str = "the trained weights"  # which, and why, for the tools' output
 
 
 TTA_CHOICES = ("none", "flip")
@@ -66,21 +73,48 @@ class FlipAveraged(nn.Module):
         return views.logsumexp(dim=0) - math.log(2)
 
 
+WEIGHTS_CHOICES = ("auto", "ema", "raw")
+
+
+def choose_weights(
+    state: dict[str, Any], path: Path, requested: str = "auto"
+) -> tuple[str, dict[str, torch.Tensor], str]:
+    """("ema" or "raw", that state dict, a note saying which and why) for ``--weights``."""
+    ema = state.get("model_ema_state_dict")
+    if requested == "ema" and ema is None:
+        raise CheckpointError(
+            f"--weights ema: {path} holds no EMA weights (trained without --model_ema); "
+            "use --weights raw or auto"
+        )
+    if requested == "raw":
+        return "raw", state["model_state_dict"], "the raw weights (--weights raw)"
+    if requested == "ema":
+        return "ema", ema, "the EMA weights (--weights ema)"
+    if ema is None:
+        return "raw", state["model_state_dict"], "the trained weights (the checkpoint has no EMA)"
+    if state.get("best_weights") == "raw":  # checkpoint_best.pth: the weights that scored best
+        note = "the raw weights (they scored a higher val_acc than the EMA weights; "
+        return "raw", state["model_state_dict"], note + "--weights ema for those)"
+    return "ema", ema, "the EMA weights (--weights raw for the trained ones)"
+
+
 def load_classifier(
     path: Path,
     device: torch.device,
+    weights: str = "auto",
     eval_resize_ratio: float | None = None,
     tta: str = "none",
 ) -> Classifier:
-    """The checkpoint's model ready for inference, or one clear error (exit code 2).
-    ``eval_resize_ratio`` None: the one training validated with (0.875 for a checkpoint from
-    before --eval_resize_ratio)."""
+    """The checkpoint's model ready for inference, with the weights ``weights`` picks
+    (``choose_weights``), or one clear error (exit code 2). ``eval_resize_ratio`` None: the one
+    training validated with (0.875 for a checkpoint from before --eval_resize_ratio)."""
     state = load_checkpoint_file(path)  # weights_only=True: a file that runs code is refused
     check_inference_checkpoint(state, path)
     class_names = list(state["class_names"])
     model = build_model(state["model_name"], len(class_names))
+    chosen, state_dict, note = choose_weights(state, path, weights)
     try:
-        model.load_state_dict(strip_wrapper_prefixes(state["model_state_dict"]))
+        model.load_state_dict(strip_wrapper_prefixes(state_dict))
     except RuntimeError as err:
         raise CheckpointError(
             f"the weights in {path} do not fit {state['model_name']} with "
@@ -109,6 +143,8 @@ def load_classifier(
         plan,
         eval_resize_ratio,
         tta,
+        chosen,
+        note,
     )
 
 
@@ -147,6 +183,14 @@ def add_inference_arguments(
         help=f"{batch_size_help} (default: {batch_size})",
     )
     parser.add_argument("--num_workers", type=int, default=None, help=num_workers_help)
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="auto",
+        help="which weights of a checkpoint trained with --model_ema: ema (the moving "
+        "average), raw (the trained ones), or auto: ema unless the checkpoint says the raw "
+        "ones scored a higher val_acc (default: auto)",
+    )
     parser.add_argument(
         "--eval_resize_ratio",
         type=float,

@@ -164,7 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     paths = collect_images(args.inputs)
     device = choose_device(args.device, local_rank=0)
-    classifier = load_classifier(args.checkpoint, device, args.eval_resize_ratio, args.tta)
+    classifier = load_classifier(
+        args.checkpoint, device, args.weights, args.eval_resize_ratio, args.tta
+    )
+    # On stderr: stdout is the table or the JSON.
+    print(f"Predicting with {classifier.weights_note} of {args.checkpoint}", file=sys.stderr)
     # Loader processes only pay for themselves when there is more than one batch to read.
     workers = (
         args.num_workers

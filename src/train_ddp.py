@@ -74,6 +74,7 @@ from distributed import (
     peak_memory_mb,
     setup_distributed,
 )
+from ema import EMA_SUFFIX, ModelEma, better_weights, ema_metrics, epoch_score
 from engine import ProgressBar, StepInfo, call_hooks, configure_backends, evaluate, train_one_epoch
 from errors import UserError, exit_on_user_error
 from history import HistoryWriter
@@ -184,6 +185,8 @@ class Trainer:
         self.model, self.plain_model = self.parts.model, self.parts.plain_model
         self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
         self.precision, self.scaler = self.parts.precision, self.parts.scaler
+        # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
+        self.ema = ModelEma(self.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
         self.plan = build_memory_plan(
             cfg,
@@ -210,8 +213,10 @@ class Trainer:
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
         # Per-step work, each at the loop's hook points (see engine.StepHook); a logger is one
-        # more entry here.
+        # more entry here. The EMA comes first: a checkpoint written at a step (CheckpointAndStop)
+        # must hold the EMA of that step's weights.
         self.hooks: list = [
+            self.ema,
             PositionKeeper(self),
             FaultInjection(dist.rank, self),
             CheckpointAndStop(self),
@@ -248,6 +253,7 @@ class Trainer:
         )
         from_flags = optimisation_settings(self.optimizer, self.scheduler)
         self.plain_model.load_state_dict(ckpt["model_state_dict"])
+        self.ema.resume(ckpt)
         # Param groups laid out otherwise (the flags that choose them changed) are matched by
         # name only under --resume_override.
         restore_optimizer_state(
@@ -317,9 +323,15 @@ class Trainer:
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         weights = self.plain_model.state_dict()
+        ema_weights = self.ema.state_dict()
+        last = self.history.records[-1] if self.history.records else None
         return training_checkpoint(
             model_state_dict=weights,
             state_dict=weights,  # timm's key; the same dict, stored once
+            model_ema_state_dict=ema_weights,
+            state_dict_ema=ema_weights,  # timm's key; the same dict, stored once
+            ema_updates=self.ema.updates if self.ema.enabled else None,
+            best_weights=better_weights(last, self.ema.enabled) if last else None,
             optimizer_state_dict=self.optimizer.state_dict(),
             scheduler_state_dict=self.scheduler.state_dict(),
             scaler_state_dict=self.scaler.state_dict() if self.scaler.is_enabled() else None,
@@ -370,11 +382,16 @@ class Trainer:
             show_progress=self.dist.is_main,
             plan=self.plan,
         )
+        val = {**val, **self.evaluate_ema()}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.plain_model)
+            if self.ema.enabled:
+                check_ranks_in_sync(self.ema.module)
         self.epoch, self.step = self.epoch + 1, 0
-        is_best = val["val_acc"] > self.best_acc
-        self.best_acc = max(self.best_acc, val["val_acc"])
+        # With EMA, the better of the two sets of weights counts; the checkpoint says which.
+        score = epoch_score(val)
+        is_best = score > self.best_acc
+        self.best_acc = max(self.best_acc, score)
         # Speed counts the steps this process ran, not those restored from a checkpoint.
         images_per_sec = (
             (train["steps"] - first_step)
@@ -387,6 +404,24 @@ class Trainer:
         self.log_epoch(is_best)
         return True
 
+    def evaluate_ema(self) -> dict[str, float]:
+        """The EMA weights' val_loss_ema, val_acc_ema, val_top5_ema; nothing without EMA. Every
+        rank must call this."""
+        if not self.ema.enabled:
+            return {}
+        # Rank 0's averaged BatchNorm statistics (the ones saved) on every rank, as for the
+        # model's own (see ModelEma).
+        broadcast_buffers(self.ema.module)
+        val = evaluate(
+            self.ema.module,
+            self.val_loader,
+            self.dist.device,
+            self.precision,
+            show_progress=self.dist.is_main,
+            plan=self.plan,
+        )
+        return ema_metrics(val)
+
     def epoch_record(
         self, train: dict, val: dict, images_per_sec: float, started: float
     ) -> dict[str, Any]:
@@ -397,6 +432,7 @@ class Trainer:
             "val_loss": val["val_loss"],
             "val_acc": val["val_acc"],
             "val_top5": val["val_top5"],
+            **{key: value for key, value in val.items() if key.endswith(EMA_SUFFIX)},
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": time.perf_counter() - started,
             "train_images_per_sec": images_per_sec,
@@ -410,9 +446,19 @@ class Trainer:
             f"epoch {r['epoch']}/{self.cfg.epochs}  train_loss {r['train_loss']:.4f}  "
             f"train_acc {r['train_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
-            f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
-            f"{r['epoch_seconds']:.1f}s" + ("  (best)" if is_best else "")
+            + (
+                f"val_loss_ema {r['val_loss_ema']:.4f}  val_acc_ema {r['val_acc_ema']:.4f}  "
+                f"val_top5_ema {r['val_top5_ema']:.4f}  "
+                if "val_acc_ema" in r
+                else ""
+            )
+            + f"lr {r['lr']:.2e}  {r['train_images_per_sec']:.0f} img/s  "
+            f"{r['epoch_seconds']:.1f}s" + (self.best_note(r) if is_best else "")
         )
+
+    def best_note(self, record: dict[str, Any]) -> str:
+        """Marks a best epoch on its log line; with EMA, says which weights scored it."""
+        return f"  (best: {weights_label(record)} weights)" if self.ema.enabled else "  (best)"
 
     def end_hooks(self, finished: bool) -> None:
         """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
@@ -545,13 +591,26 @@ def log_summary(trainer: Trainer, finished: bool) -> None:
         )
         return
     history = Path(cfg.log_dir) / "training_history.json"
+    # With EMA: which weights of which epoch checkpoint_best.pth holds the score of.
+    best = best_record(trainer.history.records) if trainer.ema.enabled else None
+    which = f" ({weights_label(best)} weights, epoch {best['epoch']})" if best else ""
     log.info(
-        f"Done: best val_acc {trainer.best_acc:.4f}\n"
+        f"Done: best val_acc {trainer.best_acc:.4f}{which}\n"
         f"  best checkpoint:   {trainer.checkpoints.best}\n"
         f"  latest checkpoint: {trainer.checkpoints.latest}\n"
         f"  history:           {history}\n"
         f"  plot the curves:   python src/utils.py --history {history} --output curves.png"
     )
+
+
+def best_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first epoch that scored the best val_acc (raw or EMA): checkpoint_best.pth's."""
+    return max(records, key=epoch_score, default=None)
+
+
+def weights_label(record: dict[str, Any]) -> str:
+    """With EMA, which weights scored an epoch's val_acc, for the log lines."""
+    return "EMA" if better_weights(record, ema_enabled=True) == "ema" else "raw"
 
 
 def prepare_demo_data(cfg: TrainConfig, dist: DistInfo) -> None:

@@ -534,7 +534,9 @@ def test_inference_tools_use_the_training_ratio_unless_told(trained_run, tmp_pat
     old = with_config(trained_run.best, tmp_path / "old.pth", eval_resize_ratio=None)
     assert inference.load_classifier(custom, CPU).eval_resize_ratio == 0.5
     assert inference.load_classifier(custom, CPU).transform.transforms[1].size == [32]
-    assert inference.load_classifier(custom, CPU, 1.0).transform.transforms[1].size == [16]
+    assert inference.load_classifier(custom, CPU, eval_resize_ratio=1.0).transform.transforms[
+        1
+    ].size == [16]
     assert inference.load_classifier(old, CPU).eval_resize_ratio == 0.875
 
 
