@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 
 import train_ddp
 from config import HELP_GROUPS, parse_config
-from conftest import CLASSES, TINY_FLAGS, run_train, user_error_line, write_image_folder
+from conftest import user_error_line
 from data import (
     IMAGENET_MEAN,
     DecodedImageCache,
@@ -32,7 +32,7 @@ from data import (
 from engine import Precision, StepState, train_one_epoch, train_step
 from memory import MemoryPlan
 from mixing import BatchMixer, step_seed
-from test_resume import assert_same_tensors, latest, launch, metrics_without_timings
+from test_resume import assert_same_tensors
 
 HAS_CUDA = torch.cuda.is_available()
 FP32 = Precision(False, torch.float32)
@@ -316,57 +316,8 @@ def test_resume_with_other_mixing_is_refused(trained_run, tmp_path, capsys):
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow
-def test_resume_mid_epoch_with_mixing_and_augmentation_is_exact(tmp_path):
-    """One process killed after step 4 of epoch 1 (checkpoint at step 3), resumed with 2 loader
-    workers instead of 0, every augmentation on and mixing off in epoch 2: the same weights,
-    bitwise, and the same history as the uninterrupted run."""
-    train = write_image_folder(tmp_path / "data" / "train", CLASSES, 16, seed=1)  # 6 steps
-    val = write_image_folder(tmp_path / "data" / "val", CLASSES, 5, seed=2)
-    flags = [
-        "--train_dir",
-        str(train),
-        "--val_dir",
-        str(val),
-        "--deterministic",
-        "--optimizer",
-        "sgd",
-        *TINY_FLAGS,
-        "--epochs",
-        "2",
-        "--save_every_steps",
-        "3",
-        "--auto_augment",
-        "trivialaugment",
-        "--random_erasing",
-        "0.5",
-        "--mixup",
-        "0.4",
-        "--cutmix",
-        "1.0",
-        "--label_smoothing",
-        "0.1",
-        "--mix_off_epochs",
-        "1",
-        "--cache_images",
-        "none",
-    ]
-    (tmp_path / "clean").mkdir()
-    assert run_train(flags, cwd=tmp_path / "clean") == 0
-    killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:4"})
-    assert killed.returncode != 0
-    assert latest(tmp_path / "resumed")["step"] == 3
-    resumed = launch(
-        tmp_path / "resumed", [*flags, "--resume", "auto", "--num_workers", "2"], nproc=1
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "epoch 1, step 3 of 6" in resumed.stdout
-    clean, after = latest(tmp_path / "clean"), latest(tmp_path / "resumed")
-    assert assert_same_tensors(clean["model_state_dict"], after["model_state_dict"], "model")
-    assert_same_tensors(clean["optimizer_state_dict"], after["optimizer_state_dict"], "optim")
-    assert metrics_without_timings(tmp_path / "clean") == metrics_without_timings(
-        tmp_path / "resumed"
-    )
+# Exact resume with every augmentation and mixing on (mixing ending mid-run, 0 then 2 loader
+# workers): tests/test_resume.py::test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact.
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -5,9 +5,6 @@ resume, and the inference tools choosing the EMA or the raw weights."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ import torch
 from torch import nn
 
 from checkpoint import CHECKPOINT_SCHEMA, CheckpointError
-from conftest import ROOT, TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
+from conftest import TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
 from ema import ModelEma, better_weights, ema_decay, epoch_score
 from engine import StepInfo
 from evaluate import main as evaluate_main
@@ -326,60 +323,5 @@ def test_ema_decay_out_of_range_is_one_error_line(ema_run, capsys):
     assert "--ema_decay must be in (0, 1), got 1.0" in line
 
 
-# ----------------------------------------------------------------------------- exact resume
-
-
-def launch(workdir: Path, flags: list, env: dict[str, str] | None = None, nproc: int = 2):
-    workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nproc", str(nproc)]
-        + [str(f) for f in flags],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def without_timings(workdir: Path) -> list[dict]:
-    records = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
-    timings = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
-    return [{k: v for k, v in r.items() if k not in timings} for r in records]
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-@pytest.mark.slow
-def test_sigkill_mid_epoch_then_restart_keeps_the_ema_bitwise(tmp_path):
-    """Two processes with --model_ema (and --check_sync: the replicas' EMAs agree), rank 1
-    SIGKILLed after step 3 of epoch 2, torchrun restarts from the checkpoint of step 2: the
-    weights, their EMA, its update count and every epoch's metrics equal an uninterrupted run's."""
-    classes = ["cat", "dog", "fox"]
-    train = write_image_folder(tmp_path / "data" / "train", classes, 24, seed=1)
-    val = write_image_folder(tmp_path / "data" / "val", classes, 5, seed=2)
-    flags = ["--train_dir", train, "--val_dir", val, "--deterministic", "--optimizer", "sgd"]
-    flags += [*TINY_FLAGS, "--no_tensorboard", "--model_ema", "--check_sync"]
-    flags += ["--epochs", "2", "--save_every_steps", "2"]
-    clean = launch(tmp_path / "clean", flags)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    crashed = launch(
-        tmp_path / "crashed",
-        [*flags, "--max_restarts", "1", "--resume", "auto"],
-        env={"TRAIN_DDP_KILL_AT": "2:3:1"},
-    )
-    assert crashed.returncode == 0, crashed.stderr[-3000:]
-    log0 = (tmp_path / "crashed" / "logs" / "train_rank_0.log").read_text()
-    assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 2 of 4" in log0
-
-    a = load(tmp_path / "clean" / "checkpoints" / "checkpoint_latest.pth")
-    b = load(tmp_path / "crashed" / "checkpoints" / "checkpoint_latest.pth")
-    assert_bitwise_equal(a["model_ema_state_dict"], b["model_ema_state_dict"])
-    assert_bitwise_equal(a["model_state_dict"], b["model_state_dict"])
-    assert a["ema_updates"] == b["ema_updates"] == 8  # 4 steps per epoch, 2 epochs
-    assert without_timings(tmp_path / "clean") == without_timings(tmp_path / "crashed")
-    assert "val_acc_ema" in without_timings(tmp_path / "crashed")[1]
+# The EMA through a SIGKILL and torchrun's restart of 2 processes, bitwise:
+# tests/test_resume.py::test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact.

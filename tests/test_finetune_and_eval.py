@@ -22,9 +22,7 @@ from checkpoint import changed_settings
 from config import TrainConfig
 from conftest import (
     CLASSES,
-    SRC,
     TINY_FLAGS,
-    run_cli,
     run_main,
     run_train,
     user_error_line,
@@ -381,49 +379,8 @@ def test_backbone_is_unchanged_while_frozen_and_trains_after(small_dataset, tmp_
     )
 
 
-@pytest.mark.slow
-def test_resume_inside_the_frozen_epochs_and_across_the_unfreeze_is_exact(small_dataset, tmp_path):
-    train, val = small_dataset
-    flags = small_flags(
-        train,
-        val,
-        "--epochs",
-        "2",
-        "--freeze_backbone_epochs",
-        "1",
-        "--head_lr_scale",
-        "5",
-        "--clip_grad_norm",
-        "0.5",
-        "--save_every_steps",
-        "1",
-    )
-    train_script = SRC / "train_ddp.py"
-    (tmp_path / "clean").mkdir()
-    clean = run_cli([train_script, "--device", "cpu", *flags], cwd=tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr[-2000:]
-    # Killed at epoch 1, step 2: the newest checkpoint is that of step 1, in the frozen epoch.
-    crashed_dir = tmp_path / "crashed"
-    crashed_dir.mkdir()
-    crashed = run_cli(
-        [train_script, "--device", "cpu", *flags],
-        cwd=crashed_dir,
-        env={"TRAIN_DDP_KILL_AT": "1:2"},
-    )
-    assert crashed.returncode != 0
-    assert load(crashed_dir / "checkpoints" / "checkpoint_latest.pth")["step"] == 1
-    resumed = run_cli(
-        [train_script, "--device", "cpu", *flags, "--resume", "auto"], cwd=crashed_dir
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = load(tmp_path / "clean" / "checkpoints" / "checkpoint_latest.pth")
-    b = load(crashed_dir / "checkpoints" / "checkpoint_latest.pth")
-    assert a["epoch"] == b["epoch"] == 2
-    for key in ("model_state_dict", "optimizer_state_dict", "scheduler_state_dict"):
-        assert_same(a[key], b[key], key)
-    assert [g["lr"] for g in b["optimizer_state_dict"]["param_groups"]] == [
-        g["lr"] for g in a["optimizer_state_dict"]["param_groups"]
-    ]
+# Exact resume inside the frozen epochs and across the unfreeze, with --head_lr_scale and
+# --clip_grad_norm: tests/test_resume.py::test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact.
 
 
 def assert_same(a: object, b: object, where: str) -> None:

@@ -98,7 +98,9 @@ def latest(workdir: Path) -> dict:
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset, tmp_path):
     train, val = resume_dataset
+    # --model_ema --check_sync: the replicas' EMAs agree, and the EMA resumes bitwise too.
     flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "2")
+    flags += ["--model_ema", "--check_sync"]
     clean = launch(tmp_path / "clean", flags)
     assert clean.returncode == 0, clean.stderr[-3000:]
 
@@ -119,7 +121,9 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     a, b = latest(tmp_path / "clean"), latest(tmp_path / "crashed")
     compared = assert_same_tensors(a["model_state_dict"], b["model_state_dict"], "model")
     compared += assert_same_tensors(a["optimizer_state_dict"], b["optimizer_state_dict"], "optim")
-    assert compared > 122 and (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
+    compared += assert_same_tensors(a["model_ema_state_dict"], b["model_ema_state_dict"], "ema")
+    assert a["ema_updates"] == b["ema_updates"] == 8  # 4 steps per epoch, 2 epochs
+    assert compared > 2 * 122 and (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
     # Every epoch once, with the same metrics as the uninterrupted run.
     assert metrics_without_timings(tmp_path / "crashed") == metrics_without_timings(
         tmp_path / "clean"
@@ -127,13 +131,28 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     assert [r["epoch"] for r in metrics_without_timings(tmp_path / "crashed")] == [1, 2]
 
 
+# Every flag of the recipe that keeps state or draws random numbers, in one run (each exact
+# resume costs three tiny trainings): per-sample augmentation, per-step mixing that ends after
+# epoch 1, a frozen backbone that thaws at epoch 2, the head's learning-rate scale, clipping,
+# gradient accumulation and the EMA.
+RECIPE_FLAGS = [
+    *("--batch_size", "4", "--accum_steps", "2"),
+    *("--auto_augment", "trivialaugment", "--random_erasing", "0.5"),
+    *("--mixup", "0.4", "--cutmix", "1.0", "--label_smoothing", "0.1", "--mix_off_epochs", "1"),
+    *("--freeze_backbone_epochs", "1", "--head_lr_scale", "5", "--clip_grad_norm", "0.5"),
+    "--model_ema",
+]
+
+
 @pytest.mark.slow
-def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_path):
+def test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact(resume_dataset, tmp_path):
     """One process, killed after step 5 of epoch 1 (checkpoint at step 4), resumed with 2
-    loader workers instead of 0: same weights as the uninterrupted run (run in this process:
-    world size 1 runs the same code with or without torchrun)."""
+    loader workers instead of 0, every recipe flag on: the same weights, optimizer, schedule and
+    EMA, bitwise, and the same history as the uninterrupted run (run in this process: world
+    size 1 runs the same code with or without torchrun)."""
     train, val = resume_dataset
-    flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "4")
+    flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "4", *RECIPE_FLAGS)
+    flags += ["--cache_images", "none"]  # the loader workers augment the files they read
     (tmp_path / "clean").mkdir()
     assert run_train(flags, cwd=tmp_path / "clean") == 0
     killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:5"})
@@ -144,14 +163,19 @@ def test_mid_epoch_resume_with_other_num_workers_is_exact(resume_dataset, tmp_pa
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "epoch 1, step 4 of 9" in resumed.stdout
-    assert_same_tensors(
-        latest(tmp_path / "clean")["model_state_dict"],
-        latest(tmp_path / "resumed")["model_state_dict"],
-        "model",
-    )
-    assert metrics_without_timings(tmp_path / "clean") == metrics_without_timings(
-        tmp_path / "resumed"
-    )
+    a, b = latest(tmp_path / "clean"), latest(tmp_path / "resumed")
+    for key in (
+        "model_state_dict",
+        "model_ema_state_dict",
+        "optimizer_state_dict",
+        "scheduler_state_dict",
+    ):
+        assert_same_tensors(a[key], b[key], key)
+    assert a["ema_updates"] == b["ema_updates"] == 18  # 9 steps per epoch, 2 epochs
+    assert a["effective_batch_size"] == 8
+    history = metrics_without_timings(tmp_path / "resumed")
+    assert metrics_without_timings(tmp_path / "clean") == history
+    assert [r["epoch"] for r in history] == [1, 2] and "val_acc_ema" in history[1]
 
 
 @pytest.mark.slow
