@@ -354,9 +354,9 @@ def selected(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         if unknown:
             raise UserError(f"unknown configuration(s) {unknown}: --list shows the names")
         every = [c for c in every if c[1] in names]
-    elif not args.timm_train:
+    elif not args.timm_train and not args.list:
         every = [c for c in every if c[0] == "launcher"]
-    if any(tool == "timm" for tool, _, _ in every) and not args.timm_train:
+    if any(tool == "timm" for tool, _, _ in every) and not args.timm_train and not args.list:
         raise UserError("timm rows need --timm_train PATH (timm's train.py)")
     return every
 
