@@ -323,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timm_lr", type=float, default=0.001, help="timm's --lr (default: 0.001, the trainer's)"
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated names of the configurations to run"
+        "--only", default="", help="comma-separated names of the configurations to run, in order"
     )
     parser.add_argument(
         "--list", action="store_true", help="print the configurations and their flags, run none"
@@ -353,7 +353,8 @@ def selected(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         unknown = [n for n in names if n not in CONFIGS and n not in TIMM_CONFIGS]
         if unknown:
             raise UserError(f"unknown configuration(s) {unknown}: --list shows the names")
-        every = [c for c in every if c[1] in names]
+        by_name = {name: (tool, name, flags) for tool, name, flags in every}
+        every = [by_name[n] for n in names]  # in the order given
     elif not args.timm_train and not args.list:
         every = [c for c in every if c[0] == "launcher"]
     if any(tool == "timm" for tool, _, _ in every) and not args.timm_train and not args.list:
