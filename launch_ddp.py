@@ -8,11 +8,12 @@
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
 
 Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
-launcher builds and runs the torchrun command (``python -m torch.distributed.run`` with the same
+launcher builds and runs the torchrun command (``torch.distributed.run:main`` with the same
 interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
 SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the run ended: 0 done, 2 bad input,
 130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts as SIGTERM), or the failing rank's
-code.
+code. On the CPU, torchrun forks the workers from its agent, which imported the trainer (torch,
+torchvision, timm) once (``--start_method``).
 
 It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
 pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
