@@ -62,6 +62,7 @@ from lifecycle import (  # noqa: E402
 from preflight import launcher_checks, visible_gpu_count  # noqa: E402
 
 TORCHRUN_LOG = "torchrun.log"
+START_METHODS = ("auto", "fork", "spawn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--start_method",
-        choices=["auto", "fork", "spawn"],
+        choices=START_METHODS,
         default="auto",
         help="how torchrun starts the workers. fork: as copies of its agent, which imports "
         "torch, torchvision, timm and the trainer once (seconds quicker to the first step); "
@@ -170,6 +171,10 @@ def start_method(args: argparse.Namespace, device: str) -> str:
     only imports), which is what forking needs; but CUDA forbids a child to use it once the
     parent initialised it, and that cannot be tested on a machine without a GPU, so CUDA runs
     keep fresh processes unless --start_method fork is given."""
+    if args.start_method not in START_METHODS:  # from a run file: argparse checks flags only
+        raise UserError(
+            f"start_method must be one of {', '.join(START_METHODS)}, got {args.start_method!r}"
+        )
     if args.start_method != "auto":
         return args.start_method
     return "fork" if device == "cpu" else "spawn"

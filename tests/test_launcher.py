@@ -52,6 +52,16 @@ def test_start_method_spawn_and_cuda_commands(capsys, monkeypatch):
     assert "--start-method=fork" in forked and forked[forked.index(script) - 1] == "--run-path"
 
 
+def test_start_method_from_a_run_file_is_checked(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("start_method: spawn\n")
+    spawn = dry_run(capsys, "--device", "cpu", "--config", str(run))
+    assert "--run-path" not in spawn
+    run.write_text("start_method: threads\n")
+    line = user_error_line(launch_ddp.main, ["--device", "cpu", "--config", str(run)], capsys)
+    assert "start_method must be one of auto, fork, spawn" in line and "'threads'" in line
+
+
 def test_multi_node_command(capsys):
     cmd = dry_run(
         capsys,
