@@ -149,9 +149,10 @@ def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
     pids = wait_for_loader_workers(launcher)
     # On the CPU the ranks are forks of torchrun's agent (which imported the trainer once), not
     # fresh "python train_ddp.py" processes: they share its command line.
-    agent = [pid for pid in pids if command_line(pid) and "--preload" in command_line(pid)]
-    ranks = [pid for pid in pids if parent(pid) == agent[0]]
-    assert len(agent) == 1 and len(ranks) == 2, [command_line(pid) for pid in pids]
+    agent = [pid for pid in pids if parent(pid) == launcher.pid]
+    ranks = [pid for pid in pids if agent and parent(pid) == agent[0]]
+    assert len(agent) == 1 and len(ranks) == 2, [(pid, parent(pid)) for pid in pids]
+    assert "--preload train_ddp" in command_line(agent[0])
     assert all(command_line(rank) == command_line(agent[0]) for rank in ranks)
     for pid in [launcher.pid, *pids]:
         os.kill(pid, signal.SIGTERM)
