@@ -8,11 +8,12 @@
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
 
 Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
-launcher builds and runs the torchrun command (``python -m torch.distributed.run`` with the same
+launcher builds and runs the torchrun command (``torch.distributed.run:main`` with the same
 interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
 SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the run ended: 0 done, 2 bad input,
 130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts as SIGTERM), or the failing rank's
-code.
+code. On the CPU, torchrun forks the workers from its agent, which imported the trainer (torch,
+torchvision, timm) once (``--start_method``).
 
 It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
 pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
@@ -61,6 +62,7 @@ from lifecycle import (  # noqa: E402
 from preflight import launcher_checks, visible_gpu_count  # noqa: E402
 
 TORCHRUN_LOG = "torchrun.log"
+START_METHODS = ("auto", "fork", "spawn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="times torchrun restarts the workers after a failure (default: 0)",
     )
+    parser.add_argument(
+        "--start_method",
+        choices=START_METHODS,
+        default="auto",
+        help="how torchrun starts the workers. fork: as copies of its agent, which imports "
+        "torch, torchvision, timm and the trainer once (seconds quicker to the first step); "
+        "spawn: as fresh processes, each importing them again (torchrun's default). "
+        "auto: fork on the CPU, spawn with CUDA (default: auto)",
+    )
     parser.add_argument("--dry_run", action="store_true", help="print the command, run nothing")
     return parser
 
@@ -152,19 +163,42 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
     return device, int(requested)
 
 
+def start_method(args: argparse.Namespace, device: str) -> str:
+    """fork on the CPU; spawn (torchrun's default) with CUDA unless asked otherwise.
+
+    A forked worker starts in a fraction of a second where a spawned one imports torch,
+    torchvision and timm again. The agent never runs a torch operation nor touches CUDA (it
+    only imports), which is what forking needs; but CUDA forbids a child to use it once the
+    parent initialised it, and that cannot be tested on a machine without a GPU, so CUDA runs
+    keep fresh processes unless --start_method fork is given."""
+    if args.start_method not in START_METHODS:  # from a run file: argparse checks flags only
+        raise UserError(
+            f"start_method must be one of {', '.join(START_METHODS)}, got {args.start_method!r}"
+        )
+    if args.start_method != "auto":
+        return args.start_method
+    return "fork" if device == "cpu" else "spawn"
+
+
 def torchrun_command(
     args: argparse.Namespace, device: str, nproc: int, trainer_args: list[str]
 ) -> list[str]:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     port = args.master_port or (29500 if args.nnodes > 1 else free_port())
-    # python -m torch.distributed.run, through src/quick_exit.py: no interpreter teardown at
-    # its end (seconds, after importing torch).
+    # torchrun (torch.distributed.run:main), through src/quick_exit.py: no interpreter teardown
+    # at its end (seconds, after importing torch).
+    if start_method(args, device) == "fork":
+        # The agent imports the trainer (torch, torchvision, timm) once; torchrun forks the
+        # workers from it and runs the script in them with runpy (--run-path). -u: the workers
+        # inherit the agent's streams, unbuffered as torchrun's "python -u" workers are.
+        agent = [sys.executable, "-u", str(QUICK_EXIT), "--preload", TRAIN_SCRIPT.stem]
+        script = ["--start-method=fork", "--run-path", str(TRAIN_SCRIPT)]
+    else:
+        agent, script = [sys.executable, str(QUICK_EXIT)], [str(TRAIN_SCRIPT)]
     command = [
-        sys.executable,
-        str(QUICK_EXIT),
-        "-m",
-        "torch.distributed.run",
+        *agent,
+        "torch.distributed.run:main",  # the torchrun command
         f"--nnodes={args.nnodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
@@ -178,7 +212,7 @@ def torchrun_command(
             f"--node-rank={args.node_rank}",
             f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}",
         ]
-    return command + [str(TRAIN_SCRIPT), "--device", device, *trainer_args]
+    return command + [*script, "--device", device, *trainer_args]
 
 
 def print_help(parser: argparse.ArgumentParser) -> None:
@@ -294,6 +328,7 @@ def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
         "master_port": args.master_port,
         "rdzv_id": args.rdzv_id,
         "max_restarts": args.max_restarts,
+        "start_method": args.start_method if args.start_method != "auto" else None,
     }
     return {k: v for k, v in flags.items() if v is not None}
 

@@ -5,6 +5,8 @@ short run against timm, side by side on this machine.
     python bench/startup.py                          # the digits demo at 32 px, 1 process
     python bench/startup.py --nproc 2
     python bench/startup.py --timm_train ~/pytorch-image-models/train.py
+    python bench/startup.py --timm_train train.py --repeat 3   # medians of 3 rounds (a busy machine)
+    python bench/startup.py --start_method spawn     # the launcher's workers started afresh
 
 Prints:
   * ``python -c "import torch, torchvision, timm"``, measured before and after the runs;
@@ -18,14 +20,23 @@ Prints:
     pytorch-image-models); without it the comparison is against a minimal one-process loop built
     from timm's own data pipeline, optimizer and model, and says so.
 
-The phases come from the timeline the launcher and the ranks write when $TRAIN_DDP_TIMELINE names
-a file (``lifecycle.mark``). Other work on the machine slows every number: compare the ratios.
+The phases come from the timeline the launcher, torchrun's agent and the ranks write when
+$TRAIN_DDP_TIMELINE names a file (``lifecycle.mark``). Other work on the machine slows every
+number: compare the ratios, and on a busy machine take the medians of several rounds
+(``--repeat``; each round measures the import, both launcher starts and timm side by side, in
+fresh folders).
+
+timm's train.py of the pytorch-image-models repository at the time of writing hard-codes a CUDA
+device in two places (its loaders' ``device=torch.device('cuda')``); for the CPU replace both with
+``torch.device('cuda' if torch.cuda.is_available() else 'cpu')``. The device itself goes through
+timm's ``-c`` config file (older train.py versions have no ``--device`` flag).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,8 +51,9 @@ from lifecycle import TIMELINE_ENV  # noqa: E402
 
 START_PHASES = [  # (name, event that ends it); each phase starts where the previous one ended
     ("launcher (python, flags, checks)", "torchrun start"),
-    ("torchrun agent (start, rendezvous)", "worker start"),
-    ("worker imports (torch, torchvision, timm)", "imports done"),
+    ("torchrun agent: python, imports (fork: the trainer's)", "agent imports done"),
+    ("torchrun agent: rendezvous, start the workers", "worker start"),
+    ("worker imports (spawn: torch, torchvision, timm)", "imports done"),
     ("process group", "process group ready"),
     ("data scan + decode check", "data checked"),
     ("image cache (decode into RAM)", "images cached"),
@@ -105,7 +117,13 @@ def import_seconds() -> float:
 
 
 def launcher_run(
-    data: Path, work: Path, nproc: int, epochs: int, batch: int, workers: int | None
+    data: Path,
+    work: Path,
+    nproc: int,
+    epochs: int,
+    batch: int,
+    workers: int | None,
+    start_method: str = "auto",
 ) -> dict[str, float]:
     """One launcher run; returns {event: seconds since the launcher was started}."""
     timeline = work / f"timeline_{time.time_ns()}.txt"
@@ -134,6 +152,8 @@ def launcher_run(
         "--log_interval",
         "50",
         "--overwrite",  # the second start reuses the first one's folders
+        "--start_method",
+        start_method,
     ]
     if workers is not None:
         command += ["--num_workers", str(workers)]
@@ -142,7 +162,7 @@ def launcher_run(
     events = {"launcher exit": elapsed}
     for line in timeline.read_text().splitlines():
         stamp, who, event = line.split(" ", 2)
-        if who in ("launcher", "rank0"):
+        if who in ("launcher", "agent", "rank0"):
             events.setdefault(event, float(stamp) - started)
     return events
 
@@ -165,14 +185,14 @@ def show_start(title: str, events: dict[str, float], imports: float) -> None:
         f"= {first / imports:.2f} x the import time ({imports:.2f} s)"
     )
     for name, seconds in phases(events, START_PHASES, 0.0):
-        print(f"    {name:<44}{seconds:6.2f} s")
+        print(f"    {name:<56}{seconds:6.2f} s")
 
 
 def show_end(events: dict[str, float]) -> None:
     last = events["summary logged"]
     print(f"end: last rank log line -> launcher exit {events['launcher exit'] - last:.2f} s")
     for name, seconds in phases(events, END_PHASES, last):
-        print(f"    {name:<44}{seconds:6.2f} s", flush=True)
+        print(f"    {name:<56}{seconds:6.2f} s", flush=True)
 
 
 def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, float]:
@@ -234,6 +254,38 @@ def timm_run(args: argparse.Namespace, data: Path, work: Path) -> tuple[str, flo
     )
 
 
+def one_round(args: argparse.Namespace, data: Path, work: Path, images: int) -> dict[str, float]:
+    """Import, first start with 3 epochs, timm, second start, import again: side by side."""
+    before = import_seconds()
+    print(f"python -c 'import torch, torchvision, timm': {before:.2f} s", flush=True)
+    runs = (data, work, args.nproc)
+    cold = launcher_run(*runs, args.epochs, args.batch_size, args.num_workers, args.start_method)
+    show_start("first start (decode check from scratch)", cold, before)
+    show_end(cold)
+    timm_name, timm_seconds = timm_run(args, data, work)
+    print(
+        f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
+        f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
+        f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}",
+        flush=True,
+    )
+    warm = launcher_run(*runs, 1, args.batch_size, args.num_workers, args.start_method)
+    after = import_seconds()
+    print(f"python -c 'import torch, torchvision, timm' again: {after:.2f} s", flush=True)
+    imports = (before + after) / 2
+    show_start("second start (decode check remembered)", warm, imports)
+    show_end(warm)
+    return {
+        "import (s)": imports,
+        "first start / import": cold["first step done"] / before,
+        "second start / import": warm["first step done"] / imports,
+        "end, first run (s)": cold["launcher exit"] - cold["summary logged"],
+        "launcher 3 epochs (s)": cold["launcher exit"],
+        "timm 3 epochs (s)": timm_seconds,
+        "launcher / timm": cold["launcher exit"] / timm_seconds,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=1, help="launcher processes (default: 1)")
@@ -246,35 +298,39 @@ def main() -> None:
         help="the launcher run's loader workers (default: the trainer's choice)",
     )
     parser.add_argument(
+        "--start_method",
+        choices=["auto", "fork", "spawn"],
+        default="auto",
+        help="the launcher's --start_method (default: auto)",
+    )
+    parser.add_argument(
         "--timm_train",
         type=Path,
         default=None,
         help="timm's train.py, from a clone of pytorch-image-models",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds, each in fresh folders; prints the medians"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
-        work = Path(tmp)
-        data = work / "digits"
+        data = Path(tmp) / "digits"
         write_demo_dataset(data)
         images = sum(1 for _ in (data / "train").rglob("*.png"))
-        before = import_seconds()
-        print(f"python -c 'import torch, torchvision, timm': {before:.2f} s", flush=True)
-        cold = launcher_run(data, work, args.nproc, args.epochs, args.batch_size, args.num_workers)
-        show_start("first start (decode check from scratch)", cold, before)
-        show_end(cold)
-        timm_name, timm_seconds = timm_run(args, data, work)
-        print(
-            f"{args.epochs} epochs of {images} digits at 32 px, batch {args.batch_size}: "
-            f"launcher ({args.nproc} process(es)) {cold['launcher exit']:.1f} s, "
-            f"{timm_name} {timm_seconds:.1f} s: ratio {cold['launcher exit'] / timm_seconds:.2f}",
-            flush=True,
-        )
-        warm = launcher_run(data, work, args.nproc, 1, args.batch_size, args.num_workers)
-        after = import_seconds()
-        print(f"python -c 'import torch, torchvision, timm' again: {after:.2f} s", flush=True)
-        show_start("second start (decode check remembered)", warm, (before + after) / 2)
-        show_end(warm)
+        rounds = []
+        for number in range(args.repeat):
+            if args.repeat > 1:
+                print(f"--- round {number + 1} of {args.repeat}", flush=True)
+            work = Path(tmp) / f"round{number}"
+            work.mkdir()
+            rounds.append(one_round(args, data, work, images))
+        if args.repeat > 1:
+            print(f"--- medians of {args.repeat} rounds (each value: its rounds in order)")
+            for key in rounds[0]:
+                values = [r[key] for r in rounds]
+                listed = ", ".join(f"{v:.2f}" for v in values)
+                print(f"    {key:<28}{statistics.median(values):7.2f}   ({listed})")
 
 
 if __name__ == "__main__":

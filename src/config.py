@@ -399,6 +399,7 @@ LAUNCHER_KEYS: dict[str, tuple[type, ...]] = {
     "master_port": (int,),
     "rdzv_id": (str,),
     "max_restarts": (int,),
+    "start_method": (str,),
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -37,14 +38,16 @@ PR_SET_PDEATHSIG = 1
 _marked: set[str] = set()
 
 
-def mark(event: str, at: float | None = None, once: bool = False) -> None:
+def mark(event: str, at: float | None = None, once: bool = False, who: str | None = None) -> None:
     """Append "time process event" to the file $TRAIN_DDP_TIMELINE names (bench/startup.py reads
-    it to time each phase of a start and an end); nothing without it."""
+    it to time each phase of a start and an end); nothing without it. The process is ``who``,
+    else the rank, else the launcher."""
     path = os.environ.get(TIMELINE_ENV)
     if not path or (once and event in _marked):
         return
     _marked.add(event)
-    who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "launcher"
+    if who is None:
+        who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "launcher"
     # One short append per line: lines from several processes do not interleave.
     with open(path, "a") as timeline:
         timeline.write(f"{time.time() if at is None else at:.6f} {who} {event}\n")
@@ -183,6 +186,13 @@ def exit_now(code: int) -> None:
     freeing every module) took 1-4 s here, between the run's last line and the end of the
     process, for nothing: checkpoints and history are already written (atomically) and the
     process group is destroyed. Loader workers end with their parent (``die_with_parent``).
+
+    A rank forked by torch elastic (the launcher's ``--start_method fork``) that succeeded exits
+    through ``SystemExit(0)`` instead: torch elastic waits for every rank's return value before
+    it ends the run, and multiprocessing then ends the process without a teardown anyway. Its
+    loader workers are killed first: multiprocessing would wait for them to end, and they ignore
+    the SIGTERM it sends them (``data.quiet_loader_worker``). Any other code is the process's exit
+    code there too, which torch elastic reads.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -190,6 +200,11 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
+    if code == 0 and multiprocessing.parent_process() is not None:
+        for child in multiprocessing.active_children():
+            child.kill()
+            child.join()
+        raise SystemExit(0)
     os._exit(code)
 
 

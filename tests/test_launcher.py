@@ -24,13 +24,42 @@ def dry_run(capsys, *flags: str) -> list[str]:
 
 def test_single_node_cpu_command(capsys):
     cmd = dry_run(capsys, "--device", "cpu", "--nproc", "2", "--epochs", "3", "--use_amp")
-    assert cmd[1:4] == [str(ROOT / "src" / "quick_exit.py"), "-m", "torch.distributed.run"]
+    # On the CPU the workers are forks of an agent that imported the trainer once.
+    quick_exit = str(ROOT / "src" / "quick_exit.py")
+    assert cmd[1:6] == ["-u", quick_exit, "--preload", "train_ddp", "torch.distributed.run:main"]
     assert "--nproc-per-node=2" in cmd and "--nnodes=1" in cmd and "--max-restarts=0" in cmd
     assert "--rdzv-backend=c10d" in cmd
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
     assert endpoint.startswith("--rdzv-endpoint=127.0.0.1:") and int(endpoint.rsplit(":", 1)[1]) > 0
     script = cmd.index(str(ROOT / "src" / "train_ddp.py"))
+    assert cmd[script - 2 : script] == ["--start-method=fork", "--run-path"]
     assert cmd[script + 1 :] == ["--device", "cpu", "--epochs", "3", "--use_amp"]  # passed through
+
+
+def test_start_method_spawn_and_cuda_commands(capsys, monkeypatch):
+    """spawn, asked for or with CUDA: torchrun's own way, the script in fresh processes."""
+    quick_exit = str(ROOT / "src" / "quick_exit.py")
+    script = str(ROOT / "src" / "train_ddp.py")
+    spawn = dry_run(capsys, "--device", "cpu", "--start_method", "spawn")
+    assert spawn[1:3] == [quick_exit, "torch.distributed.run:main"]
+    assert spawn[spawn.index(script) - 1].startswith("--max-restarts=")
+    assert not any(a.startswith("--start-method") or a == "--run-path" for a in spawn)
+
+    monkeypatch.setattr(launch_ddp, "visible_gpu_count", lambda: 1)
+    cuda = dry_run(capsys, "--device", "cuda")
+    assert cuda[1:3] == [quick_exit, "torch.distributed.run:main"] and "--run-path" not in cuda
+    forked = dry_run(capsys, "--device", "cuda", "--start_method", "fork")
+    assert "--start-method=fork" in forked and forked[forked.index(script) - 1] == "--run-path"
+
+
+def test_start_method_from_a_run_file_is_checked(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("start_method: spawn\n")
+    spawn = dry_run(capsys, "--device", "cpu", "--config", str(run))
+    assert "--run-path" not in spawn
+    run.write_text("start_method: threads\n")
+    line = user_error_line(launch_ddp.main, ["--device", "cpu", "--config", str(run)], capsys)
+    assert "start_method must be one of auto, fork, spawn" in line and "'threads'" in line
 
 
 def test_multi_node_command(capsys):

@@ -1,5 +1,6 @@
-"""A quick start: the launcher without torch, GPUs counted without torch, the decode check
-remembered, the shared rule for class folders, and how the launcher reads the ranks' endings."""
+"""A quick start: the launcher without torch, GPUs counted without torch, workers forked from an
+agent that imported the trainer once, the decode check remembered, the shared rule for class
+folders, and how the launcher reads the ranks' endings."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import data
 import launch_ddp
 import lifecycle
 import preflight
-from conftest import ROOT, SRC, write_image_folder
+import quick_exit
+from conftest import ROOT, SRC, TINY_FLAGS, run_cli, write_image_folder
 from errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -103,6 +105,80 @@ def test_visible_gpu_count_without_torch(monkeypatch, listed, installed, expecte
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
     assert preflight.visible_gpu_count() == expected
+
+
+# ----------------------------------------------------------------------------- forked workers
+
+
+def test_quick_exit_calls_an_entry_point_like_its_console_script(tmp_path: Path, monkeypatch):
+    (tmp_path / "entry_points.py").write_text(
+        "import sys\n"
+        "def returns():\n    return len(sys.argv)\n"
+        "def exits():\n    sys.exit(3)\n"
+        "def done():\n    pass\n"
+        "def fails():\n    raise ValueError('a bug')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert quick_exit.run_entry_point(["entry_points:returns", "a", "b"]) == 3  # [module, a, b]
+    assert sys.argv == ["entry_points", "a", "b"]
+    assert quick_exit.run_entry_point(["entry_points:exits"]) == 3
+    assert quick_exit.run_entry_point(["entry_points:done"]) == 0
+    assert quick_exit.run_entry_point(["entry_points:fails"]) == 1
+    assert quick_exit.run_entry_point(["-m", "entry_points"]) == 2  # usage
+    assert quick_exit.run_entry_point(["--preload", "entry_points", "entry_points:done"]) == 0
+    assert "entry_points" in sys.modules
+
+
+def forked_rank_exit_code(code: int) -> int | None:
+    """The exit code of a rank forked by multiprocessing (as torch elastic forks them) that has a
+    loader worker ignoring SIGTERM and calls ``lifecycle.exit_now(code)``; None if it hung."""
+    script = (
+        "import multiprocessing, signal, sys, time\n"
+        f"sys.path.insert(0, {str(SRC)!r})\n"
+        "from lifecycle import die_with_parent, exit_now\n"
+        "def loader_worker():  # as data.quiet_loader_worker makes them\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    die_with_parent(signal.SIGKILL)\n"
+        "    time.sleep(300)\n"
+        "def rank():\n"
+        "    fork = multiprocessing.get_context('fork')\n"
+        "    fork.Process(target=loader_worker, daemon=True).start()\n"
+        f"    exit_now({code})\n"
+        "if __name__ == '__main__':\n"
+        "    process = multiprocessing.get_context('fork').Process(target=rank)\n"
+        "    process.start()\n"
+        "    process.join(30)\n"
+        "    print('EXIT', process.exitcode)\n"
+        "    if process.exitcode is None:\n"
+        "        process.kill()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    line = next(row for row in result.stdout.splitlines() if row.startswith("EXIT"))
+    return None if line.split()[1] == "None" else int(line.split()[1])
+
+
+def test_a_forked_rank_exits_through_multiprocessing_and_takes_its_loader_workers():
+    """Done (0): back to multiprocessing, which hands torch elastic the return value; its loader
+    workers, which ignore multiprocessing's SIGTERM, are killed instead of waited for forever.
+    Any other code: the process's own exit code."""
+    assert forked_rank_exit_code(0) == 0
+    assert forked_rank_exit_code(2) == 2
+
+
+@pytest.mark.slow
+def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
+    """--start_method spawn (the CUDA default): torchrun's own way, fresh worker processes."""
+    train, val = tiny_dataset
+    args = ["--device", "cpu", "--start_method", "spawn", "--epochs", "1", *TINY_FLAGS]
+    result = run_cli(
+        [ROOT / "launch_ddp.py", *args, "--train_dir", train, "--val_dir", val], cwd=tmp_path
+    )
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert "--run-path" not in result.stdout.splitlines()[0]
+    assert "Done: best val_acc" in result.stdout
 
 
 # ----------------------------------------------------------------------------- decode check cache

@@ -83,6 +83,20 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has stopped; only its parent's wait is missing
 
 
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def wait_for_loader_workers(launcher: subprocess.Popen, timeout: float = 30) -> list[int]:
     """The launcher's descendants once the ranks' loader workers run (launcher, torchrun, 2
     ranks, 2 loader workers each: 6 below the launcher)."""
@@ -133,6 +147,13 @@ def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
     launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
     wait_for_file(latest, launcher)
     pids = wait_for_loader_workers(launcher)
+    # On the CPU the ranks are forks of torchrun's agent (which imported the trainer once), not
+    # fresh "python train_ddp.py" processes: they share its command line.
+    agent = [pid for pid in pids if parent(pid) == launcher.pid]
+    ranks = [pid for pid in pids if agent and parent(pid) == agent[0]]
+    assert len(agent) == 1 and len(ranks) == 2, [(pid, parent(pid)) for pid in pids]
+    assert "--preload train_ddp" in command_line(agent[0])
+    assert all(command_line(rank) == command_line(agent[0]) for rank in ranks)
     for pid in [launcher.pid, *pids]:
         os.kill(pid, signal.SIGTERM)
     out, err = launcher.communicate(timeout=120)
