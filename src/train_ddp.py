@@ -373,16 +373,9 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
-        broadcast_buffers(self.plain_model)
-        val = evaluate(
-            self.plain_model,
-            self.val_loader,
-            self.dist.device,
-            self.precision,
-            show_progress=self.dist.is_main,
-            plan=self.plan,
-        )
-        val = {**val, **self.evaluate_ema()}
+        val = self.validate(self.plain_model)
+        if self.ema.enabled:
+            val.update(ema_metrics(self.validate(self.ema.module)))
         if self.cfg.check_sync:
             check_ranks_in_sync(self.plain_model)
             if self.ema.enabled:
@@ -404,23 +397,18 @@ class Trainer:
         self.log_epoch(is_best)
         return True
 
-    def evaluate_ema(self) -> dict[str, float]:
-        """The EMA weights' val_loss_ema, val_acc_ema, val_top5_ema; nothing without EMA. Every
-        rank must call this."""
-        if not self.ema.enabled:
-            return {}
-        # Rank 0's averaged BatchNorm statistics (the ones saved) on every rank, as for the
-        # model's own (see ModelEma).
-        broadcast_buffers(self.ema.module)
-        val = evaluate(
-            self.ema.module,
+    def validate(self, model: torch.nn.Module) -> dict[str, float]:
+        """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
+        BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
+        broadcast_buffers(model)
+        return evaluate(
+            model,
             self.val_loader,
             self.dist.device,
             self.precision,
             show_progress=self.dist.is_main,
             plan=self.plan,
         )
-        return ema_metrics(val)
 
     def epoch_record(
         self, train: dict, val: dict, images_per_sec: float, started: float
