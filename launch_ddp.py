@@ -358,11 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     launcher_checks(cfg, device, world_size=nproc * args.nnodes)
+    return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+
+
+def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     env[LAUNCHER_FLAGS_ENV] = json.dumps(resolved_launcher_flags(args, nproc))
     # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return run_torchrun(command, env, Path(cfg.log_dir))
+    if device == "cpu":
+        # A CPU run on a GPU machine must not touch CUDA: torch's optimizers query the CUDA
+        # stream in every step when a GPU is visible, which failed (CUDA "initialization
+        # error", H100) in workers forked from an agent whose imports had initialised CUDA.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 if __name__ == "__main__":

@@ -156,9 +156,9 @@ def run_reporting(main: Callable[[], int]) -> int:
         line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
-    except BaseException:  # a bug: its traceback, once
+    except BaseException as err:  # a bug: its traceback, once
         code, trace = 1, traceback.format_exc()
-        line = f"error: {trace.strip().splitlines()[-1]}"
+        line = f"error: {bug_line(err)}"
     if folder is None:
         if trace:
             sys.stderr.write(trace)
@@ -170,6 +170,12 @@ def run_reporting(main: Callable[[], int]) -> int:
         write_line(sys.__stderr__, trace or line)
     write_outcome(folder, code, line, trace)
     return code
+
+
+def bug_line(err: BaseException) -> str:
+    """``Type: first line of the message``: CUDA errors append hints after their first line."""
+    first = (traceback.format_exception_only(err)[-1].strip().splitlines() or [""])[0]
+    return first or type(err).__name__
 
 
 def write_line(stream, text: str) -> None:

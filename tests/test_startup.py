@@ -85,6 +85,13 @@ def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
         preflight.launcher_checks(parse_config(flags), "cpu", 2)
 
 
+def test_a_cpu_run_hides_the_gpus_from_its_workers(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    args = launch_ddp.build_parser().parse_args([])
+    assert launch_ddp.torchrun_env(args, "cpu", 2)["CUDA_VISIBLE_DEVICES"] == ""
+    assert launch_ddp.torchrun_env(args, "cuda", 2)["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
 @pytest.mark.parametrize(
     "listed, installed, expected",
     [
@@ -270,6 +277,14 @@ def test_rank_reports_bad_input_bug_and_early_stop(tmp_path: Path):
 
     code, reports, _ = run_rank(tmp_path, "return {}['missing']", rank=0)
     assert code == 1 and "KeyError: 'missing'" in reports[0]["traceback"]
+
+    # CUDA errors end their message with hints; the line is the error's type and first line.
+    code, reports, _ = run_rank(
+        tmp_path, "raise RuntimeError('CUDA error: initialization error\\nCompile with X')"
+    )
+    assert (
+        code == 1 and reports[0]["line"] == "error: RuntimeError: CUDA error: initialization error"
+    )
 
     code, reports, _ = run_rank(
         tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)", rank=2
