@@ -617,6 +617,7 @@ def check_cuda_tests(ctx: Context) -> dict[str, Any]:
         )
     except subprocess.TimeoutExpired:
         raise CheckFailed("pytest ran out of time") from None
+    (ctx.work / "pytest_cuda.txt").write_text(done.stdout + done.stderr)
     summary = (done.stdout.strip().splitlines() or [""])[-1]
     figures = {"summary": summary.strip("= "), "run s": time.monotonic() - started}
     if done.returncode != 0:
@@ -767,6 +768,14 @@ def visible_gpus() -> tuple[int, str]:
     return torch.cuda.device_count(), torch.cuda.get_device_name(0)
 
 
+def print_result(r: Result) -> None:
+    """One line as each check ends (and its first detail line if it did not pass), so a run
+    cut short still shows what it found."""
+    print(f"  {r.status:<5} {r.name} ({r.seconds:.0f}s) {format_figures(r.figures)}", flush=True)
+    if r.status != "pass" and r.detail:
+        print(f"        -> {r.detail.splitlines()[0][:300]}", flush=True)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path, default=ROOT / "bench_results" / "gpu_check.json")
@@ -815,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checks,
             ctx,
             args.jobs,
-            on_result=lambda r: print(f"  {r.status:<5} {r.name} ({r.seconds:.0f}s)", flush=True),
+            on_result=print_result,
         )
     seconds = time.monotonic() - started
     print("\n" + format_table(results) + f"\ntotal {seconds:.0f}s")
