@@ -476,7 +476,7 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
     device = torch.device("cuda", torch.cuda.current_device())
     model = build_model("resnet18", 3).to(device)
     optimizer = make_optimizer(model, "adamw")
-    measure = partial(
+    trial = partial(
         measure_micro_batch,
         model,
         optimizer,
@@ -486,12 +486,18 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
         image_shape=(3, 224, 224),
         num_classes=3,
     )
+    costs = {}  # the trials that ran, by size (a second trial at the cap's edge may not fit)
+
+    def measure(size: int):
+        costs[size] = trial(size)
+        return costs[size]
+
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.5 * GIB / total, device)
     try:
         size = fit_micro_batch(measure, 512, 512, HUGE, device)
-        cost = measure(size)
+        cost = costs[size]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
