@@ -11,10 +11,15 @@ same data with the same seed and epochs, and timm's own train.py with its equiva
 
 Every configuration runs ``python launch_ddp.py --device cpu --nproc 1`` with the common flags
 (``--train_dir``/``--val_dir`` from --data, ``--image_size``, ``--epochs``, ``--seed``) plus its
-own, into ``WORK/<name>/{checkpoints,logs}``, one after the other (never two at once: they would
-share the cores and slow each other). Afterwards the table: best and final validation top-1 of the
-raw weights and, when the run kept an EMA, of the EMA weights (read from each run's
+own, into ``WORK/<name>/{checkpoints,logs}``, one after the other by default (on the CPU two at
+once would share the cores and slow each other). Afterwards the table: best and final validation
+top-1 of the raw weights and, when the run kept an EMA, of the EMA weights (read from each run's
 ``training_history.json``), and the wall time from starting the launcher to its exit.
+
+``--seeds 1,2,3`` trains every configuration once per seed (into ``WORK/<name>/seed_<N>``) and the
+table gives the mean and the standard deviation over the seeds: on a few hundred validation
+images one seed's difference of a point or two is noise. ``--device cuda --jobs 6`` trains on the
+GPU, six runs at a time (small runs leave most of a large GPU idle; wall times are then shared).
 
 A configuration whose flags this checkout's trainer does not know (a feature not merged yet) is
 listed as skipped, with the missing flags, instead of failing the others.
@@ -36,12 +41,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,7 +113,16 @@ CONFIGS: dict[str, list[str]] = {
     "recipe + clip grad 1": [*RECIPE, "--clip_grad_norm", "1.0"],
     "recipe + eval resize 1.0": [*RECIPE, "--eval_resize_ratio", "1.0"],
     "recipe + warmup 1": [*RECIPE, "--warmup_epochs", "1"],
-}
+    "defaults, batch 16": ["--batch_size", "16"],
+    "recipe, batch 16": [*RECIPE, "--batch_size", "16"],
+    "recipe, lr 0.002": [*RECIPE, "--learning_rate", "0.002"],
+    "recipe, lr 0.004 + warmup 1": [*RECIPE, "--learning_rate", "0.004", "--warmup_epochs", "1"],
+    "defaults + files (no cache)": ["--cache_images", "none"],
+    "lr 0.004 + label smoothing": ["--learning_rate", "0.004", "--label_smoothing", "0.1"],
+    "batch 64 + lr 0.004 + label smoothing": [
+        "--batch_size", "64", "--learning_rate", "0.004", "--label_smoothing", "0.1",
+    ],
+}  # fmt: skip
 
 # timm's train.py: the same model, data, image size, batch, epochs, optimizer, schedule (cosine,
 # stepped every update, no warm-up) and 2 loader workers. timm's own defaults that differ from the
@@ -133,6 +150,9 @@ TIMM_RECIPE = [
 TIMM_CONFIGS: dict[str, list[str]] = {
     "timm train.py plain": TIMM_PLAIN,
     "timm train.py recipe": TIMM_RECIPE,
+    "timm train.py lr 0.004 + smoothing": [
+        *_without(TIMM_PLAIN, "--smoothing"), "--smoothing", "0.1", "--lr", "0.004",
+    ],
     "timm train.py recipe + mixup/cutmix": [
         *TIMM_RECIPE, "--mixup", "0.2", "--cutmix", "1.0", "--mixup-off-epoch", "EPOCHS-2",
     ],
@@ -153,6 +173,7 @@ class Row:
     wall_seconds: float | None = None
     val_acc_per_epoch: list[float] = field(default_factory=list)
     val_acc_ema_per_epoch: list[float] = field(default_factory=list)
+    seed: int = 42
 
 
 def trainer_flags() -> set[str]:
@@ -180,18 +201,24 @@ def run_logged(command: list[str], log: Path, env: dict[str, str]) -> tuple[int,
     return code, time.time() - started
 
 
-def run_launcher(name: str, flags: list[str], args: argparse.Namespace, known: set[str]) -> Row:
-    row = Row(name, "launcher", flags)
+def run_folder(args: argparse.Namespace, name: str, seed: int) -> Path:
+    return args.work / slug(name) / (f"seed_{seed}" if len(args.seeds) > 1 else "")
+
+
+def run_launcher(
+    name: str, flags: list[str], args: argparse.Namespace, known: set[str], seed: int
+) -> Row:
+    row = Row(name, "launcher", flags, seed=seed)
     missing = sorted({f for f in flags if f.startswith("--")} - known)
     if missing:
         row.status = f"skipped: not on this branch: {' '.join(missing)}"
         return row
-    folder = args.work / slug(name)
+    folder = run_folder(args, name, seed)
     common = [
-        "--device", "cpu", "--nproc", "1",
+        "--device", args.device, "--nproc", "1",
         "--train_dir", str(args.data / "train"), "--val_dir", str(args.data / "val"),
         "--image_size", str(args.image_size), "--epochs", str(args.epochs),
-        "--seed", str(args.seed), "--log_interval", "50", "--no_tensorboard",
+        "--seed", str(seed), "--log_interval", "50", "--no_tensorboard",
         "--checkpoint_dir", str(folder / "checkpoints"), "--log_dir", str(folder / "logs"),
         "--overwrite",
     ]  # fmt: skip
@@ -231,19 +258,19 @@ def timm_script(args: argparse.Namespace) -> tuple[Path, str]:
     return patched, f"{text.count(cuda_default)} x {cuda_default!r} -> cuda if available else cpu"
 
 
-def run_timm(name: str, flags: list[str], args: argparse.Namespace, script: Path) -> Row:
-    row = Row(name, "timm", flags)
-    folder = args.work / slug(name)
+def run_timm(name: str, flags: list[str], args: argparse.Namespace, script: Path, seed: int) -> Row:
+    row = Row(name, "timm", flags, seed=seed)
+    folder = run_folder(args, name, seed)
     folder.mkdir(parents=True, exist_ok=True)
     device_file = folder / "timm_device.yaml"
-    device_file.write_text("device: cpu\n")  # older train.py versions have no --device flag
+    device_file.write_text(f"device: {args.device}\n")  # older train.py has no --device flag
     classes = sum(1 for p in (args.data / "train").iterdir() if p.is_dir())
     command = [
         *taskset(args.cpus), sys.executable, str(script), "-c", str(device_file),
         "--data-dir", str(args.data), "--train-split", "train", "--val-split", "val",
         "--num-classes", str(classes), "--img-size", str(args.image_size),
         "-b", str(args.batch_size or 32), "--lr", str(args.timm_lr),
-        "--epochs", str(args.epochs), "--seed", str(args.seed),
+        "--epochs", str(args.epochs), "--seed", str(seed),
         "--output", str(folder), "--experiment", "run",
         *(str(args.epochs - 2) if f == "EPOCHS-2" else f for f in flags),
     ]  # fmt: skip
@@ -286,25 +313,56 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
+def mean_std(values: list[float | None]) -> str:
+    """``mean`` in %, and ``±std`` over the seeds when there are several."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    mean = sum(known) / len(known)
+    if len(known) == 1:
+        return f"{100 * mean:.1f}"
+    std = math.sqrt(sum((v - mean) ** 2 for v in known) / (len(known) - 1))
+    return f"{100 * mean:.1f}±{100 * std:.1f}"
+
+
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    seeds = ",".join(map(str, args.seeds))
     print(
-        f"\n{args.data.name}: {args.epochs} epochs at {args.image_size} px, seed {args.seed}"
-        + (f", extra flags {shlex.join(args.extra)}" if args.extra else "")
+        f"\n{args.data.name}: {args.epochs} epochs at {args.image_size} px on {args.device}, "
+        f"seed(s) {seeds}" + (f", extra flags {shlex.join(args.extra)}" if args.extra else "")
     )
-    header = f"{'name':<38}{'best':>7}{'final':>7}{'best EMA':>10}{'final EMA':>11}{'wall':>9}"
+    width = 12 if len(args.seeds) > 1 else 7
+    header = (
+        f"{'name':<38}{'best':>{width}}{'final':>{width}}{'best EMA':>{width + 3}}"
+        f"{'final EMA':>{width + 4}}{'wall':>9}"
+    )
     print(header + "  flags")
     print("-" * len(header))
+    by_name: dict[str, list[Row]] = {}
     for row in rows:
-        wall = "-" if row.wall_seconds is None else f"{row.wall_seconds / 60:.1f} min"
+        by_name.setdefault(row.name, []).append(row)
+    for name, runs in by_name.items():
+        done = [r for r in runs if r.status == "ok"] or runs
+        walls = [r.wall_seconds for r in done if r.wall_seconds is not None]
+        wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "-"
+        first = runs[0]
         line = (
-            f"{row.name:<38}{percent(row.best_val_acc):>7}{percent(row.final_val_acc):>7}"
-            f"{percent(row.best_val_acc_ema):>10}{percent(row.final_val_acc_ema):>11}{wall:>9}"
-            f"  {shlex.join(row.flags) if row.tool == 'launcher' else '(timm flags in JSON)'}"
+            f"{name:<38}{mean_std([r.best_val_acc for r in done]):>{width}}"
+            f"{mean_std([r.final_val_acc for r in done]):>{width}}"
+            f"{mean_std([r.best_val_acc_ema for r in done]):>{width + 3}}"
+            f"{mean_std([r.final_val_acc_ema for r in done]):>{width + 4}}{wall:>9}"
+            f"  {shlex.join(first.flags) if first.tool == 'launcher' else '(timm flags in JSON)'}"
         )
         print(line)
-        if row.status != "ok":
-            print(f"{'':<4}{row.status}")
-    print("(validation top-1 in %; EMA columns only for runs that kept an EMA)", flush=True)
+        for r in runs:
+            if r.status != "ok":
+                print(f"{'':<4}seed {r.seed}: {r.status}")
+    print(
+        "(validation top-1 in %"
+        + (f", mean±std over {len(args.seeds)} seeds" if len(args.seeds) > 1 else "")
+        + "; EMA columns only for runs that kept an EMA; wall: per run)",
+        flush=True,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -314,7 +372,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, help="folder with train/ and val/ (natural_data.py)")
     parser.add_argument("--epochs", type=int, default=15, help="default: 15")
     parser.add_argument("--image_size", type=int, default=64, help="default: 64")
-    parser.add_argument("--seed", type=int, default=42, help="default: 42 (the trainer's)")
+    parser.add_argument(
+        "--seeds",
+        default="42",
+        help="comma-separated seeds: every configuration once per seed (default: 42, the "
+        "trainer's)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time (default: 1; more on a GPU only)"
+    )
     parser.add_argument(
         "--batch_size",
         type=int,
@@ -341,6 +408,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus", help="run every training under taskset -c CPUS (e.g. 0)")
     args = parser.parse_args(argv)
     args.extra = shlex.split(args.extra)
+    try:
+        args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        parser.error(f"--seeds: comma-separated whole numbers, got {args.seeds!r}")
+    if not args.seeds or args.jobs < 1:
+        parser.error("--seeds needs at least one seed and --jobs at least 1")
     if args.batch_size:
         args.extra = ["--batch_size", str(args.batch_size), *args.extra]
     return args
@@ -381,22 +454,31 @@ def main(argv: list[str] | None = None) -> None:
     args.data, args.work = args.data.resolve(), args.work.resolve()
     known = trainer_flags()
     script, patch = timm_script(args) if args.timm_train else (None, "none")
+    runs = [(tool, name, flags, seed) for tool, name, flags in configs for seed in args.seeds]
     rows: list[Row] = []
-    for tool, name, flags in configs:
-        print(f"[{len(rows) + 1}/{len(configs)}] {name}", flush=True)
+    lock = threading.Lock()
+
+    def one(run: tuple[str, str, list[str], int]) -> Row:
+        tool, name, flags, seed = run
         if tool == "launcher":
-            row = run_launcher(name, flags, args, known)
+            row = run_launcher(name, flags, args, known, seed)
         else:
-            row = run_timm(name, flags, args, script)
-        rows.append(row)
-        print(
-            f"  {row.status}; best {percent(row.best_val_acc)}, EMA "
-            f"{percent(row.best_val_acc_ema)}, {row.wall_seconds or 0:.0f} s",
-            flush=True,
-        )
-        if args.output:  # after every run: a long benchmark that stops keeps what it measured
-            write_json(args, rows, patch)
-    print_table(rows, args)
+            row = run_timm(name, flags, args, script, seed)
+        with lock:
+            rows.append(row)
+            print(
+                f"[{len(rows)}/{len(runs)}] {name}, seed {seed}: {row.status}; best "
+                f"{percent(row.best_val_acc)}, EMA {percent(row.best_val_acc_ema)}, "
+                f"{row.wall_seconds or 0:.0f} s",
+                flush=True,
+            )
+            if args.output:  # after every run: a long benchmark that stops keeps what it measured
+                write_json(args, rows, patch)
+        return row
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = list(pool.map(one, runs))  # in the order of the runs, for the table
+    print_table(done, args)
 
 
 def write_json(args: argparse.Namespace, rows: list[Row], patch: str) -> None:
@@ -404,7 +486,9 @@ def write_json(args: argparse.Namespace, rows: list[Row], patch: str) -> None:
         "data": str(args.data),
         "epochs": args.epochs,
         "image_size": args.image_size,
-        "seed": args.seed,
+        "seeds": args.seeds,
+        "device": args.device,
+        "jobs": args.jobs,
         "extra_flags": args.extra,
         "cpus": args.cpus,
         "load_average_at_end": os.getloadavg(),
