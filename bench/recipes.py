@@ -90,17 +90,17 @@ def _without(flags: list[str], *names: str) -> list[str]:
 CONFIGS: dict[str, list[str]] = {
     "defaults": [],
     "defaults + label smoothing": ["--label_smoothing", "0.1"],
-    "defaults, lr 0.002": ["--learning_rate", "0.002"],
-    "defaults, lr 0.004": ["--learning_rate", "0.004"],
-    "defaults, wd 0.05": ["--weight_decay", "0.05"],
-    "defaults, batch 64 lr 0.002": ["--batch_size", "64", "--learning_rate", "0.002"],
+    "defaults + lr 0.002": ["--learning_rate", "0.002"],
+    "defaults + lr 0.004": ["--learning_rate", "0.004"],
+    "defaults + wd 0.05": ["--weight_decay", "0.05"],
+    "defaults + batch 64 + lr 0.002": ["--batch_size", "64", "--learning_rate", "0.002"],
     "recipe": RECIPE,
     "recipe - trivialaugment": _without(RECIPE, "--auto_augment"),
     "recipe - random erasing": _without(RECIPE, "--random_erasing"),
     "recipe - label smoothing": _without(RECIPE, "--label_smoothing"),
     "recipe - ema": _without(RECIPE, "--model_ema", "--ema_decay"),
     "recipe - no wd on norm": [*RECIPE, "--decay_norm_and_bias"],
-    "recipe, randaugment": [*_without(RECIPE, "--auto_augment"), "--auto_augment", "randaugment"],
+    "recipe with randaugment": [*_without(RECIPE, "--auto_augment"), "--auto_augment", "randaugment"],
     "recipe + mixup/cutmix": [
         *RECIPE,
         "--mixup",
@@ -113,10 +113,10 @@ CONFIGS: dict[str, list[str]] = {
     "recipe + clip grad 1": [*RECIPE, "--clip_grad_norm", "1.0"],
     "recipe + eval resize 1.0": [*RECIPE, "--eval_resize_ratio", "1.0"],
     "recipe + warmup 1": [*RECIPE, "--warmup_epochs", "1"],
-    "defaults, batch 16": ["--batch_size", "16"],
-    "recipe, batch 16": [*RECIPE, "--batch_size", "16"],
-    "recipe, lr 0.002": [*RECIPE, "--learning_rate", "0.002"],
-    "recipe, lr 0.004 + warmup 1": [*RECIPE, "--learning_rate", "0.004", "--warmup_epochs", "1"],
+    "defaults + batch 16": ["--batch_size", "16"],
+    "recipe + batch 16": [*RECIPE, "--batch_size", "16"],
+    "recipe + lr 0.002": [*RECIPE, "--learning_rate", "0.002"],
+    "recipe + lr 0.004 + warmup 1": [*RECIPE, "--learning_rate", "0.004", "--warmup_epochs", "1"],
     "defaults + files (no cache)": ["--cache_images", "none"],
     "lr 0.004 + label smoothing": ["--learning_rate", "0.004", "--label_smoothing", "0.1"],
     "batch 64 + lr 0.004 + label smoothing": [
@@ -147,6 +147,26 @@ TIMM_RECIPE = [
     "--aa", "rand-m9-mstd0.5-inc1-mmax9", "--reprob", "0.25", "--smoothing", "0.1",
     "--model-ema", "--model-ema-decay", "0.99",
 ]  # fmt: skip
+# Fine-tuning from a checkpoint given with --pretrained_path (PRETRAINED below), next to training
+# from scratch on the same data. Offline there are no ImageNet weights: bench/finetune.sh
+# pretrains on some classes of the photo set and fine-tunes on the others.
+FINETUNE = [
+    "--pretrained_path", "PRETRAINED", "--learning_rate", "0.0005", "--warmup_epochs", "1",
+    "--head_lr_scale", "10", "--freeze_backbone_epochs", "1",
+]  # fmt: skip
+FINETUNE_CONFIGS: dict[str, list[str]] = {
+    "fine-tune plain": ["--pretrained_path", "PRETRAINED", "--learning_rate", "0.0005"],
+    "fine-tune recipe": FINETUNE,
+    "fine-tune recipe + label smoothing": [*FINETUNE, "--label_smoothing", "0.1"],
+    "fine-tune recipe - freeze": _without(FINETUNE, "--freeze_backbone_epochs"),
+    "fine-tune recipe - head lr": _without(FINETUNE, "--head_lr_scale"),
+    "fine-tune recipe + lr 0.001": [
+        *_without(FINETUNE, "--learning_rate"),
+        "--learning_rate",
+        "0.001",
+    ],
+}
+
 TIMM_CONFIGS: dict[str, list[str]] = {
     "timm train.py plain": TIMM_PLAIN,
     "timm train.py recipe": TIMM_RECIPE,
@@ -223,7 +243,10 @@ def run_launcher(
         "--overwrite",
     ]  # fmt: skip
     command = [*taskset(args.cpus), sys.executable, str(ROOT / "launch_ddp.py"), *common]
-    command += [*args.extra, *flags]
+    command += [
+        *args.extra,
+        *(str(args.pretrained_path) if f == "PRETRAINED" else f for f in flags),
+    ]
     code, row.wall_seconds = run_logged(command, folder / "console.log", dict(os.environ))
     history = folder / "logs" / "training_history.json"
     if history.is_file():
@@ -402,6 +425,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timm_train", type=Path, help="timm's train.py: adds its rows")
     parser.add_argument(
+        "--pretrained_path",
+        type=Path,
+        help="a checkpoint to fine-tune from: runs the fine-tuning rows instead of the others "
+        "(with --only, the rows named)",
+    )
+    parser.add_argument(
         "--work", type=Path, default=Path("bench_results/recipes"), help="run folders"
     )
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
@@ -422,18 +451,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def selected(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     """(tool, name, flags) for every configuration to run, in order."""
     every = [("launcher", n, f) for n, f in CONFIGS.items()]
+    every += [("launcher", n, f) for n, f in FINETUNE_CONFIGS.items()]
     every += [("timm", n, f) for n, f in TIMM_CONFIGS.items()]
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in names if n not in CONFIGS and n not in TIMM_CONFIGS]
+        known = {*CONFIGS, *FINETUNE_CONFIGS, *TIMM_CONFIGS}
+        unknown = [n for n in names if n not in known]
         if unknown:
             raise UserError(f"unknown configuration(s) {unknown}: --list shows the names")
         by_name = {name: (tool, name, flags) for tool, name, flags in every}
         every = [by_name[n] for n in names]  # in the order given
-    elif not args.timm_train and not args.list:
-        every = [c for c in every if c[0] == "launcher"]
+    elif not args.list:
+        every = [c for c in every if c[0] == "launcher" or args.timm_train]
+        every = [c for c in every if (c[1] in FINETUNE_CONFIGS) == bool(args.pretrained_path)]
     if any(tool == "timm" for tool, _, _ in every) and not args.timm_train and not args.list:
         raise UserError("timm rows need --timm_train PATH (timm's train.py)")
+    finetune = any(name in FINETUNE_CONFIGS for _, name, _ in every)
+    if finetune and not args.pretrained_path and not args.list:
+        raise UserError("fine-tuning rows need --pretrained_path FILE (a checkpoint)")
     return every
 
 
