@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from errors import UserError
-from run_folder import BEST_NAME, LATEST_NAME, atomic_write
+from run_folder import BEST_NAME, LATEST_NAME, atomic_link, atomic_write
 
 log = logging.getLogger(f"trainer.{__name__}")  # under the project logger
 
@@ -425,7 +425,9 @@ class CheckpointWriter:
             for old in (self.best, previous_path(self.latest)):
                 old.unlink(missing_ok=True)
             self.replace_previous_run = False
-        if is_best:
+        # The best checkpoint is the latest one, a second name of its file (0.3 s of writing
+        # ResNet18's 134 MB saved per best epoch); a copy where hard links are not supported.
+        if is_best and not atomic_link(self.latest, self.best):
             atomic_save(state, self.best)
 
 

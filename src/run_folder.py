@@ -282,6 +282,22 @@ def atomic_write(
     _fsync_dir(path.parent)
 
 
+def atomic_link(source: Path, path: Path) -> bool:
+    """Make ``path`` a second name (a hard link) of ``source``'s file, replacing ``path``
+    atomically; False where the file system has no hard links. Only for files that are never
+    modified in place, only replaced (``atomic_write``): replacing one name then leaves the
+    other on the old content."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return True
+
+
 def _fsync_dir(folder: Path) -> None:
     """Make the renames themselves durable."""
     fd = os.open(folder, os.O_RDONLY)

@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import history
+import run_folder
 from checkpoint import (
     CheckpointWriter,
     apply_optimisation_settings,
@@ -178,6 +179,25 @@ def test_overwrite_removes_the_earlier_run_at_its_first_save_not_before(tmp_path
     writer.save({"epoch": torch.tensor(2)}, is_best=True)  # then the usual policy
     assert torch.load(previous_path(writer.latest), weights_only=True)["epoch"] == 1
     assert torch.load(writer.best, weights_only=True)["epoch"] == 2
+
+
+def test_best_is_a_second_name_of_latest_until_latest_is_replaced(tmp_path: Path, monkeypatch):
+    writer = CheckpointWriter(tmp_path, enabled=True)
+    writer.save({"epoch": torch.tensor(1)}, is_best=True)
+    assert writer.best.samefile(writer.latest)  # written once, not serialized twice
+    writer.save({"epoch": torch.tensor(2)}, is_best=False)
+    assert torch.load(writer.best, weights_only=True)["epoch"] == 1
+    assert torch.load(writer.latest, weights_only=True)["epoch"] == 2
+    assert torch.load(previous_path(writer.latest), weights_only=True)["epoch"] == 1
+
+    def no_links(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(run_folder.os, "link", no_links)  # a file system without hard links
+    writer.save({"epoch": torch.tensor(3)}, is_best=True)
+    assert not writer.best.samefile(writer.latest)
+    assert torch.load(writer.best, weights_only=True)["epoch"] == 3
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 # ----------------------------------------------------------------------------- a full disk
