@@ -296,6 +296,7 @@ def run_timm(name: str, flags: list[str], args: argparse.Namespace, script: Path
         "--epochs", str(args.epochs), "--seed", str(seed),
         "--output", str(folder), "--experiment", "run",
         *(str(args.epochs - 2) if f == "EPOCHS-2" else f for f in flags),
+        *args.timm_extra,  # last: they override the row's own flags
     ]  # fmt: skip
     env = dict(os.environ)
     if args.cpus:  # the trainer sets one thread per core it may use; timm leaves it to torch
@@ -423,6 +424,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--extra", default="", help="flags added to every launcher run, as one quoted string"
     )
+    parser.add_argument(
+        "--timm_extra",
+        default="",
+        help="flags added to every timm run, after its row's own (e.g. the counterparts of a "
+        "preset given with --extra), as one quoted string",
+    )
     parser.add_argument("--timm_train", type=Path, help="timm's train.py: adds its rows")
     parser.add_argument(
         "--pretrained_path",
@@ -437,6 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus", help="run every training under taskset -c CPUS (e.g. 0)")
     args = parser.parse_args(argv)
     args.extra = shlex.split(args.extra)
+    args.timm_extra = shlex.split(args.timm_extra)
     try:
         args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
     except ValueError:
@@ -525,6 +533,7 @@ def write_json(args: argparse.Namespace, rows: list[Row], patch: str) -> None:
         "device": args.device,
         "jobs": args.jobs,
         "extra_flags": args.extra,
+        "timm_extra_flags": args.timm_extra,
         "cpus": args.cpus,
         "load_average_at_end": os.getloadavg(),
         "timm_train": str(args.timm_train) if args.timm_train else None,
