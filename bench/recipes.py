@@ -9,7 +9,7 @@ same data with the same seed and epochs, and timm's own train.py with its equiva
     python bench/recipes.py --data data/photos --output recipes.json \\
         --timm_train /tmp/timm/train.py                                # + timm's train.py rows
 
-Every configuration runs ``python launch_ddp.py --device cpu --nproc 1`` with the common flags
+Every configuration runs ``python launch_ddp.py --device DEVICE --nproc 1`` with the common flags
 (``--train_dir``/``--val_dir`` from --data, ``--image_size``, ``--epochs``, ``--seed``) plus its
 own, into ``WORK/<name>/{checkpoints,logs}``, one after the other by default (on the CPU two at
 once would share the cores and slow each other). Afterwards the table: best and final validation
@@ -446,7 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.extra = shlex.split(args.extra)
     args.timm_extra = shlex.split(args.timm_extra)
     try:
-        args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+        args.seeds = list(dict.fromkeys(seeds))  # once each: a seed's runs share a folder
     except ValueError:
         parser.error(f"--seeds: comma-separated whole numbers, got {args.seeds!r}")
     if not args.seeds or args.jobs < 1:
@@ -462,7 +463,7 @@ def selected(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     every += [("launcher", n, f) for n, f in FINETUNE_CONFIGS.items()]
     every += [("timm", n, f) for n, f in TIMM_CONFIGS.items()]
     if args.only:
-        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        names = list(dict.fromkeys(n.strip() for n in args.only.split(",") if n.strip()))
         known = {*CONFIGS, *FINETUNE_CONFIGS, *TIMM_CONFIGS}
         unknown = [n for n in names if n not in known]
         if unknown:

@@ -173,9 +173,17 @@ def run_reporting(main: Callable[[], int]) -> int:
 
 
 def bug_line(err: BaseException) -> str:
-    """``Type: first line of the message``: CUDA errors append hints after their first line."""
-    first = (traceback.format_exception_only(err)[-1].strip().splitlines() or [""])[0]
-    return first or type(err).__name__
+    """``Type: first line of the message`` (CUDA errors append hints after their first line).
+    An error that torch re-raises from a DataLoader worker ("Caught KeyError in DataLoader
+    worker process 0. Original Traceback ...") gives the original's own last line instead."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if "Original Traceback (most recent call last):" in lines:
+        return lines[-1]
+    kind = type(err)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    return f"{name}: {lines[0]}" if lines else name
 
 
 def write_line(stream, text: str) -> None:

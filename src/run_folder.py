@@ -291,9 +291,10 @@ def atomic_link(source: Path, path: Path) -> bool:
     tmp.unlink(missing_ok=True)
     try:
         os.link(source, tmp)
+        os.replace(tmp, path)
     except OSError:
+        tmp.unlink(missing_ok=True)
         return False
-    os.replace(tmp, path)
     _fsync_dir(path.parent)
     return True
 

@@ -407,6 +407,7 @@ def as_old_checkpoint(path: Path) -> None:
     del state["config"]["freeze_backbone_epochs"], state["config"]["eval_resize_ratio"]
     for group in state["optimizer_state_dict"]["param_groups"]:
         del group["param_names"], group["part"]
+    path.unlink()  # a new file: checkpoint_best.pth may be another name of this one (a hard link)
     torch.save(state, path)
 
 
@@ -433,6 +434,7 @@ def test_old_single_group_checkpoint_resumes_or_says_which_flag(small_dataset, t
     assert run_train([*resume, "--decay_norm_and_bias"], cwd=tmp_path) == 0
     assert len(load(latest)["optimizer_state_dict"]["param_groups"]) == 1
 
+    latest.unlink()  # replaced, not rewritten in place: the best checkpoint may share its file
     latest.write_bytes(old)
     assert run_train([*resume, "--resume_override"], cwd=tmp_path) == 0
     groups = load(latest)["optimizer_state_dict"]["param_groups"]

@@ -115,7 +115,7 @@ def test_resume_runs_with_this_runs_flags_and_parameter_layout(name, tmp_path):
     for which in ("clean", "other"):
         model = conv_model(seed=1)
         model.load_state_dict(ckpt["weights"])
-        optimizer = make_optimizer(model, name)  # this run: fused=None, as on the CPU
+        optimizer = make_optimizer(model, name)  # this run: fused=None (foreach kernels)
         restore_optimizer_state(optimizer, ckpt[which])
         assert all(group["fused"] is None for group in optimizer.param_groups)
         for param in model.parameters():

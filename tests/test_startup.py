@@ -292,6 +292,19 @@ def test_rank_reports_bad_input_bug_and_early_stop(tmp_path: Path):
     assert code == 143 and "before training started" in reports[0]["line"]
 
 
+def test_the_line_of_a_bug_raised_in_a_loader_worker_is_the_original_error():
+    from torch.utils.data._utils import ExceptionWrapper
+
+    try:
+        {}["zebra"]
+    except KeyError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(KeyError) as raised:
+        wrapped.reraise()  # as the DataLoader re-raises it in the training process
+    assert "Caught KeyError" in str(raised.value)
+    assert lifecycle.bug_line(raised.value) == "KeyError: 'zebra'"
+
+
 def outcome(rank: int, code: int, at: float, line: str = "", trace: str = "") -> dict:
     return {"rank": rank, "attempt": 0, "code": code, "line": line, "traceback": trace, "time": at}
 
