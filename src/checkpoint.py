@@ -246,6 +246,7 @@ SCHEDULE_FLAGS = (
     "cutmix",
     "mix_switch_prob",
     "mix_off_epochs",
+    "ema_decay",
 )
 # What a checkpoint written before a flag existed ran with: its config lacks the key.
 VALUES_BEFORE_FLAG = {
@@ -298,6 +299,8 @@ def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: 
             c.get("mixup", 0) > 0 or c.get("cutmix", 0) > 0 for c in (saved, config)
         ):
             continue  # no mixing to turn off
+        if flag == "ema_decay" and not (saved.get("model_ema") and config.get("model_ema")):
+            continue  # an average only one of the runs keeps (or neither)
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
     processes, step = saved_world_size(state), saved_step_batch(state)
     if step and processes:

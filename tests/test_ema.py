@@ -325,3 +325,16 @@ def test_ema_decay_out_of_range_is_one_error_line(ema_run, capsys):
 
 # The EMA through a SIGKILL and torchrun's restart of 2 processes, bitwise:
 # tests/test_resume.py::test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact.
+
+
+def test_resume_with_another_decay_of_a_kept_average_is_refused():
+    from checkpoint import changed_settings
+    from config import TrainConfig
+
+    saved = {"config": TrainConfig(model_ema=True, ema_decay=0.999).to_dict()}
+    other = TrainConfig(model_ema=True, ema_decay=0.99).to_dict()
+    assert changed_settings(saved, other, 1) == ["--ema_decay 0.999 -> 0.99"]
+    # Without an average in both runs there is nothing whose decay changes.
+    assert changed_settings(saved, TrainConfig(ema_decay=0.99).to_dict(), 1) == []
+    before_ema = {"config": {k: v for k, v in saved["config"].items() if k != "ema_decay"}}
+    assert changed_settings(before_ema, other, 1) == []  # written before the flag existed
