@@ -17,6 +17,7 @@ import pickle
 import random
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,28 @@ VALUES_BEFORE_FLAG = {
 }
 
 
+def _step_schedule(saved: dict[str, Any], new: dict[str, Any]) -> bool:
+    return "step" in (saved.get("scheduler"), new["scheduler"])
+
+
+def _mixing(config: dict[str, Any]) -> bool:
+    return config.get("mixup", 0) > 0 or config.get("cutmix", 0) > 0
+
+
+# The schedule flags that only some settings read: (saved config, new config) -> whether a
+# change of the flag changes the run.
+READ_ONLY_WHEN: dict[str, Callable[[dict[str, Any], dict[str, Any]], bool]] = {
+    "step_size": _step_schedule,
+    "gamma": _step_schedule,
+    "momentum": lambda saved, new: new["optimizer"] == "sgd",
+    "mix_switch_prob": lambda saved, new: all(  # the choice between mixup and cutmix
+        c.get("mixup", 0) > 0 and c.get("cutmix", 0) > 0 for c in (saved, new)
+    ),
+    "mix_off_epochs": lambda saved, new: _mixing(saved) or _mixing(new),
+    "ema_decay": lambda saved, new: bool(saved.get("model_ema") and new.get("model_ema")),
+}
+
+
 def saved_world_size(state: dict[str, Any]) -> int | None:
     """How many processes wrote the checkpoint (older ones record it as their rank states)."""
     return state.get("world_size") or len(state.get("rank_states") or []) or None
@@ -284,23 +307,8 @@ def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: 
     for flag in SCHEDULE_FLAGS:
         if flag not in saved or saved[flag] == config[flag]:
             continue
-        if flag in ("step_size", "gamma") and "step" not in (
-            saved.get("scheduler"),
-            config["scheduler"],
-        ):
-            continue  # only the step schedule reads them
-        if flag == "momentum" and config["optimizer"] != "sgd":
-            continue  # only sgd reads it
-        if flag == "mix_switch_prob" and not all(
-            c.get("mixup", 0) > 0 and c.get("cutmix", 0) > 0 for c in (saved, config)
-        ):
-            continue  # only read with both mixup and cutmix on
-        if flag == "mix_off_epochs" and not any(
-            c.get("mixup", 0) > 0 or c.get("cutmix", 0) > 0 for c in (saved, config)
-        ):
-            continue  # no mixing to turn off
-        if flag == "ema_decay" and not (saved.get("model_ema") and config.get("model_ema")):
-            continue  # an average only one of the runs keeps (or neither)
+        if flag in READ_ONLY_WHEN and not READ_ONLY_WHEN[flag](saved, config):
+            continue  # not read with these settings
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
     processes, step = saved_world_size(state), saved_step_batch(state)
     if step and processes:
