@@ -21,6 +21,13 @@ SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(ROOT))  # launch_ddp
 
+import torch  # noqa: E402
+
+from engine import Precision  # noqa: E402
+
+FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
+CPU = torch.device("cpu")
+
 # Distinct colours per class: a trivially separable problem a tiny run can learn.
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 40), (200, 40, 200)]
 CLASSES = ["cat", "dog", "fox"]

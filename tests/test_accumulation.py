@@ -24,15 +24,12 @@ from config import (
     optimizer_batch,
     parse_config,
 )
-from conftest import TINY_FLAGS, run_train, user_error_line
-from engine import Precision, StepState, train_one_epoch
+from conftest import CPU, FP32, TINY_FLAGS, run_train, user_error_line
+from engine import StepState, train_one_epoch
 from errors import UserError
 from memory import MemoryPlan, build_memory_plan
 from optim import build_optimizer, lr_scale
 from preflight import check_batch_fits
-
-FP32 = Precision(False, torch.float32)
-CPU = torch.device("cpu")
 
 
 def tiny_net() -> nn.Module:

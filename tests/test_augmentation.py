@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 
 import train_ddp
 from config import HELP_GROUPS, parse_config
-from conftest import user_error_line
+from conftest import FP32, user_error_line
 from data import (
     IMAGENET_MEAN,
     DecodedImageCache,
@@ -35,7 +35,6 @@ from mixing import BatchMixer, step_seed
 from test_resume import assert_same_tensors
 
 HAS_CUDA = torch.cuda.is_available()
-FP32 = Precision(False, torch.float32)
 AUGMENT = {"auto_augment": "trivialaugment", "random_erasing": 0.5}
 
 

@@ -22,6 +22,8 @@ from checkpoint import changed_settings
 from config import TrainConfig
 from conftest import (
     CLASSES,
+    CPU,
+    FP32,
     TINY_FLAGS,
     run_main,
     run_train,
@@ -36,8 +38,6 @@ from memory import MemoryPlan
 from predict import main as predict_main
 from run_parts import seed_everything
 
-FP32 = Precision(False, torch.float32)
-CPU = torch.device("cpu")
 # timm's smallest ResNet (0.4 M parameters, BatchNorm, a Linear head ``fc``): the end-to-end
 # runs below take seconds with it.
 SMALL_MODEL = "test_resnet"

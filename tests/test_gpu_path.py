@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
 import engine
-from conftest import ROOT
-from engine import Precision, StepState, configure_backends, train_one_epoch
+from conftest import CPU, FP32, ROOT
+from engine import StepState, configure_backends, train_one_epoch
 from memory import (
     MemoryPlan,
     ResidentMemory,
@@ -35,8 +35,6 @@ from memory import (
 from model import strip_wrapper_prefixes
 from optim import restore_optimizer_state
 
-FP32 = Precision(False, torch.float32)
-CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import train_ddp
 from config import parse_config, preset_summary
-from conftest import ROOT, TINY_FLAGS, run_cli, user_error_line
+from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
 from engine import Precision, StepState, evaluate, train_one_epoch
 from errors import UserError
 from memory import (
@@ -35,8 +35,6 @@ from memory import (
     measure_micro_batch,
 )
 
-FP32 = Precision(False, torch.float32)
-CPU = torch.device("cpu")
 HUGE = 2**40  # a budget nothing reaches
 
 

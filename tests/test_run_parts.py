@@ -16,7 +16,7 @@ from checkpoint import (
     training_checkpoint,
 )
 from config import parse_config
-from conftest import run_train, user_error_line
+from conftest import CPU, run_train, user_error_line
 from distributed import DistInfo
 from engine import (
     Precision,
@@ -28,7 +28,6 @@ from engine import (
 from memory import MemoryPlan
 from run_parts import build_run_parts, make_grad_scaler
 
-CPU = torch.device("cpu")
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 
 

@@ -11,12 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import write_image_folder
+from conftest import FP32, write_image_folder
 from data import ShardSampler, build_datasets, make_loader
-from engine import Precision, evaluate
+from engine import evaluate
 from model import build_model
-
-FP32 = Precision(False, torch.float32)
 
 
 def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
