@@ -23,10 +23,32 @@ sys.path.insert(0, str(ROOT))  # launch_ddp
 
 import torch  # noqa: E402
 
-from engine import Precision  # noqa: E402
+from engine import Precision, StepState  # noqa: E402
+from memory import MemoryPlan  # noqa: E402
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
 CPU = torch.device("cpu")
+
+
+def cpu_step_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: MemoryPlan,
+    criterion: torch.nn.Module | None = None,
+) -> StepState:
+    """The engine's per-step state as the trainer builds it on the CPU in float32, with a
+    constant learning rate and cross-entropy unless ``criterion`` says otherwise."""
+    return StepState(
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False),
+        criterion or torch.nn.CrossEntropyLoss(),
+        FP32,
+        plan,
+        CPU,
+    )
+
 
 # Distinct colours per class: a trivially separable problem a tiny run can learn.
 COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 40), (200, 40, 200)]

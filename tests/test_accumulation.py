@@ -24,8 +24,8 @@ from config import (
     optimizer_batch,
     parse_config,
 )
-from conftest import CPU, FP32, TINY_FLAGS, run_train, user_error_line
-from engine import StepState, train_one_epoch
+from conftest import CPU, FP32, TINY_FLAGS, cpu_step_state, run_train, user_error_line
+from engine import train_one_epoch
 from errors import UserError
 from memory import MemoryPlan, build_memory_plan
 from optim import build_optimizer, lr_scale
@@ -70,17 +70,7 @@ def count_forwards(model: nn.Module) -> list[int]:
 def train_with_engine(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
     """The engine's real epoch and step functions, as the trainer calls them."""
     opt = make_optimizer(model, optimizer)
-    state = StepState(
-        model,
-        opt,
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-        torch.amp.GradScaler("cpu", enabled=False),
-        nn.CrossEntropyLoss(),
-        FP32,
-        plan,
-        CPU,
-    )
-    return train_one_epoch(state, loader)
+    return train_one_epoch(cpu_step_state(model, opt, plan), loader)
 
 
 def train_textbook(model: nn.Module, loader, batch: int, optimizer: str) -> None:

@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 
 import train_ddp
 from config import HELP_GROUPS, parse_config
-from conftest import FP32, user_error_line
+from conftest import cpu_step_state, user_error_line
 from data import (
     IMAGENET_MEAN,
     DecodedImageCache,
@@ -189,15 +189,11 @@ def step_state(
     model: nn.Module, label_smoothing: float = 0.1, micro_batch: int | None = None
 ) -> StepState:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return StepState(
+    return cpu_step_state(
         model,
         optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-        torch.amp.GradScaler("cpu", enabled=False),
-        nn.CrossEntropyLoss(label_smoothing=label_smoothing),
-        FP32,
         MemoryPlan(micro_batch=micro_batch),
-        torch.device("cpu"),
+        nn.CrossEntropyLoss(label_smoothing=label_smoothing),
     )
 
 

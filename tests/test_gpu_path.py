@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
 import engine
-from conftest import CPU, FP32, ROOT
-from engine import StepState, configure_backends, train_one_epoch
+from conftest import CPU, FP32, ROOT, cpu_step_state
+from engine import configure_backends, train_one_epoch
 from memory import (
     MemoryPlan,
     ResidentMemory,
@@ -223,19 +223,7 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
     plan = MemoryPlan(4, retry_on_oom=True)
     loader = batches(2, 8)
     opt = make_optimizer(model, "sgd")
-    metrics = train_one_epoch(
-        StepState(
-            model,
-            opt,
-            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-            torch.amp.GradScaler("cpu", enabled=False),
-            nn.CrossEntropyLoss(),
-            FP32,
-            plan,
-            CPU,
-        ),
-        loader,
-    )
+    metrics = train_one_epoch(cpu_step_state(model, opt, plan), loader)
     # Step 1: agree (copy ok), 2 forwards, agree. Step 2: the copy fails: agreed on before any
     # forward; redone with micro-batch 2: agree, 4 forwards, agree.
     assert events == (
@@ -287,19 +275,7 @@ def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
         plan = MemoryPlan(4, retry_on_oom=True)
         model = DDP(hit)
         opt = make_optimizer(model, "sgd")
-        metrics = train_one_epoch(
-            StepState(
-                model,
-                opt,
-                torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                torch.amp.GradScaler("cpu", enabled=False),
-                nn.CrossEntropyLoss(),
-                FP32,
-                plan,
-                CPU,
-            ),
-            batches(2, 8, seed=rank),
-        )
+        metrics = train_one_epoch(cpu_step_state(model, opt, plan), batches(2, 8, seed=rank))
         (out / f"rank{rank}.json").write_text(
             json.dumps(
                 {
