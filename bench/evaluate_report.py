@@ -31,7 +31,7 @@ def write_set(root: Path, classes: int, images: int, image_size: int) -> Path:
     import torch
     from PIL import Image
 
-    from model import build_model
+    from imgtrainer.models import build_model
 
     rng = np.random.default_rng(0)
     names = [f"class_{k:04d}" for k in range(classes)]

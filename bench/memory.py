@@ -42,11 +42,17 @@ def worker(args: argparse.Namespace) -> dict:
 
     import torch  # noqa: F401  (imported here so the baseline below includes it)
 
-    from config import parse_config
-    from distributed import DistInfo
-    from engine import configure_backends, train_one_epoch
-    from memory import ResidentMemory, build_memory_plan, cpu_baseline, resident_training_state
-    from run_parts import build_run_parts
+    from imgtrainer.distributed.setup import DistInfo
+    from imgtrainer.run.config import parse_config
+    from imgtrainer.training.build import build_run_parts
+    from imgtrainer.training.loop import train_one_epoch
+    from imgtrainer.training.memory_fit import build_memory_plan
+    from imgtrainer.training.memory_probes import (
+        ResidentMemory,
+        cpu_baseline,
+        resident_training_state,
+    )
+    from imgtrainer.training.precision import configure_backends
 
     resident = ResidentMemory()
     imports_mib = resident.current() / MIB if resident.available else None

@@ -35,7 +35,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from errors import UserError, exit_on_user_error  # noqa: E402
+from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
 
 MATE = "/usr/share/backgrounds/mate/nature"
 LOMIRI = "/usr/share/backgrounds"

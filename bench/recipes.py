@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from errors import UserError, exit_on_user_error  # noqa: E402
+from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
 
 TIMM_COMMIT = "2aabaef039d918d453b58714ab84562609981112"
 

@@ -46,8 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from demo_data import write_demo_dataset  # noqa: E402
-from lifecycle import TIMELINE_ENV  # noqa: E402
+from imgtrainer.data.demo import write_demo_dataset  # noqa: E402
+from imgtrainer.run.lifecycle import TIMELINE_ENV  # noqa: E402
 
 START_PHASES = [  # (name, event that ends it); each phase starts where the previous one ended
     ("launcher (python, flags, checks)", "torchrun start"),

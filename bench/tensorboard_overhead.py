@@ -32,7 +32,7 @@ sys.path.insert(0, str(SRC))
 import timm  # noqa: E402
 import torch  # noqa: E402
 
-from tensorboard_log import TensorBoardLogger  # noqa: E402
+from imgtrainer.reports.tensorboard import TensorBoardLogger  # noqa: E402
 
 
 def step_seconds(device: torch.device, image_size: int, batch_size: int, steps: int) -> float:

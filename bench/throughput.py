@@ -203,8 +203,8 @@ def print_row(row: dict) -> None:
 
 def worker_main(args: argparse.Namespace) -> int:
     """One measurement inside torchrun; rank 0 writes the result file."""
-    from config import parse_config
-    from distributed import cleanup_distributed, setup_distributed
+    from imgtrainer.distributed.setup import cleanup_distributed, setup_distributed
+    from imgtrainer.run.config import parse_config
 
     cfg = parse_config(
         [
@@ -229,7 +229,7 @@ def worker_main(args: argparse.Namespace) -> int:
             *args.trainer_flags,
         ]
     )
-    from engine import configure_backends
+    from imgtrainer.training.precision import configure_backends
 
     dist = setup_distributed(cfg.device)
     try:
@@ -252,7 +252,7 @@ def worker_main(args: argparse.Namespace) -> int:
 def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
-    from run_parts import build_run_parts
+    from imgtrainer.training.build import build_run_parts
 
     # The trainer's own parts (model, savers, wrappers, optimizer, precision, scaler, loss).
     parts = build_run_parts(cfg, dist, num_classes=10, steps_per_epoch=1)
@@ -286,8 +286,8 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
-    from engine import PhaseTimer
-    from train_ddp import Trainer
+    from imgtrainer.training.loop import PhaseTimer
+    from imgtrainer.training.trainer import Trainer
 
     setup_started = time.perf_counter()
     trainer = Trainer(cfg, dist)
@@ -318,7 +318,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
 
 def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
     """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
-    from engine import ProgressBar, train_one_epoch
+    from imgtrainer.training.loop import ProgressBar, train_one_epoch
 
     clock: dict = {"start": time.perf_counter()}
 

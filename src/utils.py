@@ -1,79 +1,13 @@
-"""Plot the curves of a run from its history file (no torch needed, no display needed).
+"""Plot a run's curves from its history file.
 
-python src/utils.py --history logs/training_history.json --output curves.png
+    python src/utils.py --history logs/training_history.json --output curves.png
+
+A thin script over ``imgtrainer.tools.plot`` (this folder is on ``sys.path`` when it runs).
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from errors import UserError, exit_on_user_error  # noqa: E402
-from history import read_history  # noqa: E402
-
-
-def load_history(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(
-            f"history file {path} does not exist; a training run writes it to "
-            "<log_dir>/training_history.json"
-        )
-    try:
-        history = read_history(path)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{path} is not a training history file ({err})") from None
-    if not history["epochs"]:
-        raise UserError(f"{path} holds no finished epoch yet; nothing to plot")
-    return history
-
-
-def plot_curves(history: dict, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
-
-    records = history["epochs"]
-    epochs = [r["epoch"] for r in records]
-    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
-    ax_loss.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    ax_loss.plot(epochs, [r["val_loss"] for r in records], "o-", label="val")
-    ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
-    ax_acc.plot(epochs, [r["train_acc"] for r in records], "o-", label="train top-1")
-    ax_acc.plot(epochs, [r["val_acc"] for r in records], "o-", label="val top-1")
-    ax_acc.plot(epochs, [r["val_top5"] for r in records], "o--", label="val top-5")
-    ax_acc.set(title="Accuracy", xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02))
-    ax_lr.plot(epochs, [r["lr"] for r in records], "o-", color="tab:green")
-    ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="lr")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    for ax in (ax_loss, ax_acc, ax_lr):
-        ax.grid(alpha=0.3)
-    ax_loss.legend()
-    ax_acc.legend()
-    model = history.get("config", {}).get("model", "model")
-    best = max(r["val_acc"] for r in records)
-    fig.suptitle(f"{model}, world size {history.get('world_size', '?')}: best val top-1 {best:.4f}")
-    fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
-    plt.close(fig)
-
-
-@exit_on_user_error
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot loss, accuracy and learning-rate curves.")
-    parser.add_argument("--history", type=Path, default=Path("logs/training_history.json"))
-    parser.add_argument("--output", type=Path, default=Path("curves.png"))
-    args = parser.parse_args(argv)
-    plot_curves(load_history(args.history), args.output)
-    print(f"Wrote {args.output}")
-    return 0
-
+from imgtrainer.tools.plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,12 +19,12 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
-sys.path.insert(0, str(ROOT))  # launch_ddp
 
 import torch  # noqa: E402
 
-from engine import Precision, StepState  # noqa: E402
-from memory import MemoryPlan  # noqa: E402
+from imgtrainer.training.memory import MemoryPlan  # noqa: E402
+from imgtrainer.training.precision import Precision  # noqa: E402
+from imgtrainer.training.step import StepState  # noqa: E402
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
 CPU = torch.device("cpu")
@@ -182,7 +182,7 @@ def user_error_line(
 
 def run_train(argv: Sequence, cwd: Path) -> int:
     """``python src/train_ddp.py ARGV`` in this process (world size 1), in ``cwd``."""
-    import train_ddp
+    import imgtrainer.run.train as train_ddp
 
     return run_main(train_ddp.main, ["--device", "cpu", *argv], cwd)
 

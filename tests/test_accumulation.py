@@ -15,21 +15,22 @@ import pytest
 import torch
 from torch import nn
 
-import train_ddp
-from checkpoint import changed_settings, check_resume_settings, saved_step_batch
-from config import (
+import imgtrainer.run.train as train_ddp
+from conftest import CPU, FP32, TINY_FLAGS, cpu_step_state, run_train, user_error_line
+from imgtrainer.checkpoints.resume import changed_settings, check_resume_settings, saved_step_batch
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import (
     TrainConfig,
     effective_batch,
     effective_batch_line,
     optimizer_batch,
     parse_config,
 )
-from conftest import CPU, FP32, TINY_FLAGS, cpu_step_state, run_train, user_error_line
-from engine import train_one_epoch
-from errors import UserError
-from memory import MemoryPlan, build_memory_plan
-from optim import build_optimizer, lr_scale
-from preflight import check_batch_fits
+from imgtrainer.run.preflight import check_batch_fits
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.memory_fit import build_memory_plan
+from imgtrainer.training.optim import build_optimizer, lr_scale
 
 
 def tiny_net() -> nn.Module:
@@ -117,7 +118,7 @@ def test_the_trainer_plans_one_pass_per_batch(caplog):
     batch size need not be divisible by --accum_steps any more."""
     model = tiny_net()
     opt = make_optimizer(model, "sgd")
-    with caplog.at_level(logging.INFO, logger="trainer"):
+    with caplog.at_level(logging.INFO, logger="imgtrainer"):
         for flags, micro, step in (
             (["--batch_size", "8", "--accum_steps", "4"], 8, 32),
             (["--batch_size", "30", "--accum_steps", "4"], 30, 120),

@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from config import parse_config
-from engine import Precision, StepState, evaluate, train_one_epoch
-from memory import MemoryPlan
-from optim import lr_factor
-from run_parts import choose_precision
+from imgtrainer.run.config import parse_config
+from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.optim import lr_factor
+from imgtrainer.training.precision import Precision, choose_precision
+from imgtrainer.training.step import StepState
 
 
 def tiny_batches(n: int = 4, device: str = "cpu"):
@@ -58,7 +60,7 @@ def run_epoch(
 
 def test_cpu_amp_uses_bfloat16_autocast_and_warns(caplog):
     cfg = parse_config(["--use_amp"])
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         precision = choose_precision(cfg, torch.device("cpu"))
     assert precision == Precision(True, torch.bfloat16)
     assert "slower" in caplog.text
@@ -106,7 +108,7 @@ def test_lr_schedule_warmup_then_cosine_and_step():
 
 
 def test_lr_scaling_by_world_size():
-    from optim import build_optimizer
+    from imgtrainer.training.optim import build_optimizer
 
     model = tiny_model()
     for scaling, expected in (("none", 0.01), ("linear", 0.04), ("sqrt", 0.02)):

@@ -15,23 +15,18 @@ from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 from torchvision.transforms import v2
 
-import train_ddp
-from config import HELP_GROUPS, parse_config
+import imgtrainer.run.train as train_ddp
 from conftest import cpu_step_state, user_error_line
-from data import (
-    IMAGENET_MEAN,
-    DecodedImageCache,
-    EpochSampler,
-    ReadableImageFolder,
-    SeededImageDataset,
-    build_datasets,
-    build_transforms,
-    make_loader,
-    normalize_batch,
-)
-from engine import Precision, StepState, train_one_epoch, train_step
-from memory import MemoryPlan
-from mixing import BatchMixer, step_seed
+from imgtrainer.data.loaders import build_datasets, make_loader
+from imgtrainer.data.samplers import EpochSampler
+from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, SeededImageDataset
+from imgtrainer.data.transforms import IMAGENET_MEAN, build_transforms, normalize_batch
+from imgtrainer.run.config import HELP_GROUPS, parse_config
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.mixing import BatchMixer, step_seed
+from imgtrainer.training.precision import Precision
+from imgtrainer.training.step import StepState, train_step
 from test_resume import assert_same_tensors
 
 HAS_CUDA = torch.cuda.is_available()

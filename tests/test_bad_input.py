@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import launch_ddp
-import train_ddp
-from config import parse_config
+import imgtrainer.run.launcher as launch_ddp
+import imgtrainer.run.train as train_ddp
 from conftest import (
     ROOT,
     SRC,
@@ -22,7 +21,8 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
-from errors import UserError
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import parse_config
 
 
 def test_fresh_clone_without_data_suggests_demo(tmp_path: Path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from errors import UserError
+from imgtrainer.errors import UserError
 
 
 def load_recipes():

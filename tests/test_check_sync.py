@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed import check_ranks_in_sync
-from errors import UserError
-from model import build_model
+from imgtrainer.distributed.collectives import check_ranks_in_sync
+from imgtrainer.errors import UserError
+from imgtrainer.models import build_model
 
 
 def _worker(rank: int, port: int, out: Path) -> None:
@@ -38,7 +38,7 @@ def _worker(rank: int, port: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def messages(tmp_path_factory) -> dict[str, list[str]]:
     """What each rank's check said, per case: one pair of processes for both tests."""
-    from launch_ddp import free_port
+    from imgtrainer.run.launcher import free_port
 
     out = tmp_path_factory.mktemp("check_sync")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)

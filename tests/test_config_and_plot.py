@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from config import DEMO_PRESET, parse_config
 from conftest import SRC, assert_user_error, run_cli, user_error_line
+from imgtrainer.run.config import DEMO_PRESET, parse_config
 
 
 def test_defaults_match_the_documented_ones():
@@ -53,7 +53,7 @@ def test_config_is_frozen_and_plain():
 
 
 def test_demo_data_is_written_once_and_rewritten_when_interrupted(tmp_path: Path):
-    from demo_data import DEMO_IMAGE_SIZE, write_demo_dataset
+    from imgtrainer.data.demo import DEMO_IMAGE_SIZE, write_demo_dataset
 
     train, val = write_demo_dataset(tmp_path / "demo")
     counts = {
@@ -126,7 +126,7 @@ def test_plot_missing_history_exits_2_through_the_command_line(tmp_path: Path):
     ],
 )
 def test_plot_bad_history_is_one_clear_error(tmp_path: Path, capsys, content, phrase):
-    import utils
+    import imgtrainer.tools.plot as utils
 
     history = tmp_path / "h.json"
     history.write_text(content)

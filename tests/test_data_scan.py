@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import data
-import image_files
+import imgtrainer.data.image_files as image_files
+import imgtrainer.data.loaders as data
+import imgtrainer.data.sources as sources
 from conftest import CLASSES, write_image_folder
 
 
@@ -16,7 +17,7 @@ from conftest import CLASSES, write_image_folder
 def decodes(monkeypatch) -> dict[str, int]:
     """How many times the decode check and the cache open an image file."""
     counts = {"check": 0, "cache": 0}
-    check, cache_open = image_files.image_problem, data.open_rgb
+    check, cache_open = image_files.image_problem, sources.open_rgb
 
     def counted_check(path):
         counts["check"] += 1
@@ -27,7 +28,7 @@ def decodes(monkeypatch) -> dict[str, int]:
         return cache_open(path, draft)
 
     monkeypatch.setattr(image_files, "image_problem", counted_check)
-    monkeypatch.setattr(data, "open_rgb", counted_open)
+    monkeypatch.setattr(sources, "open_rgb", counted_open)
     return counts
 
 
@@ -44,7 +45,7 @@ def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
 ):
     train, val = folders_with_a_broken_file(tmp_path)
     files = 3 * 4 + 1 + 3 * 2
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         train_set, val_set, _ = data.build_datasets(
             train, val, 16, 0, 0.08, 0.5, log_dir=tmp_path / "logs", cache=cache, threads=1
         )

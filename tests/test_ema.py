@@ -12,13 +12,13 @@ import timm
 import torch
 from torch import nn
 
-from checkpoint import CHECKPOINT_SCHEMA, CheckpointError
 from conftest import TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
-from ema import ModelEma, better_weights, ema_decay, epoch_score
-from engine import StepInfo
-from evaluate import main as evaluate_main
-from inference import choose_weights
-from predict import main as predict_main
+from imgtrainer.checkpoints.files import CHECKPOINT_SCHEMA, CheckpointError
+from imgtrainer.tools.evaluate import main as evaluate_main
+from imgtrainer.tools.inference import choose_weights
+from imgtrainer.tools.predict import main as predict_main
+from imgtrainer.training.ema import ModelEma, better_weights, ema_decay, epoch_score
+from imgtrainer.training.step import StepInfo
 
 SUMS = torch.zeros(3, dtype=torch.float64)
 
@@ -314,7 +314,7 @@ def test_weights_ema_without_ema_is_one_error_line(ema_run, tmp_path, capsys):
 
 
 def test_ema_decay_out_of_range_is_one_error_line(ema_run, capsys):
-    import train_ddp
+    import imgtrainer.run.train as train_ddp
 
     root, flags = ema_run
     line = user_error_line(
@@ -328,8 +328,8 @@ def test_ema_decay_out_of_range_is_one_error_line(ema_run, capsys):
 
 
 def test_resume_with_another_decay_of_a_kept_average_is_refused():
-    from checkpoint import changed_settings
-    from config import TrainConfig
+    from imgtrainer.checkpoints.resume import changed_settings
+    from imgtrainer.run.config import TrainConfig
 
     saved = {"config": TrainConfig(model_ema=True, ema_decay=0.999).to_dict()}
     other = TrainConfig(model_ema=True, ema_decay=0.99).to_dict()

@@ -13,7 +13,7 @@ import torch
 import torchvision
 
 from conftest import ROOT, TINY_FLAGS, run_cli
-from model import ResNet18Classifier
+from imgtrainer.models import ResNet18Classifier
 
 
 def check_run_outputs(workdir: Path, world_size: int) -> None:
@@ -100,7 +100,7 @@ def test_checkpoint_loads_into_plain_models(trained_run):
 @pytest.mark.slow
 def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
     """Two launchers, one CPU process each, meeting through the c10d rendezvous on 127.0.0.1."""
-    from launch_ddp import free_port
+    from imgtrainer.run.launcher import free_port
 
     train, val = tiny_dataset
     port = str(free_port())

@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-import inference
+import imgtrainer.tools.inference as inference
 from conftest import SRC, assert_user_error, run_cli, user_error_line, write_image_folder
-from evaluate import main as evaluate_main
-from model import build_model
+from imgtrainer.models import build_model
+from imgtrainer.tools.evaluate import main as evaluate_main
 
 CLASSES = ["a", "b", "c"]
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import TrainConfig
 from conftest import TrainedRun, run_main, user_error_line
-from data import ReadableImageFolder, SeededImageDataset, ShardSampler, make_loader
-from engine import Precision, evaluate
-from evaluate import main as evaluate_main
-from inference import load_classifier, training_precision
-from predict import main as predict_main
-from run_parts import choose_precision
+from imgtrainer.data.loaders import make_loader
+from imgtrainer.data.samplers import ShardSampler
+from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
+from imgtrainer.run.config import TrainConfig
+from imgtrainer.tools.evaluate import main as evaluate_main
+from imgtrainer.tools.inference import load_classifier, training_precision
+from imgtrainer.tools.predict import main as predict_main
+from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.precision import Precision, choose_precision
 
 
 def evaluate_report(checkpoint: Path, data_dir: Path, output: Path) -> dict:
@@ -129,7 +131,7 @@ def test_inference_tools_check_their_shared_flags_alike(
 def test_report_gives_the_val_acc_of_a_float16_channels_last_run_on_cuda(tmp_path: Path):
     """On a GPU training validates under float16 autocast in channels_last: the report runs the
     same way and gives the recorded val_acc."""
-    import train_ddp
+    import imgtrainer.run.train as train_ddp
     from conftest import TINY_FLAGS, run_main, write_tiny_dataset
 
     train, val = write_tiny_dataset(tmp_path)

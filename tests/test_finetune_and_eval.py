@@ -15,11 +15,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-import engine
-import inference
-import optim
-from checkpoint import changed_settings
-from config import TrainConfig
+import imgtrainer.tools.inference as inference
+import imgtrainer.training.optim as optim
+import imgtrainer.training.step as engine
 from conftest import (
     CLASSES,
     CPU,
@@ -30,13 +28,17 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
-from data import build_datasets, build_transforms, normalize_batch
-from engine import Precision, StepState, train_step
-from errors import UserError
-from evaluate import main as evaluate_main
-from memory import MemoryPlan
-from predict import main as predict_main
-from run_parts import seed_everything
+from imgtrainer.checkpoints.resume import changed_settings
+from imgtrainer.data.loaders import build_datasets
+from imgtrainer.data.transforms import build_transforms, normalize_batch
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import TrainConfig
+from imgtrainer.tools.evaluate import main as evaluate_main
+from imgtrainer.tools.predict import main as predict_main
+from imgtrainer.training.build import seed_everything
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.precision import Precision
+from imgtrainer.training.step import StepState, train_step
 
 # timm's smallest ResNet (0.4 M parameters, BatchNorm, a Linear head ``fc``): the end-to-end
 # runs below take seconds with it.
@@ -420,7 +422,7 @@ def test_old_single_group_checkpoint_resumes_or_says_which_flag(small_dataset, t
     as_old_checkpoint(latest)
     old = latest.read_bytes()
 
-    import train_ddp
+    import imgtrainer.run.train as train_ddp
 
     line = user_error_line(
         train_ddp.main,

@@ -19,21 +19,17 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distributed
-import engine
+import imgtrainer.distributed.collectives as distributed
+import imgtrainer.distributed.setup as dist_setup
+import imgtrainer.training.step as engine
 from conftest import CPU, FP32, ROOT, cpu_step_state
-from engine import configure_backends, train_one_epoch
-from memory import (
-    MemoryPlan,
-    ResidentMemory,
-    batch_input_bytes,
-    cpu_baseline,
-    is_out_of_memory,
-    largest_fitting,
-    measure_micro_batch,
-)
-from model import strip_wrapper_prefixes
-from optim import restore_optimizer_state
+from imgtrainer.models import strip_wrapper_prefixes
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import MemoryPlan, is_out_of_memory
+from imgtrainer.training.memory_fit import largest_fitting, measure_micro_batch
+from imgtrainer.training.memory_probes import ResidentMemory, batch_input_bytes, cpu_baseline
+from imgtrainer.training.optim import restore_optimizer_state
+from imgtrainer.training.precision import configure_backends
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -170,7 +166,7 @@ def test_setup_makes_the_host_group_with_the_dist_timeout(monkeypatch):
     real_init, real_new_group = dist.init_process_group, dist.new_group
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(distributed, "_rendezvous_store", lambda world_size: dist.HashStore())
+    monkeypatch.setattr(dist_setup, "_rendezvous_store", lambda world_size: dist.HashStore())
     monkeypatch.setattr(
         dist,
         "init_process_group",
@@ -182,12 +178,12 @@ def test_setup_makes_the_host_group_with_the_dist_timeout(monkeypatch):
     monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or real_new_group(**kw))
     threads = torch.get_num_threads()
     try:
-        distributed.setup_distributed("cpu", timeout_minutes=7)
+        dist_setup.setup_distributed("cpu", timeout_minutes=7)
         assert made == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}]
         distributed.any_rank(False)
         assert len(made) == 1  # reused, not made again
     finally:
-        distributed.cleanup_distributed()
+        dist_setup.cleanup_distributed()
         torch.set_num_threads(threads)
 
 
@@ -291,7 +287,7 @@ def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_redo_a_step_whose_copy_failed_on_one_rank(tmp_path):
-    from launch_ddp import free_port
+    from imgtrainer.run.launcher import free_port
 
     mp.spawn(_copy_failure_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -387,7 +383,7 @@ def test_trainer_and_benchmarks_share_the_kernel_set_up(monkeypatch):
     finally:
         torch.backends.cudnn.benchmark = saved[0]
         torch.use_deterministic_algorithms(saved[1])
-    for script in ("bench/throughput.py", "bench/memory.py", "src/train_ddp.py"):
+    for script in ("bench/throughput.py", "bench/memory.py", "src/imgtrainer/run/train.py"):
         assert "configure_backends(" in (ROOT / script).read_text(), script
 
 
@@ -408,7 +404,7 @@ class FixedLogits(nn.Module):
 def _indexed_loader(targets: torch.Tensor, batch_size: int):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from data import ShardSampler
+    from imgtrainer.data.samplers import ShardSampler
 
     images = torch.arange(len(targets), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 3, 2, 2)
     dataset = TensorDataset(images.contiguous(), targets)
@@ -416,8 +412,8 @@ def _indexed_loader(targets: torch.Tensor, batch_size: int):
 
 
 def _evaluate(device: torch.device, count: int = 40, classes: int = 7):
-    from evaluate import count_predictions
-    from inference import Classifier
+    from imgtrainer.tools.evaluate import count_predictions
+    from imgtrainer.tools.inference import Classifier
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(count, classes, generator=g)

@@ -8,7 +8,7 @@ import shlex
 import pytest
 import torch
 
-import launch_ddp
+import imgtrainer.run.launcher as launch_ddp
 from conftest import ROOT, run_main, user_error_line
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -26,7 +26,13 @@ def test_single_node_cpu_command(capsys):
     cmd = dry_run(capsys, "--device", "cpu", "--nproc", "2", "--epochs", "3", "--use_amp")
     # On the CPU the workers are forks of an agent that imported the trainer once.
     quick_exit = str(ROOT / "src" / "quick_exit.py")
-    assert cmd[1:6] == ["-u", quick_exit, "--preload", "train_ddp", "torch.distributed.run:main"]
+    assert cmd[1:6] == [
+        "-u",
+        quick_exit,
+        "--preload",
+        "imgtrainer.run.train",
+        "torch.distributed.run:main",
+    ]
     assert "--nproc-per-node=2" in cmd and "--nnodes=1" in cmd and "--max-restarts=0" in cmd
     assert "--rdzv-backend=c10d" in cmd
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint="))
@@ -117,7 +123,7 @@ def test_device_cuda_without_cuda_is_one_clear_error(capsys):
 def test_more_gpus_than_visible_names_both_numbers(monkeypatch):
     import argparse
 
-    from errors import UserError
+    from imgtrainer.errors import UserError
 
     # The launcher counts GPUs without torch (preflight.visible_gpu_count).
     monkeypatch.setattr(launch_ddp, "visible_gpu_count", lambda: 2)

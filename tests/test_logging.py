@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-import data
-import engine
+import imgtrainer.data.loaders as data
+import imgtrainer.training.step as engine
 from conftest import SRC
-from distributed import PROJECT_LOGGER, DistInfo, logging_for_run
+from imgtrainer.distributed.logs import PROJECT_LOGGER, logging_for_run
+from imgtrainer.distributed.setup import DistInfo
 
 MAIN = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
 OTHER = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"))
@@ -21,7 +22,8 @@ OTHER = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, device=
 def test_module_loggers_are_children_of_the_project_logger():
     project = logging.getLogger(PROJECT_LOGGER)
     for module in (data, engine):
-        assert module.log.name == f"{PROJECT_LOGGER}.{module.__name__}"
+        assert module.log.name == module.__name__
+        assert module.__name__.startswith(f"{PROJECT_LOGGER}.")
         assert module.log.parent is project
 
 

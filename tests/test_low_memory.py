@@ -18,22 +18,23 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import train_ddp
-from config import parse_config, preset_summary
+import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
-from engine import Precision, StepState, evaluate, train_one_epoch
-from errors import UserError
-from memory import (
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import parse_config, preset_summary
+from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import (
     GIB,
     MemoryPlan,
-    StepCost,
     enable_memory_savers,
-    fit_micro_batch,
     halving_sizes,
     is_out_of_memory,
-    largest_fitting,
-    measure_micro_batch,
 )
+from imgtrainer.training.memory_fit import fit_micro_batch, largest_fitting, measure_micro_batch
+from imgtrainer.training.memory_probes import StepCost
+from imgtrainer.training.precision import Precision
+from imgtrainer.training.step import StepState
 
 HUGE = 2**40  # a budget nothing reaches
 
@@ -150,7 +151,7 @@ def test_evaluation_in_micro_batches_gives_the_same_metrics():
 
 
 def test_low_memory_preset_and_explicit_flags_win(caplog):
-    from run_parts import choose_precision
+    from imgtrainer.training.precision import choose_precision
 
     cfg = parse_config(["--low_memory"])
     assert (
@@ -169,7 +170,7 @@ def test_low_memory_preset_and_explicit_flags_win(caplog):
     assert "use_amp=True" in summary and "your flags kept: grad_checkpointing=False" in summary
     # float16 on CUDA; float32 on the CPU, where bfloat16 autocast is ~16x slower.
     assert choose_precision(cfg, torch.device("cuda")) == Precision(True, torch.float16)
-    with caplog.at_level(logging.INFO, logger="trainer"):
+    with caplog.at_level(logging.INFO, logger="imgtrainer"):
         assert choose_precision(cfg, CPU) == FP32
     assert "float32" in caplog.text
     with pytest.raises(UserError, match="--max_memory_gb"):
@@ -180,13 +181,13 @@ def test_low_memory_preset_and_explicit_flags_win(caplog):
 
 
 def test_memory_savers_on_a_timm_model_and_a_plain_one(caplog):
-    from model import build_model
+    from imgtrainer.models import build_model
 
     timm_model = build_model("resnet18", 3)
     enable_memory_savers(timm_model, grad_checkpointing=True, channels_last=True)
     assert timm_model.grad_checkpointing
     assert timm_model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         enable_memory_savers(small_model(), grad_checkpointing=True, channels_last=False)
     assert "no activation checkpointing" in caplog.text
 
@@ -362,7 +363,7 @@ def _agreement_worker(rank: int, port: int, out: Path) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_processes_agree_on_the_micro_batch_and_redo_steps_together(tmp_path: Path):
-    from launch_ddp import free_port
+    from imgtrainer.run.launcher import free_port
 
     mp.spawn(_agreement_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -438,7 +439,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 def test_cuda_float16_channels_last_accumulation():
-    from model import build_model
+    from imgtrainer.models import build_model
 
     device = torch.device("cuda")
     model = build_model("resnet18", 3)
@@ -467,8 +468,8 @@ def test_cuda_float16_channels_last_accumulation():
 @cuda
 def test_cuda_fitting_meets_a_real_out_of_memory_error():
     """A memory fraction makes large trials raise torch.cuda.OutOfMemoryError for real."""
-    from memory import optimizer_state_bytes
-    from model import build_model
+    from imgtrainer.models import build_model
+    from imgtrainer.training.memory_probes import optimizer_state_bytes
 
     # With an index: torch.cuda.set_per_process_memory_fraction refuses a bare "cuda".
     device = torch.device("cuda", torch.cuda.current_device())
@@ -506,7 +507,7 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
 
 def test_ddp_is_found_inside_a_compiled_model(tmp_path):
     """--compile wraps DDP in torch.compile: no_sync and the OOM reset must still reach DDP."""
-    from engine import _ddp, _no_sync
+    from imgtrainer.training.step import _ddp, _no_sync
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

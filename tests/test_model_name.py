@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import timm
 
-from errors import UserError
-from model import ResNet18Animals90, ResNet18Classifier
+from imgtrainer.errors import UserError
+from imgtrainer.models import ResNet18Animals90, ResNet18Classifier
 
 
 def test_the_former_name_is_the_same_model_with_90_classes():

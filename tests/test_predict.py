@@ -17,7 +17,7 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
-from predict import main as predict_main
+from imgtrainer.tools.predict import main as predict_main
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SRC, assert_user_error, run_cli, user_error_line, write_image_folder
-from prepare_data import main as prepare_main
+from imgtrainer.tools.prepare_data import main as prepare_main
 
 
 def files_of(folder: Path) -> set[str]:
@@ -135,6 +135,6 @@ def test_force_never_deletes_the_source(tmp_path: Path, capsys):
 def test_extension_list_matches_torchvision():
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    from image_files import IMAGE_EXTENSIONS
+    from imgtrainer.data.image_files import IMAGE_EXTENSIONS
 
     assert tuple(IMAGE_EXTENSIONS) == tuple(IMG_EXTENSIONS)

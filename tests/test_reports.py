@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint_file
 from conftest import ROOT, SRC, TINY_FLAGS, write_image_folder
-from confusion import FULL_MATRIX_MAX_CLASSES, most_confused_pairs
-from evaluate import main as evaluate_main
-from model import build_model
+from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
+from imgtrainer.models import build_model
+from imgtrainer.reports.confusion import FULL_MATRIX_MAX_CLASSES, most_confused_pairs
+from imgtrainer.tools.evaluate import main as evaluate_main
 
 
 def test_most_confused_pairs_by_count_then_matrix_order():
@@ -129,7 +129,7 @@ def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
     import torch.distributed as torch_dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from run_parts import no_forward_buffer_sync
+    from imgtrainer.training.build import no_forward_buffer_sync
 
     store = torch_dist.FileStore(str(tmp_path / "store"), 1)
     torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -156,7 +156,7 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
     import timm
     from timm.models import load_checkpoint
 
-    from train_ddp import main as train_main
+    from imgtrainer.run.train import main as train_main
 
     train, val = tiny_dataset
     monkeypatch.chdir(tmp_path)
@@ -189,7 +189,7 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
 def test_help_lists_every_trainer_flag_once_in_its_group():
     import dataclasses
 
-    from config import HELP_GROUPS, TrainConfig, build_parser
+    from imgtrainer.run.config import HELP_GROUPS, TrainConfig, build_parser
 
     grouped = [name for names in HELP_GROUPS.values() for name in names]
     fields = [f.name for f in dataclasses.fields(TrainConfig)]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import launch_ddp
-import train_ddp
+import imgtrainer.run.launcher as launch_ddp
+import imgtrainer.run.train as train_ddp
 from conftest import ROOT, TINY_FLAGS, run_train, user_error_line, write_image_folder
 
 TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}

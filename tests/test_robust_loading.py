@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import train_ddp
+import imgtrainer.run.train as train_ddp
 from conftest import TINY_FLAGS, run_train, user_error_line, write_image_folder
-from data import ReadableImageFolder, build_datasets
-from errors import UserError
-from image_files import UNREADABLE_LIST, find_unreadable, open_rgb
+from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
+from imgtrainer.data.loaders import build_datasets
+from imgtrainer.data.sources import ReadableImageFolder
+from imgtrainer.errors import UserError
 
 
 def add_bad_files(folder: Path) -> dict[str, Path]:
@@ -88,7 +89,7 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
     train = write_image_folder(tmp_path / "train", ["cat", "dog"], 4)
     val = write_image_folder(tmp_path / "val", ["cat", "dog"], 2)
     add_bad_files(train / "dog")
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         train_set, val_set, classes = build_datasets(
             train, val, 16, 0, 0.5, 0.5, log_dir=tmp_path / "logs"
         )
@@ -107,7 +108,7 @@ def test_a_file_broken_after_the_scan_does_not_stop_the_epoch(tmp_path: Path, ca
     folder = ReadableImageFolder(write_image_folder(tmp_path / "d", ["a", "b"], 2))
     first_path, _ = folder.samples[0]
     Path(first_path).write_bytes(b"broken later")
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         image, label = folder[0]
     assert image.mode == "RGB" and label == 0  # the next sample, a's second image
     assert "could not read" in caplog.text

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from config import LAUNCHER_KEYS, config_yaml, parse_config
-from errors import UserError
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import LAUNCHER_KEYS, config_yaml, parse_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

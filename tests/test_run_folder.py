@@ -14,22 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import history
-import run_folder
-from checkpoint import (
-    CheckpointWriter,
+import imgtrainer.checkpoints.files as checkpoint
+import imgtrainer.files as run_folder
+import imgtrainer.reports.history as history
+from conftest import SRC, TINY_FLAGS, run_cli
+from imgtrainer.checkpoints.files import atomic_save, previous_path
+from imgtrainer.checkpoints.resume import (
     apply_optimisation_settings,
-    atomic_save,
     changed_settings,
     check_resume_settings,
     optimisation_settings,
-    previous_path,
 )
-from config import TrainConfig, parse_config
-from conftest import SRC, TINY_FLAGS, run_cli
-from errors import UserError
-from run_folder import (
+from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import TrainConfig, parse_config
+from imgtrainer.run.folder import (
     FolderBusy,
     FolderLock,
     check_new_run,
@@ -64,7 +63,7 @@ def test_lock_of_a_killed_process_is_free_at_once(tmp_path: Path):
             sys.executable,
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from run_folder import FolderLock; from pathlib import Path; "
+            "from imgtrainer.run.folder import FolderLock; from pathlib import Path; "
             "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
             str(SRC),
             str(folder),
@@ -249,7 +248,7 @@ def test_disk_full_while_writing_the_history(tmp_path: Path, monkeypatch):
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("run_folder.os.fsync", full)
+    monkeypatch.setattr("imgtrainer.files.os.fsync", full)
     with pytest.raises(UserError, match=r"training_history.json: it needs about \d+ B"):
         writer.save()
     assert path.read_text() == before and not (tmp_path / ".training_history.json.tmp").exists()
@@ -305,7 +304,7 @@ def test_changed_schedule_flags_are_listed(tmp_path: Path):
 def test_override_applies_new_hyperparameters_and_keeps_moments():
     from functools import partial
 
-    from optim import lr_factor  # the trainer's own schedule
+    from imgtrainer.training.optim import lr_factor
 
     def build(lr: float, weight_decay: float, kind: str):
         model = torch.nn.Linear(4, 2)
@@ -348,7 +347,7 @@ def test_override_applies_new_hyperparameters_and_keeps_moments():
 
 def train_main(argv: list, capsys) -> tuple[int, str]:
     """train_ddp.main in this process: (exit code, stderr)."""
-    from train_ddp import main
+    from imgtrainer.run.train import main
 
     try:
         code = main([str(a) for a in argv])

@@ -8,25 +8,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import train_ddp
-from checkpoint import (
+import imgtrainer.run.train as train_ddp
+from conftest import CPU, run_train, user_error_line
+from imgtrainer.checkpoints.files import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_SCHEMA,
     load_checkpoint_file,
     training_checkpoint,
 )
-from config import parse_config
-from conftest import CPU, run_train, user_error_line
-from distributed import DistInfo
-from engine import (
-    Precision,
-    StepState,
-    check_ddp_internals,
-    reset_ddp_after_failed_attempt,
-    train_one_epoch,
-)
-from memory import MemoryPlan
-from run_parts import build_run_parts, make_grad_scaler
+from imgtrainer.distributed.setup import DistInfo
+from imgtrainer.run.config import parse_config
+from imgtrainer.training.build import build_run_parts
+from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.precision import Precision, make_grad_scaler
+from imgtrainer.training.step import StepState, check_ddp_internals, reset_ddp_after_failed_attempt
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 

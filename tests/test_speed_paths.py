@@ -10,17 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from config import parse_config
 from conftest import ROOT, TINY_FLAGS, run_cli, user_error_line
-from data import (
-    DecodedImageCache,
-    EpochSampler,
-    ReadableImageFolder,
-    ShardSampler,
-    build_datasets,
-    cache_side,
-    make_loader,
-)
+from imgtrainer.data.loaders import build_datasets, make_loader
+from imgtrainer.data.samplers import EpochSampler, ShardSampler
+from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
+from imgtrainer.run.config import parse_config
 
 
 def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
@@ -85,9 +79,9 @@ def test_compile_wraps_the_model_and_unwraps_for_checkpoints():
     """What --compile builds; that it compiles for real is the slow launcher test's job."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from distributed import DistInfo
-    from model import unwrap_model
-    from run_parts import wrap_model
+    from imgtrainer.distributed.setup import DistInfo
+    from imgtrainer.models import unwrap_model
+    from imgtrainer.training.build import wrap_model
 
     one_cpu_process = DistInfo(0, 0, 1, 1, torch.device("cpu"))
     model = torch.nn.Linear(2, 2)
@@ -135,7 +129,7 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_gpu_cache_without_cuda_is_one_clear_error(tiny_dataset, tmp_path: Path, capsys):
-    import train_ddp
+    import imgtrainer.run.train as train_ddp
 
     train, val = tiny_dataset
     line = user_error_line(
@@ -192,7 +186,7 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
 def test_fast_crop_matches_torchvision_resize_and_respects_its_bounds():
     from torchvision.transforms import v2
 
-    from data import RandomResizedCropFlip
+    from imgtrainer.data.transforms import RandomResizedCropFlip
 
     torch.manual_seed(0)
     image = torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8)
@@ -216,7 +210,7 @@ def test_fast_crop_matches_torchvision_resize_and_respects_its_bounds():
 
 
 def test_auto_cache_uses_ram_only_when_it_fits():
-    from data import choose_cache
+    from imgtrainer.data.sources import choose_cache
 
     assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30) == "ram"  # ~1.4 GB
     assert choose_cache("auto", 5400, 224, budget_bytes=2**30) == "none"

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-import data
-import launch_ddp
-import lifecycle
-import preflight
-import quick_exit
+import imgtrainer.data.unreadable as unreadable
+import imgtrainer.run.launcher as launch_ddp
+import imgtrainer.run.lifecycle as lifecycle
+import imgtrainer.run.preflight as preflight
+import imgtrainer.run.quick_exit as quick_exit
 from conftest import ROOT, SRC, TINY_FLAGS, run_cli, write_image_folder
-from errors import UserError
+from imgtrainer.data.checks import find_classes
+from imgtrainer.data.sources import ReadableImageFolder
+from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
 
@@ -58,7 +60,7 @@ def test_launcher_help_and_checks_import_no_torch(tmp_path: Path):
 
 
 def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
-    from config import parse_config
+    from imgtrainer.run.config import parse_config
 
     train = write_image_folder(tmp_path / "train", ["a", "b"], 4)
     val = write_image_folder(tmp_path / "val", ["a", "b"], 2)
@@ -143,7 +145,7 @@ def forked_rank_exit_code(code: int) -> int | None:
     script = (
         "import multiprocessing, signal, sys, time\n"
         f"sys.path.insert(0, {str(SRC)!r})\n"
-        "from lifecycle import die_with_parent, exit_now\n"
+        "from imgtrainer.run.lifecycle import die_with_parent, exit_now\n"
         "def loader_worker():  # as data.quiet_loader_worker makes them\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "    die_with_parent(signal.SIGKILL)\n"
@@ -197,24 +199,26 @@ def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
     broken.write_bytes(b"not a jpeg")
     paths = sorted(str(p) for p in (folder / "a").iterdir())
     checked: list[list[str]] = []
-    real = data.find_unreadable
+    real = unreadable.find_unreadable
     monkeypatch.setattr(
-        data, "find_unreadable", lambda p, workers=1: checked.append(list(p)) or real(p, workers)
+        unreadable,
+        "find_unreadable",
+        lambda p, workers=1: checked.append(list(p)) or real(p, workers),
     )
     cache = tmp_path / "logs"
 
-    first = data.find_unreadable_shared(paths, 0, 1, cache)
-    second = data.find_unreadable_shared(paths, 0, 1, cache)
+    first = unreadable.find_unreadable_shared(paths, 0, 1, cache)
+    second = unreadable.find_unreadable_shared(paths, 0, 1, cache)
     assert set(first) == set(second) == {str(broken)}
     assert checked == [paths, []]  # the second start decodes nothing
 
     image = folder / "a" / "img_000.jpg"
     image.write_bytes(broken.read_bytes())  # replaced: new size and time, checked again
-    third = data.find_unreadable_shared(paths, 0, 1, cache)
+    third = unreadable.find_unreadable_shared(paths, 0, 1, cache)
     assert checked[-1] == [str(image)] and set(third) == {str(broken), str(image)}
 
-    (cache / data.DecodeCheckCache.NAME).write_text("{damaged")
-    assert set(data.find_unreadable_shared(paths, 0, 1, cache)) == set(third)
+    (cache / unreadable.DecodeCheckCache.NAME).write_text("{damaged")
+    assert set(unreadable.find_unreadable_shared(paths, 0, 1, cache)) == set(third)
     assert checked[-1] == paths
 
 
@@ -230,13 +234,12 @@ def folder_with_junk(root: Path) -> Path:
 
 
 def test_hidden_folders_and_macosx_are_never_classes(tmp_path: Path):
-    import predict
-    import prepare_data
+    import imgtrainer.tools.predict as predict
+    import imgtrainer.tools.prepare_data as prepare_data
 
     root = folder_with_junk(tmp_path / "train")
-    assert preflight.find_classes(root, "training") == ["cat", "dog"]
-    assert data.find_classes(root, "training") == ["cat", "dog"]
-    assert data.ReadableImageFolder(root).classes == ["cat", "dog"]
+    assert find_classes(root, "training") == ["cat", "dog"]
+    assert ReadableImageFolder(root).classes == ["cat", "dog"]
     assert [p.name for p in prepare_data.visible_subfolders(root)] == ["cat", "dog"]
     assert prepare_data.find_class_root(root) == root
     assert all(
@@ -257,8 +260,8 @@ def run_rank(tmp_path: Path, body: str, rank: int = 1) -> tuple[int, list[dict],
     code = (
         "import sys\n"
         f"sys.path.insert(0, {str(SRC)!r})\n"
-        "from errors import UserError\n"
-        "from lifecycle import run_reporting\n"
+        "from imgtrainer.errors import UserError\n"
+        "from imgtrainer.run.lifecycle import run_reporting\n"
         "def main():\n"
         f"    {body}\n"
         "sys.exit(run_reporting(main))\n"
@@ -357,7 +360,7 @@ def test_loader_workers_ignore_stop_signals(tmp_path: Path):
     code = (
         "import os, signal, sys\n"
         f"sys.path.insert(0, {str(SRC)!r})\n"
-        "from data import quiet_loader_worker\n"
+        "from imgtrainer.data.loaders import quiet_loader_worker\n"
         "quiet_loader_worker(0)\n"
         "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
         "    os.kill(os.getpid(), sig)\n"
@@ -371,7 +374,7 @@ def test_loader_workers_ignore_stop_signals(tmp_path: Path):
 
 def test_sighup_stops_like_sigterm():
     """A closed terminal: the same agreed stop with a checkpoint, and exit code 143."""
-    from stopping import StopRequest
+    from imgtrainer.training.stopping import StopRequest
 
     stop = StopRequest(distributed=False)
     with stop.installed():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
-from lifecycle import descendants
+from imgtrainer.run.lifecycle import descendants
 
 pytestmark = pytest.mark.slow
 

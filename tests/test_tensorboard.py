@@ -17,7 +17,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import metadata as hparams_metadata  # noqa: E402
 
-from tensorboard_log import SUBDIR, TensorBoardLogger, image_grid  # noqa: E402
+from imgtrainer.reports.tensorboard import SUBDIR, TensorBoardLogger, image_grid  # noqa: E402
 
 STEP_METRICS = ("loss", "lr", "images_per_sec", "data_wait_share")
 

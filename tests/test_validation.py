@@ -12,9 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FP32, write_image_folder
-from data import ShardSampler, build_datasets, make_loader
-from engine import evaluate
-from model import build_model
+from imgtrainer.data.loaders import build_datasets, make_loader
+from imgtrainer.data.samplers import ShardSampler
+from imgtrainer.models import build_model
+from imgtrainer.training.evaluation import evaluate
 
 
 def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
@@ -46,7 +47,7 @@ def _worker(rank: int, world_size: int, val_dir: Path, out: Path, port: int) -> 
 
 @pytest.mark.slow
 def test_two_processes_match_one_on_an_odd_sized_val_set(tmp_path: Path):
-    from launch_ddp import free_port
+    from imgtrainer.run.launcher import free_port
 
     val_dir = write_image_folder(tmp_path / "val", ["a", "b", "c"], per_class=5)  # 15 images
     single = metrics_on_shard(val_dir, rank=0, world_size=1)

@@ -1,0 +1,77 @@
+"""Checks on the data folders: classes, empty classes, unreadable images."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from imgtrainer.data.image_files import (
+    IMAGE_EXTENSIONS,
+    class_folders,
+    is_image_file,
+)
+from imgtrainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- data folders
+
+
+def find_classes(folder: Path, role: str) -> list[str]:
+    """Class folder names of an ImageFolder (hidden folders and __MACOSX are never classes), or
+    one clear error."""
+    if not folder.is_dir():
+        raise UserError(f"{role} folder {folder} does not exist")
+    classes = [p.name for p in class_folders(folder)]
+    if not classes:
+        raise UserError(
+            f"{role} folder {folder} has no class folders; expected {folder}/<class>/<image files>"
+        )
+    return classes
+
+
+def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
+    """The class names shared by both folders; any problem is one line naming the fix."""
+    if not train_dir.exists() and not val_dir.exists():
+        raise UserError(
+            f"no dataset found: looked for {train_dir.resolve()} and {val_dir.resolve()}. "
+            "Try the bundled demo with `python launch_ddp.py --demo`, or put your images in "
+            f"{train_dir}/<class>/*.jpg and {val_dir}/<class>/*.jpg "
+            "(or point --train_dir/--val_dir at them)"
+        )
+    train_classes = find_classes(train_dir, "training")
+    val_classes = find_classes(val_dir, "validation")
+    if train_classes != val_classes:
+        only_train = sorted(set(train_classes) - set(val_classes))
+        only_val = sorted(set(val_classes) - set(train_classes))
+        raise UserError(
+            f"the class folders of {train_dir} and {val_dir} differ: "
+            f"missing in validation: {only_train or 'none'}; "
+            f"missing in training: {only_val or 'none'}"
+        )
+    return train_classes
+
+
+def count_images(folder: Path, classes: list[str]) -> dict[str, int]:
+    """Image files (by extension) under each class folder, walked the way torchvision's
+    ImageFolder walks it (recursively, following links)."""
+    return {
+        name: sum(
+            is_image_file(file)
+            for _, _, files in os.walk(folder / name, followlinks=True)
+            for file in files
+        )
+        for name in classes
+    }
+
+
+def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str) -> None:
+    empty = [name for name, n in counts.items() if n == 0]
+    if empty:
+        raise UserError(
+            f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no "
+            f"image files ({'/'.join(IMAGE_EXTENSIONS)}); add images or remove the "
+            "folder"
+        )

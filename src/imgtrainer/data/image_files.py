@@ -1,0 +1,123 @@
+"""Reading one image file robustly: which files count as images, decoding to upright RGB, and the
+start-up check that finds the files that do not decode.
+
+No torch here: ``src/prepare_data.py`` imports this module and starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from PIL import Image, ImageOps
+
+# The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
+# so this module needs no torch import; a test checks that the two stay equal.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+UNREADABLE_LIST = "unreadable_images.txt"
+
+
+# The check decodes at a reduced scale (JPEG's DCT scaling): every byte of the file is still read
+# and entropy-decoded, so truncated and corrupt files fail, at a fraction of the full cost.
+CHECK_DRAFT_SIZE = 1  # the smallest scale JPEG decoding offers: 1/8
+
+
+# Below this many files, a pool of threads is not worth starting.
+PARALLEL_MIN_FILES = 256
+
+
+# Folders that are never classes, in training, evaluation, prediction and preparation alike:
+# hidden ones (.git, .ipynb_checkpoints, .Trash) and the __MACOSX folder that a zip made on a Mac
+# carries next to the real folders, full of "._" resource forks that are not images.
+NOT_CLASS_FOLDERS = frozenset({"__MACOSX"})
+
+
+def is_hidden_folder_name(name: str) -> bool:
+    """A folder name that never holds a class or user images (see ``NOT_CLASS_FOLDERS``)."""
+    return name.startswith(".") or name in NOT_CLASS_FOLDERS
+
+
+def class_folders(root: Path) -> list[Path]:
+    """The class folders of an ImageFolder root, sorted by name: every visible subfolder."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and not is_hidden_folder_name(p.name))
+
+
+def is_image_file(path: str | Path) -> bool:
+    """An image by its extension (any case). Hidden files are not: macOS leaves ``._photo.jpg``
+    resource forks next to the real photos, and they do not decode."""
+    name = os.path.basename(path)
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def open_rgb(path: str | Path, draft: int | None = None) -> Image.Image:
+    """The image at ``path`` as RGB, turned upright according to its EXIF orientation.
+
+    Cameras store portrait photos sideways with an orientation tag; without honouring it the
+    model would train on rotated animals. ``draft`` lets JPEGs decode at a reduced scale.
+    """
+    with Image.open(path) as image:
+        if draft:
+            image.draft("RGB", (draft, draft))
+        # exif_transpose returns a loaded copy (transposed if needed): the file can be closed.
+        upright = ImageOps.exif_transpose(image)
+    return to_rgb(upright)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Grayscale, palette, CMYK, RGBA... to RGB. Transparent pixels become white: the colour under
+    a transparent pixel is arbitrary (often black), while cut-out objects are meant on white."""
+    if image.mode == "RGB":
+        return image
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+        image.mode == "P" and "transparency" in image.info
+    )
+    if not has_alpha:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    background = Image.new("RGB", rgba.size, (255, 255, 255))
+    background.paste(rgba, mask=rgba.getchannel("A"))
+    return background
+
+
+def image_problem(path: str) -> str | None:
+    """None if ``path`` decodes to an RGB image, otherwise why it does not (one line)."""
+    try:
+        open_rgb(path, draft=CHECK_DRAFT_SIZE)
+    except Exception as err:  # any failure of a decoder on a user's file means "unreadable"
+        text = str(err).splitlines()[0] if str(err) else ""
+        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return None
+
+
+def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
+    """``{path: reason}`` for every file of ``paths`` that does not decode.
+
+    Large lists are checked in ``workers`` threads: Pillow releases the GIL while it decodes, and
+    threads need no fork of a process that may already hold a process group or a CUDA context.
+    """
+    if workers > 1 and len(paths) >= PARALLEL_MIN_FILES:
+        with ThreadPoolExecutor(workers) as pool:
+            problems = list(pool.map(image_problem, paths))
+    else:
+        problems = [image_problem(path) for path in paths]
+    return {
+        path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None
+    }
+
+
+def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
+    """Write ``folder/unreadable_images.txt`` (one ``path<TAB>reason`` line per file).
+
+    Every process of a distributed run writes the same content, each to its own temporary file
+    renamed into place: whichever rename lands last, the file is complete and correct.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / UNREADABLE_LIST
+    tmp = folder / f".{UNREADABLE_LIST}.{os.getpid()}.tmp"
+    tmp.write_text("".join(f"{p}\t{reason}\n" for p, reason in sorted(unreadable.items())))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,201 @@
+"""Where training images come from: the image folder, the decoded-image cache, seeded samples."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from imgtrainer.data.checks import find_classes
+from imgtrainer.data.image_files import (
+    is_image_file,
+    open_rgb,
+)
+from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
+
+log = logging.getLogger(__name__)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The augmentation seed of one sample: a function of (seed, epoch, index) only."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
+
+
+class SeededImageDataset(Dataset):
+    """An ImageFolder whose items are fetched by ``(index, epoch)`` keys from ``EpochSampler``.
+
+    The transform runs with the CPU generator seeded from (seed, epoch, index) and restored
+    afterwards, so the augmentation of a sample is the same in any worker and the process's own
+    random stream (used by dropout, for instance) is untouched. Plain integer keys (validation) use no seeding.
+    """
+
+    def __init__(
+        self, folder: datasets.ImageFolder | DecodedImageCache, transform: v2.Compose, seed: int
+    ):
+        self.folder = folder
+        self.transform = transform
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        if isinstance(key, int):
+            image, label = self.folder[key]
+            return self.transform(image), label
+        index, epoch = key
+        image, label = self.folder[index]
+        with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+            return self.transform(image), label
+
+
+@contextlib.contextmanager
+def seeded_cpu_generator(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
+    put its state back after: what runs inside depends only on ``seed``, and the process's own
+    random stream (dropout, for instance) is untouched. (torch.manual_seed and fork_rng would
+    also touch every accelerator's generator: ~0.3 ms per sample, more than the augmentation
+    itself at small image sizes.)"""
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
+
+
+class DecodedImageCache(Dataset):
+    """Every image of a folder decoded once and kept in memory as a uint8 tensor (3, S, W).
+
+    Each image is resized once so its shorter side is S = image_size / ratio (the evaluation
+    resize, 0.875 for the training images; aspect ratio kept), so later epochs skip file reads and JPEG decoding and the random
+    crop / flip run on small tensors (the transforms accept tensors). Training then crops from
+    the resized picture instead of the full-resolution file: the same framing, less detail in
+    the smallest crops. With ``device`` "cuda" the images live on the GPU and are augmented
+    there. Items are ``(image, label)`` like ImageFolder's.
+    """
+
+    def __init__(
+        self,
+        folder: datasets.ImageFolder,
+        image_size: int,
+        device: str = "cpu",
+        threads: int = 4,
+        ratio: float = EVAL_RESIZE_RATIO,
+    ):
+        side = cache_side(image_size, ratio)
+        problems: dict[str, str] = {}  # path -> why it does not decode
+
+        def decode(path: str) -> torch.Tensor | None:
+            try:
+                image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
+            except Exception as err:  # any decoder failure on a user's file: leave it out
+                text = str(err).splitlines()[0] if str(err) else ""  # as image_problem
+                problems[path] = f"{type(err).__name__}: {text}" if text else type(err).__name__
+                return None
+            scale = side / min(image.size)
+            image = image.resize(
+                (max(side, round(image.width * scale)), max(side, round(image.height * scale))),
+                Image.BILINEAR,
+            )
+            return v2.functional.pil_to_tensor(image).to(device)
+
+        # Decoding releases the GIL, so threads scale over the cores.
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
+        self.images = [image for image in decoded if image is not None]
+        self.samples = [
+            s for s, image in zip(folder.samples, decoded, strict=True) if image is not None
+        ]
+        self.targets = [target for _, target in self.samples]
+        self.unreadable = problems  # left out here; build_datasets reports them once
+
+    def leave_out(self, paths: set[str]) -> None:
+        keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
+        self.images = [self.images[i] for i in keep]
+        self.samples = [self.samples[i] for i in keep]
+        self.targets = [target for _, target in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], self.targets[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(image.numel() for image in self.images)
+
+
+def cache_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
+    return eval_resize_side(image_size, ratio)
+
+
+def choose_cache(cache: str, num_images: int, image_size: int, budget_bytes: int) -> str:
+    """``auto``: keep decoded images in RAM when they fit the budget (photos taken as 4:3)."""
+    if cache != "auto":
+        return cache
+    estimate = num_images * 3 * cache_side(image_size) ** 2 * 4 // 3
+    return "ram" if estimate <= budget_bytes else "none"
+
+
+# ----------------------------------------------------------------------------- unreadable files
+
+
+class ReadableImageFolder(datasets.ImageFolder):
+    """An ImageFolder that reads images as upright RGB, ignores files that are not images, can
+    leave out the files found unreadable at start, and never ends an epoch for one bad file.
+
+    ``class_names`` fixes the label of each class folder (a checkpoint's classes, of which the
+    folder may hold only some); by default the folder's own visible class folders, sorted.
+    """
+
+    def __init__(self, root: Path, class_names: Sequence[str] | None = None):
+        self.wanted_classes = list(class_names) if class_names is not None else None
+        # allow_empty: an empty class folder is reported by check_no_empty_class, with its name,
+        # after the unreadable files are left out too.
+        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file, allow_empty=True)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        names = self.wanted_classes or find_classes(Path(directory), "image")
+        return names, {name: i for i, name in enumerate(names)}
+
+    def leave_out(self, paths: set[str] | dict[str, Any]) -> None:
+        self.samples = [s for s in self.samples if s[0] not in paths]
+        self.imgs = self.samples
+        self.targets = [target for _, target in self.samples]
+
+    def empty_classes(self) -> list[str]:
+        """Class folders that exist but hold no usable image."""
+        used = set(self.targets)
+        return [
+            name
+            for name, i in self.class_to_idx.items()
+            if i not in used and (Path(self.root) / name).is_dir()
+        ]
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        # A file that passed the start-up check can still fail later (replaced, deleted, a disk
+        # error). Hours into a run, one such file must not end it: take the next sample instead.
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self.loader(path)
+            except Exception as err:  # any decoder failure on a user's file
+                log.warning(
+                    f"could not read {path} ({type(err).__name__}: {err}); "
+                    "using the next image in its place"
+                )
+                continue
+            return image, target
+        raise RuntimeError(f"none of the {len(self.samples)} images under {self.root} can be read")

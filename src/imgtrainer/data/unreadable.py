@@ -1,0 +1,143 @@
+"""Unreadable images: found once (in parallel, remembered between runs), reported, left out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from imgtrainer.data.image_files import (
+    IMAGE_EXTENSIONS,
+    find_unreadable,
+    write_unreadable_list,
+)
+from imgtrainer.data.sources import ReadableImageFolder
+from imgtrainer.distributed.collectives import all_gather_objects
+from imgtrainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def leave_out_unreadable(
+    folders: dict[str, ReadableImageFolder],
+    log_dir: Path | None,
+    rank: int = 0,
+    world_size: int = 1,
+    cache_dir: Path | None = None,
+) -> dict[str, str]:
+    """Find the files that do not decode, leave them out with one warning (the list goes to
+    ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
+    of the files left out. With ``cache_dir``, results are remembered there per file (see
+    ``DecodeCheckCache``). Every rank must call this."""
+    paths = [path for folder in folders.values() for path, _ in folder.samples]
+    unreadable = find_unreadable_shared(paths, rank, world_size, cache_dir)
+    if unreadable:
+        report_unreadable(unreadable, len(paths), log_dir)
+    for role, folder in folders.items():
+        folder.leave_out(unreadable)
+        check_no_empty_class(folder, role)
+    return unreadable
+
+
+def find_unreadable_shared(
+    paths: list[str], rank: int, world_size: int, cache_dir: Path | None = None
+) -> dict[str, str]:
+    """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
+    which distributed.setup_distributed sets); the results are gathered so that every rank leaves
+    out exactly the same files: the samplers index the same list on every rank. Files whose
+    result ``cache_dir`` remembers are not decoded again."""
+    cache = DecodeCheckCache(cache_dir)
+    todo = cache.unknown(paths)
+    if world_size > 1:
+        # Ranks on other nodes may remember other files (their own log folder): check every file
+        # that any rank lacks, so each rank learns every result and the shares line up.
+        todo = sorted(set().union(*all_gather_objects(todo)))
+    found = find_unreadable(todo[rank::world_size], workers=torch.get_num_threads())
+    if world_size > 1:
+        found = {path: why for part in all_gather_objects(found) for path, why in part.items()}
+    if todo:
+        cache.remember(todo, found)
+    return {path: why for path in paths if (why := cache.problem(path)) is not None}
+
+
+class DecodeCheckCache:
+    """What the decode check found for each file, keyed by (path, size, modification time), kept
+    in ``folder/image_check_cache.json``. Decoding every image at every start took seconds on a
+    large folder; a file that changes gets a new size or time and is checked again.
+
+    It lives in the run's log folder, which is writable by definition (a dataset may sit on a
+    read-only share) and goes away with the run's logs. Every rank writes the same content,
+    through its own temporary file renamed into place, like the unreadable-files list. Without a
+    folder it remembers nothing.
+    """
+
+    NAME = "image_check_cache.json"
+    VERSION = 1  # bump when the check itself changes: old results are then ignored
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.stats: dict[str, list[int]] = {}
+        self.results: dict[str, list] = {}  # path -> [size, mtime_ns, problem or None]
+        if folder is not None:
+            try:
+                saved = json.loads((folder / self.NAME).read_text())
+                if saved.get("version") == self.VERSION:
+                    self.results = dict(saved["files"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # no cache yet, or a damaged one: check every file again
+
+    def _stat(self, path: str) -> list[int]:
+        if path not in self.stats:
+            try:
+                st = os.stat(path)
+                self.stats[path] = [st.st_size, st.st_mtime_ns]
+            except OSError:
+                self.stats[path] = [-1, -1]
+        return self.stats[path]
+
+    def unknown(self, paths: list[str]) -> list[str]:
+        if self.folder is None:
+            return list(paths)
+        return [p for p in paths if p not in self.results or self.results[p][:2] != self._stat(p)]
+
+    def remember(self, checked: list[str], problems: dict[str, str]) -> None:
+        for path in checked:
+            self.results[path] = [*self._stat(path), problems.get(path)]
+        if self.folder is None:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
+            os.replace(tmp, self.folder / self.NAME)
+        except OSError as err:  # only a cache: the next start checks again
+            log.warning(f"could not write {self.folder / self.NAME} ({err})")
+
+    def problem(self, path: str) -> str | None:
+        if path in self.results:
+            return self.results[path][2]
+        return None
+
+
+def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:
+    if log_dir is not None:
+        where = f"list in {write_unreadable_list(unreadable, log_dir)}"
+    else:
+        shown = sorted(unreadable)[:3]
+        where = ", ".join(shown) + (", ..." if len(unreadable) > len(shown) else "")
+    log.warning(
+        f"{len(unreadable)} of {total} image files cannot be decoded and are left out ({where})"
+    )
+
+
+def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
+    empty = folder.empty_classes()
+    if empty:
+        raise UserError(
+            f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
+            f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
+            "images or remove the folder"
+        )

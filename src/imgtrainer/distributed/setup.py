@@ -1,0 +1,128 @@
+"""The process group, the device, and what this machine offers each process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+
+from imgtrainer.distributed.collectives import host_group
+from imgtrainer.errors import UserError
+from imgtrainer.run.lifecycle import die_with_parent
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            "--device cuda was asked for but no CUDA GPU is visible; "
+            "use --device cpu or check CUDA_VISIBLE_DEVICES and the driver"
+        )
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(
+            f"local rank {local_rank} needs GPU {local_rank} but only "
+            f"{torch.cuda.device_count()} are visible; start fewer processes per node"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def cpu_cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int:
+    """Memory that can be used without swapping (MemAvailable), for sizing in-memory caches."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
+    """Read torchrun's environment (or assume one process) and join the process group."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in its own session: without this, a rank whose agent was
+        # killed would train on, an orphan. SIGTERM stops it like any SIGTERM (a checkpoint).
+        die_with_parent(signal.SIGTERM)
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = choose_device(requested_device, local_rank)
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # torchrun sets OMP_NUM_THREADS=1 for every worker; give each process its share of the
+        # cores instead, so 1 process uses them all and N processes do not oversubscribe.
+        torch.set_num_threads(max(1, cpu_cores_available() // local_world_size))
+
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        torch_dist.init_process_group(
+            backend,
+            store=_rendezvous_store(world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        host_group(timeout)  # now, with the job's timeout; later calls reuse it
+    return DistInfo(rank, local_rank, world_size, local_world_size, device)
+
+
+def _rendezvous_store(world_size: int) -> torch_dist.Store:
+    """The TCP store for this attempt, namespaced by torchrun's restart count.
+
+    After a torchrun restart, workers that init through env:// read the peer addresses that the
+    dead attempt left in the store and fail in gloo's connectFullMesh ("Connection refused").
+    Prefixing every key with the attempt number gives each restart a clean namespace.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = int(os.environ.get("RANK", 0)) == 0 and not agent_hosts_store
+    store = torch_dist.TCPStore(
+        host,
+        port,
+        world_size=None if agent_hosts_store else world_size,
+        is_master=is_server,
+        timeout=datetime.timedelta(minutes=5),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch_dist.PrefixStore(f"attempt{attempt}", store)
+
+
+def cleanup_distributed() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

@@ -1,0 +1,46 @@
+"""User-facing errors: one clear line on stderr and exit code 2, never a traceback; a closed
+output pipe (``| head``) ends a tool quietly.
+
+Every command-line tool of the project wraps its ``main`` with :func:`exit_on_user_error`.
+Code anywhere below raises :class:`UserError` for problems the user can fix (bad flags, missing
+folders, corrupt files); unexpected failures keep their traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+EXIT_USER_ERROR = 2
+
+
+# What a shell reports for a process ended by SIGPIPE (128 + 13), e.g. `tool --help | head`.
+EXIT_BROKEN_PIPE = 141
+
+
+F = TypeVar("F", bound=Callable)
+
+
+class UserError(Exception):
+    """A problem with the user's input, reported as one line and exit code 2."""
+
+
+def exit_on_user_error(main: F) -> F:
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as err:
+            sys.stderr.write(f"error: {err}\n")  # one write: ranks never interleave in a line
+            sys.stderr.flush()
+            sys.exit(EXIT_USER_ERROR)
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so the
+            # interpreter's final flush of what is still buffered cannot fail a second time.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,90 @@
+"""Writing files so that a crash never leaves a half-written one: write, fsync, rename."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from imgtrainer.errors import UserError
+
+# errno values that mean "no room to write": a full disk, or a full quota.
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    needed_bytes: Callable[[], int],
+    keep_previous_as: Path | None = None,
+) -> None:
+    """``write(file)`` to a temporary file beside ``path``, fsync, then rename it into place.
+
+    A crash leaves the old file or the new one, never a torn one. With ``keep_previous_as`` the
+    file being replaced is kept under that name. When the disk (or quota) is full, the partial
+    temporary file is removed, the existing files are left as they were, and the error is one
+    line naming the file, the space it needs (``needed_bytes()``) and the space free.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as err:  # the partial file goes, whatever stopped the write
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
+            raise disk_full_error(path, needed_bytes()) from None
+        raise
+    if keep_previous_as is not None and path.exists():
+        os.replace(path, keep_previous_as)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_link(source: Path, path: Path) -> bool:
+    """Make ``path`` a second name (a hard link) of ``source``'s file, replacing ``path``
+    atomically; False where the file system has no hard links. Only for files that are never
+    modified in place, only replaced (``atomic_write``): replacing one name then leaves the
+    other on the old content."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    _fsync_dir(path.parent)
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames themselves durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_full_error(path: Path, needed: int) -> UserError:
+    free = shutil.disk_usage(path.parent).free
+    return UserError(
+        f"no space left on the device to write {path}: it needs about "
+        f"{format_bytes(needed)}, {format_bytes(free)} are free there; free some "
+        "space, then continue with --resume auto (the files written before are "
+        "intact)"
+    )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,56 @@
+"""Training curves from the history file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from imgtrainer.errors import UserError  # noqa: E402
+from imgtrainer.reports.history import read_history  # noqa: E402
+
+
+def load_history(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(
+            f"history file {path} does not exist; a training run writes it to "
+            "<log_dir>/training_history.json"
+        )
+    try:
+        history = read_history(path)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a training history file ({err})") from None
+    if not history["epochs"]:
+        raise UserError(f"{path} holds no finished epoch yet; nothing to plot")
+    return history
+
+
+def plot_curves(history: dict, output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: works without a display
+    import matplotlib.pyplot as plt
+
+    records = history["epochs"]
+    epochs = [r["epoch"] for r in records]
+    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax_loss.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
+    ax_loss.plot(epochs, [r["val_loss"] for r in records], "o-", label="val")
+    ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
+    ax_acc.plot(epochs, [r["train_acc"] for r in records], "o-", label="train top-1")
+    ax_acc.plot(epochs, [r["val_acc"] for r in records], "o-", label="val top-1")
+    ax_acc.plot(epochs, [r["val_top5"] for r in records], "o--", label="val top-5")
+    ax_acc.set(title="Accuracy", xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02))
+    ax_lr.plot(epochs, [r["lr"] for r in records], "o-", color="tab:green")
+    ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="lr")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for ax in (ax_loss, ax_acc, ax_lr):
+        ax.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_acc.legend()
+    model = history.get("config", {}).get("model", "model")
+    best = max(r["val_acc"] for r in records)
+    fig.suptitle(f"{model}, world size {history.get('world_size', '?')}: best val top-1 {best:.4f}")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,256 @@
+"""A run owns its checkpoint folder: one run at a time, and never another run's results silently.
+
+* ``FolderLock``: an OS file lock (``fcntl.flock``) on ``<checkpoint_dir>/.lock``, holding the
+  pid and host of the run. The kernel drops it when the process dies, however it dies, so a crash
+  never leaves a folder stuck; a second run on the same folder stops at once, naming the holder.
+* ``check_new_run``: a run started without ``--resume`` in a folder that holds another run's
+  checkpoints (or a log folder holding its history) stops with one line offering the choices.
+* ``claim_run_folder``: both, decided by the process that writes checkpoints and shared with the
+  others through a collective the caller passes in, so every rank stops together.
+* ``atomic_write``: temporary file, fsync, rename; a full disk is one line naming the file and the
+  space it needs, with the partial file removed and the previous file untouched.
+
+Only the standard library and ``errors``: the launcher can run these checks before it starts
+torchrun, without importing torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from imgtrainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+LOCK_NAME = ".lock"
+
+
+# What a run leaves in --checkpoint_dir (see checkpoint.py) and in --log_dir (history.py).
+LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
+
+
+CHECKPOINT_FILES = (LATEST_NAME, "checkpoint_latest.prev.pth", BEST_NAME)
+
+
+HISTORY_NAME = "training_history.json"
+
+
+# errno values of a file system without flock (some network file systems).
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+class FolderBusy(UserError):
+    """Another live process holds the folder's lock."""
+
+
+def check_checkpoint_dir(folder: Path) -> None:
+    """``--checkpoint_dir`` must be a folder (or not exist yet), never a file."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(
+            f"--checkpoint_dir {folder} is a file, not a folder; give a folder "
+            "for the checkpoints (it is created if missing)"
+        )
+
+
+class FolderLock:
+    """``flock`` on ``folder/.lock``; ``acquire`` raises ``FolderBusy`` naming the holder."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_NAME
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        check_checkpoint_dir(self.path.parent)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # No O_TRUNC: opening must not erase the holder's pid before we know we are not it.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UserError(
+                f"cannot create the lock file {self.path} in --checkpoint_dir: "
+                f"{err.strerror}; choose a folder you can write to"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in NO_LOCKS:
+                log.warning(
+                    f"the file system of {self.path.parent} does not support "
+                    "file locks: nothing stops a second run from using it at the same "
+                    "time"
+                )
+                return
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise folder_busy(self.path.parent, read_holder(self.path)) from None
+        self._fd = fd
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        try:
+            os.ftruncate(fd, 0)
+            os.write(
+                fd,
+                f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(),
+            )
+        except OSError:
+            pass  # a full disk: the lock holds all the same; only the holder's name is missing
+
+    def release(self) -> None:
+        # The file stays: deleting a lock file races with a process that has just opened it.
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def folder_busy(folder: Path, holder: str) -> FolderBusy:
+    return FolderBusy(
+        f"--checkpoint_dir {folder} is in use by another run ({holder}); wait "
+        "for it to finish or stop it, or give another --checkpoint_dir"
+    )
+
+
+def read_holder(lock_path: Path) -> str:
+    """What the holding run wrote in its lock file, e.g. 'pid 123 on host a, started ...'."""
+    try:
+        text = lock_path.read_text().strip()
+    except OSError:
+        text = ""
+    return text or "its pid is not written yet"
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds ``folder``'s lock, or None if nobody does. Takes the lock for an instant, so a
+    launcher can check before it starts anything; the run itself takes it for good."""
+    if not (folder / LOCK_NAME).is_file():
+        return None
+    try:
+        with FolderLock(folder):
+            return None
+    except FolderBusy:
+        return read_holder(folder / LOCK_NAME)
+
+
+def previous_run_files(checkpoint_dir: Path, log_dir: Path) -> list[Path]:
+    """The checkpoints and the history an earlier run left in these folders."""
+    found = [checkpoint_dir / name for name in CHECKPOINT_FILES]
+    found.append(log_dir / HISTORY_NAME)
+    return [path for path in found if path.is_file()]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().parent == folder.resolve()
+
+
+def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """A run may write into folders holding an earlier run's results only if it continues that
+    run (``--resume auto`` finding a checkpoint there, or ``--resume`` one of that folder's
+    checkpoints) or was told to start over (``--overwrite``)."""
+    if overwrite:
+        return
+    found = previous_run_files(checkpoint_dir, log_dir)
+    checkpoints = [path for path in found if path.parent == checkpoint_dir]
+    # --resume auto continues from the latest checkpoint (or its fallback), never from the best.
+    continues = (
+        resume == "auto"
+        and any(path.name != BEST_NAME for path in checkpoints)
+        or resume not in (None, "auto")
+        and _inside(Path(resume), checkpoint_dir)
+    )
+    if continues or not found:
+        return
+    if resume is None:
+        start = "a new run"
+    elif resume == "auto":
+        start = f"--resume auto found no checkpoint to continue in {checkpoint_dir}, and a new run"
+    else:
+        start = f"--resume {resume} continues a checkpoint of another folder, and this run"
+    choices = ["--resume auto to continue that run"] if checkpoints and resume is None else []
+    choices.append("--overwrite to start over and replace them")
+    folders = " and ".join(
+        flag
+        for flag, used in (
+            ("--checkpoint_dir", checkpoints),
+            ("--log_dir", len(found) > len(checkpoints)),
+        )
+        if used
+    )
+    raise UserError(
+        f"{start} would replace the results of an earlier run "
+        f"({', '.join(str(path) for path in found)}): add {', '.join(choices)}, or "
+        f"give another {folders}"
+    )
+
+
+def check_run_folder(
+    checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool
+) -> None:
+    """The whole check, without keeping the lock: for a launcher, before it starts anything
+    (the run itself still takes the lock, since another run may start in between)."""
+    check_checkpoint_dir(checkpoint_dir)
+    holder = lock_holder(checkpoint_dir)
+    if holder is not None:
+        raise folder_busy(checkpoint_dir, holder)
+    check_new_run(checkpoint_dir, log_dir, resume, overwrite)
+
+
+@contextlib.contextmanager
+def claim_run_folder(
+    checkpoint_dir: Path,
+    log_dir: Path,
+    *,
+    resume: str | None,
+    overwrite: bool,
+    enabled: bool,
+    first_attempt: bool = True,
+    agree: Callable[[str | None], str | None] = lambda error: error,
+) -> Iterator[None]:
+    """Lock ``checkpoint_dir`` for the duration of the block and check that the run may write
+    there. Only the process that writes checkpoints (``enabled``) looks; ``agree`` must run on
+    every process and return that process's verdict (None, or the error line), so all of them
+    raise the same ``UserError`` together and none waits for a process that already left.
+
+    ``first_attempt`` is False in workers that torchrun restarted: the checkpoints they find are
+    their own run's, not another's.
+    """
+    lock = FolderLock(checkpoint_dir)
+    error: str | None = None
+    if enabled:
+        try:
+            lock.acquire()
+            if first_attempt:
+                check_new_run(checkpoint_dir, log_dir, resume, overwrite)
+        except UserError as err:
+            lock.release()
+            error = str(err)
+    try:
+        error = agree(error)
+    except BaseException:
+        lock.release()
+        raise
+    if error is not None:
+        lock.release()
+        raise UserError(error)
+    try:
+        yield
+    finally:
+        lock.release()

@@ -1,0 +1,371 @@
+"""Launch src/train_ddp.py under torchrun on 1..N GPUs (or CPU processes), on one or more nodes.
+
+    python launch_ddp.py --demo                              # the bundled demo data
+    python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
+    python launch_ddp.py --num_gpus all --use_amp            # every visible GPU
+    python launch_ddp.py --device cpu --nproc 2              # 2 CPU processes over gloo
+    python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
+
+Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
+launcher builds and runs the torchrun command (``torch.distributed.run:main`` with the same
+interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
+SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the run ended: 0 done, 2 bad input,
+130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts as SIGTERM), or the failing rank's
+code. On the CPU, torchrun forks the workers from its agent, which imported the trainer (torch,
+torchvision, timm) once (``--start_method``).
+
+It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
+pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
+own stderr and the ranks' stderr go to LOG_DIR/torchrun.log; the console gets the main rank's
+progress and, when a rank fails, that rank's error line (and a bug's traceback) once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.run.config import (
+    LAUNCHER_FLAGS_ENV,
+    LAUNCHER_KEYS,
+    config_yaml,
+    parse_config,
+    read_run_file,
+    run_file_parser,
+)
+from imgtrainer.run.lifecycle import (
+    REPORT_DIR_ENV,
+    STOP_SIGNALS,
+    die_with_parent,
+    exit_code_for,
+    mark,
+    read_outcomes,
+)
+from imgtrainer.run.preflight import launcher_checks, visible_gpu_count
+
+SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
+TRAIN_SCRIPT = SRC / "train_ddp.py"
+QUICK_EXIT = SRC / "quick_exit.py"
+TRAINER_MODULE = "imgtrainer.run.train"  # what the agent imports before forking the workers
+TORCHRUN_LOG = "torchrun.log"
+START_METHODS = ("auto", "fork", "spawn")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch_ddp.py",
+        add_help=False,
+        description="Run src/train_ddp.py under torchrun. Launcher flags are listed first; "
+        "every other flag is passed to the trainer (listed after them).",
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show both sets of flags")
+    parser.add_argument(
+        "--num_gpus", default=None, help="GPUs to use on this node: a number or 'all' (default: 1)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="auto: CUDA when a GPU is visible, else the CPU (default: auto)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="processes per node on the CPU (default: 1)"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument(
+        "--node_rank",
+        type=int,
+        default=0,
+        help="this node's rank, 0..nnodes-1; node 0 hosts the rendezvous",
+    )
+    parser.add_argument(
+        "--master_addr", default="127.0.0.1", help="address of node 0 (default: 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)",
+    )
+    parser.add_argument(
+        "--rdzv_id",
+        default="image-trainer",
+        help="rendezvous id, the same on every node of one job",
+    )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="times torchrun restarts the workers after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--start_method",
+        choices=START_METHODS,
+        default="auto",
+        help="how torchrun starts the workers. fork: as copies of its agent, which imports "
+        "torch, torchvision, timm and the trainer once (seconds quicker to the first step); "
+        "spawn: as fresh processes, each importing them again (torchrun's default). "
+        "auto: fork on the CPU, spawn with CUDA (default: auto)",
+    )
+    parser.add_argument("--dry_run", action="store_true", help="print the command, run nothing")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
+    """Which device the trainer uses and how many processes run on this node. The GPUs are
+    counted without torch (``visible_gpu_count``); each worker then checks its own device."""
+    visible = visible_gpu_count()
+    device = args.device if args.device != "auto" else ("cuda" if visible else "cpu")
+    if device == "cuda" and not visible:
+        raise UserError(
+            "--device cuda was asked for but no CUDA GPU is visible; "
+            "use --device cpu (with --nproc N for N processes)"
+        )
+    if device == "cpu":
+        if args.num_gpus not in (None, "1") and args.device == "auto":
+            raise UserError(
+                f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
+                "visible; use --device cpu --nproc N to train on the CPU"
+            )
+        if args.nproc < 1:
+            raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+        return device, args.nproc
+    requested = args.num_gpus or "1"
+    if requested == "all":
+        return device, visible
+    if not requested.isdigit() or int(requested) < 1:
+        raise UserError(f"--num_gpus must be a positive number or 'all', got {requested}")
+    if int(requested) > visible:
+        raise UserError(
+            f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
+            f"are visible; use --num_gpus {visible} (or --num_gpus all)"
+        )
+    return device, int(requested)
+
+
+def start_method(args: argparse.Namespace, device: str) -> str:
+    """fork on the CPU; spawn (torchrun's default) with CUDA unless asked otherwise.
+
+    A forked worker starts in a fraction of a second where a spawned one imports torch,
+    torchvision and timm again. The agent never runs a torch operation nor touches CUDA (it
+    only imports), which is what forking needs; but CUDA forbids a child to use it once the
+    parent initialised it, and that cannot be tested on a machine without a GPU, so CUDA runs
+    keep fresh processes unless --start_method fork is given."""
+    if args.start_method not in START_METHODS:  # from a run file: argparse checks flags only
+        raise UserError(
+            f"start_method must be one of {', '.join(START_METHODS)}, got {args.start_method!r}"
+        )
+    if args.start_method != "auto":
+        return args.start_method
+    return "fork" if device == "cpu" else "spawn"
+
+
+def torchrun_command(
+    args: argparse.Namespace, device: str, nproc: int, trainer_args: list[str]
+) -> list[str]:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    port = args.master_port or (29500 if args.nnodes > 1 else free_port())
+    # torchrun (torch.distributed.run:main), through src/quick_exit.py: no interpreter teardown
+    # at its end (seconds, after importing torch).
+    if start_method(args, device) == "fork":
+        # The agent imports the trainer (torch, torchvision, timm) once; torchrun forks the
+        # workers from it and runs the script in them with runpy (--run-path). -u: the workers
+        # inherit the agent's streams, unbuffered as torchrun's "python -u" workers are.
+        agent = [sys.executable, "-u", str(QUICK_EXIT), "--preload", TRAINER_MODULE]
+        script = ["--start-method=fork", "--run-path", str(TRAIN_SCRIPT)]
+    else:
+        agent, script = [sys.executable, str(QUICK_EXIT)], [str(TRAIN_SCRIPT)]
+    command = [
+        *agent,
+        "torch.distributed.run:main",  # the torchrun command
+        f"--nnodes={args.nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.master_addr}:{port}",
+        f"--rdzv-id={args.rdzv_id}",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    if args.nnodes > 1:
+        # Ranks are assigned by the rendezvous; node 0 hosts its store at master_addr:port.
+        command += [
+            f"--node-rank={args.node_rank}",
+            f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}",
+        ]
+    return command + [*script, "--device", device, *trainer_args]
+
+
+def print_help(parser: argparse.ArgumentParser) -> None:
+    from imgtrainer.run.config import build_parser as trainer_parser
+
+    parser.print_help()
+    print("\ntrainer flags (passed through to src/train_ddp.py):")
+    trainer_help = trainer_parser().format_help()
+    print(trainer_help[trainer_help.index("options:") + len("options:") :].rstrip())
+
+
+def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
+    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = log_dir / TORCHRUN_LOG
+    with (
+        tempfile.TemporaryDirectory(prefix="train_ddp_report_") as reports,
+        open(log_file, "ab") as log,
+    ):
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
+        log.flush()
+        received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
+        return exit_code(code, read_outcomes(Path(reports)), received, log_file)
+
+
+def run_forwarding_signals(
+    command: list[str], env: dict[str, str], stderr
+) -> tuple[list[int], int]:
+    """Run torchrun in its own session and hand it the stop signals ourselves, so one Ctrl-C
+    reaches each worker once (through torchrun) instead of from two directions. Linux stops
+    torchrun (SIGTERM: a clean stop with a checkpoint) if the launcher dies, however it dies.
+    Returns the signals received and torchrun's exit code."""
+    launcher = os.getpid()
+    mark("torchrun start")
+    child = subprocess.Popen(
+        command,
+        env=env,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=partial(_die_with, launcher),
+    )
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        child.send_signal(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, forward)
+    code = child.wait()
+    mark("torchrun exited")
+    return received, (128 - code if code < 0 else code)
+
+
+def _die_with(parent: int) -> None:
+    """In torchrun, before it starts: SIGTERM when the launcher dies."""
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log_file: Path) -> int:
+    """How the run ended, from what each rank reported (first failure first) and the signals the
+    launcher passed on; a failure is printed as one line naming the rank, after a bug's
+    traceback."""
+    failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
+    if failures:
+        first = failures[0]
+        if first["traceback"]:
+            sys.stderr.write(first["traceback"])
+        reason = first["line"].removeprefix("error: ") or f"exited with code {first['code']}"
+        print(
+            f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
+            f"stderr: {log_file})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return first["code"]
+    stops = [o for o in outcomes if o["code"] in (130, 143)]
+    if received or stops:
+        early = [o["line"] for o in stops if o["line"]]
+        if early and len(early) == len(stops):
+            print(early[0], file=sys.stderr, flush=True)
+        return exit_code_for(received[0]) if received else stops[0]["code"]
+    if torchrun_code == 0:
+        return 0
+    print(
+        f"error: torchrun exited with code {torchrun_code} and no rank said why (a rank "
+        f"killed by a signal, or out of memory?); see {log_file}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return torchrun_code
+
+
+def launcher_defaults(run_file: dict) -> dict:
+    """The launcher's own keys of a run file, as its parser's defaults (``device`` is both a
+    launcher and a trainer flag)."""
+    defaults = {k: v for k, v in run_file.items() if k in LAUNCHER_KEYS or k == "device"}
+    if "num_gpus" in defaults:
+        defaults["num_gpus"] = str(defaults["num_gpus"])
+    return defaults
+
+
+def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
+    """The launcher flags that a run file must hold to repeat this run."""
+    flags = {
+        "num_gpus": args.num_gpus,
+        "nproc": nproc if args.num_gpus is None else None,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "rdzv_id": args.rdzv_id,
+        "max_restarts": args.max_restarts,
+        "start_method": args.start_method if args.start_method != "auto" else None,
+    }
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    mark("launcher start")
+    parser = build_parser()
+    args, trainer_args = parser.parse_known_args(argv)
+    if args.help:
+        print_help(parser)
+        return 0
+    # A run file's launcher keys are defaults that the command line overrides; the file itself
+    # goes to the workers unchanged (they read its trainer keys).
+    run_flags, _ = run_file_parser().parse_known_args(trainer_args)
+    if run_flags.config:
+        parser.set_defaults(**launcher_defaults(read_run_file(run_flags.config)))
+        args, trainer_args = parser.parse_known_args(argv)
+    device, nproc = resolve_device_and_nproc(args)
+    # Bad input found without torch: one line and exit 2 here, before torchrun starts.
+    cfg = parse_config(["--device", device, *trainer_args])
+    if run_flags.print_config:
+        print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
+        return 0
+    command = torchrun_command(args, device, nproc, trainer_args)
+    print("Running: " + shlex.join(command), flush=True)
+    if args.dry_run:
+        return 0
+    launcher_checks(cfg, device, world_size=nproc * args.nnodes)
+    return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+
+
+def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env[LAUNCHER_FLAGS_ENV] = json.dumps(resolved_launcher_flags(args, nproc))
+    # torchrun would force 1 thread per worker; the trainer sets its share of the cores itself.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if device == "cpu":
+        # A CPU run on a GPU machine must not touch CUDA: torch's optimizers query the CUDA
+        # stream in every step when a GPU is visible, which failed (CUDA "initialization
+        # error", H100) in workers forked from an agent whose imports had initialised CUDA.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env

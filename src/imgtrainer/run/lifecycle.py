@@ -1,0 +1,249 @@
+"""How the processes of one run stop together, and how each rank tells the launcher how it ended.
+
+The chain of processes and what ends each one when the one above dies (a parent-death signal, set
+in the child, because a process in its own session survives its parent):
+
+    launch_ddp.py --SIGTERM--> torchrun agent --SIGTERM--> rank --SIGKILL--> its loader workers
+
+SIGTERM lets the agent and the ranks stop the way they stop on any SIGTERM: the ranks agree on a
+step and save a checkpoint. Loader workers hold nothing worth saving.
+
+Under the launcher, torchrun's stderr (its failure reports and tracebacks) and every rank's
+stderr go to a file in the log folder; each rank writes how it ended (exit code, its error line,
+its traceback) to a small JSON file in ``$TRAIN_DDP_REPORT_DIR``, and the launcher prints the
+first failure as one line, with the traceback of a real bug once. No torch here: the launcher
+imports this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from imgtrainer.errors import EXIT_USER_ERROR, UserError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
+
+
+TIMELINE_ENV = "TRAIN_DDP_TIMELINE"
+
+
+PR_SET_PDEATHSIG = 1
+
+
+_marked: set[str] = set()
+
+
+def mark(event: str, at: float | None = None, once: bool = False, who: str | None = None) -> None:
+    """Append "time process event" to the file $TRAIN_DDP_TIMELINE names (bench/startup.py reads
+    it to time each phase of a start and an end); nothing without it. The process is ``who``,
+    else the rank, else the launcher."""
+    path = os.environ.get(TIMELINE_ENV)
+    if not path or (once and event in _marked):
+        return
+    _marked.add(event)
+    if who is None:
+        who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "launcher"
+    # One short append per line: lines from several processes do not interleave.
+    with open(path, "a") as timeline:
+        timeline.write(f"{time.time() if at is None else at:.6f} {who} {event}\n")
+
+
+def exit_code_for(signum: int) -> int:
+    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) is handled as SIGTERM."""
+    return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent dies. A no-op elsewhere.
+
+    The request is tied to the parent thread that started this process, and is lost if the parent
+    died before it was made: then the process is signalled at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned already (adopted by init)
+        os.kill(os.getpid(), signum)
+
+
+# ----------------------------------------------------------------------------- rank outcomes
+
+
+def report_dir() -> Path | None:
+    folder = os.environ.get(REPORT_DIR_ENV)
+    return Path(folder) if folder else None
+
+
+def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> None:
+    """This rank's ending, for the launcher: written to a temporary file renamed into place."""
+    rank = int(os.environ.get("RANK", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    record = {
+        "rank": rank,
+        "attempt": attempt,
+        "code": code,
+        "line": line,
+        "traceback": trace,
+        "time": time.time(),
+    }
+    path = folder / f"rank{rank}.attempt{attempt}.json"
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the launcher then reports torchrun's exit code and points at the log
+
+
+def read_outcomes(folder: Path) -> list[dict]:
+    """The endings the ranks of the last torchrun attempt wrote, earliest first."""
+    records = []
+    for path in folder.glob("rank*.attempt*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return []
+    last = max(r["attempt"] for r in records)
+    return sorted((r for r in records if r["attempt"] == last), key=lambda r: r["time"])
+
+
+class StoppedEarly(BaseException):
+    """A stop signal that arrived before training started: there is nothing to save yet."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_reporting(main: Callable[[], int]) -> int:
+    """Run a rank's ``main`` and return its exit code; under the launcher, also report it.
+
+    Until training installs its own handlers (``stopping.StopRequest``), a stop signal ends the
+    rank at once. A bad input is one ``error:`` line (exit 2); a bug keeps its traceback. Under
+    the launcher both go to this rank's stderr (the log folder) and to the report, and the
+    launcher prints them once; the main rank's progress bar goes to the console (its stdout).
+    """
+    owner = os.getpid()
+
+    def stop_at_once(signum: int, frame) -> None:
+        if os.getpid() == owner:  # not in a forked child that inherited the handler
+            raise StoppedEarly(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_at_once)
+    folder = report_dir()
+    if folder is not None and int(os.environ.get("RANK", 0)) == 0:
+        sys.stderr = sys.stdout
+    line, trace = "", ""
+    try:
+        code = main()
+    except UserError as err:
+        code, line = EXIT_USER_ERROR, f"error: {err}"
+    except (StoppedEarly, KeyboardInterrupt) as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        code = exit_code_for(signum)
+        line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+    except BaseException as err:  # a bug: its traceback, once
+        code, trace = 1, traceback.format_exc()
+        line = f"error: {bug_line(err)}"
+    if folder is None:
+        if trace:
+            sys.stderr.write(trace)
+        elif line:
+            write_line(sys.stderr, line)
+        return code
+    # Under the launcher: the rank's own stderr is the log file; the launcher prints the line.
+    if trace or line:
+        write_line(sys.__stderr__, trace or line)
+    write_outcome(folder, code, line, trace)
+    return code
+
+
+def bug_line(err: BaseException) -> str:
+    """``Type: first line of the message`` (CUDA errors append hints after their first line).
+    An error that torch re-raises from a DataLoader worker ("Caught KeyError in DataLoader
+    worker process 0. Original Traceback ...") gives the original's own last line instead."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if "Original Traceback (most recent call last):" in lines:
+        return lines[-1]
+    kind = type(err)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    return f"{name}: {lines[0]}" if lines else name
+
+
+def write_line(stream, text: str) -> None:
+    """``text`` and its newline in one write: ranks sharing a terminal or a log file then never
+    interleave within a line (``print`` writes the newline separately)."""
+    stream.write(text.rstrip("\n") + "\n")
+    stream.flush()
+
+
+def exit_now(code: int) -> None:
+    """Exit without Python's interpreter teardown, once everything is written and flushed.
+
+    After importing torch, torchvision and timm, tearing the interpreter down (atexit handlers,
+    freeing every module) took 1-4 s here, between the run's last line and the end of the
+    process, for nothing: checkpoints and history are already written (atomically) and the
+    process group is destroyed. Loader workers end with their parent (``die_with_parent``).
+
+    A rank forked by torch elastic (the launcher's ``--start_method fork``) that succeeded exits
+    through ``SystemExit(0)`` instead: torch elastic waits for every rank's return value before
+    it ends the run, and multiprocessing then ends the process without a teardown anyway. Its
+    loader workers are killed first: multiprocessing would wait for them to end, and they ignore
+    the SIGTERM it sends them (``data.quiet_loader_worker``). Any other code is the process's exit
+    code there too, which torch elastic reads.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    if code == 0 and multiprocessing.parent_process() is not None:
+        for child in multiprocessing.active_children():
+            child.kill()
+            child.join()
+        raise SystemExit(0)
+    os._exit(code)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun, the ranks, their loader workers), from /proc;
+    torchrun runs in its own session, so its process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

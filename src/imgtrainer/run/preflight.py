@@ -1,0 +1,109 @@
+"""Checks that need no torch: the data folders, flag combinations and the GPUs on this node.
+
+The launcher runs them before it starts torchrun, so the commonest mistakes are one line within a
+fraction of a second instead of after three imports of torch (launcher, agent, workers: seconds
+each). The workers run the data-folder checks again (they may be started without the launcher),
+and everything that needs torch or timm (the model name, decoding the images, the device itself,
+loading a checkpoint) is checked there and reaches the console as one line through the launcher
+(see ``outcome.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from imgtrainer.data.checks import check_data_folders, check_no_empty_class_folder, count_images
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import TrainConfig, optimizer_batch
+
+# ----------------------------------------------------------------------------- flags
+
+
+def check_device_options(cfg: TrainConfig, device_type: str) -> None:
+    if device_type == "cuda":
+        return
+    if cfg.cache_images == "gpu":
+        raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
+    if cfg.sync_bn:
+        raise UserError(
+            "--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the CPU"
+        )
+
+
+def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
+    """Every process needs at least one full optimizer step's batch per epoch (the training
+    loader yields --accum_steps batches of --batch_size as one, and drops a partial last one)."""
+    if math.ceil(train_images / world_size) >= optimizer_batch(cfg):
+        return
+    if cfg.accum_steps == 1:
+        asked, lower = f"--batch_size {cfg.batch_size}", "lower --batch_size"
+    else:
+        asked = (
+            f"one optimizer step of --batch_size {cfg.batch_size} x --accum_steps "
+            f"{cfg.accum_steps} = {optimizer_batch(cfg)} images"
+        )
+        lower = "lower --batch_size or --accum_steps"
+    raise UserError(
+        f"{cfg.train_dir} has {train_images} images: too few for {asked} on "
+        f"{world_size} process(es); {lower}"
+    )
+
+
+def check_output_folders(cfg: TrainConfig) -> None:
+    for flag, value in (("checkpoint_dir", cfg.checkpoint_dir), ("log_dir", cfg.log_dir)):
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--{flag} {path} is a file, not a folder; choose another --{flag}")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
+        raise UserError(f"--resume {cfg.resume}: no such file")
+
+
+def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None:
+    """Everything about the input that can be checked without torch, in a fraction of a second.
+    (The demo data is written by the workers: it needs no check.)"""
+    check_output_folders(cfg)
+    check_device_options(cfg, device_type)
+    if cfg.demo:
+        return
+    classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
+    train_counts = count_images(Path(cfg.train_dir), classes)
+    check_no_empty_class_folder(Path(cfg.train_dir), train_counts, "training")
+    check_no_empty_class_folder(
+        Path(cfg.val_dir), count_images(Path(cfg.val_dir), classes), "validation"
+    )
+    check_batch_fits(sum(train_counts.values()), cfg, world_size)
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+
+def visible_gpu_count() -> int:
+    """The CUDA GPUs a process started from here would see, without importing torch.
+
+    The NVIDIA driver creates one /dev/nvidiaN node per GPU, and a container gets the nodes of
+    the GPUs it was given only; CUDA_VISIBLE_DEVICES then narrows the list (CUDA reads it up to
+    the first entry it cannot use; empty or "-1" hides every GPU). This is a count, not a proof
+    that CUDA works: each worker still checks its device with torch and, if it has none, stops
+    with one line through the launcher.
+    """
+    installed = sum(1 for name in _dev_entries() if re.fullmatch(r"nvidia\d+", name))
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return installed
+    entries = 0
+    for item in listed.split(","):
+        item = item.strip()
+        if not item or item.startswith("-"):
+            break
+        entries += 1
+    return min(entries, installed)
+
+
+def _dev_entries() -> list[str]:
+    try:
+        return os.listdir("/dev")
+    except OSError:
+        return []

@@ -1,0 +1,125 @@
+"""Train an image classifier on an ImageFolder dataset with DistributedDataParallel.
+
+Run it through the launcher, under torchrun directly, or alone (world size 1):
+
+    python launch_ddp.py --num_gpus 2 --use_amp
+    torchrun --nproc_per_node=2 src/train_ddp.py --use_amp --distributed
+    python src/train_ddp.py --train_dir data/train --val_dir data/val --use_amp
+    python src/train_ddp.py --demo --device cpu
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from imgtrainer.data.demo import prepare_demo_data
+from imgtrainer.distributed.collectives import (
+    all_gather_objects,
+)
+from imgtrainer.distributed.logs import logging_for_run
+from imgtrainer.distributed.setup import (
+    DistInfo,
+    cleanup_distributed,
+    setup_distributed,
+)
+from imgtrainer.errors import exit_on_user_error
+from imgtrainer.files import atomic_write
+from imgtrainer.reports.summary import log_run_start, log_summary
+from imgtrainer.run.config import (
+    TrainConfig,
+    config_yaml,
+    launcher_flags_from_env,
+    parse_config,
+    preset_summary,
+    print_config_requested,
+)
+from imgtrainer.run.folder import claim_run_folder
+from imgtrainer.run.lifecycle import exit_now, mark, run_reporting
+from imgtrainer.training.hooks import call_hooks
+from imgtrainer.training.precision import configure_backends
+from imgtrainer.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: TrainConfig, dist: DistInfo) -> int:
+    with logging_for_run(Path(cfg.log_dir), dist), claim_checkpoint_dir(cfg, dist):
+        return train(cfg, dist)
+
+
+def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
+    """<log_dir>/config.yaml: ``python launch_ddp.py --config`` of it repeats this run."""
+    if dist.is_main:
+        path = Path(cfg.log_dir) / "config.yaml"
+        text = config_yaml(cfg, launcher_flags_from_env()).encode()
+        atomic_write(path, lambda f: f.write(text), lambda: len(text))
+        log.info(f"Configuration: {path} (rerun: python launch_ddp.py --config {path})")
+
+
+def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
+    """One run per checkpoint folder, never over another run's results: the main process locks
+    the folder and checks it; every rank takes part in sharing the verdict."""
+    return claim_run_folder(
+        Path(cfg.checkpoint_dir),
+        Path(cfg.log_dir),
+        resume=cfg.resume,
+        overwrite=cfg.overwrite,
+        enabled=dist.is_main,
+        agree=lambda error: all_gather_objects(error)[0],
+        # Workers restarted by torchrun find their own run's checkpoints, not another's.
+        first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
+    )
+
+
+def train(cfg: TrainConfig, dist: DistInfo) -> int:
+    write_run_config(cfg, dist)
+    if cfg.low_memory:
+        log.info(preset_summary(cfg, "low_memory"))
+    configure_backends(dist.device, cfg.deterministic)
+    prepare_demo_data(cfg, dist)
+    trainer = Trainer(cfg, dist)
+    trainer.resume()
+    mark("model ready")
+    log_run_start(cfg, dist, trainer)
+    try:
+        with trainer.stop.installed():
+            finished = trainer.fit()
+        trainer.end_hooks(finished)
+    finally:
+        call_hooks(trainer.hooks, "close")  # loggers flush their files whatever happened
+    log_summary(trainer, finished)
+    mark("summary logged")
+    return 0 if finished else trainer.stop.exit_code
+
+
+@exit_on_user_error
+def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input is one line and exit code 2, like every tool's ``main``. The command line runs
+    the undecorated function under ``run_reporting``, which also reports the line to the
+    launcher."""
+    mark("imports done")
+    cfg = parse_config(argv)
+    if print_config_requested(argv):
+        print(config_yaml(cfg, launcher_flags_from_env()), end="")
+        return 0
+    dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
+    mark("process group ready")
+    try:
+        return run(cfg, dist)
+    finally:
+        cleanup_distributed()
+        mark("process group destroyed")
+
+
+def run_as_script(started: float) -> None:
+    """``python src/train_ddp.py``: run ``main`` under ``run_reporting`` (which also reports the
+    ending to the launcher) and exit without the interpreter's teardown."""
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    mark("worker start", at=started)
+    code = run_reporting(main.__wrapped__)
+    mark("worker exit")
+    exit_now(code)

@@ -1,0 +1,131 @@
+"""A run's parts, built in one place from the config: the model (with its memory savers and
+wrappers), optimizer, scheduler, precision, GradScaler and loss.
+
+The trainer and both benchmarks (bench/throughput.py, bench/memory.py) build them here, so the
+figures the benchmarks print are those of the trainer's own set-up, flags included.
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from imgtrainer.distributed.setup import DistInfo
+from imgtrainer.errors import UserError
+from imgtrainer.models import build_model, unwrap_model
+from imgtrainer.run.config import TrainConfig
+from imgtrainer.training.memory import MemoryPlan, enable_memory_savers
+from imgtrainer.training.optim import build_optimizer, build_scheduler
+from imgtrainer.training.precision import Precision, choose_precision, make_grad_scaler
+from imgtrainer.training.step import StepState
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
+    """Device placement, then DDP, then torch.compile; ``unwrap_model`` undoes the wrappers."""
+    model = model.to(dist.device)
+    if dist.is_distributed:
+        if cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy, less
+        # memory). broadcast_buffers=False: no collective at every forward; BatchNorm uses batch
+        # statistics in training, and rank 0's running statistics (the ones saved) are the
+        # same either way; broadcast_buffers() hands them to every rank before evaluation.
+        model = DDP(
+            model, device_ids=device_ids, gradient_as_bucket_view=True, **no_forward_buffer_sync()
+        )
+    if cfg.compile:
+        model = compile_model(model)
+    return model
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
+    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError(
+            f"--compile: torch.compile is not supported with Python "
+            f"{platform.python_version()} and torch {torch.__version__}; "
+            "run without --compile"
+        )
+    return torch.compile(model)
+
+
+@dataclass
+class RunParts:
+    """What one training step needs, and the unwrapped model (what checkpoints save)."""
+
+    model: nn.Module  # wrapped: DDP and/or compiled, on the device
+    plain_model: nn.Module  # the same weights, unwrapped
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    precision: Precision
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module
+    device: torch.device
+    clip_grad_norm: float = 0.0  # 0: off
+
+    def step_state(self, plan: MemoryPlan | None = None) -> StepState:
+        return StepState(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.criterion,
+            self.precision,
+            plan or MemoryPlan(),
+            self.device,
+            clip_grad_norm=self.clip_grad_norm,
+        )
+
+
+def build_run_parts(
+    cfg: TrainConfig, dist: DistInfo, num_classes: int, steps_per_epoch: int
+) -> RunParts:
+    """Every part of a run that depends only on the config, the ranks and the data's shape."""
+    # Every rank builds the same initial weights (DDP would broadcast rank 0's anyway).
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, num_classes, cfg.pretrained, cfg.pretrained_path)
+    enable_memory_savers(
+        model,
+        grad_checkpointing=cfg.grad_checkpointing,
+        channels_last=cfg.channels_last and dist.device.type == "cuda",
+    )
+    wrapped = wrap_model(model, cfg, dist)
+    # From here each rank draws different random numbers (dropout, drop-path): offset by rank.
+    seed_everything(cfg.seed + dist.rank)
+    optimizer = build_optimizer(cfg, wrapped, dist.world_size)
+    precision = choose_precision(cfg, dist.device)
+    return RunParts(
+        model=wrapped,
+        plain_model=unwrap_model(wrapped),
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
+        precision=precision,
+        scaler=make_grad_scaler(precision, dist.device),
+        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        device=dist.device,
+        clip_grad_norm=cfg.clip_grad_norm,
+    )

@@ -1,0 +1,77 @@
+"""Evaluation: exact loss and top-1/top-5 summed over every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from imgtrainer.distributed.collectives import all_reduce_sum
+from imgtrainer.training.memory import MemoryPlan
+from imgtrainer.training.precision import Precision
+from imgtrainer.training.step import CORRECT, COUNT, LOSS, TOP5, PredictionHook, to_device
+
+
+def evaluate(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: Precision,
+    show_progress: bool = True,
+    plan: MemoryPlan | None = None,
+    on_predictions: PredictionHook | None = None,
+) -> dict[str, float]:
+    """Loss, top-1 and top-5 over this rank's shard, summed over all ranks; loaded batches go
+    through the model in ``plan``'s micro-batches, as in training. ``on_predictions`` sees every
+    prediction (src/evaluate.py's report is built from this same pass, so it matches the
+    ``val_acc`` recorded in training).
+
+    Every rank must call this (the final all-reduce is a collective). Shards are uneven by at
+    most one image, which is fine: ``model`` is the unwrapped module, so the forward passes run
+    no collectives and no rank waits for another inside the loop.
+    """
+    total = evaluation_sums(
+        model, loader, device, precision, show_progress, plan, on_predictions
+    ).tolist()
+    count = max(total[COUNT], 1)
+    return {
+        "val_loss": total[LOSS] / count,
+        "val_acc": total[CORRECT] / count,
+        "val_top5": total[TOP5] / count,
+        "val_samples": int(total[COUNT]),
+    }
+
+
+@torch.no_grad()
+def evaluation_sums(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    precision: Precision,
+    show_progress: bool = True,
+    plan: MemoryPlan | None = None,
+    on_predictions: PredictionHook | None = None,
+) -> torch.Tensor:
+    """``evaluate``'s pass: [loss_sum, correct, count, top5_correct] summed over all ranks, as
+    float64 on the device. Every rank must call this."""
+    model.eval()
+    plan = plan or MemoryPlan()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    for batch_images, batch_targets in tqdm(
+        loader, desc="val", disable=not show_progress, dynamic_ncols=True, leave=False
+    ):
+        size = plan.size_for(len(batch_targets))
+        for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):
+            images, targets = to_device(x, y, device, plan.channels_last)
+            with precision.autocast(device):
+                logits = model(images)
+            k = min(5, logits.size(1))
+            top = logits.topk(k, dim=1).indices
+            sums[LOSS] += F.cross_entropy(logits.float(), targets, reduction="sum").double()
+            sums[CORRECT] += (top[:, 0] == targets).sum()
+            sums[TOP5] += (top == targets[:, None]).any(dim=1).sum()
+            sums[COUNT] += targets.size(0)
+            if on_predictions is not None:
+                on_predictions(logits.float(), top[:, 0], targets)
+    return all_reduce_sum(sums)

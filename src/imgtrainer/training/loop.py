@@ -1,0 +1,157 @@
+"""One training epoch: the loop over the loader, its progress bar and log window."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from imgtrainer.distributed.collectives import all_reduce_sum, world_size
+from imgtrainer.training.hooks import call_hooks
+from imgtrainer.training.step import (
+    CORRECT,
+    COUNT,
+    LOSS,
+    NO_TIMER,
+    PhaseTimer,
+    StepInfo,
+    StepState,
+    _ddp,
+    check_ddp_internals,
+    train_step,
+)
+
+
+class ProgressBar:
+    """tqdm over the loader, with the running metrics at logging steps; disabled, it shows
+    nothing (tqdm's own no-op) and its ``on_log_step`` does nothing."""
+
+    def __init__(self, enabled: bool, description: str = "train"):
+        self.enabled, self.description = enabled, description
+        self.bar: tqdm | None = None
+
+    def wrap(self, loader, start_step: int) -> Iterable:
+        self.bar = tqdm(
+            loader,
+            total=start_step + len(loader),
+            initial=start_step,
+            desc=self.description,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+            leave=False,
+        )
+        return self.bar
+
+    def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
+        if self.enabled and self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{metrics['train_loss']:.4f}",
+                acc=f"{metrics['train_acc']:.4f}",
+                lr=f"{metrics['lr']:.2e}",
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class LogWindow:
+    """Host clocks over the steps since the last logging step: images per second (all ranks)
+    and the share of the wall time spent waiting for the next batch. Reading the metrics at a
+    logging step synchronises with the device, so each window's wall time is the real one; no
+    other synchronisation is added."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.waited = 0.0
+        self.images = 0
+
+    def timed(self, batches: Iterable) -> Iterator:
+        iterator = iter(batches)
+        while True:
+            before = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - before
+            if batch is None:
+                return
+            yield batch
+
+    def read(self) -> dict[str, float]:
+        """The window's figures; starts the next window."""
+        now = time.perf_counter()
+        seconds = max(now - self.started, 1e-9)
+        figures = {
+            "images_per_sec": self.images * world_size() / seconds,
+            "data_wait_share": min(self.waited / seconds, 1.0),
+        }
+        self.started, self.waited, self.images = now, 0.0, 0
+        return figures
+
+
+def train_one_epoch(
+    state: StepState,
+    loader,
+    *,
+    hooks: Sequence = (),
+    progress: ProgressBar | None = None,
+    start_step: int = 0,
+    first_global_step: int = 0,
+    sums: torch.Tensor | None = None,
+    log_interval: int = 20,
+    timer: PhaseTimer = NO_TIMER,
+    mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
+) -> dict[str, float]:
+    """Train over ``loader`` (which already skips the ``start_step`` batches done before a
+    resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
+    the run's step count at the epoch's first batch (for the hooks). ``mixer`` (mixup/cutmix,
+    ``mixing.EpochMixer``) turns each batch into mixed images and soft targets, given the
+    batch's index in the epoch."""
+    state.model.train()
+    device, plan = state.device, state.plan
+    if plan.retry_on_oom:
+        check_ddp_internals(_ddp(state.model))  # before the first step, not at the first OOM
+    sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
+    progress = progress or ProgressBar(enabled=False)
+    # Only hooks that want the logging step make it read the metrics (a host synchronisation).
+    log_hooks = [
+        h for h in (progress, *hooks) if hasattr(h, "on_log_step") and getattr(h, "enabled", True)
+    ]
+    step = start_step
+    window = LogWindow()
+    for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
+        if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
+            with timer.phase("mixing"):
+                images, targets = mixer(images, targets, step)
+        step_sums, skipped = train_step(state, images, targets, timer)
+        sums += step_sums
+        state.scheduler.step()
+        step += 1
+        window.images += len(targets)
+        with timer.phase("metrics_and_hooks"):
+            global_step = first_global_step + step - start_step
+            if log_hooks and step % log_interval == 0:
+                count = sums[COUNT].item()
+                metrics = {
+                    "train_loss": sums[LOSS].item() / count,
+                    "train_acc": sums[CORRECT].item() / count,
+                    "lr": state.optimizer.param_groups[0]["lr"],
+                    **window.read(),
+                }
+                call_hooks(log_hooks, "on_log_step", global_step, metrics)
+            info = StepInfo(step, global_step, sums, skipped)
+            stop = any(call_hooks(hooks, "on_step_end", info))
+        if stop:
+            break
+    progress.close()
+
+    total = all_reduce_sum(sums.clone()).tolist()
+    return {
+        "train_loss": total[LOSS] / max(total[COUNT], 1),
+        "train_acc": total[CORRECT] / max(total[COUNT], 1),
+        "train_samples": int(total[COUNT]),
+        "steps": step,
+        "micro_batch": plan.micro_batch,
+    }

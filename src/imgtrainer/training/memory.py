@@ -1,0 +1,166 @@
+"""Fitting training into a memory budget: the micro-batch size, what it costs, and recovery from
+out-of-memory errors.
+
+Each loaded batch (``--batch_size`` x ``--accum_steps`` images per process: one optimizer step)
+goes through the model as micro-batches of ``MemoryPlan.micro_batch`` images, whose gradients the
+engine adds up: ``--batch_size`` images each, unless fitting finds that fewer fit. This module
+chooses that size:
+
+* ``measure_micro_batch`` runs one forward and backward on synthetic images and returns what it
+  costs: the bytes the forward pass keeps for backward (counted with ``saved_tensors_hooks``), the
+  loaded batch's inputs, and the weights, gradients and optimizer state; and the real peak: on
+  CUDA the allocator's, on the CPU the process's resident high-water mark above what it held
+  before training (``ResidentMemory``). A CPU with RAM to spare never raises out-of-memory, so
+  there the measured peak is what a budget (``--max_memory_gb``) is checked against: the count
+  of saved tensors misses what the CPU kernels and the allocator hold (~half of the real peak).
+* ``fit_micro_batch`` starts at ``--batch_size`` and halves: it skips the sizes
+  that a linear estimate from a 2-image probe already puts over the budget (a trial would only
+  overshoot it), and tries the others for real, halving on out-of-memory; every rank then takes
+  the smallest size any rank found, so all ranks run the same number of micro-batches.
+
+It never reads files; its only collective is that agreement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from imgtrainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+GIB = 2**30
+
+
+# What helps when even one image per forward/backward does not fit.
+OOM_HELP = (
+    "what would help: --low_memory (float16 and activation checkpointing), a smaller "
+    "--image_size, a smaller --model, or more memory (a larger --max_memory_gb, or "
+    "closing other programs that use the GPU)"
+)
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class MemoryPlan:
+    """How each loaded batch goes through the model. Mutable on purpose: the engine halves
+    ``micro_batch`` when an out-of-memory error forces it, and the trainer stores the value in
+    checkpoints and history."""
+
+    micro_batch: int | None = None  # images per forward/backward; None: the whole batch
+    retry_on_oom: bool = False  # on out-of-memory, halve and redo the step (ranks agree)
+    channels_last: bool = False  # move inputs in channels_last layout (the model is too)
+
+    def size_for(self, batch_size: int) -> int:
+        return batch_size if self.micro_batch is None else min(self.micro_batch, batch_size)
+
+    def shrink(self, batch_size: int) -> None:
+        """Halve the micro-batch after an out-of-memory error; one clear error below 1 image."""
+        current = self.size_for(batch_size)
+        if current == 1:
+            raise UserError(
+                f"out of memory even with a micro-batch of 1 during training; {OOM_HELP}"
+            )
+        self.micro_batch = smaller_micro_batch(current, batch_size)
+
+
+def smaller_micro_batch(current: int, batch_size: int) -> int:
+    """The largest divisor of ``batch_size`` that is at most half of ``current`` (1 at least):
+    halving, but every micro-batch of a step keeps the same size."""
+    return max(d for d in range(1, max(1, current // 2) + 1) if batch_size % d == 0)
+
+
+def halving_sizes(start: int, batch_size: int) -> list[int]:
+    """``start`` and each smaller size ``smaller_micro_batch`` leads to, down to 1."""
+    sizes = [start]
+    while sizes[-1] > 1:
+        sizes.append(smaller_micro_batch(sizes[-1], batch_size))
+    return sizes
+
+
+# How memory exhaustion reads when it is not torch's own OutOfMemoryError, lower-cased: the CPU
+# allocator; MPS; cuDNN, which reports a convolution whose workspace cannot be allocated as having
+# no usable algorithm or engine; cuBLAS failing to allocate its handle or workspace.
+OUT_OF_MEMORY_MESSAGES = (
+    "out of memory",
+    "can't allocate memory",
+    "unable to find a valid cudnn algorithm",
+    "was unable to find an engine",  # cuDNN v8/v9 frontend: "GET was unable to ..."
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "cublas_status_alloc_failed",
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or memory exhaustion reported as a plain RuntimeError: the CPU's
+    "can't allocate memory", MPS's "out of memory", and on CUDA the cuDNN and cuBLAS errors that
+    usually mean their workspace did not fit (so fitting and the retry halve instead of crash)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in text for m in OUT_OF_MEMORY_MESSAGES)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class BufferSnapshot:
+    """A copy of a model's buffers (BatchNorm running statistics). A step that is redone, or a
+    trial forward pass, must not leave its samples counted in those statistics."""
+
+    def __init__(self, model: nn.Module):
+        self.pairs = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.pairs:
+                buffer.copy_(saved)
+
+
+# ----------------------------------------------------------------------------- model set-up
+
+
+def enable_memory_savers(
+    model: nn.Module, *, grad_checkpointing: bool, channels_last: bool
+) -> None:
+    """Activation checkpointing (timm's ``set_grad_checkpointing``) and the channels_last
+    layout. Call before DDP wraps the model: DDP lays out its buckets from the parameters."""
+    if grad_checkpointing:
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, NotImplementedError, AssertionError) as err:
+            log.warning(
+                f"{type(model).__name__} has no activation checkpointing in "
+                f"timm ({err or type(err).__name__}); training without it"
+            )
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+
+
+def memory_budget(
+    max_memory_gb: float | None, device: torch.device, processes_on_device: int
+) -> int:
+    """Bytes one process may use: ``--max_memory_gb``, else what the device has (on the CPU,
+    the RAM shared by this node's processes)."""
+    if max_memory_gb is not None:
+        return int(max_memory_gb * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, processes_on_device)

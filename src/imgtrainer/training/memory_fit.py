@@ -1,0 +1,239 @@
+"""The micro-batch that fits the memory cap, found by trials."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from imgtrainer.distributed.collectives import all_reduce_min
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import optimizer_batch
+from imgtrainer.training.memory import (
+    OOM_HELP,
+    BufferSnapshot,
+    MemoryPlan,
+    gib,
+    halving_sizes,
+    is_out_of_memory,
+    memory_budget,
+    release_memory,
+)
+from imgtrainer.training.memory_probes import (
+    ResidentMemory,
+    StepCost,
+    batch_input_bytes,
+    cpu_baseline,
+    optimizer_state_bytes,
+    saved_tensor_bytes,
+    tensor_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+
+def measure_micro_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    precision: Any,
+    device: torch.device,
+    size: int,
+    *,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    channels_last: bool = False,
+    loaded_input_bytes: int = 0,
+    cpu_baseline_bytes: int | None = None,
+    resident: ResidentMemory | None = None,
+) -> StepCost:
+    """Run one forward and backward of ``size`` synthetic images on ``model`` (the plain model:
+    no collective runs) and return what it cost.
+
+    ``loaded_input_bytes``: the loaded batch's inputs on the device during a step
+    (``batch_input_bytes``), counted instead of the trial's own input when larger. On the CPU,
+    with ``cpu_baseline_bytes`` (``cpu_baseline``) and ``resident``, the real peak is the
+    resident high-water mark of the trial above that baseline.
+
+    Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
+    the loader's position). The model's buffers, its gradients and the random state are left as
+    they were. An out-of-memory error propagates to the caller."""
+    measure_rss = (
+        device.type == "cpu"
+        and cpu_baseline_bytes is not None
+        and resident is not None
+        and resident.available
+    )
+    if measure_rss:
+        resident.reset_peak()
+    generator = torch.Generator().manual_seed(size)
+    images = torch.randn(size, *image_shape, generator=generator).to(
+        device, memory_format=torch.channels_last if channels_last else torch.preserve_format
+    )
+    targets = torch.randint(0, num_classes, (size,), generator=generator).to(device)
+    image_bytes = tensor_bytes([images])
+    snapshot, was_training = BufferSnapshot(model), model.training
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model.train()
+            # As in every micro-batch after a step's first: the accumulated gradients are
+            # already there during the forward pass (and backward adds into them).
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.grad = torch.zeros_like(param)
+            with saved_tensor_bytes(model, exclude=images) as saved, precision.autocast(device):
+                loss = criterion(model(images), targets)
+            loss.backward()
+        batch_bytes = sum(saved.values())
+        peak = 0
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        elif measure_rss:
+            peak = resident.peak() - cpu_baseline_bytes
+        if peak:
+            peak -= image_bytes  # counted with the inputs below
+            if not optimizer.state:  # not allocated yet: it will be at the first step
+                peak += optimizer_state_bytes(optimizer)
+    finally:
+        model.zero_grad(set_to_none=True)
+        snapshot.restore()
+        model.train(was_training)
+    state = (
+        2 * tensor_bytes(model.parameters())
+        + tensor_bytes(model.buffers())
+        + optimizer_state_bytes(optimizer)
+    )
+    return StepCost(size, state, batch_bytes, peak, max(image_bytes, loaded_input_bytes))
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def _cost_or_oom(
+    measure: Callable[[int], StepCost], size: int, device: torch.device
+) -> StepCost | None:
+    try:
+        return measure(size)
+    except RuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+    release_memory(device)  # outside the except block: the traceback no longer pins tensors
+    return None
+
+
+def largest_fitting(
+    measure: Callable[[int], StepCost],
+    start: int,
+    batch_size: int,
+    budget: int,
+    device: torch.device = torch.device("cpu"),
+) -> tuple[int, str]:
+    """The largest size from ``halving_sizes(start, batch_size)`` whose measured cost fits in
+    ``budget`` bytes, and ``(0, why)`` when not even 1 does. This rank only: no collective."""
+    probe_size = min(2, start)
+    probe = _cost_or_oom(measure, probe_size, device)
+    why = "out of memory"
+    for size in halving_sizes(start, batch_size):
+        if probe is None and size >= probe_size:
+            continue  # the probe ran out of memory: no larger size can fit
+        if probe is not None and size != probe_size and probe.estimate(size) > budget:
+            why = f"estimated {gib(probe.estimate(size))}"
+            log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
+            continue  # a trial would only overshoot the budget
+        cost = probe if size == probe_size else _cost_or_oom(measure, size, device)
+        if cost is not None and cost.total <= budget:
+            log.info(
+                f"micro-batch {size}: needs {gib(cost.total)}, within the budget of {gib(budget)}"
+            )
+            return size, ""
+        why = "out of memory" if cost is None else f"needs {gib(cost.total)}"
+        log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
+    return 0, why
+
+
+def fit_micro_batch(
+    measure: Callable[[int], StepCost],
+    start: int,
+    batch_size: int,
+    budget: int,
+    device: torch.device,
+) -> int:
+    """``largest_fitting`` on every rank, then the smallest size any rank found. Every rank must
+    call it. Sizes are agreed (rather than each rank using its own) because DDP needs every rank
+    to run the same number of backward passes per step."""
+    local, why = largest_fitting(measure, start, batch_size, budget, device)
+    agreed = int(all_reduce_min(torch.tensor([local], device=device)).item())
+    if agreed == 0:
+        where = why if local == 0 else "on another process"
+        raise UserError(
+            f"out of memory even with a micro-batch of 1 ({where}; budget "
+            f"{gib(budget)}); {OOM_HELP}"
+        )
+    if agreed < local:
+        log.info(
+            f"micro-batch {agreed}: the smallest that fits on every process (this one fits {local})"
+        )
+    return agreed
+
+
+def build_memory_plan(
+    cfg: Any,
+    device: torch.device,
+    processes_on_device: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: nn.Module,
+    precision: Any,
+    num_classes: int,
+) -> MemoryPlan:
+    """The micro-batch of this run: ``--batch_size`` (an optimizer step is ``--accum_steps``
+    of them), or with ``--auto_micro_batch`` the largest divisor of the step's batch up to
+    ``--batch_size`` that fits, found by trials on ``model`` (the plain, unwrapped model: trials
+    of different sizes on different ranks must run no collective). Every rank must call it."""
+    start, step_batch = cfg.batch_size, optimizer_batch(cfg)
+    channels_last = cfg.channels_last and device.type == "cuda"
+    plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
+    if cfg.auto_micro_batch:
+        budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)
+        resident = ResidentMemory()
+        measure = partial(
+            measure_micro_batch,
+            model,
+            optimizer,
+            criterion,
+            precision,
+            device,
+            image_shape=(3, cfg.image_size, cfg.image_size),
+            num_classes=num_classes,
+            channels_last=channels_last,
+            loaded_input_bytes=batch_input_bytes(
+                step_batch, cfg.image_size, device, cfg.cache_images, channels_last
+            ),
+            cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
+            if device.type == "cpu"
+            else None,
+            resident=resident,
+        )
+        plan.micro_batch = fit_micro_batch(measure, start, step_batch, budget, device)
+        if device.type == "cuda":
+            # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
+            # the device's limit) from the peak_memory_mb that the history reports.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
+    checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
+    log.info(
+        f"Memory: micro-batch {plan.micro_batch} ({step_batch // plan.micro_batch} "
+        f"forward/backward pass(es) per optimizer step of {step_batch} images per "
+        f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
+        f"activation checkpointing {checkpointing}"
+        + (", halving on out-of-memory" if plan.retry_on_oom else "")
+    )
+    return plan

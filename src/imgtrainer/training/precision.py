@@ -1,0 +1,62 @@
+"""Numeric precision of a run: AMP's dtype, the gradient scaler, the backends' settings."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from imgtrainer.run.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the forward pass runs: autocast on or off, and in which dtype."""
+
+    enabled: bool
+    dtype: torch.dtype
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=self.dtype, enabled=self.enabled)
+
+
+def configure_backends(device: torch.device, deterministic: bool) -> None:
+    """The kernel choices of a run, shared by the trainer and the benchmarks (whose figures must
+    be the trainer's). Call before the first CUDA computation."""
+    if device.type == "cuda":
+        # cudnn.benchmark picks the fastest kernels, which may differ from run to run.
+        torch.backends.cudnn.benchmark = not deterministic
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
+    if not cfg.use_amp:
+        return Precision(False, torch.float32)
+    if device.type == "cpu" and cfg.low_memory:
+        # bfloat16 autocast runs ~16x slower than float32 on the CPU, and the micro-batches
+        # already keep the memory within the budget.
+        log.info(
+            "--low_memory on the CPU: training in float32 (bfloat16 autocast is much slower there)"
+        )
+        return Precision(False, torch.float32)
+    if device.type == "cpu":
+        log.warning(
+            "--use_amp on the CPU uses bfloat16 autocast, which is usually "
+            "slower than float32 there"
+        )
+        return Precision(True, torch.bfloat16)
+    return Precision(True, getattr(torch, cfg.amp_dtype))
+
+
+def make_grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling is needed for float16 only: bfloat16 has float32's exponent range."""
+    return torch.amp.GradScaler(
+        device.type, enabled=precision.enabled and precision.dtype == torch.float16
+    )

@@ -1,0 +1,349 @@
+"""One training epoch and one evaluation pass. They know nothing about ranks or files.
+
+Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
+the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
+with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
+
+``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
+points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
+Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
+
+Each loaded batch is one optimizer step (with ``--accum_steps K``, K batches of ``--batch_size``
+loaded as one). A ``MemoryPlan`` splits it into micro-batches (``--batch_size`` images, or fewer
+when fitting says so): their losses are weighted by their share of the batch, so the accumulated
+gradient is the whole batch's, and DDP exchanges gradients once, on the last micro-batch. The
+loader still yields whole batches, so sample order and resuming do not depend on the split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from imgtrainer.distributed.collectives import any_rank
+from imgtrainer.training.memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
+from imgtrainer.training.precision import Precision
+
+log = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    """Wall time spent in each phase of the training step, for the throughput benchmark.
+
+    Disabled (the default) it costs one attribute check per phase. On CUDA, pass
+    ``synchronize=torch.cuda.synchronize`` so each phase's kernels are counted in that phase;
+    that removes the overlap between phases, so time whole runs without the timer.
+    """
+
+    def __init__(self, enabled: bool = False, synchronize: Callable[[], None] | None = None):
+        self.enabled = enabled
+        self.synchronize = synchronize or (lambda: None)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        self.seconds[name] += time.perf_counter() - start
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self._timed(name) if self.enabled else contextlib.nullcontext()
+
+    def iterate(self, batches: Iterable, name: str = "data_wait") -> Iterator:
+        """Yield from ``batches``, counting the time spent waiting for each one."""
+        iterator = iter(batches)
+        while True:
+            with self.phase(name):
+                batch = next(iterator, None)
+            if batch is None:
+                return
+            yield batch
+
+
+NO_TIMER = PhaseTimer(enabled=False)
+
+
+# Index of each running sum in the metric tensors.
+LOSS, CORRECT, COUNT = 0, 1, 2  # training: [loss_sum, correct, count]
+
+
+TOP5 = 3  # evaluation adds correct-in-top-5
+
+
+@dataclass
+class StepState:
+    """Everything a training step works with, built once per run (``run_parts.build_run_parts``)."""
+
+    model: nn.Module  # as trained: DDP and/or compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module
+    precision: Precision
+    plan: MemoryPlan  # the micro-batch; halved on out-of-memory if it allows
+    device: torch.device
+    clip_grad_norm: float = 0.0  # max total gradient norm per optimizer step; 0: off
+
+
+@dataclass
+class StepInfo:
+    """What the ``on_step_end`` hooks see after each loaded batch's optimizer step."""
+
+    step: int  # optimizer steps done in this epoch, this one included
+    global_step: int  # since the start of the run
+    sums: torch.Tensor  # this rank's running [loss_sum, correct, count] of the epoch
+    _skipped: torch.Tensor | None = None  # on the device: the GradScaler skipped the step
+
+    @property
+    def taken(self) -> bool:
+        """False when the GradScaler skipped the step (float16 overflow). Reading it waits for
+        the device, so only hooks that care (EMA) should."""
+        return self._skipped is None or not bool(self._skipped.item())
+
+
+def train_step(
+    state: StepState, images: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer = NO_TIMER
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
+    (with a GradScaler) a device flag set when the scaler skipped the step.
+
+    With ``plan.retry_on_oom``, an out-of-memory error on any rank makes every rank drop the
+    step's partial gradients and metrics, put back the BatchNorm statistics, and redo the step
+    from its start with half the micro-batch: no sample is skipped or counted twice.
+    """
+    model, plan, scaler = state.model, state.plan, state.scaler
+    snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
+    while True:
+        state.optimizer.zero_grad(set_to_none=True)
+        with timer.phase("forward_backward"):
+            step_sums = accumulate_gradients(state, images, targets)
+        if step_sums is not None:
+            break
+        snapshot.restore()
+        release_memory(state.device)
+        failed_size = plan.size_for(len(targets))
+        plan.shrink(len(targets))  # every rank: they agreed on the failure
+        ddp = _ddp(model)
+        if ddp is not None:
+            reset_ddp_after_failed_attempt(ddp)
+        log.warning(
+            f"out of memory with micro-batch {failed_size}; redoing this step "
+            f"with micro-batch {plan.micro_batch}"
+        )
+    # The GradScaler unscales the accumulated gradient once, and skips the step if any
+    # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
+    # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
+    with timer.phase("optimizer"):
+        scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+        if state.clip_grad_norm:
+            clip_gradients(state)
+        scaler.step(state.optimizer)
+        scaler.update()
+        skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
+    return step_sums, skipped
+
+
+def clip_gradients(state: StepState) -> None:
+    """Clip the step's whole gradient (every micro-batch's, accumulated) to
+    ``state.clip_grad_norm``. Under a GradScaler the gradients are unscaled first, or the limit
+    would apply to the loss-scaled ones; ``scaler.step`` then knows they are unscaled, and still
+    skips the step if they overflowed. Only groups that learn this step count: a frozen
+    backbone's gradients (learning rate 0) do not shrink the head's."""
+    state.scaler.unscale_(state.optimizer)
+    params = [
+        p
+        for group in state.optimizer.param_groups
+        if group["lr"] > 0
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
+
+
+def accumulate_gradients(
+    state: StepState, images: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
+    """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
+    or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).
+
+    Ranks agree twice, on the host, at points every rank reaches exactly once per attempt:
+    after copying the inputs, before the first forward (under DDP a forward may run a
+    collective: the bucket rebuild after a redone step, so a rank that failed in its copy must
+    not skip it while the others are in it); and after the forwards, before the last
+    micro-batch's backward where DDP exchanges gradients (a rank that ran out of memory in an
+    earlier micro-batch stops and waits there).
+    """
+    model, scaler, plan, device = state.model, state.scaler, state.plan, state.device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    size = plan.size_for(len(targets))
+    chunks = _inputs_on_device(images, targets, size, device, plan)
+    if plan.retry_on_oom and any_rank(chunks is None):
+        return None
+    last_loss, failed = None, False
+    for index, (x, y) in enumerate(chunks):
+        is_last = index == len(chunks) - 1
+        try:
+            with contextlib.nullcontext() if is_last else _no_sync(model):
+                logits, loss = forward_loss(model, x, y, state.criterion, state.precision)
+            record_metrics(sums, logits, loss, y)
+            # Weighted by its share of the batch: the micro-batch gradients add up to the
+            # gradient of the mean loss over the whole batch.
+            weighted = loss * (len(y) / len(targets))
+            if is_last:
+                last_loss = weighted
+            else:
+                scaler.scale(weighted).backward()
+        except RuntimeError as err:
+            if not (plan.retry_on_oom and is_out_of_memory(err)):
+                raise
+            failed = True
+            break
+    del chunks  # each micro-batch's input can go once its backward ran
+    if plan.retry_on_oom and any_rank(failed):
+        return None
+    return sums if _synced_backward(model, scaler, last_loss, plan) else None
+
+
+def _inputs_on_device(
+    images: torch.Tensor, targets: torch.Tensor, size: int, device: torch.device, plan: MemoryPlan
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every micro-batch of the batch on the device (the fitting counts the whole batch's
+    inputs there), or None if that ran out of memory and the plan retries."""
+    try:
+        return [
+            to_device(x, y, device, plan.channels_last)
+            for x, y in zip(images.split(size), targets.split(size), strict=True)
+        ]
+    except RuntimeError as err:
+        if not (plan.retry_on_oom and is_out_of_memory(err)):
+            raise
+        return None
+
+
+def _synced_backward(
+    model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor, plan: MemoryPlan
+) -> bool:
+    """The last micro-batch's backward, where DDP exchanges gradients. False if it ran out of
+    memory and can be redone: only without DDP. Under DDP the other ranks are already inside
+    the gradient exchange, which cannot be called off, so the error ends the run."""
+    try:
+        scaler.scale(loss).backward()
+        return True
+    except RuntimeError as err:
+        if not (plan.retry_on_oom and is_out_of_memory(err)):
+            raise
+        if _ddp(model) is not None:
+            log.error(
+                "out of memory during the gradient exchange of the last micro-batch, "
+                "which cannot be redone on one rank alone; restart with --resume auto "
+                "(and a smaller --max_memory_gb)"
+            )
+            raise
+    return False
+
+
+def _ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of ``model``, also when torch.compile wrapped it, or None."""
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` (accumulate locally, exchange nothing), or nothing for a plain model."""
+    ddp = _ddp(model)
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+
+
+# DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
+# (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
+DDP_INTERNALS = (
+    ("reducer", "_reset_state"),
+    ("ddp", "_has_rebuilt_buckets"),
+    ("ddp", "require_forward_param_sync"),
+)
+
+
+def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
+    """Stop before training if this torch's DDP lacks what the out-of-memory retry resets."""
+    if ddp is None:
+        return
+    owners = {"ddp": ddp, "reducer": getattr(ddp, "reducer", None)}
+    missing = [
+        f"{owner}.{name}" for owner, name in DDP_INTERNALS if not hasattr(owners[owner], name)
+    ]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s DistributedDataParallel has no {', '.join(missing)}, "
+            "which the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
+            "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
+            "(--max_memory_gb without --low_memory)"
+        )
+
+
+def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
+    """Put DDP back into the same state on every rank before a step is redone.
+
+    Ranks that reached the last micro-batch ran a synchronised forward whose backward never ran:
+    their DDP reducer still expects that backward and would treat the next one (a ``no_sync``
+    one) as the gradient exchange, on those ranks only, so ranks would call different
+    collectives and hang. ``reducer._reset_state()`` is DDP's own recovery for "a backward that
+    did not succeed" (``DistributedDataParallel._update_process_group`` uses it). Likewise DDP
+    broadcasts buffers at the first forward after a synchronised one, which some ranks had and
+    some had not: every rank broadcasts them at the next forward. These are private: the
+    attributes are checked by ``check_ddp_internals`` (at the epoch's start and here).
+    """
+    check_ddp_internals(ddp)
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    ddp.require_forward_param_sync = True
+
+
+def to_device(
+    images: torch.Tensor, targets: torch.Tensor, device: torch.device, channels_last: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move one micro-batch to the device, in the model's memory layout."""
+    layout = torch.channels_last if channels_last else torch.preserve_format
+    return (
+        images.to(device, non_blocking=True, memory_format=layout),
+        targets.to(device, non_blocking=True),
+    )
+
+
+def forward_loss(
+    model: nn.Module,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    criterion: nn.Module,
+    precision: Precision,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with precision.autocast(images.device):
+        logits = model(images)
+        loss = criterion(logits, targets)
+    return logits, loss
+
+
+@torch.no_grad()
+def record_metrics(
+    sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor, targets: torch.Tensor
+) -> None:
+    sums[LOSS] += loss.detach().double() * targets.size(0)
+    # Soft targets (mixup/cutmix): a prediction is correct when it is the target's dominant
+    # label, the one with the larger share of the mixed image.
+    labels = targets.argmax(dim=1) if targets.ndim == 2 else targets
+    sums[CORRECT] += (logits.argmax(dim=1) == labels).sum()
+    sums[COUNT] += targets.size(0)
+
+
+# Called by ``evaluate`` with each micro-batch's float32 logits, top-1 predictions and targets,
+# on the device, in the order the loader yields them: per-sample work such as a confusion matrix.
+PredictionHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
