@@ -1,0 +1,33 @@
+"""docs/flags.md is generated from the flag parsers; it must match them (and name every option)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conftest import ROOT
+from imgtrainer.run import flag_docs
+from imgtrainer.run.config import TrainConfig
+
+FLAGS_MD = ROOT / "docs" / "flags.md"
+STALE = f"docs/flags.md differs from the flag parsers; regenerate it with: {flag_docs.REGENERATE}"
+
+
+def test_flags_doc_is_generated_from_the_parsers() -> None:
+    assert FLAGS_MD.exists(), STALE
+    assert FLAGS_MD.read_text(encoding="utf-8") == flag_docs.render(), STALE
+
+
+def test_flags_doc_names_every_config_field() -> None:
+    text = FLAGS_MD.read_text(encoding="utf-8")
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if f"`--{f.name}`" not in text]
+    assert not missing, f"docs/flags.md lacks {missing}; {STALE}"
+
+
+def test_check_option_reports_a_stale_doc(tmp_path, monkeypatch, capsys) -> None:
+    stale = tmp_path / "flags.md"
+    stale.write_text("# Flags\n", encoding="utf-8")
+    monkeypatch.setattr(flag_docs, "DOC_PATH", stale)
+    assert flag_docs.main(["--check"]) == 1
+    assert flag_docs.REGENERATE in capsys.readouterr().err
+    assert flag_docs.main([]) == 0
+    assert flag_docs.main(["--check"]) == 0
