@@ -29,11 +29,7 @@ _DEFAULT_SUFFIX = re.compile(r"\s*\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)$")
 
 def render() -> str:
     """The whole of docs/flags.md."""
-    defaults = {
-        f.name: f.default
-        for f in dataclasses.fields(config.TrainConfig)
-        if f.default is not dataclasses.MISSING
-    }
+    defaults = {f.name: f.default for f in config_fields() if f.default is not dataclasses.MISSING}
     lines = [
         "# Flags",
         "",
@@ -55,6 +51,21 @@ def render() -> str:
         if actions:
             lines += ["", f"### {group.title}", "", *_table(actions, defaults)]
     return "\n".join(lines) + "\n"
+
+
+def config_fields(cls: type = config.TrainConfig) -> list[dataclasses.Field]:
+    """The option fields of the config, each a flag: a field holding a sub-config stands for
+    that sub-config's fields."""
+    leaves = []
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if dataclasses.is_dataclass(f.default):
+            leaves += config_fields(type(f.default))
+        elif factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            leaves += config_fields(factory)
+        else:
+            leaves.append(f)
+    return leaves
 
 
 def _table(actions: Any, defaults: dict[str, Any] | None = None) -> list[str]:
