@@ -1,8 +1,5 @@
-"""A run's parts, built in one place from the config: the model (with its memory savers and
-wrappers), optimizer, scheduler, precision, GradScaler and loss.
-
-The trainer and both benchmarks (bench/throughput.py, bench/memory.py) build them here, so the
-figures the benchmarks print are those of the trainer's own set-up, flags included.
+"""A run's parts, built in one place from the config: model (with memory savers and wrappers),
+optimizer, scheduler, precision, GradScaler and loss. The trainer and the benchmarks use it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""One training epoch and one evaluation pass. They know nothing about ranks or files.
+"""One training step (``train_step``); it knows nothing about ranks or files.
 
-Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
-the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
-with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
-
-``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
-points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
-Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
-
-Each loaded batch is one optimizer step (with ``--accum_steps K``, K batches of ``--batch_size``
-loaded as one). A ``MemoryPlan`` splits it into micro-batches (``--batch_size`` images, or fewer
-when fitting says so): their losses are weighted by their share of the batch, so the accumulated
-gradient is the whole batch's, and DDP exchanges gradients once, on the last micro-batch. The
-loader still yields whole batches, so sample order and resuming do not depend on the split.
+Metrics are summed on the device, never read inside the step. A ``MemoryPlan`` splits each
+optimizer batch into micro-batches weighted by their share of it; DDP exchanges gradients once.
 """
 
 from __future__ import annotations
