@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> dict:
     from imgtrainer.run.config import parse_config
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.loop import train_one_epoch
-    from imgtrainer.training.memory_fit import build_memory_plan
+    from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
     from imgtrainer.training.memory_probes import (
         ResidentMemory,
         cpu_baseline,
@@ -95,9 +95,8 @@ def worker(args: argparse.Namespace) -> dict:
             else resident.reset_peak()
             and resident.current() - resident_training_state(model, optimizer)
         )
-    plan = build_memory_plan(
-        cfg, device, 1, model, optimizer, criterion, precision, args.num_classes
-    )
+    trial = TrialParts(model, optimizer, criterion, precision, device)
+    plan = build_memory_plan(cfg, trial, 1, args.num_classes)
     state = parts.step_state(plan)
     g = torch.Generator().manual_seed(0)
     batch = (
