@@ -1,4 +1,4 @@
-"""The fixes to the CUDA paths (issue 9): their logic on the CPU, and `cuda`-marked tests that run
+"""The CUDA paths: their logic on the CPU, and `cuda`-marked tests that run
 the CUDA side for real (skipped without a GPU; bench/gpu_check.py runs them with `pytest -m cuda`).
 Also the self-check's own logic: its behaviour without CUDA and how it builds its table."""
 
