@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TrainedRun, run_main, user_error_line
-from imgtrainer.data.loaders import make_loader
+from imgtrainer.data.loaders import LoaderSpec, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
 from imgtrainer.run.config import TrainConfig
@@ -74,12 +74,7 @@ def test_report_runs_under_the_checkpoints_autocast(trained_run: TrainedRun, tmp
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), 0, 1),
-        8,
-        train=False,
-        num_workers=0,
-        pin_memory=False,
-        mean=classifier.mean,
-        std=classifier.std,
+        LoaderSpec(8, train=False, mean=classifier.mean, std=classifier.std),
     )
     cpu = torch.device("cpu")
     amp = evaluate(classifier.model, loader, cpu, classifier.precision, show_progress=False)

@@ -3,12 +3,8 @@
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
 
-Writes OUTPUT/metrics.json (top-1, top-5, loss, per-class precision/recall/accuracy and counts),
-OUTPUT/confusion_matrix.csv (the whole matrix), OUTPUT/misclassified.csv and a drawing: up to 100
-classes the full matrix (OUTPUT/confusion_matrix.png, also inlined in metrics.json), above that the
-most-confused pairs and the worst classes (OUTPUT/confusion_summary.png). Prints the worst classes. The checkpoint is all it needs. Under torchrun each image is evaluated by exactly
-one process and the counts are summed over processes, so the metrics are exact whatever the
-number of processes.
+Writes metrics.json, confusion_matrix.csv, misclassified.csv and a confusion drawing to OUTPUT.
+Under torchrun each image is evaluated by one process and the counts are summed: exact metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import numpy as np
 import torch
 
 from imgtrainer.data.checks import find_classes
-from imgtrainer.data.loaders import default_num_workers, make_loader
+from imgtrainer.data.loaders import LoaderSpec, default_num_workers, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
 from imgtrainer.data.unreadable import leave_out_unreadable
@@ -300,12 +296,14 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), dist.rank, dist.world_size),
-        args.batch_size,
-        train=False,
-        num_workers=workers,
-        pin_memory=dist.device.type == "cuda",
-        mean=classifier.mean,
-        std=classifier.std,
+        LoaderSpec(
+            args.batch_size,
+            train=False,
+            num_workers=workers,
+            pin_memory=dist.device.type == "cuda",
+            mean=classifier.mean,
+            std=classifier.std,
+        ),
     )
     log.info(
         f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "

@@ -1,13 +1,6 @@
 """A trained classifier loaded from its checkpoint alone: the model, its class names and the
-preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
-
-A training checkpoint (``checkpoint.CHECKPOINT_SCHEMA``) stores the model name, class names, image size and
-normalisation next to the weights, so no training flag has to be repeated here.
-
-A checkpoint of a run with --model_ema holds two sets of weights, the trained ones ("raw") and
-their moving average ("ema"), and says which scored the higher val_acc (``best_weights``).
-``--weights auto`` takes the EMA weights unless the checkpoint says the raw ones scored higher:
-so on checkpoint_best.pth the tools run the weights behind its best_acc.
+preprocessing it was trained with (used by src/evaluate.py and src/predict.py). With
+--model_ema, ``--weights auto`` takes the weights behind the checkpoint's best_acc.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
     IMAGENET_STD,
-    build_transforms,
+    eval_transforms,
 )
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, strip_wrapper_prefixes
@@ -141,7 +134,7 @@ def load_classifier(
         model.to(device).eval(),
         class_names,
         image_size,
-        build_transforms(image_size, train=False, eval_resize_ratio=eval_resize_ratio),
+        eval_transforms(image_size, eval_resize_ratio),
         tuple(state.get("mean", IMAGENET_MEAN)),
         tuple(state.get("std", IMAGENET_STD)),
         training_precision(config, device),

@@ -56,7 +56,7 @@ from imgtrainer.training.ema import (
 from imgtrainer.training.evaluation import evaluate
 from imgtrainer.training.hooks import call_hooks
 from imgtrainer.training.loop import ProgressBar, train_one_epoch
-from imgtrainer.training.memory_fit import build_memory_plan
+from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.step import StepInfo
@@ -100,16 +100,10 @@ class Trainer:
         # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
         self.ema = ModelEma(self.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
-        self.plan = build_memory_plan(
-            cfg,
-            dist.device,
-            dist.local_world_size,
-            self.plain_model,
-            self.optimizer,
-            self.parts.criterion,
-            self.precision,
-            len(self.class_names),
+        trial = TrialParts(
+            self.plain_model, self.optimizer, self.parts.criterion, self.precision, dist.device
         )
+        self.plan = build_memory_plan(cfg, trial, dist.local_world_size, len(self.class_names))
         self.step_state = self.parts.step_state(self.plan)
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
         self.mixer = BatchMixer.from_config(cfg, len(self.class_names), dist.rank, dist.device)
