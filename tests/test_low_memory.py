@@ -22,7 +22,7 @@ import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import parse_config, preset_summary
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import (
     GIB,
@@ -146,8 +146,8 @@ def test_grad_scaler_unscales_the_accumulated_gradient_once():
 def test_evaluation_in_micro_batches_gives_the_same_metrics():
     model = small_model(batch_norm=True)
     loader = batches(2, 10)
-    whole = evaluate(model, loader, CPU, FP32, show_progress=False)
-    split = evaluate(model, loader, CPU, FP32, show_progress=False, plan=MemoryPlan(4))
+    whole = evaluate(model, loader, EvalSettings(CPU, FP32, None, False))
+    split = evaluate(model, loader, EvalSettings(CPU, FP32, MemoryPlan(4), False))
     assert split["val_samples"] == whole["val_samples"] == 20
     for key in ("val_loss", "val_acc", "val_top5"):
         assert split[key] == pytest.approx(whole[key], abs=1e-6)

@@ -15,7 +15,7 @@ from conftest import FP32, ONE_CPU_PROCESS, data_config, write_image_folder
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.models import build_model
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 
 
 def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
@@ -36,7 +36,7 @@ def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
         ShardSampler(len(val_set), rank, world_size),
         LoaderSpec(batch_size=4, train=False),
     )
-    return evaluate(model, loader, torch.device("cpu"), FP32, show_progress=False)
+    return evaluate(model, loader, EvalSettings(torch.device("cpu"), FP32, None, False))
 
 
 def _worker(rank: int, world_size: int, val_dir: Path, out: Path, port: int) -> None:

@@ -50,7 +50,7 @@ from imgtrainer.tools.inference import (
     check_inference_arguments,
     load_classifier,
 )
-from imgtrainer.training.evaluation import evaluation_sums
+from imgtrainer.training.evaluation import EvalSettings, evaluation_sums
 from imgtrainer.training.step import LOSS, TOP5
 
 log = logging.getLogger(__name__)
@@ -174,15 +174,8 @@ def count_predictions(
     """
     num_classes = len(classifier.class_names)
     counter = PredictionCounter(num_classes, device, iter(loader.sampler))
-    sums = evaluation_sums(
-        classifier.model,
-        loader,
-        device,
-        classifier.precision,
-        show_progress,
-        classifier.plan,
-        on_predictions=counter,
-    ).tolist()
+    settings = EvalSettings(device, classifier.precision, classifier.plan, show_progress)
+    sums = evaluation_sums(classifier.model, loader, settings, on_predictions=counter).tolist()
     all_reduce_sum(counter.confusion)
     gathered = sorted(row for rows in all_gather_objects(counter.misclassified) for row in rows)
     return EvalCounts(

@@ -53,7 +53,7 @@ from imgtrainer.training.ema import (
     epoch_score,
     weights_label,
 )
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.hooks import call_hooks
 from imgtrainer.training.loop import ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
@@ -307,14 +307,8 @@ class Trainer:
         """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
         BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
         broadcast_buffers(model)
-        return evaluate(
-            model,
-            self.val_loader,
-            self.dist.device,
-            self.precision,
-            show_progress=self.dist.is_main,
-            plan=self.plan,
-        )
+        settings = EvalSettings(self.dist.device, self.precision, self.plan, self.dist.is_main)
+        return evaluate(model, self.val_loader, settings)
 
     def epoch_record(
         self, train: dict, val: dict, images_per_sec: float, started: float
