@@ -19,6 +19,7 @@ from imgtrainer.checkpoints.files import (
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.run.config import parse_config
 from imgtrainer.training.build import build_run_parts
+from imgtrainer.training.hooks import Hook
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, make_grad_scaler
@@ -91,7 +92,7 @@ def test_loss_scaling_only_for_float16():
 # ----------------------------------------------------------------------------- hook points
 
 
-class Recorder:
+class Recorder(Hook):
     def __init__(self, stop_at: int | None = None, enabled: bool = True):
         self.steps, self.logs, self.stop_at, self.enabled = [], [], stop_at, enabled
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
-from imgtrainer.training.hooks import call_hooks
+from imgtrainer.training.hooks import Hook, Hooks
 from imgtrainer.training.step import (
     CORRECT,
     COUNT,
@@ -24,7 +24,7 @@ from imgtrainer.training.step import (
 )
 
 
-class ProgressBar:
+class ProgressBar(Hook):
     """tqdm over the loader, with the running metrics at logging steps; disabled, it shows
     nothing (tqdm's own no-op) and its ``on_log_step`` does nothing."""
 
@@ -94,7 +94,7 @@ def train_one_epoch(
     state: StepState,
     loader,
     *,
-    hooks: Sequence = (),
+    hooks: Iterable[Hook] = (),
     progress: ProgressBar | None = None,
     start_step: int = 0,
     first_global_step: int = 0,
@@ -106,7 +106,8 @@ def train_one_epoch(
 ) -> dict[str, float]:
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
     resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
-    the run's step count at the epoch's first batch (for the hooks). ``mixer`` (mixup/cutmix,
+    the run's step count at the epoch's first batch (for the hooks); ``progress`` wraps the
+    loader and runs as the first hook. ``mixer`` (mixup/cutmix,
     ``mixing.EpochMixer``) turns each batch into mixed images and soft targets, given the
     batch's index in the epoch."""
     state.model.train()
@@ -115,10 +116,9 @@ def train_one_epoch(
         check_ddp_internals(_ddp(state.model))  # before the first step, not at the first OOM
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     progress = progress or ProgressBar(enabled=False)
+    hooks = Hooks([progress, *hooks])
     # Only hooks that want the logging step make it read the metrics (a host synchronisation).
-    log_hooks = [
-        h for h in (progress, *hooks) if hasattr(h, "on_log_step") and getattr(h, "enabled", True)
-    ]
+    log_hooks = hooks.implementing("on_log_step")
     step = start_step
     window = LogWindow()
     for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
@@ -140,9 +140,9 @@ def train_one_epoch(
                     "lr": state.optimizer.param_groups[0]["lr"],
                     **window.read(),
                 }
-                call_hooks(log_hooks, "on_log_step", global_step, metrics)
+                log_hooks.call("on_log_step", global_step, metrics)
             info = StepInfo(step, global_step, sums, skipped)
-            stop = any(call_hooks(hooks, "on_step_end", info))
+            stop = any(hooks.call("on_step_end", info))
         if stop:
             break
     progress.close()
