@@ -1,4 +1,5 @@
-"""One training epoch: the loop over the loader, its progress bar and log window."""
+"""One training epoch: the loop over the loader, calling its hooks (``training.hooks``) after
+each step and at logging steps; the progress bar is its first hook."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from imgtrainer.training.step import (
     CORRECT,
     COUNT,
     LOSS,
-    NO_TIMER,
-    PhaseTimer,
     StepInfo,
     StepState,
     _ddp,
@@ -100,7 +99,6 @@ def train_one_epoch(
     first_global_step: int = 0,
     sums: torch.Tensor | None = None,
     log_interval: int = 20,
-    timer: PhaseTimer = NO_TIMER,
     mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
     | None = None,
 ) -> dict[str, float]:
@@ -121,29 +119,25 @@ def train_one_epoch(
     log_hooks = hooks.implementing("on_log_step")
     step = start_step
     window = LogWindow()
-    for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
+    for images, targets in window.timed(progress.wrap(loader, start_step)):
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
-            with timer.phase("mixing"):
-                images, targets = mixer(images, targets, step)
-        step_sums, skipped = train_step(state, images, targets, timer)
+            images, targets = mixer(images, targets, step)
+        step_sums, skipped = train_step(state, images, targets)
         sums += step_sums
         state.scheduler.step()
         step += 1
         window.images += len(targets)
-        with timer.phase("metrics_and_hooks"):
-            global_step = first_global_step + step - start_step
-            if log_hooks and step % log_interval == 0:
-                count = sums[COUNT].item()
-                metrics = {
-                    "train_loss": sums[LOSS].item() / count,
-                    "train_acc": sums[CORRECT].item() / count,
-                    "lr": state.optimizer.param_groups[0]["lr"],
-                    **window.read(),
-                }
-                log_hooks.call("on_log_step", global_step, metrics)
-            info = StepInfo(step, global_step, sums, skipped)
-            stop = any(hooks.call("on_step_end", info))
-        if stop:
+        global_step = first_global_step + step - start_step
+        if log_hooks and step % log_interval == 0:
+            count = sums[COUNT].item()
+            metrics = {
+                "train_loss": sums[LOSS].item() / count,
+                "train_acc": sums[CORRECT].item() / count,
+                "lr": state.optimizer.param_groups[0]["lr"],
+                **window.read(),
+            }
+            log_hooks.call("on_log_step", global_step, metrics)
+        if any(hooks.call("on_step_end", StepInfo(step, global_step, sums, skipped))):
             break
     progress.close()
 

@@ -1,27 +1,17 @@
-"""One training epoch and one evaluation pass. They know nothing about ranks or files.
+"""One optimizer step over a loaded batch, split into micro-batches by a ``MemoryPlan``.
 
-Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
-the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
-with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
-
-``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
-points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
-Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
-
-Each loaded batch is one optimizer step (with ``--accum_steps K``, K batches of ``--batch_size``
-loaded as one). A ``MemoryPlan`` splits it into micro-batches (``--batch_size`` images, or fewer
-when fitting says so): their losses are weighted by their share of the batch, so the accumulated
-gradient is the whole batch's, and DDP exchanges gradients once, on the last micro-batch. The
-loader still yields whole batches, so sample order and resuming do not depend on the split.
+Metrics are accumulated as sums on the device (no host synchronisation in the step) and summed
+across ranks at the end of the epoch, so they are exact, never averages of averages. Each
+micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is the whole
+batch's, and DDP exchanges gradients once, on the last micro-batch. The loader still yields whole
+batches, so sample order and resuming do not depend on the split.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,44 +23,6 @@ from imgtrainer.training.memory import BufferSnapshot, MemoryPlan, is_out_of_mem
 from imgtrainer.training.precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-class PhaseTimer:
-    """Wall time spent in each phase of the training step, for the throughput benchmark.
-
-    Disabled (the default) it costs one attribute check per phase. On CUDA, pass
-    ``synchronize=torch.cuda.synchronize`` so each phase's kernels are counted in that phase;
-    that removes the overlap between phases, so time whole runs without the timer.
-    """
-
-    def __init__(self, enabled: bool = False, synchronize: Callable[[], None] | None = None):
-        self.enabled = enabled
-        self.synchronize = synchronize or (lambda: None)
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        self.synchronize()
-        start = time.perf_counter()
-        yield
-        self.synchronize()
-        self.seconds[name] += time.perf_counter() - start
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager:
-        return self._timed(name) if self.enabled else contextlib.nullcontext()
-
-    def iterate(self, batches: Iterable, name: str = "data_wait") -> Iterator:
-        """Yield from ``batches``, counting the time spent waiting for each one."""
-        iterator = iter(batches)
-        while True:
-            with self.phase(name):
-                batch = next(iterator, None)
-            if batch is None:
-                return
-            yield batch
-
-
-NO_TIMER = PhaseTimer(enabled=False)
 
 
 # Index of each running sum in the metric tensors.
@@ -112,7 +64,7 @@ class StepInfo:
 
 
 def train_step(
-    state: StepState, images: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer = NO_TIMER
+    state: StepState, images: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
     (with a GradScaler) a device flag set when the scaler skipped the step.
@@ -125,8 +77,7 @@ def train_step(
     snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
     while True:
         state.optimizer.zero_grad(set_to_none=True)
-        with timer.phase("forward_backward"):
-            step_sums = accumulate_gradients(state, images, targets)
+        step_sums = accumulate_gradients(state, images, targets)
         if step_sums is not None:
             break
         snapshot.restore()
@@ -143,13 +94,12 @@ def train_step(
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
     # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
-    with timer.phase("optimizer"):
-        scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
-        if state.clip_grad_norm:
-            clip_gradients(state)
-        scaler.step(state.optimizer)
-        scaler.update()
-        skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
+    scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+    if state.clip_grad_norm:
+        clip_gradients(state)
+    scaler.step(state.optimizer)
+    scaler.update()
+    skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
     return step_sums, skipped
 
 
