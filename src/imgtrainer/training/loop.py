@@ -105,9 +105,8 @@ def train_one_epoch(
     """Train over ``loader`` (which already skips the ``start_step`` batches done before a
     resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
     the run's step count at the epoch's first batch (for the hooks); ``progress`` wraps the
-    loader and runs as the first hook. ``mixer`` (mixup/cutmix,
-    ``mixing.EpochMixer``) turns each batch into mixed images and soft targets, given the
-    batch's index in the epoch."""
+    loader and runs as the first hook. ``mixer`` (mixup/cutmix, ``mixing.EpochMixer``) turns
+    each batch into mixed images and soft targets, given the batch's index in the epoch."""
     state.model.train()
     device, plan = state.device, state.plan
     if plan.retry_on_oom:
