@@ -7,13 +7,13 @@
 Times, in one process, side by side:
   * the training step: timm ResNet18 forward, backward and AdamW step on one synthetic batch
     (float32; median of --steps after warm-up; on CUDA synchronised at the end of each step);
-  * ``TensorBoardLogger.on_log_step`` with the four per-step metrics (loss, lr, images/s, data
+  * ``TensorBoardLogger.add_step_metrics`` with the four per-step metrics (loss, lr, images/s, data
     wait share), --calls times: back to back ("call" counting the calls alone, "with the
     writing" adding the ``close()`` that waits for the background thread to put them all on
     disk; the queue fills, so each call also waits for the writer thread: an upper bound), and
     paced, 2 ms apart, as in training where calls are a step or more apart (calls alone), and
     for comparison torch's ``SummaryWriter.add_scalar`` once per value, paced;
-  * ``on_epoch_end`` with a history record of 11 fields (it flushes).
+  * ``add_epoch_record`` with a history record of 11 fields (it flushes).
 and prints the logging cost as a share of a step at --log_interval 20 (the default) and 1.
 """
 
@@ -69,14 +69,14 @@ def paced_seconds(calls: int, log) -> float:
 
 
 def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
-    """Per on_log_step call: back to back, the calls alone and with the writing; paced; paced
-    with one add_scalar per value; per on_epoch_end call."""
+    """Per add_step_metrics call: back to back, the calls alone and with the writing; paced; paced
+    with one add_scalar per value; per add_epoch_record call."""
     with tempfile.TemporaryDirectory() as folder:
         logger = TensorBoardLogger(Path(folder), enabled=True, purge_step=0)
-        logger.on_log_step(0, {"loss": 1.0})  # the event file is opened lazily
+        logger.add_step_metrics(0, {"loss": 1.0})  # the event file is opened lazily
         start = time.perf_counter()
         for step in range(1, calls + 1):
-            logger.on_log_step(
+            logger.add_step_metrics(
                 step,
                 {"loss": 2.0 / step, "lr": 1e-3, "images_per_sec": 380.5, "data_wait_share": 0.03},
             )
@@ -85,8 +85,8 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
         written = time.perf_counter() - start
 
         logger = TensorBoardLogger(Path(folder) / "paced", enabled=True, purge_step=0)
-        logger.on_log_step(0, {"loss": 1.0})
-        paced = paced_seconds(calls, logger.on_log_step)
+        logger.add_step_metrics(0, {"loss": 1.0})
+        paced = paced_seconds(calls, logger.add_step_metrics)
         # For comparison: SummaryWriter.add_scalar once per value, one event each.
         writer = logger._writer
         per_value = paced_seconds(
@@ -113,7 +113,7 @@ def log_step_seconds(calls: int) -> tuple[float, float, float, float, float]:
         }
         start = time.perf_counter()
         for epoch in range(1, 21):
-            logger.on_epoch_end(epoch * 100, {**record, "epoch": epoch})
+            logger.add_epoch_record(epoch * 100, {**record, "epoch": epoch})
         epoch_end = (time.perf_counter() - start) / 20
         logger.close()
     return called / calls, written / calls, paced / calls, per_value / calls, epoch_end
@@ -140,11 +140,11 @@ def main() -> None:
         f"{args.device}, {torch.get_num_threads()} threads): {step * 1e3:.1f} ms (median)"
     )
     print(
-        f"on_log_step, 4 scalars, {args.calls} calls: back to back {call * 1e6:.1f} us per "
+        f"add_step_metrics, 4 scalars, {args.calls} calls: back to back {call * 1e6:.1f} us per "
         f"call, {written * 1e6:.1f} us with the writing; paced {paced * 1e6:.1f} us per call "
         f"(SummaryWriter.add_scalar per value, paced: {per_value * 1e6:.1f} us)"
     )
-    print(f"on_epoch_end, 11 fields + flush: {epoch_end * 1e6:.1f} us per call")
+    print(f"add_epoch_record, 11 fields + flush: {epoch_end * 1e6:.1f} us per call")
     for interval in (20, 1):
         print(
             f"share of a step at --log_interval {interval}: "

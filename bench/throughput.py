@@ -20,6 +20,7 @@ to the first step, and on CUDA the achieved TFLOP/s and the fraction of the devi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,6 +228,7 @@ def worker_main(args: argparse.Namespace) -> int:
             str(args.result.parent / "logs"),
             "--checkpoint_dir",
             str(args.result.parent / "checkpoints"),
+            "--no_tensorboard",
             *args.trainer_flags,
         ]
     )
@@ -286,11 +289,11 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
-    from imgtrainer.training.loop import PhaseTimer
     from imgtrainer.training.trainer import Trainer
 
     setup_started = time.perf_counter()
     trainer = Trainer(cfg, dist)
+    trainer.register_hooks()  # the run's own per-step work (TensorBoard is off: see worker_main)
     setup_seconds = time.perf_counter() - setup_started
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
@@ -316,16 +319,19 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     return result
 
 
-def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
+def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> dict:
     """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
-    from imgtrainer.training.loop import ProgressBar, train_one_epoch
+    from imgtrainer.training.hooks import Hook
+    from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 
     clock: dict = {"start": time.perf_counter()}
 
-    class Clock:
-        """A hook after the trainer's own: times the steps and ends the epoch early."""
+    class Clock(Hook):
+        """The last hook: closes the metrics-and-hooks phase, times the steps and ends the
+        epoch early."""
 
         def on_step_end(self, info) -> bool:
+            timer.end("metrics_and_hooks")
             if info.step == 1:
                 clock["first_step"] = time.perf_counter() - clock["start"]
             if info.step == warmup:
@@ -334,22 +340,116 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer) -> dict:
                 clock["timed_from"] = time.perf_counter()
             return info.step == warmup + steps
 
+    mixer = trainer.mixer.for_epoch(0) if trainer.mixer else None  # --mixup/--cutmix
     trainer.sampler.set_epoch(0)
-    train_one_epoch(
-        trainer.step_state,
-        trainer.train_loader,
-        hooks=[*trainer.hooks, Clock()],
-        progress=ProgressBar(trainer.dist.is_main),
-        log_interval=trainer.cfg.log_interval,
-        timer=timer,
-        mixer=trainer.mixer.for_epoch(0) if trainer.mixer else None,  # --mixup/--cutmix
-    )
+    with timer.attached():
+        train_one_epoch(
+            trainer.step_state,
+            timer.loader(trainer.train_loader),
+            hooks=[*trainer.hooks, Clock()],
+            progress=ProgressBar(trainer.dist.is_main),
+            epoch=EpochPlan(
+                log_interval=trainer.cfg.log_interval,
+                mixer=timer.mixer(mixer) if mixer else None,
+            ),
+        )
     synchronize(trainer.dist.device)
     return {
         "seconds": time.perf_counter() - clock["timed_from"],
         "timer": timer,
         "first_step_seconds": clock["first_step"],
     }
+
+
+class PhaseTimer:
+    """Wall time in each phase of the training step, measured from outside the training code:
+    the loader, the mixer and the step functions the loop calls are wrapped while ``attached``.
+
+    Phases: data_wait (the next batch), mixing, forward_backward (``accumulate_gradients``),
+    optimizer (the rest of ``train_step``), metrics_and_hooks (from the step's end to the end of
+    the last hook: scheduler, logging-step metrics, hooks). On CUDA, pass
+    ``synchronize=torch.cuda.synchronize`` so each phase's kernels are counted in that phase;
+    that removes the overlap between phases, so time whole runs without the timer.
+    """
+
+    def __init__(self, enabled: bool = False, synchronize=None):
+        self.enabled = enabled
+        self.synchronize = synchronize or (lambda: None)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            self.synchronize()
+            self.started[name] = time.perf_counter()
+
+    def end(self, name: str) -> float:
+        """Add the time since ``start(name)`` to the phase; returns it (0 if not started)."""
+        if not self.enabled or name not in self.started:
+            return 0.0
+        self.synchronize()
+        elapsed = time.perf_counter() - self.started.pop(name)
+        self.seconds[name] += elapsed
+        return elapsed
+
+    def timed(self, name: str, function):
+        def wrapper(*args, **kwargs):
+            self.start(name)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.end(name)
+
+        return wrapper
+
+    def loader(self, loader):
+        timer = self
+
+        class TimedLoader:
+            def __len__(self) -> int:
+                return len(loader)
+
+            def __iter__(self):
+                iterator = iter(loader)
+                while True:
+                    timer.start("data_wait")
+                    batch = next(iterator, None)
+                    timer.end("data_wait")
+                    if batch is None:
+                        return
+                    yield batch
+
+        return TimedLoader()
+
+    def mixer(self, mixer):
+        return self.timed("mixing", mixer)
+
+    @contextlib.contextmanager
+    def attached(self):
+        """Wrap the step functions the loop calls (restored on exit)."""
+        from imgtrainer.training import loop, step
+
+        accumulate, train_step = step.accumulate_gradients, loop.train_step
+
+        def timed_train_step(*args, **kwargs):
+            self.start("step")
+            forward_backward = self.seconds["forward_backward"]
+            result = train_step(*args, **kwargs)
+            elapsed = self.end("step")
+            self.seconds.pop("step", None)
+            if self.enabled:
+                self.seconds["optimizer"] += elapsed - (
+                    self.seconds["forward_backward"] - forward_backward
+                )
+            self.start("metrics_and_hooks")
+            return result
+
+        step.accumulate_gradients = self.timed("forward_backward", accumulate)
+        loop.train_step = timed_train_step
+        try:
+            yield self
+        finally:
+            step.accumulate_gradients, loop.train_step = accumulate, train_step
 
 
 def synchronize(device) -> None:

@@ -127,6 +127,13 @@ def run_cli(
     )
 
 
+def kill_at(spec: str) -> dict[str, str]:
+    """The environment that makes a run SIGKILL itself at EPOCH:STEP[:RANK] (first torchrun
+    attempt only): tests/fault_injection/sitecustomize.py, on PYTHONPATH, adds the hook."""
+    path = [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH", "")]
+    return {"TRAIN_DDP_KILL_AT": spec, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
 def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
     """Exit code 2, one error line naming the problem, no traceback."""
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)

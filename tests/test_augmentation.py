@@ -22,7 +22,7 @@ from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, SeededImageDataset
 from imgtrainer.data.transforms import IMAGENET_MEAN, normalize_batch, train_transforms
 from imgtrainer.run.config import HELP_GROUPS, TrainConfig, parse_config
-from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.mixing import BatchMixer, step_seed
 from imgtrainer.training.precision import Precision
@@ -258,7 +258,9 @@ def test_soft_targets_under_bfloat16_autocast():
     images, labels = batch()
     state = step_state(linear_model())
     state.precision = Precision(True, torch.bfloat16)
-    metrics = train_one_epoch(state, [(images, labels)], mixer=make_mixer(3, 0.4, 0).for_epoch(0))
+    metrics = train_one_epoch(
+        state, [(images, labels)], epoch=EpochPlan(mixer=make_mixer(3, 0.4, 0).for_epoch(0))
+    )
     assert metrics["train_samples"] == 8 and np.isfinite(metrics["train_loss"])
 
 
@@ -272,7 +274,11 @@ def test_engine_mixes_each_batch_with_its_step_index():
         seen.append(step)
         return make_mixer(3, 0.4, 1.0).for_epoch(0)(images, targets, step)
 
-    train_one_epoch(step_state(linear_model()), batches[2:], start_step=2, mixer=recording_mixer)
+    train_one_epoch(
+        step_state(linear_model()),
+        batches[2:],
+        epoch=EpochPlan(start_step=2, mixer=recording_mixer),
+    )
     assert seen == [2, 3]
 
 

@@ -16,7 +16,14 @@ import torch
 
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.train as train_ddp
-from conftest import ROOT, TINY_FLAGS, run_train, user_error_line, write_image_folder
+from conftest import (
+    ROOT,
+    TINY_FLAGS,
+    kill_at,
+    run_train,
+    user_error_line,
+    write_image_folder,
+)
 
 TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
 
@@ -108,7 +115,7 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     crashed = launch(
         tmp_path / "crashed",
         [*flags, "--max_restarts", "1", "--resume", "auto"],
-        env={"TRAIN_DDP_KILL_AT": "2:3:1"},
+        env=kill_at("2:3:1"),
     )
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     log0 = (tmp_path / "crashed" / "logs" / "train_rank_0.log").read_text()
@@ -155,7 +162,7 @@ def test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact(resume_
     flags += ["--cache_images", "none"]  # the loader workers augment the files they read
     (tmp_path / "clean").mkdir()
     assert run_train(flags, cwd=tmp_path / "clean") == 0
-    killed = launch(tmp_path / "resumed", flags, nproc=1, env={"TRAIN_DDP_KILL_AT": "1:5"})
+    killed = launch(tmp_path / "resumed", flags, nproc=1, env=kill_at("1:5"))
     assert killed.returncode != 0
     assert latest(tmp_path / "resumed")["step"] == 4
     resumed = launch(

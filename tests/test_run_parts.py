@@ -20,7 +20,8 @@ from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.distributed.torch_compat import check_ddp_internals, reset_ddp_after_failed_attempt
 from imgtrainer.run.config import parse_config
 from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.loop import train_one_epoch
+from imgtrainer.training.hooks import Hook
+from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, make_grad_scaler
 from imgtrainer.training.step import StepState
@@ -92,7 +93,7 @@ def test_loss_scaling_only_for_float16():
 # ----------------------------------------------------------------------------- hook points
 
 
-class Recorder:
+class Recorder(Hook):
     def __init__(self, stop_at: int | None = None, enabled: bool = True):
         self.steps, self.logs, self.stop_at, self.enabled = [], [], stop_at, enabled
 
@@ -107,7 +108,10 @@ class Recorder:
 def test_hooks_see_every_step_and_the_logging_steps_with_floats():
     hook = Recorder()
     metrics = train_one_epoch(
-        tiny_state(), batches(5), hooks=[hook], start_step=2, first_global_step=12, log_interval=2
+        tiny_state(),
+        batches(5),
+        hooks=[hook],
+        epoch=EpochPlan(start_step=2, first_global_step=12, log_interval=2),
     )
     # The loader already skips the 2 steps done before a resume: steps 3..7 of the epoch.
     assert [s[:3] for s in hook.steps] == [
@@ -129,7 +133,9 @@ def test_hooks_see_every_step_and_the_logging_steps_with_floats():
 def test_a_hook_stops_the_epoch_and_a_disabled_logger_costs_no_read():
     quiet = Recorder(enabled=False)
     stopper = Recorder(stop_at=2)
-    metrics = train_one_epoch(tiny_state(), batches(5), hooks=[quiet, stopper], log_interval=1)
+    metrics = train_one_epoch(
+        tiny_state(), batches(5), hooks=[quiet, stopper], epoch=EpochPlan(log_interval=1)
+    )
     assert metrics["steps"] == 2 and metrics["train_samples"] == 8
     assert quiet.logs == [] and len(quiet.steps) == 2  # disabled: no logging step calls
 

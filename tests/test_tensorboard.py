@@ -41,7 +41,7 @@ def steps_and_values(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]
 
 def log_steps(logger: TensorBoardLogger, steps: range, offset: float = 0.0) -> None:
     for step in steps:
-        logger.on_log_step(
+        logger.add_step_metrics(
             step,
             {"loss": offset + step, "lr": 0.1, "images_per_sec": 300.0, "data_wait_share": 0.05},
         )
@@ -59,7 +59,7 @@ def test_step_and_epoch_scalars_are_written(tmp_path: Path):
         "note": "not a number",
         "missing": None,
     }
-    logger.on_epoch_end(4, record)
+    logger.add_epoch_record(4, record)
     logger.close()
 
     acc = read_events(tmp_path)
@@ -84,7 +84,7 @@ def test_epoch_end_flushes_without_close(tmp_path: Path):
     """A run killed after an epoch still has that epoch's curves on disk."""
     logger = TensorBoardLogger(tmp_path, enabled=True)
     log_steps(logger, range(1, 3))
-    logger.on_epoch_end(2, {"epoch": 1, "val_acc": 0.25})
+    logger.add_epoch_record(2, {"epoch": 1, "val_acc": 0.25})
     try:
         acc = read_events(tmp_path)  # read while the writer is still open
         assert steps_and_values(acc, "epoch/val_acc") == [(2, 0.25)]
@@ -96,9 +96,9 @@ def test_epoch_end_flushes_without_close(tmp_path: Path):
 def test_disabled_logger_writes_nothing(tmp_path: Path):
     logger = TensorBoardLogger(tmp_path, enabled=False, purge_step=0)
     log_steps(logger, range(1, 3))
-    logger.on_epoch_end(2, {"epoch": 1, "val_acc": 0.5})
+    logger.add_epoch_record(2, {"epoch": 1, "val_acc": 0.5})
     logger.add_image_grid(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))
-    logger.on_run_end(2, {"lr": 0.1}, {"val_acc": 0.5})
+    logger.add_run_end(2, {"lr": 0.1}, {"val_acc": 0.5})
     logger.flush()
     logger.close()
     assert not logger.enabled
@@ -109,16 +109,16 @@ def test_tensor_metrics_are_refused(tmp_path: Path):
     """Reading a (CUDA) tensor in the logger would sync the GPU; values must come as numbers."""
     with TensorBoardLogger(tmp_path, enabled=True) as logger:
         with pytest.raises(TypeError, match="train_loss.*Python number"):
-            logger.on_log_step(1, {"train_loss": torch.tensor(0.5)})
-        logger.on_log_step(1, {"loss": np.float32(0.5), "count": 3})  # numpy/int are fine
+            logger.add_step_metrics(1, {"train_loss": torch.tensor(0.5)})
+        logger.add_step_metrics(1, {"loss": np.float32(0.5), "count": 3})  # numpy/int are fine
 
 
 def test_resume_purges_steps_after_the_checkpoint(tmp_path: Path):
     """Crashed run wrote steps 1..10 (its checkpoint is at 6); the resumed run writes 6..8."""
     crashed = TensorBoardLogger(tmp_path, enabled=True, purge_step=0)
     log_steps(crashed, range(1, 11), offset=100.0)
-    crashed.on_epoch_end(5, {"epoch": 1, "val_acc": 0.1})
-    crashed.on_epoch_end(10, {"epoch": 2, "val_acc": 0.2})  # after the checkpoint: stale
+    crashed.add_epoch_record(5, {"epoch": 1, "val_acc": 0.1})
+    crashed.add_epoch_record(10, {"epoch": 2, "val_acc": 0.2})  # after the checkpoint: stale
     crashed.flush()
     del crashed  # no close(): the process died
     # Event files sort by their creation second; a real restart is seconds later.
@@ -193,7 +193,7 @@ def test_hparams_in_the_run_folder(tmp_path: Path):
     }
     with TensorBoardLogger(tmp_path, enabled=True, purge_step=0) as logger:
         log_steps(logger, range(1, 3))
-        logger.on_run_end(2, config, {"best_val_acc": 0.75, "val_loss": 0.5})
+        logger.add_run_end(2, config, {"best_val_acc": 0.75, "val_loss": 0.5})
 
     # One run: torch's add_hparams would have added a time-named sub-folder.
     assert [p for p in (tmp_path / SUBDIR).iterdir() if p.is_dir()] == []
@@ -263,9 +263,9 @@ def test_logging_never_syncs_the_gpu(tmp_path: Path):
             for _ in range(5):
                 x = x @ x / 2048  # queued kernels the logger must not wait for
             log_steps(logger, range(1, 4))
-            logger.on_epoch_end(3, {"epoch": 1, "val_acc": 0.5})
+            logger.add_epoch_record(3, {"epoch": 1, "val_acc": 0.5})
             with pytest.raises(TypeError, match="Python number"):
-                logger.on_log_step(4, {"loss": x.sum()})
+                logger.add_step_metrics(4, {"loss": x.sum()})
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [s for s, _ in steps_and_values(read_events(tmp_path), "train/loss")] == [1, 2, 3]
@@ -313,13 +313,11 @@ def test_a_two_process_run_writes_the_events_once(tiny_dataset, tmp_path: Path):
 def test_a_run_resumed_after_a_crash_has_each_step_once(tiny_dataset, tmp_path: Path):
     """Killed at step 5 of epoch 1 with a checkpoint at step 4: the resumed run drops what
     the crashed one wrote after step 4 and writes every step once, in order."""
-    from conftest import ROOT, run_cli
+    from conftest import ROOT, kill_at, run_cli
 
     train, val = tiny_dataset
     flags = [*trainer_flags(train, val), "--save_every_steps", "2", "--epochs", "2"]
-    crashed = run_cli(
-        [ROOT / "launch_ddp.py", *flags], cwd=tmp_path, env={"TRAIN_DDP_KILL_AT": "1:5"}
-    )
+    crashed = run_cli([ROOT / "launch_ddp.py", *flags], cwd=tmp_path, env=kill_at("1:5"))
     assert crashed.returncode != 0
     resumed = run_cli([ROOT / "launch_ddp.py", *flags, "--resume", "auto"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr

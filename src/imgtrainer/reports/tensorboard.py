@@ -1,31 +1,10 @@
-"""TensorBoard event files for one run: per-step and per-epoch curves, hyper-parameters, and a
-grid of augmented training images, all in one folder, ``<log_dir>/tensorboard/``.
+"""TensorBoard event files for one run (``<log_dir>/tensorboard/``): per-step and per-epoch
+curves, hyper-parameters and a grid of augmented images, written by the main process only
+(a no-op object elsewhere), from Python numbers only, so it never waits for the GPU.
 
-One writer per run, on the main process only; everywhere else (other ranks, ``--no_tensorboard``)
-the logger is a no-op object, so the training loop never asks which rank it is on. Its methods
-match the loop's hook points: ``on_log_step`` at a logging step, ``on_epoch_end`` at the end of an
-epoch, ``on_run_end`` once the run finished.
-
-Step axis. Every series, per-step and per-epoch alike, is written at the *global optimizer step*
-(steps taken since the run began), so one step number covers them all: a resumed run opens the
-logger with ``purge_step`` = the global step of its checkpoint, and whatever the crashed run wrote
-at that step or later goes, in every series, images and hyper-parameters included. Writing the
-per-epoch records at the epoch number instead would put them on a second axis (1, 2, 3, ...
-against steps in the thousands) that a step-based purge cannot cover. The epoch itself is still
-there, as the ``epoch/epoch`` series.
-
-The restart marker (``SummaryWriter(purge_step=...)``, a ``SessionLog.START`` event) is honoured by
-TensorBoard's Python loader only. ``tensorboard --logdir`` uses its Rust data server whenever it is
-installed (the pip package ships it), and that one ignores the marker: it only drops a series'
-points from step s on when that same series gets a new point at s, so an epoch point or a final
-metric written after the checkpoint stays visible until the resumed run overwrites it, or for
-good. So the logger also removes those events from the files themselves before it writes
-(``truncate_event_files``), as the history file drops the records after the checkpoint. What is
-on disk is then what every reader shows.
-
-Cost. Each call is one event (all its values in one protocol buffer) put on a queue; a
-background thread writes the file. The logger takes Python numbers only (read by the caller at the every-``log_interval`` sync) and
-refuses tensors, so it can never make the host wait for the GPU.
+Every series is written at the global optimizer step, so a resumed run purges what a crashed run
+wrote after its checkpoint in every series; since TensorBoard's Rust data server ignores the
+purge marker, the logger also truncates the event files themselves (``truncate_event_files``).
 """
 
 from __future__ import annotations
@@ -87,8 +66,8 @@ class TensorBoardLogger:
     def enabled(self) -> bool:
         return self._writer is not None
 
-    # -- hook points ------------------------------------------------------------------------
-    def on_log_step(self, global_step: int, metrics: Mapping[str, float]) -> None:
+    # -- writing ------------------------------------------------------------------------
+    def add_step_metrics(self, global_step: int, metrics: Mapping[str, float]) -> None:
         """One point per metric at a logging step, as ``train/<name>`` (e.g. loss, lr,
         images_per_sec, data_wait_share)."""
         if self._writer is None:
@@ -97,7 +76,7 @@ class TensorBoardLogger:
             {f"train/{name}": _number(name, value) for name, value in metrics.items()}, global_step
         )
 
-    def on_epoch_end(self, global_step: int, record: Mapping[str, Any]) -> None:
+    def add_epoch_record(self, global_step: int, record: Mapping[str, Any]) -> None:
         """Every numeric field of the epoch's history record, as ``epoch/<field>``, at the global
         step where the epoch ended; then flushes, so finished epochs are on disk."""
         if self._writer is None:
@@ -112,7 +91,7 @@ class TensorBoardLogger:
         )
         self._writer.flush()
 
-    def on_run_end(
+    def add_run_end(
         self, global_step: int, hparams: Mapping[str, Any], final_metrics: Mapping[str, float]
     ) -> None:
         """The run's settings and final metrics, for TensorBoard's HPARAMS tab, in this run's

@@ -39,7 +39,6 @@ from imgtrainer.run.config import (
 )
 from imgtrainer.run.folder import claim_run_folder
 from imgtrainer.run.lifecycle import exit_now, mark, run_reporting
-from imgtrainer.training.hooks import call_hooks
 from imgtrainer.training.precision import configure_backends
 from imgtrainer.training.trainer import Trainer
 
@@ -90,7 +89,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
             finished = trainer.fit()
         trainer.end_hooks(finished)
     finally:
-        call_hooks(trainer.hooks, "close")  # loggers flush their files whatever happened
+        trainer.hooks.call("close")  # loggers flush their files whatever happened
     log_summary(trainer, finished)
     mark("summary logged")
     return 0 if finished else trainer.stop.exit_code

@@ -33,6 +33,8 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
+from imgtrainer.training.hooks import Hook
+
 log = logging.getLogger(__name__)
 
 
@@ -51,8 +53,8 @@ def ema_decay(update: int, cap: float) -> float:
     return min(cap, 1.0 - update**-WARMUP_POWER) if update > 1 else 0.0
 
 
-class ModelEma:
-    """The EMA of ``model``'s weights and buffers as a step hook (``engine.StepHook``): updated
+class ModelEma(Hook):
+    """The EMA of ``model``'s weights and buffers as a step hook (``training.hooks.Hook``): updated
     after every optimizer step that was taken. Built with ``model=None`` it is disabled and
     does nothing.
 
@@ -93,7 +95,7 @@ class ModelEma:
         self._ema.update(self.source, step=self.updates)
 
     def on_step_end(self, info: Any) -> bool:
-        """``engine.StepHook``: update when the step was taken (reading ``info.taken`` waits
+        """Update when the step was taken (reading ``info.taken`` waits
         for the device only under float16 loss scaling)."""
         if self._ema is not None and info.taken:
             self.update()

@@ -1,31 +1,102 @@
-"""The training loop's hook points."""
+"""The training loop's hook points (``Hook``) and the ordered list that calls them (``Hooks``).
+
+A hook subclasses ``Hook`` and overrides the points it needs; registering a hook with any other
+public ``on_*`` method (a misspelt one) raises, so no hook is silently never called.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from imgtrainer.training.step import StepInfo
 
 
-class StepHook:
-    """Per-step work hangs off three points of the loop. Every method is optional (the loop
-    looks each one up), so any object with some of them is a hook; this class documents them.
-    A hook that has no job on this rank is built disabled and does nothing.
-    """
+class Hook:
+    """Per-step work at named points of the loop. A hook that has no job on this rank is built
+    with ``enabled`` False (or simply does nothing)."""
+
+    enabled: bool = True
 
     def on_step_end(self, info: StepInfo) -> bool:
-        """After every loaded batch's optimizer step (``info.taken``: not skipped by the
-        GradScaler). True stops the epoch there (a preemption signal)."""
+        """After every loaded batch's optimizer step. True stops the epoch there."""
         return False
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
-        """Every ``log_interval`` steps, with the running train_loss, train_acc and lr already
-        read as Python floats (one host synchronisation for all hooks)."""
+        """Every ``log_interval`` steps, with train_loss, train_acc, lr, images_per_sec and
+        data_wait_share as Python floats (one host synchronisation for all hooks)."""
 
-    def on_epoch_end(self, epoch: int, record: dict) -> None:
-        """After an epoch's evaluation, with its history record (called by the trainer)."""
+    def on_epoch_end(self, epoch: int, record: dict[str, Any]) -> None:
+        """After an epoch's evaluation and checkpoint: the epoch number (1-based) and its
+        history record."""
+
+    def on_run_end(self, hparams: dict[str, Any], final_metrics: dict[str, Any]) -> None:
+        """Once, when the run finished all its epochs: its config and last history record."""
+
+    def close(self) -> None:
+        """At the end of the run, whatever happened (flush files)."""
 
 
-def call_hooks(hooks: Iterable, name: str, *args) -> list:
-    """Call ``name`` on each hook that has it; returns their results."""
-    return [getattr(hook, name)(*args) for hook in hooks if hasattr(hook, name)]
+HOOK_POINTS = frozenset(
+    name for name in vars(Hook) if name.startswith("on_") and callable(getattr(Hook, name))
+)
+
+
+class Hooks:
+    """Hooks in the order they run. ``register`` checks each hook's methods against the hook
+    points; ``call`` runs one point on the hooks that implement it."""
+
+    def __init__(self, hooks: Iterable[Hook] = ()):
+        self._hooks: list[Hook] = []
+        for hook in hooks:
+            self.register(hook)
+
+    def register(self, hook: Hook, *, before: type[Hook] | None = None) -> Hook:
+        """Add ``hook`` last, or ahead of the first hook of type ``before``."""
+        if not isinstance(hook, Hook):
+            raise TypeError(f"{type(hook).__name__} is not a training.hooks.Hook")
+        unknown = sorted(
+            name
+            for name in dir(type(hook))
+            if name.startswith("on_") and callable(getattr(hook, name)) and name not in HOOK_POINTS
+        )
+        if unknown:
+            raise TypeError(
+                f"{type(hook).__name__}.{unknown[0]} is not a hook point "
+                f"(hook points: {', '.join(sorted(HOOK_POINTS))})"
+            )
+        index = next(
+            (i for i, h in enumerate(self._hooks) if before and isinstance(h, before)),
+            len(self._hooks),
+        )
+        self._hooks.insert(index, hook)
+        return hook
+
+    def implementing(self, name: str) -> Hooks:
+        """The enabled hooks that override ``name`` (e.g. those that want the logging step)."""
+        selected = Hooks()
+        selected._hooks = [
+            h
+            for h in self._hooks
+            if h.enabled and getattr(type(h), name) is not getattr(Hook, name)
+        ]
+        return selected
+
+    def call(self, name: str, *args: Any) -> list:
+        """Call hook point ``name`` on every hook that overrides it, in order; their results."""
+        if name not in HOOK_POINTS and name != "close":
+            raise ValueError(f"{name} is not a hook point")
+        return [
+            getattr(h, name)(*args)
+            for h in self._hooks
+            if getattr(type(h), name) is not getattr(Hook, name)
+        ]
+
+    def __iter__(self) -> Iterator[Hook]:
+        return iter(self._hooks)
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+    def __add__(self, other: Iterable[Hook]) -> Hooks:
+        return Hooks([*self._hooks, *other])

@@ -1,22 +1,22 @@
-"""One training epoch: the loop over the loader, its progress bar and log window."""
+"""One training epoch: the loop over the loader, calling its hooks (``training.hooks``) after
+each step and at logging steps; the progress bar is its first hook."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.torch_compat import check_ddp_internals
-from imgtrainer.training.hooks import call_hooks
+from imgtrainer.training.hooks import Hook, Hooks
 from imgtrainer.training.step import (
     CORRECT,
     COUNT,
     LOSS,
-    NO_TIMER,
-    PhaseTimer,
     StepInfo,
     StepState,
     _ddp,
@@ -24,7 +24,7 @@ from imgtrainer.training.step import (
 )
 
 
-class ProgressBar:
+class ProgressBar(Hook):
     """tqdm over the loader, with the running metrics at logging steps; disabled, it shows
     nothing (tqdm's own no-op) and its ``on_log_step`` does nothing."""
 
@@ -90,60 +90,64 @@ class LogWindow:
         return figures
 
 
+@dataclass
+class EpochPlan:
+    """What one call of ``train_one_epoch`` needs besides the step state and the loader."""
+
+    start_step: int = 0  # batches done before a resume: the loader already skips them
+    first_global_step: int = 0  # the run's step count at the epoch's first batch
+    sums: torch.Tensor | None = None  # the running metrics of the batches done
+    log_interval: int = 20
+    # mixup/cutmix (``mixing.EpochMixer``): mixed images and soft targets of a batch, given
+    # the batch's index in the epoch
+    mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = (
+        None
+    )
+
+
 def train_one_epoch(
     state: StepState,
     loader,
     *,
-    hooks: Sequence = (),
+    hooks: Iterable[Hook] = (),
     progress: ProgressBar | None = None,
-    start_step: int = 0,
-    first_global_step: int = 0,
-    sums: torch.Tensor | None = None,
-    log_interval: int = 20,
-    timer: PhaseTimer = NO_TIMER,
-    mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-    | None = None,
+    epoch: EpochPlan | None = None,
 ) -> dict[str, float]:
-    """Train over ``loader`` (which already skips the ``start_step`` batches done before a
-    resume); ``sums`` carries the running metrics of those batches; ``first_global_step`` is
-    the run's step count at the epoch's first batch (for the hooks). ``mixer`` (mixup/cutmix,
-    ``mixing.EpochMixer``) turns each batch into mixed images and soft targets, given the
-    batch's index in the epoch."""
+    """Train over ``loader`` as ``epoch`` says; ``progress`` wraps the loader and runs as the
+    first hook."""
+    epoch = epoch or EpochPlan()
+    start_step, first_global_step, mixer = epoch.start_step, epoch.first_global_step, epoch.mixer
+    sums = epoch.sums
     state.model.train()
     device, plan = state.device, state.plan
     if plan.retry_on_oom:
         check_ddp_internals(_ddp(state.model))  # before the first step, not at the first OOM
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     progress = progress or ProgressBar(enabled=False)
+    hooks = Hooks([progress, *hooks])
     # Only hooks that want the logging step make it read the metrics (a host synchronisation).
-    log_hooks = [
-        h for h in (progress, *hooks) if hasattr(h, "on_log_step") and getattr(h, "enabled", True)
-    ]
+    log_hooks = hooks.implementing("on_log_step")
     step = start_step
     window = LogWindow()
-    for images, targets in window.timed(timer.iterate(progress.wrap(loader, start_step))):
+    for images, targets in window.timed(progress.wrap(loader, start_step)):
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
-            with timer.phase("mixing"):
-                images, targets = mixer(images, targets, step)
-        step_sums, skipped = train_step(state, images, targets, timer)
+            images, targets = mixer(images, targets, step)
+        step_sums, skipped = train_step(state, images, targets)
         sums += step_sums
         state.scheduler.step()
         step += 1
         window.images += len(targets)
-        with timer.phase("metrics_and_hooks"):
-            global_step = first_global_step + step - start_step
-            if log_hooks and step % log_interval == 0:
-                count = sums[COUNT].item()
-                metrics = {
-                    "train_loss": sums[LOSS].item() / count,
-                    "train_acc": sums[CORRECT].item() / count,
-                    "lr": state.optimizer.param_groups[0]["lr"],
-                    **window.read(),
-                }
-                call_hooks(log_hooks, "on_log_step", global_step, metrics)
-            info = StepInfo(step, global_step, sums, skipped)
-            stop = any(call_hooks(hooks, "on_step_end", info))
-        if stop:
+        global_step = first_global_step + step - start_step
+        if log_hooks and step % epoch.log_interval == 0:
+            count = sums[COUNT].item()
+            metrics = {
+                "train_loss": sums[LOSS].item() / count,
+                "train_acc": sums[CORRECT].item() / count,
+                "lr": state.optimizer.param_groups[0]["lr"],
+                **window.read(),
+            }
+            log_hooks.call("on_log_step", global_step, metrics)
+        if any(hooks.call("on_step_end", StepInfo(step, global_step, sums, skipped))):
             break
     progress.close()
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,44 +21,6 @@ from imgtrainer.training.memory import BufferSnapshot, MemoryPlan, is_out_of_mem
 from imgtrainer.training.precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-class PhaseTimer:
-    """Wall time spent in each phase of the training step, for the throughput benchmark.
-
-    Disabled (the default) it costs one attribute check per phase. On CUDA, pass
-    ``synchronize=torch.cuda.synchronize`` so each phase's kernels are counted in that phase;
-    that removes the overlap between phases, so time whole runs without the timer.
-    """
-
-    def __init__(self, enabled: bool = False, synchronize: Callable[[], None] | None = None):
-        self.enabled = enabled
-        self.synchronize = synchronize or (lambda: None)
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        self.synchronize()
-        start = time.perf_counter()
-        yield
-        self.synchronize()
-        self.seconds[name] += time.perf_counter() - start
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager:
-        return self._timed(name) if self.enabled else contextlib.nullcontext()
-
-    def iterate(self, batches: Iterable, name: str = "data_wait") -> Iterator:
-        """Yield from ``batches``, counting the time spent waiting for each one."""
-        iterator = iter(batches)
-        while True:
-            with self.phase(name):
-                batch = next(iterator, None)
-            if batch is None:
-                return
-            yield batch
-
-
-NO_TIMER = PhaseTimer(enabled=False)
 
 
 # Index of each running sum in the metric tensors.
@@ -102,7 +62,7 @@ class StepInfo:
 
 
 def train_step(
-    state: StepState, images: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer = NO_TIMER
+    state: StepState, images: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
     (with a GradScaler) a device flag set when the scaler skipped the step.
@@ -115,8 +75,7 @@ def train_step(
     snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
     while True:
         state.optimizer.zero_grad(set_to_none=True)
-        with timer.phase("forward_backward"):
-            step_sums = accumulate_gradients(state, images, targets)
+        step_sums = accumulate_gradients(state, images, targets)
         if step_sums is not None:
             break
         snapshot.restore()
@@ -133,19 +92,16 @@ def train_step(
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
     # device, without waiting for it).
-    with timer.phase("optimizer"):
-        scale_before = (
-            torch_compat.grad_scale_on_device(scaler).clone() if scaler.is_enabled() else None
-        )
-        if state.clip_grad_norm:
-            clip_gradients(state)
-        scaler.step(state.optimizer)
-        scaler.update()
-        skipped = (
-            None
-            if scale_before is None
-            else torch_compat.grad_scale_on_device(scaler) < scale_before
-        )
+    scale_before = (
+        torch_compat.grad_scale_on_device(scaler).clone() if scaler.is_enabled() else None
+    )
+    if state.clip_grad_norm:
+        clip_gradients(state)
+    scaler.step(state.optimizer)
+    scaler.update()
+    skipped = (
+        None if scale_before is None else torch_compat.grad_scale_on_device(scaler) < scale_before
+    )
     return step_sums, skipped
 
 

@@ -81,26 +81,3 @@ class StopRequest:
     @property
     def exit_code(self) -> int:
         return exit_code_for(self.signum or signal.SIGTERM)
-
-
-# Fault injection for the crash-resume tests: TRAIN_DDP_KILL_AT="EPOCH:STEP[:RANK]" makes that rank
-# (every rank if RANK is left out) SIGKILL itself right after that optimizer step of that epoch
-# (1-based), on the first torchrun attempt only, so the restarted workers run on.
-KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
-
-
-def kill_point(rank: int) -> tuple[int, int] | None:
-    """The (epoch, step) at which this rank must kill itself, read once at start-up."""
-    spec = os.environ.get(KILL_AT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    kill_epoch, kill_step, *kill_rank = (int(part) for part in spec.split(":"))
-    return (kill_epoch, kill_step) if not kill_rank or kill_rank[0] == rank else None
-
-
-def maybe_inject_fault(point: tuple[int, int] | None, epoch: int, step: int, rank: int) -> None:
-    if point == (epoch, step):
-        log.warning(
-            f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, step {step}"
-        )
-        os.kill(os.getpid(), signal.SIGKILL)

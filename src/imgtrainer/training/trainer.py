@@ -54,13 +54,13 @@ from imgtrainer.training.ema import (
     weights_label,
 )
 from imgtrainer.training.evaluation import EvalSettings, evaluate
-from imgtrainer.training.hooks import call_hooks
-from imgtrainer.training.loop import ProgressBar, train_one_epoch
+from imgtrainer.training.hooks import Hook, Hooks
+from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.step import StepInfo
-from imgtrainer.training.stopping import StopRequest, kill_point, maybe_inject_fault
+from imgtrainer.training.stopping import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,7 @@ class Trainer:
         self.stop = StopRequest(dist.is_distributed)
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
-        # Per-step work, each at the loop's hook points (see engine.StepHook); a logger is one
-        # more entry here. The EMA comes first: a checkpoint written at a step (CheckpointAndStop)
-        # must hold the EMA of that step's weights.
-        self.hooks: list = [
-            self.ema,
-            PositionKeeper(self),
-            FaultInjection(dist.rank, self),
-            CheckpointAndStop(self),
-        ]
+        self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -142,9 +134,21 @@ class Trainer:
                 f"{positions}: --checkpoint_dir must be one folder that every node "
                 "sees (a shared file system), or give --resume PATH on every node"
             )
-        # The logger continues from the position resumed (dropping what a crashed run wrote
-        # after it), so it joins the hooks once that position is known.
-        self.hooks.append(TensorBoardHook(self))
+        self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """The per-step work, in the order it runs after each step. The EMA comes first: a
+        checkpoint written at a step must hold the EMA of that step's weights. The logger
+        continues from the resumed position (dropping what a crashed run wrote after it)."""
+        if len(self.hooks):
+            raise RuntimeError("the trainer's hooks are already registered")
+        for hook in (
+            self.ema,
+            PositionKeeper(self),
+            CheckpointAndStop(self),
+            TensorBoardHook(self),
+        ):
+            self.hooks.register(hook)
 
     @property
     def global_step(self) -> int:
@@ -269,11 +273,13 @@ class Trainer:
             self.train_loader,
             hooks=self.hooks,
             progress=progress,
-            start_step=self.step,
-            first_global_step=self.epoch * self.steps_per_epoch + self.step,
-            sums=self.resumed_sums,
-            log_interval=self.cfg.log_interval,
-            mixer=self.mixer.for_epoch(self.epoch) if self.mixer else None,
+            epoch=EpochPlan(
+                start_step=self.step,
+                first_global_step=self.epoch * self.steps_per_epoch + self.step,
+                sums=self.resumed_sums,
+                log_interval=self.cfg.log_interval,
+                mixer=self.mixer.for_epoch(self.epoch) if self.mixer else None,
+            ),
         )
         self.resumed_sums = None
         if self.stop.requested_by_all:
@@ -299,7 +305,7 @@ class Trainer:
         )
         self.history.append(self.epoch_record(train, val, images_per_sec, started))
         self.save_checkpoint(None, is_best)
-        call_hooks(self.hooks, "on_epoch_end", self.epoch, self.history.records[-1])
+        self.hooks.call("on_epoch_end", self.epoch, self.history.records[-1])
         self.log_epoch(is_best)
         return True
 
@@ -351,7 +357,7 @@ class Trainer:
     def end_hooks(self, finished: bool) -> None:
         """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
         if finished and self.history.records:
-            call_hooks(self.hooks, "on_run_end", self.cfg.to_dict(), self.history.records[-1])
+            self.hooks.call("on_run_end", self.cfg.to_dict(), self.history.records[-1])
 
     def fit(self) -> bool:
         """Train until the last epoch, or until a stop signal; True if the run finished."""
@@ -366,7 +372,7 @@ class Trainer:
 # ----------------------------------------------------------------------------- per-step work
 
 
-class PositionKeeper:
+class PositionKeeper(Hook):
     """Keeps the trainer's position (for checkpoints and the stop message) after every step."""
 
     def __init__(self, trainer: Trainer):
@@ -378,21 +384,9 @@ class PositionKeeper:
         return False
 
 
-class FaultInjection:
-    """Dies at the step the resume tests ask for (TRAIN_KILL_AT); inert without it."""
-
-    def __init__(self, rank: int, trainer: Trainer):
-        self.rank, self.trainer = rank, trainer
-        self.kill_point = kill_point(rank)
-
-    def on_step_end(self, info: StepInfo) -> bool:
-        maybe_inject_fault(self.kill_point, self.trainer.epoch + 1, info.step, self.rank)
-        return False
-
-
-class TensorBoardHook:
-    """The run's curves in TensorBoard (``tensorboard_log.TensorBoardLogger``), on the main
-    process unless --no_tensorboard; a no-op object elsewhere."""
+class TensorBoardHook(Hook):
+    """The run's curves in TensorBoard (``reports.tensorboard.TensorBoardLogger``), on the main
+    process unless --no_tensorboard; disabled elsewhere."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
@@ -417,7 +411,7 @@ class TensorBoardHook:
         self.logger.add_image_grid(torch.stack([image.cpu() for image in images]))
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
-        self.logger.on_log_step(
+        self.logger.add_step_metrics(
             global_step,
             {
                 "loss": metrics["train_loss"],
@@ -429,16 +423,17 @@ class TensorBoardHook:
         )
 
     def on_epoch_end(self, epoch: int, record: dict) -> None:
-        self.logger.on_epoch_end(self.trainer.global_step, record)
+        # At the global step where the epoch ended: one step axis for every series.
+        self.logger.add_epoch_record(epoch * self.trainer.steps_per_epoch, record)
 
     def on_run_end(self, hparams: dict, final_metrics: dict) -> None:
-        self.logger.on_run_end(self.trainer.global_step, hparams, final_metrics)
+        self.logger.add_run_end(self.trainer.global_step, hparams, final_metrics)
 
     def close(self) -> None:
         self.logger.close()
 
 
-class CheckpointAndStop:
+class CheckpointAndStop(Hook):
     """The agreed stop on a signal (with a checkpoint), and the periodic checkpoint of
     --save_every_steps. Every rank runs it: both are collectives; only the main process
     writes (its CheckpointWriter)."""

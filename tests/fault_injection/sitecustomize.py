@@ -1,0 +1,87 @@
+"""Fault injection for the crash-resume tests, loaded at interpreter start-up from PYTHONPATH
+(``conftest.kill_at``) by the launcher, torchrun and every worker.
+
+TRAIN_DDP_KILL_AT="EPOCH:STEP[:RANK]" makes that rank (every rank if RANK is left out) SIGKILL
+itself right after that optimizer step of that epoch (1-based), on the first torchrun attempt
+only, so the restarted workers run on. The kill comes after the EMA update and the position of
+that step, before its checkpoint: the trainer's registration gets one more hook, ahead of
+``CheckpointAndStop``, once ``imgtrainer.training.trainer`` is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import signal
+import sys
+
+KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
+TRAINER_MODULE = "imgtrainer.training.trainer"
+# A child of the project logger, so the message reaches the rank's log file.
+LOGGER = "imgtrainer.fault_injection"
+
+
+def kill_point(rank: int) -> tuple[int, int] | None:
+    """The (epoch, step) at which this rank must kill itself."""
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    kill_epoch, kill_step, *kill_rank = (int(part) for part in spec.split(":"))
+    return (kill_epoch, kill_step) if not kill_rank or kill_rank[0] == rank else None
+
+
+def install(trainer_module) -> None:
+    """Wrap ``Trainer.register_hooks`` to register a ``FaultInjection`` hook too."""
+    from imgtrainer.training.hooks import Hook
+
+    class FaultInjection(Hook):
+        def __init__(self, trainer, point: tuple[int, int]):
+            self.trainer, self.point = trainer, point
+
+        def on_step_end(self, info) -> bool:
+            epoch, rank = self.trainer.epoch + 1, self.trainer.dist.rank
+            if self.point == (epoch, info.step):
+                logging.getLogger(LOGGER).warning(
+                    f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, "
+                    f"step {info.step}"
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+            return False
+
+    trainer_class = trainer_module.Trainer
+    register_hooks = trainer_class.register_hooks
+
+    def register_hooks_with_fault(self) -> None:
+        register_hooks(self)
+        point = kill_point(self.dist.rank)
+        if point is not None:
+            self.hooks.register(
+                FaultInjection(self, point), before=trainer_module.CheckpointAndStop
+            )
+
+    trainer_class.register_hooks = register_hooks_with_fault
+
+
+class _AfterTrainerImport(importlib.abc.MetaPathFinder):
+    """Finds the trainer module with the usual finders, and installs the hook after it runs."""
+
+    def find_spec(self, name, path, target=None):
+        if name != TRAINER_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_install(module) -> None:
+            exec_module(module)
+            install(module)
+
+        spec.loader.exec_module = exec_and_install
+        return spec
+
+
+if os.environ.get(KILL_AT_ENV):
+    sys.meta_path.insert(0, _AfterTrainerImport())
