@@ -17,6 +17,9 @@ from typing import Any
 
 from imgtrainer.errors import UserError
 
+# --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
+DEVICE_CHOICES = ["auto", "cuda", "cpu"]
+
 
 def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     """A dataclass field that also carries its command-line help."""
@@ -149,9 +152,7 @@ class TrainConfig:
         "bfloat16 on the CPU, usually slower there)",
     )
     amp_dtype: str = _opt("float16", "autocast dtype on CUDA", choices=["float16", "bfloat16"])
-    device: str = _opt(
-        "auto", "auto: CUDA when visible, else the CPU", choices=["auto", "cuda", "cpu"]
-    )
+    device: str = _opt("auto", "auto: CUDA when visible, else the CPU", choices=DEVICE_CHOICES)
     channels_last: bool = _opt(
         True,
         "channels_last memory format on CUDA (faster tensor-core "
