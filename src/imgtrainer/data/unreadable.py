@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 
+from imgtrainer.data.checks import refuse_empty_classes
 from imgtrainer.data.image_files import (
-    IMAGE_EXTENSIONS,
     find_unreadable,
     write_unreadable_list,
 )
 from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.distributed.collectives import all_gather_objects
-from imgtrainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +133,4 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
 
 
 def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
-    empty = folder.empty_classes()
-    if empty:
-        raise UserError(
-            f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
-            f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
-            "images or remove the folder"
-        )
+    refuse_empty_classes(folder.root, folder.empty_classes(), role, readable=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from imgtrainer.data.checks import check_data_folders, check_no_empty_class_folder, count_images
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import TrainConfig, optimizer_batch
+from imgtrainer.run.folder import check_checkpoint_dir
 
 # ----------------------------------------------------------------------------- flags
 
@@ -53,10 +54,10 @@ def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> No
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
-    for flag, value in (("checkpoint_dir", cfg.checkpoint_dir), ("log_dir", cfg.log_dir)):
-        path = Path(value)
-        if path.exists() and not path.is_dir():
-            raise UserError(f"--{flag} {path} is a file, not a folder; choose another --{flag}")
+    check_checkpoint_dir(Path(cfg.checkpoint_dir))
+    log_dir = Path(cfg.log_dir)
+    if log_dir.exists() and not log_dir.is_dir():
+        raise UserError(f"--log_dir {log_dir} is a file, not a folder; choose another --log_dir")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
         raise UserError(f"--resume {cfg.resume}: no such file")
 
