@@ -24,6 +24,7 @@ import torch
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 from imgtrainer.run.folder import BEST_NAME, LATEST_NAME
+from imgtrainer.training.memory_probes import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +132,6 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         lambda: tensor_bytes(obj),
         keep_previous_as=previous_path(path) if keep_previous else None,
     )
-
-
-def tensor_bytes(obj: Any) -> int:
-    """The bytes of every tensor in a nested structure: about what ``torch.save`` writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def load_checkpoint_file(path: Path) -> dict[str, Any]:
