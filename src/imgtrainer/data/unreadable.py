@@ -16,6 +16,8 @@ from imgtrainer.data.image_files import (
 )
 from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.distributed.collectives import all_gather_objects
+from imgtrainer.errors import UserError
+from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +111,12 @@ class DecodeCheckCache:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"version": self.VERSION, "files": self.results}).encode()
             tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
-            os.replace(tmp, self.folder / self.NAME)
-        except OSError as err:  # only a cache: the next start checks again
+            atomic_write(
+                self.folder / self.NAME, lambda f: f.write(text), lambda: len(text), tmp=tmp
+            )
+        except (OSError, UserError) as err:  # only a cache: the next start checks again
             log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
     def problem(self, path: str) -> str | None:
