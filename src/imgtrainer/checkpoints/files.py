@@ -1,13 +1,7 @@
 """Checkpoint files: crash-safe writes, safe loads, the latest/best policy and resume lookup.
 
-A checkpoint is a plain dict of tensors and primitives, its keys listed once in
-``CHECKPOINT_SCHEMA`` and put together by ``training_checkpoint``, saved from the unwrapped model,
-so ``torch.load(path, weights_only=True)`` loads it and its ``model_state_dict`` loads into a
-plain model with ``strict=True``. ``format_version`` says which schema wrote it: a file of a newer
-one is refused on load with one line; a file without one (written before versions existed) is
-version 0, whose keys are those of version 1. Version 2: the config's ``accum_steps`` counts
-batches of ``batch_size`` per optimizer step (in versions 0 and 1 it split ``batch_size`` into
-micro-batches), and ``effective_batch_size`` says what a step was (``saved_step_batch``).
+A checkpoint is a plain dict of tensors and primitives (keys in ``CHECKPOINT_SCHEMA``), loadable
+with ``weights_only=True``; ``format_version`` says which schema wrote it (none: version 0).
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ DEMO_PRESET: dict[str, Any] = {
 # What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
 # gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
 # only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
-# nothing on the CPU under this preset (bfloat16 autocast is ~16x slower there, and the
+# nothing on the CPU under this preset (bfloat16 autocast is much slower there, and the
 # micro-batches already bound the memory).
 LOW_MEMORY_PRESET: dict[str, Any] = {
     "use_amp": True,  # float16 activations: about half the activation memory

@@ -1,11 +1,6 @@
-"""Checks that need no torch: the data folders, flag combinations and the GPUs on this node.
-
-The launcher runs them before it starts torchrun, so the commonest mistakes are one line within a
-fraction of a second instead of after three imports of torch (launcher, agent, workers: seconds
-each). The workers run the data-folder checks again (they may be started without the launcher),
-and everything that needs torch or timm (the model name, decoding the images, the device itself,
-loading a checkpoint) is checked there and reaches the console as one line through the launcher
-(see ``outcome.py``).
+"""Checks that need no torch (data folders, flag combinations, this node's GPUs), run by the
+launcher before torchrun so the commonest mistakes are one line at once; the workers check the
+data folders again and everything that needs torch.
 """
 
 from __future__ import annotations

@@ -3,12 +3,8 @@
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
 
-Writes OUTPUT/metrics.json (top-1, top-5, loss, per-class precision/recall/accuracy and counts),
-OUTPUT/confusion_matrix.csv (the whole matrix), OUTPUT/misclassified.csv and a drawing: up to 100
-classes the full matrix (OUTPUT/confusion_matrix.png, also inlined in metrics.json), above that the
-most-confused pairs and the worst classes (OUTPUT/confusion_summary.png). Prints the worst classes. The checkpoint is all it needs. Under torchrun each image is evaluated by exactly
-one process and the counts are summed over processes, so the metrics are exact whatever the
-number of processes.
+Writes metrics.json, confusion_matrix.csv/.png (or confusion_summary.png above 100 classes) and
+misclassified.csv; counts are summed over processes, so the metrics are exact on any number.
 """
 
 from __future__ import annotations

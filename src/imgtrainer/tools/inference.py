@@ -1,13 +1,6 @@
-"""A trained classifier loaded from its checkpoint alone: the model, its class names and the
-preprocessing it was trained with (used by src/evaluate.py and src/predict.py).
-
-A training checkpoint (``checkpoint.CHECKPOINT_SCHEMA``) stores the model name, class names, image size and
-normalisation next to the weights, so no training flag has to be repeated here.
-
-A checkpoint of a run with --model_ema holds two sets of weights, the trained ones ("raw") and
-their moving average ("ema"), and says which scored the higher val_acc (``best_weights``).
-``--weights auto`` takes the EMA weights unless the checkpoint says the raw ones scored higher:
-so on checkpoint_best.pth the tools run the weights behind its best_acc.
+"""A trained classifier loaded from its checkpoint alone (model, class names, preprocessing and
+precision), for src/evaluate.py and src/predict.py. ``--weights auto`` takes the EMA weights
+unless the checkpoint says the raw ones scored a higher val_acc.
 """
 
 from __future__ import annotations

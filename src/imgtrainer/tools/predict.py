@@ -1,11 +1,7 @@
-"""Top-k predictions of a trained checkpoint for image files and folders.
+"""Top-k predictions of a trained checkpoint for image files and folders (searched recursively).
 
-    python src/predict.py --checkpoint checkpoints/checkpoint_best.pth photo1.jpg more_photos/ --topk 3
-    python src/predict.py --checkpoint checkpoints/checkpoint_best.pth more_photos/ --json > predictions.json
-
-Folders are searched recursively for image files. The class names, image size and normalisation
-come from the checkpoint. A file that cannot be read is reported in the output (with its
-error) and the others are still predicted. Prints a table, or JSON with ``--json``.
+python src/predict.py --checkpoint checkpoints/checkpoint_best.pth photo1.jpg more_photos/ --topk 3
+python src/predict.py --checkpoint checkpoints/checkpoint_best.pth more_photos/ --json > predictions.json
 """
 
 from __future__ import annotations
