@@ -4,21 +4,10 @@
     python bench/memory.py                                   # CPU: ResNet18, 128 px, batch 64
     python bench/memory.py --device cuda --image_size 224    # CUDA: the 2 GB target
 
-Each mode runs in its own process, because a process's peak resident memory only grows. Both
-use the trainer's own pieces: ``parse_config`` (so ``--low_memory`` is the real preset), the
-trainer's kernel set-up, the timm model, the memory savers, optimizer, precision, the memory
-plan (the fitting included) and ``engine.train_one_epoch``, on one synthetic batch repeated
-(data loading is the same in both modes and left out).
-
-The peak is taken over the training steps. On CUDA it is ``torch.cuda.max_memory_allocated``,
-what the budget (``--max_memory_gb``) covers there. On the CPU it is the resident high-water mark
-(VmHWM, reset through /proc/self/clear_refs once the model, optimizer and plan are built), shown
-three ways: whole; "above imports", less the resident memory right after importing torch,
-torchvision and timm (~0.7 GB with a CUDA build of torch, the same in both modes); and "budgeted",
-less the baseline the fitting measures against (``memory.cpu_baseline``: everything resident
-before the first trial except the weights, buffers and optimizer state), which is what the
-budget covers on the CPU, as on CUDA: weights, gradients, optimizer state, inputs, activations
-and what the kernels and the allocator hold during a step.
+Each mode runs in its own process (a process's peak resident memory only grows), built from the
+trainer's own pieces on one synthetic batch. The peak is ``torch.cuda.max_memory_allocated`` on
+CUDA, and on the CPU the resident high-water mark: whole, above imports, and above the baseline
+the fitting measures against (``cpu_baseline``), which is what ``--max_memory_gb`` covers.
 """
 
 from __future__ import annotations
@@ -46,7 +35,7 @@ def worker(args: argparse.Namespace) -> dict:
     from imgtrainer.run.config import parse_config
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.loop import train_one_epoch
-    from imgtrainer.training.memory_fit import build_memory_plan
+    from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
     from imgtrainer.training.memory_probes import (
         ResidentMemory,
         cpu_baseline,
@@ -95,9 +84,8 @@ def worker(args: argparse.Namespace) -> dict:
             else resident.reset_peak()
             and resident.current() - resident_training_state(model, optimizer)
         )
-    plan = build_memory_plan(
-        cfg, device, 1, model, optimizer, criterion, precision, args.num_classes
-    )
+    trial = TrialParts(model, optimizer, criterion, precision, device)
+    plan = build_memory_plan(cfg, trial, 1, args.num_classes)
     state = parts.step_state(plan)
     g = torch.Generator().manual_seed(0)
     batch = (

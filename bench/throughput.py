@@ -363,11 +363,13 @@ def allreduce_wait_share(model, step_seconds: float) -> float | None:
     """The all-reduce time not overlapped with backward, from DDP's own sampled timings."""
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = getattr(model, "_orig_mod", model)
+    from imgtrainer.distributed import torch_compat
+
+    ddp = torch_compat.compiled_original(model)
     if not isinstance(ddp, DistributedDataParallel):
         return None
     try:
-        stats = ddp._get_ddp_logging_data()
+        stats = torch_compat.ddp_logging_data(ddp)
         exposed_ns = (
             stats["avg_backward_comm_time"] - stats["avg_backward_compute_comm_overlap_time"]
         )

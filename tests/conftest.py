@@ -22,12 +22,21 @@ sys.path.insert(0, str(SRC))
 
 import torch  # noqa: E402
 
+from imgtrainer.distributed.setup import DistInfo  # noqa: E402
+from imgtrainer.run.config import TrainConfig  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
 from imgtrainer.training.precision import Precision  # noqa: E402
 from imgtrainer.training.step import StepState  # noqa: E402
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
 CPU = torch.device("cpu")
+ONE_CPU_PROCESS = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU)
+
+
+def data_config(train: Path, val: Path, **values) -> TrainConfig:
+    """A config for ``build_datasets`` on tiny folders: no image cache, logs beside the data."""
+    defaults = {"cache_images": "none", "log_dir": str(Path(train).parent / "logs")}
+    return TrainConfig(train_dir=str(train), val_dir=str(val), **{**defaults, **values})
 
 
 def cpu_step_state(

@@ -29,7 +29,7 @@ from imgtrainer.run.config import (
 from imgtrainer.run.preflight import check_batch_fits
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.memory_fit import build_memory_plan
+from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.optim import build_optimizer, lr_scale
 
 
@@ -125,7 +125,8 @@ def test_the_trainer_plans_one_pass_per_batch(caplog):
             (["--batch_size", "8"], 8, 8),
         ):
             cfg = parse_config(["--image_size", "10", *flags])
-            plan = build_memory_plan(cfg, CPU, 1, model, opt, nn.CrossEntropyLoss(), FP32, 4)
+            trial = TrialParts(model, opt, nn.CrossEntropyLoss(), FP32, CPU)
+            plan = build_memory_plan(cfg, trial, 1, 4)
             assert (plan.micro_batch, optimizer_batch(cfg)) == (micro, step)
             assert f"micro-batch {micro} ({step // micro} forward/backward pass(es) " in caplog.text
             assert f"per optimizer step of {step} images per process" in caplog.text
@@ -152,12 +153,11 @@ def test_fitting_starts_at_batch_size_and_keeps_a_divisor_of_the_step():
     cfg = parse_config(
         ["--image_size", "10", "--batch_size", "30", "--accum_steps", "4", "--auto_micro_batch"]
     )
-    plan = build_memory_plan(cfg, CPU, 1, model, opt, nn.CrossEntropyLoss(), FP32, 4)
+    plan = build_memory_plan(cfg, TrialParts(model, opt, nn.CrossEntropyLoss(), FP32, CPU), 1, 4)
     assert plan.micro_batch == 15 and plan.retry_on_oom
     roomy = OutOfMemoryAbove(tiny_net(), limit=1000)
-    plan = build_memory_plan(
-        cfg, CPU, 1, roomy, make_optimizer(roomy, "sgd"), nn.CrossEntropyLoss(), FP32, 4
-    )
+    trial = TrialParts(roomy, make_optimizer(roomy, "sgd"), nn.CrossEntropyLoss(), FP32, CPU)
+    plan = build_memory_plan(cfg, trial, 1, 4)
     assert plan.micro_batch == 30  # the batch the user asked for, not the step's 120
 
 

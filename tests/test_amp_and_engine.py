@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from imgtrainer.run.config import parse_config
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.optim import lr_factor
@@ -79,7 +79,7 @@ def test_cpu_amp_trains_and_evaluates_with_the_forward_in_bfloat16():
     assert math.isfinite(metrics["train_loss"])
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
     seen.clear()
-    val = evaluate(model, tiny_batches(2), torch.device("cpu"), bf16, show_progress=False)
+    val = evaluate(model, tiny_batches(2), EvalSettings(torch.device("cpu"), bf16, None, False))
     assert seen == [torch.bfloat16] * 2 and val["val_samples"] == 16
     # And without AMP the same forwards stay in float32: the hook does tell them apart.
     seen.clear()

@@ -16,12 +16,12 @@ from torch import nn
 from torchvision.transforms import v2
 
 import imgtrainer.run.train as train_ddp
-from conftest import cpu_step_state, user_error_line
-from imgtrainer.data.loaders import build_datasets, make_loader
+from conftest import ONE_CPU_PROCESS, cpu_step_state, data_config, user_error_line
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, SeededImageDataset
-from imgtrainer.data.transforms import IMAGENET_MEAN, build_transforms, normalize_batch
-from imgtrainer.run.config import HELP_GROUPS, parse_config
+from imgtrainer.data.transforms import IMAGENET_MEAN, normalize_batch, train_transforms
+from imgtrainer.run.config import HELP_GROUPS, TrainConfig, parse_config
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.mixing import BatchMixer, step_seed
@@ -43,11 +43,19 @@ def scramble_global_rngs(seed: int) -> None:
 # ----------------------------------------------------------------------------- per-image
 
 
+def augmentation(image_size: int, crop_scale_min: float, hflip: float, **flags):
+    """The training transforms of a config with these augmentation settings."""
+    return train_transforms(
+        TrainConfig(image_size=image_size, crop_scale_min=crop_scale_min, hflip=hflip, **flags)
+    )
+
+
 def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augment) -> list:
-    train_set, _, _ = build_datasets(train, val, 16, 7, 0.3, 0.5, cache="none", **augment)
+    cfg = data_config(train, val, image_size=16, seed=7, crop_scale_min=0.3, hflip=0.5, **augment)
+    train_set, _, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), 0, 1, seed=7)
     sampler.set_epoch(epoch)
-    loader = make_loader(train_set, sampler, 8, train=True, num_workers=workers, pin_memory=False)
+    loader = make_loader(train_set, sampler, LoaderSpec(8, train=True, num_workers=workers))
     batches = []
     for images, labels in loader:
         batches.append((images, labels))
@@ -79,7 +87,7 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
     train, _ = tiny_dataset
     cache = DecodedImageCache(ReadableImageFolder(train), 16, device="cpu")
     dataset = SeededImageDataset(
-        cache, build_transforms(16, True, 0.3, 0.5, auto_augment=policy, random_erasing=1.0), seed=3
+        cache, augmentation(16, 0.3, 0.5, auto_augment=policy, random_erasing=1.0), seed=3
     )
     assert [type(t) for t in dataset.transform.transforms[1:]] == [
         {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}[policy],
@@ -98,8 +106,8 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
 def test_random_erasing_fills_with_the_mean_colour(tiny_dataset):
     train, _ = tiny_dataset
     cache = DecodedImageCache(ReadableImageFolder(train), 32, device="cpu")
-    erase_only = build_transforms(32, True, 1.0, 0.0, random_erasing=1.0)
-    plain = build_transforms(32, True, 1.0, 0.0)
+    erase_only = augmentation(32, 1.0, 0.0, random_erasing=1.0)
+    plain = augmentation(32, 1.0, 0.0)
     dataset = SeededImageDataset(cache, erase_only, seed=0)
     erased = dataset[(0, 0)][0]
     unerased = SeededImageDataset(cache, plain, seed=0)[(0, 0)][0]
@@ -119,9 +127,17 @@ def batch(n: int = 8, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, to
     return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
+def make_mixer(
+    num_classes: int, mixup: float, cutmix: float, rank: int = 0, device: str = "cpu", **flags
+) -> BatchMixer:
+    """A BatchMixer with these mixing flags, over 1 epoch from seed 0 unless told."""
+    cfg = TrainConfig(**{"epochs": 1, "seed": 0, "mixup": mixup, "cutmix": cutmix, **flags})
+    return BatchMixer(cfg, num_classes, rank, device)
+
+
 def test_mixing_is_a_function_of_seed_epoch_step_and_rank():
     images, labels = batch()
-    mixer = BatchMixer(3, mixup=0.4, cutmix=1.0, epochs=3, seed=11)
+    mixer = make_mixer(3, mixup=0.4, cutmix=1.0, epochs=3, seed=11)
     scramble_global_rngs(1)
     state = torch.get_rng_state()
     a = [mixer.for_epoch(1)(images, labels, step) for step in range(6)]
@@ -134,7 +150,7 @@ def test_mixing_is_a_function_of_seed_epoch_step_and_rank():
     # Each step, epoch and rank draws its own.
     assert not torch.equal(a[0][0], a[1][0]) and not torch.equal(a[1][0], a[2][0])
     other_epoch = mixer.for_epoch(2)(images, labels, 0)
-    other_rank = BatchMixer(3, 0.4, 1.0, epochs=3, seed=11, rank=1).for_epoch(1)(images, labels, 0)
+    other_rank = make_mixer(3, 0.4, 1.0, epochs=3, seed=11, rank=1).for_epoch(1)(images, labels, 0)
     assert not torch.equal(other_epoch[1], a[0][1]) and not torch.equal(other_rank[1], a[0][1])
     assert len({step_seed(11, 1, s, r) for s in range(50) for r in range(4)}) == 200
 
@@ -143,19 +159,19 @@ def test_switch_probability_picks_cutmix_or_mixup():
     images, labels = batch()
     paired = images.roll(1, 0)  # torchvision pairs each image with its neighbour
     for step in range(8):
-        cut, soft = BatchMixer(3, 0.4, 1.0, switch_prob=1.0).for_epoch(0)(images, labels, step)
+        cut, soft = make_mixer(3, 0.4, 1.0, mix_switch_prob=1.0).for_epoch(0)(images, labels, step)
         # cutmix: every pixel is the image's own or its partner's
         assert ((cut == images) | (cut == paired)).all()
-        blend, _ = BatchMixer(3, 0.4, 1.0, switch_prob=0.0).for_epoch(0)(images, labels, step)
+        blend, _ = make_mixer(3, 0.4, 1.0, mix_switch_prob=0.0).for_epoch(0)(images, labels, step)
         lam = ((blend - paired) / (images - paired))[images != paired].median()
         assert torch.allclose(blend, lam * images + (1 - lam) * paired, atol=1e-5)
     # Only one of them on: that one, whatever the switch probability.
-    only_cut, _ = BatchMixer(3, 0.0, 1.0, switch_prob=0.0).for_epoch(0)(images, labels, 0)
+    only_cut, _ = make_mixer(3, 0.0, 1.0, mix_switch_prob=0.0).for_epoch(0)(images, labels, 0)
     assert ((only_cut == images) | (only_cut == paired)).all()
 
 
 def test_mix_off_epochs_turns_mixing_off_for_the_last_epochs():
-    mixer = BatchMixer(3, 0.2, 0.0, off_epochs=2, epochs=5)
+    mixer = make_mixer(3, 0.2, 0.0, mix_off_epochs=2, epochs=5)
     assert [mixer.for_epoch(e) is not None for e in range(5)] == [True, True, True, False, False]
     cfg = parse_config(["--epochs", "4", "--cutmix", "1.0", "--mix_off_epochs", "1"])
     built = BatchMixer.from_config(cfg, 3, rank=0, device=torch.device("cpu"))
@@ -197,7 +213,7 @@ def test_soft_target_loss_is_timms_with_label_smoothing_folded_in():
     labels smoothed, mixed by lambda, soft-target cross entropy; and lambda-weighted cross
     entropy of the two labels without smoothing."""
     images, labels = batch(n=8, classes=5)
-    mixed, soft = BatchMixer(5, mixup=0.4, cutmix=0.0).for_epoch(0)(images, labels, 3)
+    mixed, soft = make_mixer(5, mixup=0.4, cutmix=0.0).for_epoch(0)(images, labels, 3)
     partner = labels.roll(1, 0)
     i = int((labels != partner).nonzero()[0])
     lam = float(soft[i, labels[i]])  # the share of the image's own label
@@ -217,7 +233,7 @@ def test_soft_target_loss_is_timms_with_label_smoothing_folded_in():
 
 def test_mixed_step_in_micro_batches_has_the_whole_batchs_gradient_and_metrics():
     images, labels = batch(n=8, classes=3)
-    mixed, soft = BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 0)
+    mixed, soft = make_mixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 0)
     results = []
     for micro_batch in (None, 2):
         model = linear_model()
@@ -242,7 +258,7 @@ def test_soft_targets_under_bfloat16_autocast():
     images, labels = batch()
     state = step_state(linear_model())
     state.precision = Precision(True, torch.bfloat16)
-    metrics = train_one_epoch(state, [(images, labels)], mixer=BatchMixer(3, 0.4, 0).for_epoch(0))
+    metrics = train_one_epoch(state, [(images, labels)], mixer=make_mixer(3, 0.4, 0).for_epoch(0))
     assert metrics["train_samples"] == 8 and np.isfinite(metrics["train_loss"])
 
 
@@ -254,7 +270,7 @@ def test_engine_mixes_each_batch_with_its_step_index():
 
     def recording_mixer(images, targets, step):
         seen.append(step)
-        return BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, targets, step)
+        return make_mixer(3, 0.4, 1.0).for_epoch(0)(images, targets, step)
 
     train_one_epoch(step_state(linear_model()), batches[2:], start_step=2, mixer=recording_mixer)
     assert seen == [2, 3]
@@ -319,9 +335,7 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     """--cache_images gpu: the images stay on the GPU through every augmentation and the
     mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
     train, _ = tiny_dataset
-    transform = build_transforms(
-        16, True, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0
-    )
+    transform = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
     on_gpu = SeededImageDataset(
         DecodedImageCache(ReadableImageFolder(train), 16, "cuda"), transform, 3
     )
@@ -329,7 +343,7 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     assert first.is_cuda
     assert torch.equal(first, torch.stack([on_gpu[(i, 0)][0] for i in range(8)]))
     images, labels = batch()
-    cpu = BatchMixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 5)
-    gpu = BatchMixer(3, 0.4, 1.0, device="cuda").for_epoch(0)(images.cuda(), labels.cuda(), 5)
+    cpu = make_mixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 5)
+    gpu = make_mixer(3, 0.4, 1.0, device="cuda").for_epoch(0)(images.cuda(), labels.cuda(), 5)
     assert gpu[0].is_cuda and torch.equal(gpu[1].cpu(), cpu[1])
     assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import imgtrainer.data.image_files as image_files
 import imgtrainer.data.loaders as data
 import imgtrainer.data.sources as sources
-from conftest import CLASSES, write_image_folder
+from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 
 
 @pytest.fixture
@@ -46,9 +46,10 @@ def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
     train, val = folders_with_a_broken_file(tmp_path)
     files = 3 * 4 + 1 + 3 * 2
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
-        train_set, val_set, _ = data.build_datasets(
-            train, val, 16, 0, 0.08, 0.5, log_dir=tmp_path / "logs", cache=cache, threads=1
+        cfg = data_config(
+            train, val, image_size=16, seed=0, log_dir=str(tmp_path / "logs"), cache_images=cache
         )
+        train_set, val_set, _ = data.build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
     assert decodes["check"] + decodes["cache"] == files
     assert (decodes["cache"] == files) == (cache == "ram")
     assert len(train_set) == 12 and len(val_set) == 6

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import TrainedRun, run_main, user_error_line
-from imgtrainer.data.loaders import make_loader
+from imgtrainer.data.loaders import LoaderSpec, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
 from imgtrainer.run.config import TrainConfig
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import load_classifier, training_precision
 from imgtrainer.tools.predict import main as predict_main
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.precision import Precision, choose_precision
 
 
@@ -74,17 +74,12 @@ def test_report_runs_under_the_checkpoints_autocast(trained_run: TrainedRun, tmp
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), 0, 1),
-        8,
-        train=False,
-        num_workers=0,
-        pin_memory=False,
-        mean=classifier.mean,
-        std=classifier.std,
+        LoaderSpec(8, train=False, mean=classifier.mean, std=classifier.std),
     )
     cpu = torch.device("cpu")
-    amp = evaluate(classifier.model, loader, cpu, classifier.precision, show_progress=False)
+    amp = evaluate(classifier.model, loader, EvalSettings(cpu, classifier.precision, None, False))
     fp32 = evaluate(
-        classifier.model, loader, cpu, Precision(False, torch.float32), show_progress=False
+        classifier.model, loader, EvalSettings(cpu, Precision(False, torch.float32), None, False)
     )
     assert amp["val_loss"] != fp32["val_loss"]  # else this test could not tell them apart
     assert metrics["loss"] == amp["val_loss"]

@@ -22,7 +22,9 @@ from conftest import (
     CLASSES,
     CPU,
     FP32,
+    ONE_CPU_PROCESS,
     TINY_FLAGS,
+    data_config,
     run_main,
     run_train,
     user_error_line,
@@ -30,7 +32,7 @@ from conftest import (
 )
 from imgtrainer.checkpoints.resume import changed_settings
 from imgtrainer.data.loaders import build_datasets
-from imgtrainer.data.transforms import build_transforms, normalize_batch
+from imgtrainer.data.transforms import eval_transforms, normalize_batch
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import TrainConfig
 from imgtrainer.tools.evaluate import main as evaluate_main
@@ -459,9 +461,9 @@ def centre_square_image(side: int = 100) -> Image.Image:
 
 def test_eval_resize_ratio_is_the_share_of_the_short_side_kept():
     image = centre_square_image()
-    half = build_transforms(32, train=False, eval_resize_ratio=0.5)(image)
-    whole = build_transforms(32, train=False, eval_resize_ratio=1.0)(image)
-    default = build_transforms(32, train=False)  # today's 1/0.875
+    half = eval_transforms(32, 0.5)(image)
+    whole = eval_transforms(32, 1.0)(image)
+    default = eval_transforms(32)  # 1/0.875
     assert half.shape == whole.shape == (3, 32, 32)
     assert half.float().mean() > 250  # resized to 64, the central 32: the white square only
     assert 0.2 < whole.float().mean() / 255 < 0.3  # the whole picture: a quarter white
@@ -471,9 +473,10 @@ def test_eval_resize_ratio_is_the_share_of_the_short_side_kept():
 def test_training_validates_with_the_ratio_cached_or_not(tiny_dataset):
     train, val = tiny_dataset
     for cache in ("none", "ram"):
-        _, val_set, _ = build_datasets(
-            train, val, 16, 0, 0.08, 0.5, eval_resize_ratio=0.5, cache=cache
+        cfg = data_config(
+            train, val, image_size=16, seed=0, eval_resize_ratio=0.5, cache_images=cache
         )
+        _, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
         assert val_set.transform.transforms[1].size == [32]
         image, _ = val_set[0]
         assert image.shape == (3, 16, 16)

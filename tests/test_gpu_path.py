@@ -1,10 +1,11 @@
-"""The fixes to the CUDA paths (issue 9): their logic on the CPU, and `cuda`-marked tests that run
+"""The CUDA paths: their logic on the CPU, and `cuda`-marked tests that run
 the CUDA side for real (skipped without a GPU; bench/gpu_check.py runs them with `pytest -m cuda`).
 Also the self-check's own logic: its behaviour without CUDA and how it builds its table."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -26,7 +27,12 @@ from conftest import CPU, FP32, ROOT, cpu_step_state
 from imgtrainer.models import strip_wrapper_prefixes
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan, is_out_of_memory
-from imgtrainer.training.memory_fit import largest_fitting, measure_micro_batch
+from imgtrainer.training.memory_fit import (
+    TrialInputs,
+    TrialParts,
+    largest_fitting,
+    measure_micro_batch,
+)
 from imgtrainer.training.memory_probes import ResidentMemory, batch_input_bytes, cpu_baseline
 from imgtrainer.training.optim import restore_optimizer_state
 from imgtrainer.training.precision import configure_backends
@@ -312,17 +318,13 @@ def test_the_loaded_batch_inputs_count_in_the_fitting():
     assert batch_input_bytes(64, 224, torch.device("cuda"), "ram", True) == 64 * 3 * 224**2 * 4
     assert batch_input_bytes(64, 224, torch.device("cuda"), "gpu", False) == 64 * 3 * 224**2 * 4
     model = conv_model()
-    measure = partial(
-        measure_micro_batch,
-        model,
-        make_optimizer(model, "adamw"),
-        nn.CrossEntropyLoss(),
-        FP32,
-        CPU,
-        image_shape=(3, 12, 12),
-        num_classes=3,
+    parts = TrialParts(model, make_optimizer(model, "adamw"), nn.CrossEntropyLoss(), FP32, CPU)
+    inputs = TrialInputs((3, 12, 12), num_classes=3)
+    measure = partial(measure_micro_batch, parts, inputs)
+    with_loaded = partial(
+        measure_micro_batch, parts, dataclasses.replace(inputs, loaded_input_bytes=50 * 2**20)
     )
-    alone, loaded = measure(4), measure(4, loaded_input_bytes=50 * 2**20)
+    alone, loaded = measure(4), with_loaded(4)
     assert alone.input_bytes == 4 * 3 * 12 * 12 * 4
     assert (
         loaded.input_bytes == 50 * 2**20
@@ -332,7 +334,7 @@ def test_the_loaded_batch_inputs_count_in_the_fitting():
     assert loaded.estimate(2) - alone.estimate(2) == loaded.total - alone.total
     budget = alone.total + 2**20
     assert largest_fitting(measure, 4, 4, budget)[0] == 4
-    assert largest_fitting(partial(measure, loaded_input_bytes=50 * 2**20), 4, 4, budget)[0] == 0
+    assert largest_fitting(with_loaded, 4, 4, budget)[0] == 0
 
 
 # ----------------------------------------------------------------------------- 5: OOM messages
@@ -503,13 +505,8 @@ def test_cpu_fitting_measures_the_real_resident_peak():
     resident = ResidentMemory()
     base = partial(
         measure_micro_batch,
-        model,
-        optimizer,
-        nn.CrossEntropyLoss(),
-        FP32,
-        CPU,
-        image_shape=(3, 12, 12),
-        num_classes=3,
+        TrialParts(model, optimizer, nn.CrossEntropyLoss(), FP32, CPU),
+        TrialInputs((3, 12, 12), num_classes=3),
     )
     measured = partial(
         base, cpu_baseline_bytes=cpu_baseline(model, optimizer, resident), resident=resident

@@ -22,7 +22,7 @@ import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import parse_config, preset_summary
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import (
     GIB,
@@ -31,7 +31,13 @@ from imgtrainer.training.memory import (
     halving_sizes,
     is_out_of_memory,
 )
-from imgtrainer.training.memory_fit import fit_micro_batch, largest_fitting, measure_micro_batch
+from imgtrainer.training.memory_fit import (
+    TrialInputs,
+    TrialParts,
+    fit_micro_batch,
+    largest_fitting,
+    measure_micro_batch,
+)
 from imgtrainer.training.memory_probes import StepCost
 from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import StepState
@@ -140,8 +146,8 @@ def test_grad_scaler_unscales_the_accumulated_gradient_once():
 def test_evaluation_in_micro_batches_gives_the_same_metrics():
     model = small_model(batch_norm=True)
     loader = batches(2, 10)
-    whole = evaluate(model, loader, CPU, FP32, show_progress=False)
-    split = evaluate(model, loader, CPU, FP32, show_progress=False, plan=MemoryPlan(4))
+    whole = evaluate(model, loader, EvalSettings(CPU, FP32, None, False))
+    split = evaluate(model, loader, EvalSettings(CPU, FP32, MemoryPlan(4), False))
     assert split["val_samples"] == whole["val_samples"] == 20
     for key in ("val_loss", "val_acc", "val_top5"):
         assert split[key] == pytest.approx(whole[key], abs=1e-6)
@@ -217,13 +223,8 @@ def test_halving_keeps_every_micro_batch_a_divisor():
 def fit_with(model: nn.Module, start: int, batch_size: int, budget: int = HUGE) -> int:
     measure = partial(
         measure_micro_batch,
-        model,
-        make_optimizer(model, "adamw"),
-        nn.CrossEntropyLoss(),
-        FP32,
-        CPU,
-        image_shape=(3, 12, 12),
-        num_classes=3,
+        TrialParts(model, make_optimizer(model, "adamw"), nn.CrossEntropyLoss(), FP32, CPU),
+        TrialInputs((3, 12, 12), num_classes=3),
     )
     return fit_micro_batch(measure, start, batch_size, budget, CPU)
 
@@ -237,13 +238,8 @@ def test_fitting_under_a_budget_uses_the_measured_cost_and_leaves_the_model_as_i
     model = small_model(batch_norm=True)
     measure = partial(
         measure_micro_batch,
-        model,
-        make_optimizer(model, "adamw"),
-        nn.CrossEntropyLoss(),
-        FP32,
-        CPU,
-        image_shape=(3, 12, 12),
-        num_classes=3,
+        TrialParts(model, make_optimizer(model, "adamw"), nn.CrossEntropyLoss(), FP32, CPU),
+        TrialInputs((3, 12, 12), num_classes=3),
     )
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
@@ -477,13 +473,8 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
     optimizer = make_optimizer(model, "adamw")
     trial = partial(
         measure_micro_batch,
-        model,
-        optimizer,
-        nn.CrossEntropyLoss(),
-        FP32,
-        device,
-        image_shape=(3, 224, 224),
-        num_classes=3,
+        TrialParts(model, optimizer, nn.CrossEntropyLoss(), FP32, device),
+        TrialInputs((3, 224, 224), num_classes=3),
     )
     costs = {}  # the trials that ran, by size (a second trial at the cap's edge may not fit)
 

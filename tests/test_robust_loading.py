@@ -11,7 +11,14 @@ import pytest
 from PIL import Image
 
 import imgtrainer.run.train as train_ddp
-from conftest import TINY_FLAGS, run_train, user_error_line, write_image_folder
+from conftest import (
+    ONE_CPU_PROCESS,
+    TINY_FLAGS,
+    data_config,
+    run_train,
+    user_error_line,
+    write_image_folder,
+)
 from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.data.sources import ReadableImageFolder
@@ -90,9 +97,16 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
     val = write_image_folder(tmp_path / "val", ["cat", "dog"], 2)
     add_bad_files(train / "dog")
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
-        train_set, val_set, classes = build_datasets(
-            train, val, 16, 0, 0.5, 0.5, log_dir=tmp_path / "logs"
+        cfg = data_config(
+            train,
+            val,
+            image_size=16,
+            seed=0,
+            crop_scale_min=0.5,
+            hflip=0.5,
+            log_dir=str(tmp_path / "logs"),
         )
+        train_set, val_set, classes = build_datasets(cfg, ONE_CPU_PROCESS)
     assert classes == ["cat", "dog"]
     assert len(train_set) == 9 and len(val_set) == 4  # 8 + the CMYK image; text ignored
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -121,7 +135,8 @@ def test_class_left_empty_is_refused_by_name(tmp_path: Path):
         image.write_bytes(b"corrupt")
     (train / "dog" / "labels.csv").write_text("x")
     with pytest.raises(UserError, match="dog"):
-        build_datasets(train, val, 16, 0, 0.5, 0.5)
+        cfg = data_config(train, val, image_size=16, seed=0, crop_scale_min=0.5, hflip=0.5)
+        build_datasets(cfg, ONE_CPU_PROCESS)
 
 
 def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(

@@ -17,12 +17,13 @@ from imgtrainer.checkpoints.files import (
     training_checkpoint,
 )
 from imgtrainer.distributed.setup import DistInfo
+from imgtrainer.distributed.torch_compat import check_ddp_internals, reset_ddp_after_failed_attempt
 from imgtrainer.run.config import parse_config
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, make_grad_scaler
-from imgtrainer.training.step import StepState, check_ddp_internals, reset_ddp_after_failed_attempt
+from imgtrainer.training.step import StepState
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 

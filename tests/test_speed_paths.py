@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT, TINY_FLAGS, run_cli, user_error_line
-from imgtrainer.data.loaders import build_datasets, loader_workers, make_loader
+from conftest import ONE_CPU_PROCESS, ROOT, TINY_FLAGS, data_config, run_cli, user_error_line
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
 from imgtrainer.run.config import parse_config
@@ -33,15 +33,14 @@ def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
 
 def one_epoch_of_batches(train: Path, val: Path, cache: str) -> tuple[list, object]:
     """Every training batch of epoch 1 (random crops and flips drawn), then every val batch."""
-    train_set, val_set, _ = build_datasets(
-        train, val, 16, seed=0, crop_scale_min=0.3, hflip=0.5, cache=cache
+    cfg = data_config(
+        train, val, image_size=16, seed=0, crop_scale_min=0.3, hflip=0.5, cache_images=cache
     )
+    train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
     sampler.set_epoch(1)
-    train_loader = make_loader(train_set, sampler, 4, train=True, num_workers=0, pin_memory=False)
-    val_loader = make_loader(
-        val_set, ShardSampler(len(val_set), 0, 1), 4, train=False, num_workers=0, pin_memory=False
-    )
+    train_loader = make_loader(train_set, sampler, LoaderSpec(4, train=True))
+    val_loader = make_loader(val_set, ShardSampler(len(val_set), 0, 1), LoaderSpec(4, train=False))
     return [*train_loader, *val_loader], train_set.folder
 
 

@@ -151,7 +151,7 @@ def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
     agent = [pid for pid in pids if parent(pid) == launcher.pid]
     ranks = [pid for pid in pids if agent and parent(pid) == agent[0]]
     assert len(agent) == 1 and len(ranks) == 2, [(pid, parent(pid)) for pid in pids]
-    assert "--preload train_ddp" in command_line(agent[0])
+    assert "--preload imgtrainer.run.train" in command_line(agent[0])
     assert all(command_line(rank) == command_line(agent[0]) for rank in ranks)
     for pid in [launcher.pid, *pids]:
         os.kill(pid, signal.SIGTERM)

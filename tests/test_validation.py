@@ -11,28 +11,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FP32, write_image_folder
-from imgtrainer.data.loaders import build_datasets, make_loader
+from conftest import FP32, ONE_CPU_PROCESS, data_config, write_image_folder
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.models import build_model
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 
 
 def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
-    _, val_set, classes = build_datasets(
-        val_dir, val_dir, 16, seed=0, crop_scale_min=0.5, hflip=0.5
+    cfg = data_config(
+        val_dir,
+        val_dir,
+        image_size=16,
+        seed=0,
+        crop_scale_min=0.5,
+        hflip=0.5,
+        log_dir=str(val_dir.parent / f"logs_rank{rank}"),
     )
+    _, val_set, classes = build_datasets(cfg, ONE_CPU_PROCESS)
     torch.manual_seed(0)  # the same weights in every process
     model = build_model("resnet18", len(classes))
     loader = make_loader(
         val_set,
         ShardSampler(len(val_set), rank, world_size),
-        batch_size=4,
-        train=False,
-        num_workers=0,
-        pin_memory=False,
+        LoaderSpec(batch_size=4, train=False),
     )
-    return evaluate(model, loader, torch.device("cpu"), FP32, show_progress=False)
+    return evaluate(model, loader, EvalSettings(torch.device("cpu"), FP32, None, False))
 
 
 def _worker(rank: int, world_size: int, val_dir: Path, out: Path, port: int) -> None:

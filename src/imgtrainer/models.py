@@ -11,6 +11,7 @@ import torch
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
+from imgtrainer.distributed import torch_compat
 from imgtrainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
     return next(name for name, module in root.named_modules() if module is target)
 
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP, torch.compile
+WRAPPER_PREFIXES = ("module.", f"{torch_compat.COMPILED_MODULE_ATTR}.")  # DDP, torch.compile
 
 
 def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -125,7 +126,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+        elif torch_compat.compiled_original(model) is not model:
+            model = torch_compat.compiled_original(model)
         else:
             return model

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from imgtrainer.checkpoints.files import LATEST, CheckpointError, previous_path
+from imgtrainer.distributed import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def apply_optimisation_settings(
         optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
     ):
         group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    torch_compat.set_scheduler_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
 
 
 def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | None:

@@ -1,11 +1,7 @@
-"""Datasets, transforms, samplers and loaders, and the checks on the data folders.
+"""The run's datasets and loaders, built from the config.
 
-Two properties make a run reproducible and resumable at any step:
-
-* the order of training samples is a pure function of (seed, epoch): ``EpochSampler`` shuffles
-  with a generator seeded from both, like ``DistributedSampler``;
-* each sample's random augmentation is seeded from (seed, epoch, index), never from the loader
-  worker that happened to handle it, so results do not change with ``--num_workers``.
+Sample order is a function of (seed, epoch) and each sample's augmentation of (seed, epoch,
+index), so a run resumes at any step and does not change with ``--num_workers``.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,8 +28,9 @@ from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
     IMAGENET_STD,
-    build_transforms,
     collate_normalized,
+    eval_transforms,
+    train_transforms,
 )
 from imgtrainer.data.unreadable import check_no_empty_class, leave_out_unreadable, report_unreadable
 from imgtrainer.distributed.collectives import (
@@ -84,71 +81,62 @@ def quiet_loader_worker(worker_id: int) -> None:
     die_with_parent(signal.SIGKILL)
 
 
-def make_loader(
-    dataset: Dataset,
-    sampler: Sampler,
-    batch_size: int,
-    *,
-    train: bool,
-    num_workers: int,
-    pin_memory: bool,
-    prefetch_factor: int = 2,
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
-) -> DataLoader:
+@dataclass(frozen=True)
+class LoaderSpec:
+    """How a loader batches: ``train`` drops the last partial batch; ``mean``/``std`` normalise
+    each batch as it is collated."""
+
+    batch_size: int
+    train: bool
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int = 2
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+
+
+def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoader:
     return DataLoader(
         dataset,
-        batch_size=batch_size,
+        batch_size=spec.batch_size,
         sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        drop_last=train,
-        collate_fn=partial(collate_normalized, mean=tuple(mean), std=tuple(std)),
+        num_workers=spec.num_workers,
+        pin_memory=spec.pin_memory,
+        drop_last=spec.train,
+        collate_fn=partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std)),
         # Its own generator: the loader's worker seeds must not draw from the process's random
         # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
         generator=torch.Generator().manual_seed(0),
         worker_init_fn=quiet_loader_worker,
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
-        persistent_workers=num_workers > 0,
+        persistent_workers=spec.num_workers > 0,
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
     )
 
 
 def build_datasets(
-    train_dir: Path,
-    val_dir: Path,
-    image_size: int,
-    seed: int,
-    crop_scale_min: float,
-    hflip: float,
-    *,
-    eval_resize_ratio: float = EVAL_RESIZE_RATIO,
-    log_dir: Path | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    cache: str = "none",
-    cache_budget_bytes: int = 0,
-    cache_device: str = "cpu",
-    threads: int = 4,
-    auto_augment: str = "none",
-    random_erasing: float = 0.0,
+    cfg: TrainConfig, dist: DistInfo, *, cache_budget_bytes: int = 0, threads: int = 4
 ) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
-    """Both datasets, with unreadable images left out (listed in ``log_dir``). Every rank must
-    call this: the decoding check is shared out over ranks (``rank`` of ``world_size``).
-    ``cache`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``), which
-    is the check; "auto" means "ram" when the decoded images fit in ``cache_budget_bytes``."""
+    """Both datasets of ``cfg``, with unreadable images left out (listed in ``--log_dir``).
+    Every rank must call this: the decoding check is shared out over the ranks of ``dist``.
+    ``--cache_images`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``,
+    on ``dist.device`` for "gpu"), which is the check; "auto" means "ram" when the decoded images
+    fit in ``cache_budget_bytes``. ``threads`` decode the images to cache."""
+    train_dir, val_dir, log_dir = Path(cfg.train_dir), Path(cfg.val_dir), Path(cfg.log_dir)
     class_names = check_data_folders(train_dir, val_dir)
     folders = {
         "training": ReadableImageFolder(train_dir),
         "validation": ReadableImageFolder(val_dir),
     }
-    cache = choose_cache(cache, sum(map(len, folders.values())), image_size, cache_budget_bytes)
+    cache = choose_cache(
+        cfg.cache_images, sum(map(len, folders.values())), cfg.image_size, cache_budget_bytes
+    )
     # Free memory differs between nodes; every rank must read the same images the same way.
     if "none" in all_gather_objects(cache):
         cache = "none"
     if cache == "none":
-        leave_out_unreadable(folders, log_dir, rank, world_size, cache_dir=log_dir)
+        leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         mark("data checked")
         train_folder, val_folder = folders["training"], folders["validation"]
     else:
@@ -156,8 +144,9 @@ def build_datasets(
         # check first and a second decoding of every image after it.
         mark("data checked")
         started = time.perf_counter()
+        cache_device = str(dist.device) if cfg.cache_images == "gpu" else "cpu"
         train_folder, val_folder = cache_decoded(
-            folders, image_size, cache_device, threads, log_dir, eval_resize_ratio
+            folders, cfg.image_size, cache_device, threads, log_dir, cfg.eval_resize_ratio
         )
         mark("images cached")
         log.info(
@@ -166,22 +155,9 @@ def build_datasets(
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )
-    train_set = SeededImageDataset(
-        train_folder,
-        build_transforms(
-            image_size,
-            True,
-            crop_scale_min,
-            hflip,
-            auto_augment=auto_augment,
-            random_erasing=random_erasing,
-        ),
-        seed,
-    )
+    train_set = SeededImageDataset(train_folder, train_transforms(cfg), cfg.seed)
     val_set = SeededImageDataset(
-        val_folder,
-        build_transforms(image_size, False, eval_resize_ratio=eval_resize_ratio),
-        seed,
+        val_folder, eval_transforms(cfg.image_size, cfg.eval_resize_ratio), cfg.seed
     )
     return train_set, val_set, class_names
 
@@ -232,22 +208,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
     train_set, val_set, class_names = build_datasets(
-        Path(cfg.train_dir),
-        Path(cfg.val_dir),
-        cfg.image_size,
-        cfg.seed,
-        cfg.crop_scale_min,
-        cfg.hflip,
-        eval_resize_ratio=cfg.eval_resize_ratio,
-        log_dir=Path(cfg.log_dir),
-        rank=dist.rank,
-        world_size=dist.world_size,
-        cache=cfg.cache_images,
-        cache_budget_bytes=budget,
-        cache_device=str(dist.device) if cfg.cache_images == "gpu" else "cpu",
-        threads=cores,
-        auto_augment=cfg.auto_augment,
-        random_erasing=cfg.random_erasing,
+        cfg, dist, cache_budget_bytes=budget, threads=cores
     )
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
@@ -259,22 +220,13 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     # One loader batch is one optimizer step: --accum_steps batches of --batch_size, which the
     # engine runs as separate forward/backward passes. Loading them together keeps the sample
     # order and the resume position independent of how a step is split.
-    train_loader = make_loader(
-        train_set,
-        train_sampler,
-        optimizer_batch(cfg),
-        train=True,
-        num_workers=workers,
-        pin_memory=pin,
-        prefetch_factor=cfg.prefetch_factor,
+    train_spec = LoaderSpec(
+        optimizer_batch(cfg), True, workers, pin, prefetch_factor=cfg.prefetch_factor
     )
+    train_loader = make_loader(train_set, train_sampler, train_spec)
     val_loader = make_loader(
         val_set,
         ShardSampler(len(val_set), dist.rank, dist.world_size),
-        cfg.batch_size,
-        train=False,
-        num_workers=workers,
-        pin_memory=pin,
-        prefetch_factor=cfg.prefetch_factor,
+        replace(train_spec, batch_size=cfg.batch_size, train=False),
     )
     return train_loader, val_loader, train_sampler, class_names

@@ -10,9 +10,9 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
+from imgtrainer.run.config import TrainConfig
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
-
-
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
@@ -20,11 +20,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # to size (the usual 224/256).
 EVAL_RESIZE_RATIO = 0.875
 
-
-# ----------------------------------------------------------------------------- folder checks
-
-# find_classes and check_data_folders need no torch, so they live in preflight.py, where the
-# launcher runs them too; they are imported above for the data code and its callers.
 
 # ----------------------------------------------------------------------------- transforms
 
@@ -34,9 +29,7 @@ class RandomResizedCropFlip:
     random numbers from the torch generator in one call.
 
     The same distribution and the same bilinear, antialiased resize as the v2 transforms, for a
-    fraction of their cost: their Python dispatch took ~0.25 ms per image, more than the crop
-    itself at small sizes, and on a 2-core machine the augmentation competes with the model for
-    the cores (bench/throughput.py).
+    fraction of their Python dispatch cost (bench/throughput.py).
     """
 
     TRIES = 10  # like torchvision: then fall back to a center crop
@@ -88,29 +81,29 @@ class RandomResizedCropFlip:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-def build_transforms(
-    image_size: int,
-    train: bool,
-    crop_scale_min: float = 0.08,
-    hflip: float = 0.5,
-    *,
-    eval_resize_ratio: float = EVAL_RESIZE_RATIO,
-    auto_augment: str = "none",
-    random_erasing: float = 0.0,
-) -> v2.Compose | RandomResizedCropFlip:
-    """Per-sample augmentation on uint8 images. Conversion to float and normalization happen once
+def train_transforms(cfg: TrainConfig) -> v2.Compose | RandomResizedCropFlip:
+    """Per-sample training augmentation on uint8 images, the one place that reads the
+    augmentation flags: the crop and flip, then ``--auto_augment``'s policy, then random
+    erasing, in the order of torchvision's reference recipe. Every random number comes from
+    torch's CPU generator, which ``SeededImageDataset`` seeds per sample; the images may be CPU
+    or CUDA tensors (``--cache_images gpu``). Conversion to float and normalization happen once
     per batch in ``collate_normalized``: cheaper than per sample, and 4x fewer bytes between
-    processes.
+    processes."""
+    crop = RandomResizedCropFlip(cfg.image_size, scale=(cfg.crop_scale_min, 1.0), hflip=cfg.hflip)
+    extra = []
+    if cfg.auto_augment != "none":
+        extra.append(AUTO_AUGMENT[cfg.auto_augment]())
+    if cfg.random_erasing > 0:
+        # torchvision's recipe erases after normalization with 0, i.e. with the mean colour;
+        # here the images are still uint8, so the rectangle gets the mean colour in 0..255.
+        mean_colour = [round(255 * m) for m in IMAGENET_MEAN]
+        extra.append(v2.RandomErasing(p=cfg.random_erasing, value=mean_colour))
+    return v2.Compose([crop, *extra]) if extra else crop
 
-    Training: the crop and flip, then ``auto_augment``'s policy, then random erasing, in the
-    order of torchvision's reference recipe. Every random number comes from torch's CPU
-    generator, which ``SeededImageDataset`` seeds per sample; the images may be CPU or CUDA
-    tensors (``--cache_images gpu``). Evaluation resizes the short side to ``eval_resize_side``
-    and crops the centre."""
-    if train:
-        crop = RandomResizedCropFlip(image_size, scale=(crop_scale_min, 1.0), hflip=hflip)
-        extra = image_augmentations(auto_augment, random_erasing)
-        return v2.Compose([crop, *extra]) if extra else crop
+
+def eval_transforms(image_size: int, eval_resize_ratio: float = EVAL_RESIZE_RATIO) -> v2.Compose:
+    """Evaluation: resize the short side to ``eval_resize_side``, then crop the centre. Also
+    built from a checkpoint's values by evaluate.py and predict.py."""
     return v2.Compose(
         [
             v2.ToImage(),
@@ -129,20 +122,6 @@ AUTO_AUGMENT = {
     "trivialaugment": v2.TrivialAugmentWide,
     "randaugment": v2.RandAugment,  # torchvision's defaults: 2 ops at magnitude 9 of 31
 }
-
-
-def image_augmentations(auto_augment: str = "none", random_erasing: float = 0.0) -> list:
-    """The per-image augmentations after the crop and flip (``--auto_augment``,
-    ``--random_erasing``), as torchvision v2 transforms on uint8 tensors."""
-    transforms = []
-    if auto_augment != "none":
-        transforms.append(AUTO_AUGMENT[auto_augment]())
-    if random_erasing > 0:
-        # torchvision's recipe erases after normalization with 0, i.e. with the mean colour;
-        # here the images are still uint8, so the rectangle gets the mean colour in 0..255.
-        mean_colour = [round(255 * m) for m in IMAGENET_MEAN]
-        transforms.append(v2.RandomErasing(p=random_erasing, value=mean_colour))
-    return transforms
 
 
 def normalize_batch(

@@ -3,8 +3,8 @@
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
 
-Writes metrics.json, confusion_matrix.csv/.png (or confusion_summary.png above 100 classes) and
-misclassified.csv; counts are summed over processes, so the metrics are exact on any number.
+Writes metrics.json, confusion_matrix.csv, misclassified.csv and a confusion drawing to OUTPUT.
+Under torchrun each image is evaluated by one process and the counts are summed: exact metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from imgtrainer.data.checks import find_classes
-from imgtrainer.data.loaders import loader_workers, make_loader
+from imgtrainer.data.loaders import LoaderSpec, loader_workers, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
 from imgtrainer.data.unreadable import leave_out_unreadable
@@ -50,7 +50,7 @@ from imgtrainer.tools.inference import (
     check_inference_arguments,
     load_classifier,
 )
-from imgtrainer.training.evaluation import evaluation_sums
+from imgtrainer.training.evaluation import EvalSettings, evaluation_sums
 from imgtrainer.training.step import LOSS, TOP5
 
 log = logging.getLogger(__name__)
@@ -174,15 +174,8 @@ def count_predictions(
     """
     num_classes = len(classifier.class_names)
     counter = PredictionCounter(num_classes, device, iter(loader.sampler))
-    sums = evaluation_sums(
-        classifier.model,
-        loader,
-        device,
-        classifier.precision,
-        show_progress,
-        classifier.plan,
-        on_predictions=counter,
-    ).tolist()
+    settings = EvalSettings(device, classifier.precision, classifier.plan, show_progress)
+    sums = evaluation_sums(classifier.model, loader, settings, on_predictions=counter).tolist()
     all_reduce_sum(counter.confusion)
     gathered = sorted(row for rows in all_gather_objects(counter.misclassified) for row in rows)
     return EvalCounts(
@@ -292,12 +285,14 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), dist.rank, dist.world_size),
-        args.batch_size,
-        train=False,
-        num_workers=workers,
-        pin_memory=dist.device.type == "cuda",
-        mean=classifier.mean,
-        std=classifier.std,
+        LoaderSpec(
+            args.batch_size,
+            train=False,
+            num_workers=workers,
+            pin_memory=dist.device.type == "cuda",
+            mean=classifier.mean,
+            std=classifier.std,
+        ),
     )
     log.info(
         f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "

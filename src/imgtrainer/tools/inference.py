@@ -1,6 +1,6 @@
-"""A trained classifier loaded from its checkpoint alone (model, class names, preprocessing and
-precision), for src/evaluate.py and src/predict.py. ``--weights auto`` takes the EMA weights
-unless the checkpoint says the raw ones scored a higher val_acc.
+"""A trained classifier loaded from its checkpoint alone: the model, its class names and the
+preprocessing it was trained with (used by src/evaluate.py and src/predict.py). With
+--model_ema, ``--weights auto`` takes the weights behind the checkpoint's best_acc.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
     IMAGENET_STD,
-    build_transforms,
+    eval_transforms,
 )
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, strip_wrapper_prefixes
@@ -135,7 +135,7 @@ def load_classifier(
         model.to(device).eval(),
         class_names,
         image_size,
-        build_transforms(image_size, train=False, eval_resize_ratio=eval_resize_ratio),
+        eval_transforms(image_size, eval_resize_ratio),
         tuple(state.get("mean", IMAGENET_MEAN)),
         tuple(state.get("std", IMAGENET_STD)),
         training_precision(config, device),

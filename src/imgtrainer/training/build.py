@@ -1,13 +1,9 @@
-"""A run's parts, built in one place from the config: the model (with its memory savers and
-wrappers), optimizer, scheduler, precision, GradScaler and loss.
-
-The trainer and both benchmarks (bench/throughput.py, bench/memory.py) build them here, so the
-figures the benchmarks print are those of the trainer's own set-up, flags included.
+"""A run's parts, built in one place from the config: model (with memory savers and wrappers),
+optimizer, scheduler, precision, GradScaler and loss. The trainer and the benchmarks use it.
 """
 
 from __future__ import annotations
 
-import inspect
 import platform
 import random
 from dataclasses import dataclass
@@ -17,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from imgtrainer.distributed import torch_compat
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, unwrap_model
@@ -45,26 +42,18 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
         # statistics in training, and rank 0's running statistics (the ones saved) are the
         # same either way; broadcast_buffers() hands them to every rank before evaluation.
         model = DDP(
-            model, device_ids=device_ids, gradient_as_bucket_view=True, **no_forward_buffer_sync()
+            model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            **torch_compat.no_forward_buffer_sync(),
         )
     if cfg.compile:
         model = compile_model(model)
     return model
 
 
-def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
-    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
-    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
-    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
 def compile_model(model: nn.Module) -> nn.Module:
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
+    if not torch_compat.dynamo_supported():
         raise UserError(
             f"--compile: torch.compile is not supported with Python "
             f"{platform.python_version()} and torch {torch.__version__}; "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,13 +15,20 @@ from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import CORRECT, COUNT, LOSS, TOP5, PredictionHook, to_device
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """Where and how evaluation runs: the device, AMP, and the micro-batches of the memory plan."""
+
+    device: torch.device
+    precision: Precision
+    plan: MemoryPlan | None = None
+    show_progress: bool = True
+
+
 def evaluate(
     model: nn.Module,
     loader,
-    device: torch.device,
-    precision: Precision,
-    show_progress: bool = True,
-    plan: MemoryPlan | None = None,
+    settings: EvalSettings,
     on_predictions: PredictionHook | None = None,
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 over this rank's shard, summed over all ranks; loaded batches go
@@ -31,9 +40,7 @@ def evaluate(
     most one image, which is fine: ``model`` is the unwrapped module, so the forward passes run
     no collectives and no rank waits for another inside the loop.
     """
-    total = evaluation_sums(
-        model, loader, device, precision, show_progress, plan, on_predictions
-    ).tolist()
+    total = evaluation_sums(model, loader, settings, on_predictions).tolist()
     count = max(total[COUNT], 1)
     return {
         "val_loss": total[LOSS] / count,
@@ -47,19 +54,17 @@ def evaluate(
 def evaluation_sums(
     model: nn.Module,
     loader,
-    device: torch.device,
-    precision: Precision,
-    show_progress: bool = True,
-    plan: MemoryPlan | None = None,
+    settings: EvalSettings,
     on_predictions: PredictionHook | None = None,
 ) -> torch.Tensor:
     """``evaluate``'s pass: [loss_sum, correct, count, top5_correct] summed over all ranks, as
     float64 on the device. Every rank must call this."""
     model.eval()
-    plan = plan or MemoryPlan()
+    device, precision = settings.device, settings.precision
+    plan = settings.plan or MemoryPlan()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     for batch_images, batch_targets in tqdm(
-        loader, desc="val", disable=not show_progress, dynamic_ncols=True, leave=False
+        loader, desc="val", disable=not settings.show_progress, dynamic_ncols=True, leave=False
     ):
         size = plan.size_for(len(batch_targets))
         for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
+from imgtrainer.distributed.torch_compat import check_ddp_internals
 from imgtrainer.training.hooks import call_hooks
 from imgtrainer.training.step import (
     CORRECT,
@@ -19,7 +20,6 @@ from imgtrainer.training.step import (
     StepInfo,
     StepState,
     _ddp,
-    check_ddp_internals,
     train_step,
 )
 

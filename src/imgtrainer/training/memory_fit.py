@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import optimizer_batch
+from imgtrainer.run.config import TrainConfig, optimizer_batch
 from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
@@ -36,32 +37,47 @@ from imgtrainer.training.memory_probes import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TrialParts:
+    """What a micro-batch trial runs: the plain model (no collective may run in a trial), its
+    optimizer, loss and precision, on ``device``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: nn.Module
+    precision: Any
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class TrialInputs:
+    """The synthetic batch of a trial. ``loaded_input_bytes``: the loaded batch's inputs on the
+    device during a step (``batch_input_bytes``), counted instead of the trial's own input when
+    larger."""
+
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    channels_last: bool = False
+    loaded_input_bytes: int = 0
+
+
 def measure_micro_batch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    criterion: nn.Module,
-    precision: Any,
-    device: torch.device,
+    parts: TrialParts,
+    inputs: TrialInputs,
     size: int,
     *,
-    image_shape: tuple[int, int, int],
-    num_classes: int,
-    channels_last: bool = False,
-    loaded_input_bytes: int = 0,
     cpu_baseline_bytes: int | None = None,
     resident: ResidentMemory | None = None,
 ) -> StepCost:
-    """Run one forward and backward of ``size`` synthetic images on ``model`` (the plain model:
-    no collective runs) and return what it cost.
-
-    ``loaded_input_bytes``: the loaded batch's inputs on the device during a step
-    (``batch_input_bytes``), counted instead of the trial's own input when larger. On the CPU,
-    with ``cpu_baseline_bytes`` (``cpu_baseline``) and ``resident``, the real peak is the
-    resident high-water mark of the trial above that baseline.
+    """Run one forward and backward of ``size`` synthetic images and return what it cost. On
+    the CPU, with ``cpu_baseline_bytes`` (``cpu_baseline``) and ``resident``, the real peak is
+    the resident high-water mark of the trial above that baseline.
 
     Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
     the loader's position). The model's buffers, its gradients and the random state are left as
     they were. An out-of-memory error propagates to the caller."""
+    model, optimizer, criterion = parts.model, parts.optimizer, parts.criterion
+    precision, device = parts.precision, parts.device
     measure_rss = (
         device.type == "cpu"
         and cpu_baseline_bytes is not None
@@ -71,10 +87,11 @@ def measure_micro_batch(
     if measure_rss:
         resident.reset_peak()
     generator = torch.Generator().manual_seed(size)
-    images = torch.randn(size, *image_shape, generator=generator).to(
-        device, memory_format=torch.channels_last if channels_last else torch.preserve_format
+    images = torch.randn(size, *inputs.image_shape, generator=generator).to(
+        device,
+        memory_format=torch.channels_last if inputs.channels_last else torch.preserve_format,
     )
-    targets = torch.randint(0, num_classes, (size,), generator=generator).to(device)
+    targets = torch.randint(0, inputs.num_classes, (size,), generator=generator).to(device)
     image_bytes = tensor_bytes([images])
     snapshot, was_training = BufferSnapshot(model), model.training
     if device.type == "cuda":
@@ -110,7 +127,7 @@ def measure_micro_batch(
         + tensor_bytes(model.buffers())
         + optimizer_state_bytes(optimizer)
     )
-    return StepCost(size, state, batch_bytes, peak, max(image_bytes, loaded_input_bytes))
+    return StepCost(size, state, batch_bytes, peak, max(image_bytes, inputs.loaded_input_bytes))
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -184,39 +201,30 @@ def fit_micro_batch(
 
 
 def build_memory_plan(
-    cfg: Any,
-    device: torch.device,
-    processes_on_device: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    criterion: nn.Module,
-    precision: Any,
-    num_classes: int,
+    cfg: TrainConfig, parts: TrialParts, processes_on_device: int, num_classes: int
 ) -> MemoryPlan:
     """The micro-batch of this run: ``--batch_size`` (an optimizer step is ``--accum_steps``
     of them), or with ``--auto_micro_batch`` the largest divisor of the step's batch up to
-    ``--batch_size`` that fits, found by trials on ``model`` (the plain, unwrapped model: trials
+    ``--batch_size`` that fits, found by trials on ``parts`` (the plain, unwrapped model: trials
     of different sizes on different ranks must run no collective). Every rank must call it."""
+    device, model = parts.device, parts.model
     start, step_batch = cfg.batch_size, optimizer_batch(cfg)
     channels_last = cfg.channels_last and device.type == "cuda"
     plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
     if cfg.auto_micro_batch:
         budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)
         resident = ResidentMemory()
+        inputs = TrialInputs(
+            (3, cfg.image_size, cfg.image_size),
+            num_classes,
+            channels_last,
+            batch_input_bytes(step_batch, cfg.image_size, device, cfg.cache_images, channels_last),
+        )
         measure = partial(
             measure_micro_batch,
-            model,
-            optimizer,
-            criterion,
-            precision,
-            device,
-            image_shape=(3, cfg.image_size, cfg.image_size),
-            num_classes=num_classes,
-            channels_last=channels_last,
-            loaded_input_bytes=batch_input_bytes(
-                step_batch, cfg.image_size, device, cfg.cache_images, channels_last
-            ),
-            cpu_baseline_bytes=cpu_baseline(model, optimizer, resident)
+            parts,
+            inputs,
+            cpu_baseline_bytes=cpu_baseline(model, parts.optimizer, resident)
             if device.type == "cpu"
             else None,
             resident=resident,
@@ -227,6 +235,7 @@ def build_memory_plan(
             # the device's limit) from the peak_memory_mb that the history reports.
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+    precision = parts.precision
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
     log.info(

@@ -1,20 +1,10 @@
 """Mixup and CutMix on whole training batches (``--mixup``, ``--cutmix``), seeded per step.
 
-torchvision's ``v2.MixUp`` and ``v2.CutMix`` do the work: each image is paired with its
-neighbour in the (shuffled) batch, and the targets become class probabilities, mixed by the
-same weight as the images. They draw their random numbers (lambda from Beta(alpha, alpha),
-cutmix's box, the choice between the two) from torch's global CPU generator and accept no
-generator of their own (nor does timm's ``Mixup``, which draws from numpy's global one). So,
-like the per-sample augmentation in data.py, each batch runs them with the CPU generator seeded
-from (seed, epoch, step, rank) and restored afterwards: a batch's mixing does not depend on what
-ran before it, so it is the same after a resume and with any number of loader workers, and the
-process's own random stream is untouched. The rank is part of the seed so that ranks draw
-different lambdas, as each rank's batch is a different one.
-
-The mixing applies to the whole optimizer batch, on the device, before the engine splits it
-into micro-batches: each micro-batch's loss uses its slice of the soft targets. Label smoothing
-needs nothing here: ``nn.CrossEntropyLoss(label_smoothing=e)`` smooths probability targets too
-(p * (1 - e) + e / classes), which is what timm's ``Mixup`` folds into its targets.
+torchvision's ``v2.MixUp``/``v2.CutMix`` draw from torch's global CPU generator, so each batch
+runs them with that generator seeded from (seed, epoch, step, rank) and restored afterwards: the
+same mixing after a resume and with any number of loader workers. Ranks mix differently, as
+their batches differ. Label smoothing needs nothing here: ``nn.CrossEntropyLoss`` smooths
+probability targets too.
 """
 
 from __future__ import annotations
@@ -41,31 +31,26 @@ class BatchMixer:
 
     def __init__(
         self,
+        cfg: TrainConfig,
         num_classes: int,
-        mixup: float,
-        cutmix: float,
-        switch_prob: float = 0.5,
-        off_epochs: int = 0,
-        epochs: int = 1,
-        seed: int = 0,
         rank: int = 0,
         device: torch.device | str = "cpu",
     ):
-        if mixup <= 0 and cutmix <= 0:
+        if cfg.mixup <= 0 and cfg.cutmix <= 0:
             raise ValueError("BatchMixer needs --mixup or --cutmix above 0")
         mixers = []
-        if mixup > 0:
-            mixers.append(v2.MixUp(alpha=mixup, num_classes=num_classes))
-        if cutmix > 0:
-            mixers.append(v2.CutMix(alpha=cutmix, num_classes=num_classes))
+        if cfg.mixup > 0:
+            mixers.append(v2.MixUp(alpha=cfg.mixup, num_classes=num_classes))
+        if cfg.cutmix > 0:
+            mixers.append(v2.CutMix(alpha=cfg.cutmix, num_classes=num_classes))
         # timm's switch probability: with both on, each batch takes cutmix with this chance.
+        switch = cfg.mix_switch_prob
         self.transform = (
-            v2.RandomChoice(mixers, p=[1 - switch_prob, switch_prob])
-            if len(mixers) == 2
-            else mixers[0]
+            v2.RandomChoice(mixers, p=[1 - switch, switch]) if len(mixers) == 2 else mixers[0]
         )
-        self.last_mixed_epoch = epochs - off_epochs  # epochs count from 0: 0 .. this - 1 mix
-        self.seed, self.rank = seed, rank
+        # Epochs count from 0: epochs 0 .. this - 1 mix.
+        self.last_mixed_epoch = cfg.epochs - cfg.mix_off_epochs
+        self.seed, self.rank = cfg.seed, rank
         self.device = torch.device(device)
 
     @classmethod
@@ -75,20 +60,10 @@ class BatchMixer:
         """The run's mixer, or None when neither --mixup nor --cutmix is on."""
         if cfg.mixup <= 0 and cfg.cutmix <= 0:
             return None
-        return cls(
-            num_classes,
-            cfg.mixup,
-            cfg.cutmix,
-            cfg.mix_switch_prob,
-            cfg.mix_off_epochs,
-            cfg.epochs,
-            cfg.seed,
-            rank,
-            device,
-        )
+        return cls(cfg, num_classes, rank, device)
 
     def for_epoch(self, epoch: int) -> EpochMixer | None:
-        """The mixing of ``epoch`` (counted from 0), or None in the last ``off_epochs``."""
+        """The mixing of ``epoch`` (counted from 0), or None in the last ``--mix_off_epochs``."""
         return EpochMixer(self, epoch) if epoch < self.last_mixed_epoch else None
 
     def mix(

@@ -13,6 +13,7 @@ import torch
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
+from imgtrainer.distributed import torch_compat
 from imgtrainer.errors import UserError
 from imgtrainer.models import unwrap_model
 from imgtrainer.run.config import TrainConfig
@@ -49,10 +50,7 @@ def fused_kernels_exist(device: torch.device) -> bool:
     """AdamW's and SGD's fused kernels: on CUDA, and on the CPU since torch 2.4, where an AdamW
     step of ResNet18 took 10 ms fused against 50 ms with the default (foreach) kernels, on 2
     cores (a training step at 32 px, batch 64: about 200 ms)."""
-    if device.type == "cuda":
-        return True
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return device.type == "cpu" and (major, minor) >= (2, 4)
+    return torch_compat.fused_optimizer_kernels_exist(device)
 
 
 def param_groups(cfg: TrainConfig, model: nn.Module, lr: float) -> list[dict[str, Any]]:

@@ -1,18 +1,7 @@
-"""One training epoch and one evaluation pass. They know nothing about ranks or files.
+"""One training step (``train_step``); it knows nothing about ranks or files.
 
-Metrics are accumulated as sums on the device (no host synchronisation inside the step, except
-the logging step every ``log_interval`` steps, when a hook wants it) and summed across ranks
-with ``all_reduce_sum`` at the end, so they are exact, never averages of averages.
-
-``train_one_epoch`` takes the step's state as one ``StepState`` and calls its hooks at named
-points (``StepHook``): after each step, at a logging step; the trainer calls ``on_epoch_end``.
-Checkpoints, the stop check, the progress bar, EMA and loggers are hooks, not loop edits.
-
-Each loaded batch is one optimizer step (with ``--accum_steps K``, K batches of ``--batch_size``
-loaded as one). A ``MemoryPlan`` splits it into micro-batches (``--batch_size`` images, or fewer
-when fitting says so): their losses are weighted by their share of the batch, so the accumulated
-gradient is the whole batch's, and DDP exchanges gradients once, on the last micro-batch. The
-loader still yields whole batches, so sample order and resuming do not depend on the split.
+Metrics are summed on the device, never read inside the step. A ``MemoryPlan`` splits each
+optimizer batch into micro-batches weighted by their share of it; DDP exchanges gradients once.
 """
 
 from __future__ import annotations
@@ -28,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from imgtrainer.distributed import torch_compat
 from imgtrainer.distributed.collectives import any_rank
 from imgtrainer.training.memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 from imgtrainer.training.precision import Precision
@@ -135,21 +125,27 @@ def train_step(
         plan.shrink(len(targets))  # every rank: they agreed on the failure
         ddp = _ddp(model)
         if ddp is not None:
-            reset_ddp_after_failed_attempt(ddp)
+            torch_compat.reset_ddp_after_failed_attempt(ddp)
         log.warning(
             f"out of memory with micro-batch {failed_size}; redoing this step "
             f"with micro-batch {plan.micro_batch}"
         )
     # The GradScaler unscales the accumulated gradient once, and skips the step if any
     # micro-batch overflowed in float16 (then ``update`` lowers the scale: compared on the
-    # device, without waiting for it; ``_get_scale_async`` is private, in every torch 2.x).
+    # device, without waiting for it).
     with timer.phase("optimizer"):
-        scale_before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+        scale_before = (
+            torch_compat.grad_scale_on_device(scaler).clone() if scaler.is_enabled() else None
+        )
         if state.clip_grad_norm:
             clip_gradients(state)
         scaler.step(state.optimizer)
         scaler.update()
-        skipped = None if scale_before is None else scaler._get_scale_async() < scale_before
+        skipped = (
+            None
+            if scale_before is None
+            else torch_compat.grad_scale_on_device(scaler) < scale_before
+        )
     return step_sums, skipped
 
 
@@ -254,7 +250,7 @@ def _synced_backward(
 
 def _ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper of ``model``, also when torch.compile wrapped it, or None."""
-    model = getattr(model, "_orig_mod", model)
+    model = torch_compat.compiled_original(model)
     return model if isinstance(model, DistributedDataParallel) else None
 
 
@@ -262,50 +258,6 @@ def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` (accumulate locally, exchange nothing), or nothing for a plain model."""
     ddp = _ddp(model)
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
-
-
-# DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
-# (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
-DDP_INTERNALS = (
-    ("reducer", "_reset_state"),
-    ("ddp", "_has_rebuilt_buckets"),
-    ("ddp", "require_forward_param_sync"),
-)
-
-
-def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
-    """Stop before training if this torch's DDP lacks what the out-of-memory retry resets."""
-    if ddp is None:
-        return
-    owners = {"ddp": ddp, "reducer": getattr(ddp, "reducer", None)}
-    missing = [
-        f"{owner}.{name}" for owner, name in DDP_INTERNALS if not hasattr(owners[owner], name)
-    ]
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__}'s DistributedDataParallel has no {', '.join(missing)}, "
-            "which the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
-            "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
-            "(--max_memory_gb without --low_memory)"
-        )
-
-
-def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
-    """Put DDP back into the same state on every rank before a step is redone.
-
-    Ranks that reached the last micro-batch ran a synchronised forward whose backward never ran:
-    their DDP reducer still expects that backward and would treat the next one (a ``no_sync``
-    one) as the gradient exchange, on those ranks only, so ranks would call different
-    collectives and hang. ``reducer._reset_state()`` is DDP's own recovery for "a backward that
-    did not succeed" (``DistributedDataParallel._update_process_group`` uses it). Likewise DDP
-    broadcasts buffers at the first forward after a synchronised one, which some ranks had and
-    some had not: every rank broadcasts them at the next forward. These are private: the
-    attributes are checked by ``check_ddp_internals`` (at the epoch's start and here).
-    """
-    check_ddp_internals(ddp)
-    ddp.reducer._reset_state()
-    ddp._has_rebuilt_buckets = False
-    ddp.require_forward_param_sync = True
 
 
 def to_device(

@@ -53,10 +53,10 @@ from imgtrainer.training.ema import (
     epoch_score,
     weights_label,
 )
-from imgtrainer.training.evaluation import evaluate
+from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.hooks import call_hooks
 from imgtrainer.training.loop import ProgressBar, train_one_epoch
-from imgtrainer.training.memory_fit import build_memory_plan
+from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.step import StepInfo
@@ -100,16 +100,10 @@ class Trainer:
         # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
         self.ema = ModelEma(self.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
-        self.plan = build_memory_plan(
-            cfg,
-            dist.device,
-            dist.local_world_size,
-            self.plain_model,
-            self.optimizer,
-            self.parts.criterion,
-            self.precision,
-            len(self.class_names),
+        trial = TrialParts(
+            self.plain_model, self.optimizer, self.parts.criterion, self.precision, dist.device
         )
+        self.plan = build_memory_plan(cfg, trial, dist.local_world_size, len(self.class_names))
         self.step_state = self.parts.step_state(self.plan)
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
         self.mixer = BatchMixer.from_config(cfg, len(self.class_names), dist.rank, dist.device)
@@ -313,14 +307,8 @@ class Trainer:
         """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
         BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
         broadcast_buffers(model)
-        return evaluate(
-            model,
-            self.val_loader,
-            self.dist.device,
-            self.precision,
-            show_progress=self.dist.is_main,
-            plan=self.plan,
-        )
+        settings = EvalSettings(self.dist.device, self.precision, self.plan, self.dist.is_main)
+        return evaluate(model, self.val_loader, settings)
 
     def epoch_record(
         self, train: dict, val: dict, images_per_sec: float, started: float

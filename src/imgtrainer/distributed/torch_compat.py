@@ -1,0 +1,124 @@
+"""Every private torch internal and torch version check the project uses, in one place.
+
+Each internal is reached through one function or constant here; ``require`` stops with one line
+naming what this torch lacks. tests/test_torch_compat.py checks them against the installed torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# (major, minor) of the installed torch, for version checks.
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+# The attribute of torch.compile's wrapper (OptimizedModule) holding the compiled module.
+COMPILED_MODULE_ATTR = "_orig_mod"
+
+# DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
+# (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
+DDP_INTERNALS = (
+    ("reducer", "_reset_state"),
+    ("ddp", "_has_rebuilt_buckets"),
+    ("ddp", "require_forward_param_sync"),
+)
+
+
+class MissingTorchInternal(RuntimeError):
+    """This torch lacks a private internal the project relies on."""
+
+
+def require(owner: str, checks: Iterable[tuple[Any, str, str]], needed_for: str) -> None:
+    """Raise one line naming each ``(obj, attribute, label)`` whose ``obj`` lacks ``attribute``:
+    "torch 2.x's OWNER has no LABEL, ..., which NEEDED_FOR"."""
+    missing = [label for obj, name, label in checks if not hasattr(obj, name)]
+    if missing:
+        raise MissingTorchInternal(
+            f"torch {torch.__version__}'s {owner} has no {', '.join(missing)}, which {needed_for}"
+        )
+
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is release ``major.minor`` or newer."""
+    return TORCH_VERSION >= (major, minor)
+
+
+def fused_optimizer_kernels_exist(device: torch.device) -> bool:
+    """AdamW's and SGD's fused kernels: on CUDA, and on the CPU since torch 2.4."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and torch_at_least(2, 4)
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
+    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def compiled_original(model: nn.Module) -> nn.Module:
+    """The module inside a torch.compile wrapper (its private ``_orig_mod``), else ``model``."""
+    return getattr(model, COMPILED_MODULE_ATTR, model)
+
+
+def dynamo_supported() -> bool:
+    """Whether torch.compile can run on this Python and torch (``torch._dynamo``'s own check)."""
+    import torch._dynamo
+
+    return torch._dynamo.is_dynamo_supported()
+
+
+def grad_scale_on_device(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The GradScaler's current scale, read on the device without waiting for it (private
+    ``_get_scale_async``, in every torch 2.x)."""
+    return scaler._get_scale_async()
+
+
+def set_scheduler_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list) -> None:
+    """Set what ``get_last_lr()`` returns (private ``_last_lr``), as ``scheduler.step()`` does."""
+    scheduler._last_lr = lrs
+
+
+def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """DDP's own sampled timings (private ``_get_ddp_logging_data``), for the benchmarks."""
+    return ddp._get_ddp_logging_data()
+
+
+def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
+    """Stop before training if this torch's DDP lacks what the out-of-memory retry resets."""
+    if ddp is None:
+        return
+    owners = {"ddp": ddp, "reducer": getattr(ddp, "reducer", None)}
+    require(
+        "DistributedDataParallel",
+        ((owners[owner], name, f"{owner}.{name}") for owner, name in DDP_INTERNALS),
+        "the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
+        "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
+        "(--max_memory_gb without --low_memory)",
+    )
+
+
+def reset_ddp_after_failed_attempt(ddp: DistributedDataParallel) -> None:
+    """Put DDP back into the same state on every rank before a step is redone.
+
+    Ranks that reached the last micro-batch ran a synchronised forward whose backward never ran:
+    their DDP reducer still expects that backward and would treat the next one (a ``no_sync``
+    one) as the gradient exchange, on those ranks only, so ranks would call different
+    collectives and hang. ``reducer._reset_state()`` is DDP's own recovery for "a backward that
+    did not succeed" (``DistributedDataParallel._update_process_group`` uses it). Likewise DDP
+    broadcasts buffers at the first forward after a synchronised one, which some ranks had and
+    some had not: every rank broadcasts them at the next forward. These are private: the
+    attributes are checked by ``check_ddp_internals`` (at the epoch's start and here).
+    """
+    check_ddp_internals(ddp)
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    ddp.require_forward_param_sync = True

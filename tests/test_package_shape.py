@@ -1,0 +1,58 @@
+"""Configs travel whole: no function of the product takes more than 6 parameters."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_PARAMS = 6
+
+# Temporary: each line names a function another branch is reworking; delete at merge.
+ALLOWED_ON_HOOKS_BRANCH = {
+    "src/imgtrainer/training/loop.py:train_one_epoch",  # being reworked on the hooks branch
+}
+# Temporary: outside the configs branch's files (evaluation, run folder); fix, then delete.
+ALLOWED_OUTSIDE_CONFIGS_SCOPE = {
+    "src/imgtrainer/run/folder.py:claim_run_folder",  # run/folder.py: not in this branch's scope
+}
+
+
+def _product_files() -> list[Path]:
+    return sorted((ROOT / "src" / "imgtrainer").rglob("*.py")) + [ROOT / "launch_ddp.py"]
+
+
+def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    args = fn.args
+    names = [a.arg for a in args.posonlyargs + args.args]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    count = len(names) + len(args.kwonlyargs)
+    return count + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def _offenders() -> list[str]:
+    found = []
+    for path in _product_files():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            n = _param_count(node)
+            if n <= MAX_PARAMS:
+                continue
+            qual, up = [node.name], parents.get(node)
+            while up is not None:
+                if isinstance(up, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    qual.insert(0, up.name)
+                up = parents.get(up)
+            found.append(f"{path.relative_to(ROOT).as_posix()}:{'.'.join(qual)} ({n})")
+    return found
+
+
+def test_no_function_takes_more_than_six_parameters():
+    allowed = ALLOWED_ON_HOOKS_BRANCH | ALLOWED_OUTSIDE_CONFIGS_SCOPE
+    found = _offenders()
+    offenders = [o for o in found if o.rsplit(" (", 1)[0] not in allowed]
+    assert not offenders, "functions over 6 parameters:\n" + "\n".join(offenders)
+    fixed = allowed - {o.rsplit(" (", 1)[0] for o in found}
+    assert not fixed, f"no longer over 6 parameters, drop from the allow-lists: {sorted(fixed)}"

@@ -1,0 +1,71 @@
+"""The private torch internals of torch_compat exist in the installed torch, and a missing one
+is named in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from imgtrainer.distributed import torch_compat
+from imgtrainer.models import unwrap_model
+
+
+def test_version_and_feature_checks():
+    assert torch_compat.TORCH_VERSION >= (2, 3)
+    assert torch_compat.torch_at_least(2, 3) and not torch_compat.torch_at_least(99, 0)
+    assert torch_compat.fused_optimizer_kernels_exist(torch.device("cuda"))
+    assert torch_compat.fused_optimizer_kernels_exist(torch.device("cpu")) == (
+        torch_compat.TORCH_VERSION >= (2, 4)
+    )
+    assert set(torch_compat.no_forward_buffer_sync()) <= {
+        "forward_sync_buffers",
+        "broadcast_buffers",
+    }
+    assert isinstance(torch_compat.dynamo_supported(), bool)
+
+
+def test_the_installed_torch_has_the_model_and_optimizer_internals():
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model)  # lazy: nothing is compiled until the first call
+    assert torch_compat.compiled_original(compiled) is model
+    assert torch_compat.compiled_original(model) is model
+    assert unwrap_model(compiled) is model
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))  # the scale tensor is made at the first use
+    assert torch_compat.grad_scale_on_device(scaler).item() == 8.0
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    torch_compat.set_scheduler_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
+
+
+def test_the_installed_torch_has_the_ddp_internals(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        torch_compat.check_ddp_internals(ddp)
+        assert isinstance(torch_compat.ddp_logging_data(ddp), dict)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_missing_internal_is_named_in_one_line():
+    with pytest.raises(torch_compat.MissingTorchInternal) as err:
+        torch_compat.require(
+            "DistributedDataParallel",
+            [(object(), "_gone", "ddp._gone"), (object(), "__class__", "ddp.__class__")],
+            "the out-of-memory retry needs",
+        )
+    message = str(err.value)
+    assert "\n" not in message
+    assert message == (
+        f"torch {torch.__version__}'s DistributedDataParallel has no ddp._gone, "
+        "which the out-of-memory retry needs"
+    )
+    assert isinstance(err.value, RuntimeError)
