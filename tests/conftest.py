@@ -134,6 +134,22 @@ def kill_at(spec: str) -> dict[str, str]:
     return {"TRAIN_DDP_KILL_AT": spec, "PYTHONPATH": os.pathsep.join(filter(None, path))}
 
 
+def launcher_command(*args: object) -> list[str]:
+    """``python launch_ddp.py <args>``, as a user types it."""
+    return [sys.executable, str(ROOT / "launch_ddp.py"), *map(str, args)]
+
+
+def start_launcher(
+    args: Sequence, cwd: Path, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.Popen:
+    """``launch_ddp.py <args>`` started in the background, its output captured as text
+    (``kwargs`` override ``subprocess.Popen``'s arguments)."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+    return subprocess.Popen(
+        launcher_command(*args), cwd=cwd, env={**os.environ, **(env or {})}, **options
+    )
+
+
 def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
     """Exit code 2, one error line naming the problem, no traceback."""
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
 
-from conftest import ROOT, TINY_FLAGS, run_cli
+from conftest import ROOT, TINY_FLAGS, run_cli, start_launcher
 from imgtrainer.models import ResNet18Classifier
 
 
@@ -109,10 +108,8 @@ def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
         workdir = tmp_path / f"node{node_rank}"
         workdir.mkdir()
         nodes.append(
-            subprocess.Popen(
+            start_launcher(
                 [
-                    sys.executable,
-                    str(ROOT / "launch_ddp.py"),
                     "--device",
                     "cpu",
                     "--nnodes",
@@ -131,10 +128,8 @@ def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
                     "1",
                     *TINY_FLAGS,
                 ],
-                cwd=workdir,
-                stdout=subprocess.PIPE,
+                workdir,
                 stderr=subprocess.STDOUT,
-                text=True,
             )
         )
     outputs = [node.communicate(timeout=300)[0] for node in nodes]

@@ -86,22 +86,23 @@ def test_report_runs_under_the_checkpoints_autocast(trained_run: TrainedRun, tmp
     assert metrics["top1"] == amp["val_acc"]
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize(
-    "flags",
+    "config, device, expected",
     [
-        {},
-        {"use_amp": True},
-        {"use_amp": True, "low_memory": True},
-        {"use_amp": True, "amp_dtype": "bfloat16"},
+        ({}, "cuda", Precision(False, torch.float32)),  # a file without a config
+        ({"use_amp": True}, "cuda", Precision(True, torch.float16)),
+        ({"use_amp": True, "amp_dtype": "bfloat16"}, "cuda", Precision(True, torch.bfloat16)),
+        ({"use_amp": True}, "cpu", Precision(True, torch.bfloat16)),
+        ({"use_amp": True, "low_memory": True}, "cpu", Precision(False, torch.float32)),
+        ({"use_amp": True, "low_memory": True}, "cuda", Precision(True, torch.float16)),
     ],
 )
-def test_inference_precision_is_the_trainers(device: str, flags: dict):
-    """inference.training_precision reads the checkpoint's config the way training chose."""
-    cfg = TrainConfig(**flags)
-    assert training_precision(cfg.to_dict(), torch.device(device)) == choose_precision(
-        cfg, torch.device(device)
-    )
+def test_inference_reads_the_precision_rule_from_the_checkpoint(config, device, expected):
+    """The tools replay training's autocast (``precision_rule``) from the saved config."""
+    assert training_precision(config, torch.device(device)) == expected
+    if config:
+        cfg = TrainConfig(**config)
+        assert choose_precision(cfg, torch.device(device)) == expected
 
 
 @pytest.mark.parametrize("main", [evaluate_main, predict_main], ids=["evaluate", "predict"])

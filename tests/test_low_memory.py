@@ -174,7 +174,7 @@ def test_low_memory_preset_and_explicit_flags_win(caplog):
     assert (mine.grad_checkpointing, mine.num_workers, mine.use_amp) == (False, 0, True)
     summary = preset_summary(mine, "low_memory")
     assert "use_amp=True" in summary and "your flags kept: grad_checkpointing=False" in summary
-    # float16 on CUDA; float32 on the CPU, where bfloat16 autocast is ~16x slower.
+    # float16 on CUDA; float32 on the CPU, where bfloat16 autocast is much slower.
     assert choose_precision(cfg, torch.device("cuda")) == Precision(True, torch.float16)
     with caplog.at_level(logging.INFO, logger="imgtrainer"):
         assert choose_precision(cfg, CPU) == FP32

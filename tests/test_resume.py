@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,9 @@ from conftest import (
     ROOT,
     TINY_FLAGS,
     kill_at,
+    run_cli,
     run_train,
+    start_launcher,
     user_error_line,
     write_image_folder,
 )
@@ -56,21 +56,8 @@ def launch(
     workdir: Path, flags: list[str], env: dict[str, str] | None = None, nproc: int = 2
 ) -> subprocess.CompletedProcess:
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "launch_ddp.py"),
-            "--device",
-            "cpu",
-            "--nproc",
-            str(nproc),
-            *flags,
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
+    return run_cli(
+        [ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", nproc, *flags], workdir, env=env
     )
 
 
@@ -193,13 +180,7 @@ def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, 
     flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "1", "--batch_size", "4")
     workdir = tmp_path / "run"
     workdir.mkdir()
-    launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch_ddp.py"), "--device", "cpu", "--nproc", "2", *flags],
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start_launcher(["--device", "cpu", "--nproc", "2", *flags], workdir)
     checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline:

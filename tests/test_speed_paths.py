@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from conftest import ONE_CPU_PROCESS, ROOT, TINY_FLAGS, data_config, run_cli, user_error_line
-from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
 from imgtrainer.run.config import parse_config
@@ -215,3 +215,12 @@ def test_auto_cache_uses_ram_only_when_it_fits():
     assert choose_cache("auto", 5400, 224, budget_bytes=2**30) == "none"
     assert choose_cache("none", 10, 32, budget_bytes=2**40) == "none"
     assert choose_cache("ram", 10**9, 224, budget_bytes=0) == "ram"  # explicit wins
+
+
+def test_loader_workers_rule():
+    """--num_workers wins; else up to 4 per process, and none for cached images on the CPU."""
+    assert loader_workers(3, 16, "cpu", cached=True) == 3
+    assert loader_workers(None, 16) == 4
+    assert loader_workers(None, 2, "cpu") == 2
+    assert loader_workers(None, 0) == 0
+    assert loader_workers(None, 16, "cpu", cached=True) == 0

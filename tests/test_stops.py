@@ -7,14 +7,20 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY_FLAGS, assert_user_error, run_cli, write_image_folder
+from conftest import (
+    ROOT,
+    TINY_FLAGS,
+    assert_user_error,
+    run_cli,
+    start_launcher,
+    write_image_folder,
+)
 from imgtrainer.run.lifecycle import descendants
 
 pytestmark = pytest.mark.slow
@@ -55,15 +61,7 @@ def stop_dataset(tmp_path: Path) -> list[str]:
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "launch_ddp.py"), *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_launcher(args, cwd, env={"PYTHONUNBUFFERED": "1"})
 
 
 def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:

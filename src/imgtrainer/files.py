@@ -20,16 +20,18 @@ def atomic_write(
     write: Callable[[IO[bytes]], None],
     needed_bytes: Callable[[], int],
     keep_previous_as: Path | None = None,
+    tmp: Path | None = None,
 ) -> None:
     """``write(file)`` to a temporary file beside ``path``, fsync, then rename it into place.
 
     A crash leaves the old file or the new one, never a torn one. With ``keep_previous_as`` the
-    file being replaced is kept under that name. When the disk (or quota) is full, the partial
+    file being replaced is kept under that name. ``tmp``: the temporary file (default
+    ``.<name>.tmp``), e.g. one per process where several write the same file. When the disk (or quota) is full, the partial
     temporary file is removed, the existing files are left as they were, and the error is one
     line naming the file, the space it needs (``needed_bytes()``) and the space free.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = tmp or path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)

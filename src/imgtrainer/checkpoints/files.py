@@ -1,13 +1,7 @@
 """Checkpoint files: crash-safe writes, safe loads, the latest/best policy and resume lookup.
 
-A checkpoint is a plain dict of tensors and primitives, its keys listed once in
-``CHECKPOINT_SCHEMA`` and put together by ``training_checkpoint``, saved from the unwrapped model,
-so ``torch.load(path, weights_only=True)`` loads it and its ``model_state_dict`` loads into a
-plain model with ``strict=True``. ``format_version`` says which schema wrote it: a file of a newer
-one is refused on load with one line; a file without one (written before versions existed) is
-version 0, whose keys are those of version 1. Version 2: the config's ``accum_steps`` counts
-batches of ``batch_size`` per optimizer step (in versions 0 and 1 it split ``batch_size`` into
-micro-batches), and ``effective_batch_size`` says what a step was (``saved_step_batch``).
+A checkpoint is a plain dict of tensors and primitives (keys in ``CHECKPOINT_SCHEMA``), loadable
+with ``weights_only=True``; ``format_version`` says which schema wrote it (none: version 0).
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import torch
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 from imgtrainer.run.folder import BEST_NAME, LATEST_NAME
+from imgtrainer.training.memory_probes import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +126,6 @@ def atomic_save(obj: Any, path: Path, keep_previous: bool = False) -> None:
         lambda: tensor_bytes(obj),
         keep_previous_as=previous_path(path) if keep_previous else None,
     )
-
-
-def tensor_bytes(obj: Any) -> int:
-    """The bytes of every tensor in a nested structure: about what ``torch.save`` writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def load_checkpoint_file(path: Path) -> dict[str, Any]:

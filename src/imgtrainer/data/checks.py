@@ -68,10 +68,21 @@ def count_images(folder: Path, classes: list[str]) -> dict[str, int]:
 
 
 def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str) -> None:
-    empty = [name for name, n in counts.items() if n == 0]
-    if empty:
-        raise UserError(
-            f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no "
-            f"image files ({'/'.join(IMAGE_EXTENSIONS)}); add images or remove the "
-            "folder"
-        )
+    refuse_empty_classes(folder, [name for name, n in counts.items() if n == 0], role)
+
+
+def refuse_empty_classes(folder: Path, empty: list[str], role: str, readable: bool = False) -> None:
+    """One error naming the class folders left without images (``readable``: once the files
+    that do not decode are left out)."""
+    if not empty:
+        return
+    extensions = "/".join(IMAGE_EXTENSIONS)
+    what = (
+        f"readable image ({extensions} files that decode)"
+        if readable
+        else f"image files ({extensions})"
+    )
+    raise UserError(
+        f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no {what}; "
+        "add images or remove the folder"
+    )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from imgtrainer.files import atomic_write
+
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -117,7 +119,7 @@ def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
     """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / UNREADABLE_LIST
+    text = "".join(f"{p}\t{reason}\n" for p, reason in sorted(unreadable.items())).encode()
     tmp = folder / f".{UNREADABLE_LIST}.{os.getpid()}.tmp"
-    tmp.write_text("".join(f"{p}\t{reason}\n" for p, reason in sorted(unreadable.items())))
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text), lambda: len(text), tmp=tmp)
     return path

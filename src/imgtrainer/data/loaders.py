@@ -54,13 +54,15 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- loaders
 
 
-def default_num_workers(
-    cores_per_process: int, device_type: str = "cuda", cached: bool = False
+def loader_workers(
+    requested: int | None, cores_per_process: int, device_type: str = "cuda", cached: bool = False
 ) -> int:
-    """Loader workers when the user does not say. With a GPU, up to 4 per process keep it fed.
-    On the CPU the model already uses every core: workers only take cores from it, unless
-    decoding files makes the data costly; images cached in memory are cheapest to augment in the
-    training process itself (measured with bench/throughput.py)."""
+    """--num_workers when given; else, with a GPU, up to 4 per process keep it fed. On the CPU
+    the model already uses every core: workers only take cores from it, unless decoding files
+    makes the data costly; images cached in memory are cheapest to augment in the training
+    process itself."""
+    if requested is not None:
+        return requested
     if device_type == "cpu" and cached:
         return 0
     return max(0, min(4, cores_per_process))
@@ -211,11 +213,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
-    workers = (
-        cfg.num_workers
-        if cfg.num_workers is not None
-        else default_num_workers(cores, dist.device.type, cached)
-    )
+    workers = loader_workers(cfg.num_workers, cores, dist.device.type, cached)
     pin = dist.device.type == "cuda"
     if cfg.cache_images == "gpu":  # batches are made on the device by the main process
         workers, pin = 0, False

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import torch
 
+from imgtrainer.data.checks import refuse_empty_classes
 from imgtrainer.data.image_files import (
-    IMAGE_EXTENSIONS,
     find_unreadable,
     write_unreadable_list,
 )
 from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
+from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,12 @@ class DecodeCheckCache:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"version": self.VERSION, "files": self.results}).encode()
             tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"version": self.VERSION, "files": self.results}))
-            os.replace(tmp, self.folder / self.NAME)
-        except OSError as err:  # only a cache: the next start checks again
+            atomic_write(
+                self.folder / self.NAME, lambda f: f.write(text), lambda: len(text), tmp=tmp
+            )
+        except (OSError, UserError) as err:  # only a cache: the next start checks again
             log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
     def problem(self, path: str) -> str | None:
@@ -134,10 +137,4 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
 
 
 def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
-    empty = folder.empty_classes()
-    if empty:
-        raise UserError(
-            f"{role} folder {folder.root}: class folder(s) {', '.join(empty)} hold no "
-            f"readable image ({'/'.join(IMAGE_EXTENSIONS)} files that decode); add "
-            "images or remove the folder"
-        )
+    refuse_empty_classes(folder.root, folder.empty_classes(), role, readable=True)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import numbers
-import os
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,6 @@ def truncate_event_files(folder: Path, step: int) -> int:
     its name, so the files still sort in the order they were written."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.summary.writer.record_writer import RecordWriter
 
     dropped = 0
     for path in sorted(folder.glob("events.out.tfevents.*")):
@@ -194,15 +195,21 @@ def truncate_event_files(folder: Path, step: int) -> int:
             path.unlink()
         elif len(kept) < len(records):
             # The temporary name lacks "tfevents": a TensorBoard watching the folder skips it.
-            tmp = folder / ".truncating.tmp"
-            with open(tmp, "wb") as f:
-                writer = RecordWriter(f)
-                for raw in kept:
-                    writer.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            atomic_write(
+                path,
+                partial(_write_records, kept),
+                partial(sum, map(len, kept)),
+                tmp=folder / ".truncating.tmp",
+            )
     return dropped
+
+
+def _write_records(records: list[bytes], f) -> None:
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    writer = RecordWriter(f)
+    for raw in records:
+        writer.write(raw)
 
 
 def hparams_for_tensorboard(config: Mapping[str, Any]) -> dict[str, bool | float | str]:

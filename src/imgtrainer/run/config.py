@@ -17,6 +17,9 @@ from typing import Any
 
 from imgtrainer.errors import UserError
 
+# --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
+DEVICE_CHOICES = ["auto", "cuda", "cpu"]
+
 
 def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     """A dataclass field that also carries its command-line help."""
@@ -25,7 +28,8 @@ def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # Data
+    """Every training flag; HELP_GROUPS groups them for ``--help``."""
+
     train_dir: str = _opt("data/train", "training ImageFolder: <dir>/<class>/<image>")
     val_dir: str = _opt("data/val", "validation ImageFolder with the same class folders")
     image_size: int = _opt(224, "side of the square crop fed to the model, in pixels")
@@ -67,7 +71,6 @@ class TrainConfig:
         0.5, "with both --mixup and --cutmix, the probability that a batch uses cutmix"
     )
     mix_off_epochs: int = _opt(0, "turn mixup/cutmix off for the last N epochs")
-    # Model
     model: str = _opt("resnet18", "any timm model name")
     pretrained: bool = _opt(False, "start from timm's pretrained weights (needs network access)")
     pretrained_path: str | None = _opt(
@@ -94,7 +97,6 @@ class TrainConfig:
         "the EMA's decay per optimizer step, after a warm-up: update n uses "
         "min(ema_decay, 1 - n^-0.75), so 0.999 is reached after 10,000 steps",
     )
-    # Optimisation
     epochs: int = _opt(50, "number of epochs")
     batch_size: int = _opt(
         32, "images per forward/backward pass in each process; a step takes --accum_steps of them"
@@ -142,22 +144,18 @@ class TrainConfig:
         "train only the classifier head for the first N epochs (the backbone's learning "
         "rate is 0; its BatchNorm statistics still adapt), then every layer",
     )
-    # Precision and device
     use_amp: bool = _opt(
         False,
         "automatic mixed precision (float16 + GradScaler on CUDA; "
         "bfloat16 on the CPU, usually slower there)",
     )
     amp_dtype: str = _opt("float16", "autocast dtype on CUDA", choices=["float16", "bfloat16"])
-    device: str = _opt(
-        "auto", "auto: CUDA when visible, else the CPU", choices=["auto", "cuda", "cpu"]
-    )
+    device: str = _opt("auto", "auto: CUDA when visible, else the CPU", choices=DEVICE_CHOICES)
     channels_last: bool = _opt(
         True,
         "channels_last memory format on CUDA (faster tensor-core "
         "convolutions; ignored on the CPU; --no_channels_last: off)",
     )
-    # Memory
     low_memory: bool = _opt(
         False,
         "preset for small GPUs (2 GB): --use_amp --channels_last "
@@ -176,7 +174,6 @@ class TrainConfig:
         None,
         "memory budget per process for --auto_micro_batch, in GiB (default: what the device has)",
     )
-    # Outputs, logging, reproducibility
     checkpoint_dir: str = _opt(
         "checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go"
     )
@@ -255,7 +252,7 @@ DEMO_PRESET: dict[str, Any] = {
 # What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
 # gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
 # only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
-# nothing on the CPU under this preset (bfloat16 autocast is ~16x slower there, and the
+# nothing on the CPU under this preset (bfloat16 autocast is much slower there, and the
 # micro-batches already bound the memory).
 LOW_MEMORY_PRESET: dict[str, Any] = {
     "use_amp": True,  # float16 activations: about half the activation memory

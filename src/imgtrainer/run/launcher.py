@@ -37,6 +37,7 @@ from pathlib import Path
 
 from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.run.config import (
+    DEVICE_CHOICES,
     LAUNCHER_FLAGS_ENV,
     LAUNCHER_KEYS,
     config_yaml,
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--device",
-        choices=["auto", "cuda", "cpu"],
+        choices=DEVICE_CHOICES,
         default="auto",
         help="auto: CUDA when a GPU is visible, else the CPU (default: auto)",
     )

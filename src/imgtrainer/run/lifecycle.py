@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from imgtrainer.errors import EXIT_USER_ERROR, UserError
+from imgtrainer.files import atomic_write
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -104,11 +105,10 @@ def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> N
         "time": time.time(),
     }
     path = folder / f"rank{rank}.attempt{attempt}.json"
-    tmp = path.with_suffix(".tmp")
+    text = json.dumps(record).encode()
     try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError:
+        atomic_write(path, lambda f: f.write(text), lambda: len(text), tmp=path.with_suffix(".tmp"))
+    except (OSError, UserError):
         pass  # the launcher then reports torchrun's exit code and points at the log
 
 

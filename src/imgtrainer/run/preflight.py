@@ -1,11 +1,6 @@
-"""Checks that need no torch: the data folders, flag combinations and the GPUs on this node.
-
-The launcher runs them before it starts torchrun, so the commonest mistakes are one line within a
-fraction of a second instead of after three imports of torch (launcher, agent, workers: seconds
-each). The workers run the data-folder checks again (they may be started without the launcher),
-and everything that needs torch or timm (the model name, decoding the images, the device itself,
-loading a checkpoint) is checked there and reaches the console as one line through the launcher
-(see ``outcome.py``).
+"""Checks that need no torch (data folders, flag combinations, this node's GPUs), run by the
+launcher before torchrun so the commonest mistakes are one line at once; the workers check the
+data folders again and everything that needs torch.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ from pathlib import Path
 from imgtrainer.data.checks import check_data_folders, check_no_empty_class_folder, count_images
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import TrainConfig, optimizer_batch
+from imgtrainer.run.folder import check_checkpoint_dir
 
 # ----------------------------------------------------------------------------- flags
 
@@ -53,10 +49,10 @@ def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> No
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
-    for flag, value in (("checkpoint_dir", cfg.checkpoint_dir), ("log_dir", cfg.log_dir)):
-        path = Path(value)
-        if path.exists() and not path.is_dir():
-            raise UserError(f"--{flag} {path} is a file, not a folder; choose another --{flag}")
+    check_checkpoint_dir(Path(cfg.checkpoint_dir))
+    log_dir = Path(cfg.log_dir)
+    if log_dir.exists() and not log_dir.is_dir():
+        raise UserError(f"--log_dir {log_dir} is a file, not a folder; choose another --log_dir")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
         raise UserError(f"--resume {cfg.resume}: no such file")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from imgtrainer.data.checks import find_classes
-from imgtrainer.data.loaders import LoaderSpec, default_num_workers, make_loader
+from imgtrainer.data.loaders import LoaderSpec, loader_workers, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
 from imgtrainer.data.unreadable import leave_out_unreadable
@@ -281,11 +281,7 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
-    workers = (
-        args.num_workers
-        if args.num_workers is not None
-        else default_num_workers(cpu_cores_available() // dist.local_world_size)
-    )
+    workers = loader_workers(args.num_workers, cpu_cores_available() // dist.local_world_size)
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), dist.rank, dist.world_size),

@@ -24,8 +24,9 @@ from imgtrainer.data.transforms import (
 )
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, strip_wrapper_prefixes
+from imgtrainer.run.config import DEVICE_CHOICES
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.precision import Precision
+from imgtrainer.training.precision import Precision, precision_rule
 
 
 @dataclass(frozen=True)
@@ -148,17 +149,13 @@ def load_classifier(
 
 def training_precision(config: dict[str, Any], device: torch.device) -> Precision:
     """The autocast training used on this device type, from the checkpoint's config; float32
-    for a file without one. The rule of ``run_parts.choose_precision`` (a test holds them
-    equal): on the CPU bfloat16, unless --low_memory chose float32 there."""
-    if not config.get("use_amp"):
-        return Precision(False, torch.float32)
-    if device.type == "cpu":
-        return (
-            Precision(False, torch.float32)
-            if config.get("low_memory")
-            else Precision(True, torch.bfloat16)
-        )
-    return Precision(True, getattr(torch, config.get("amp_dtype", "float16")))
+    for a file without one."""
+    return precision_rule(
+        bool(config.get("use_amp")),
+        bool(config.get("low_memory")),
+        config.get("amp_dtype", "float16"),
+        device,
+    )
 
 
 def add_inference_arguments(
@@ -170,7 +167,7 @@ def add_inference_arguments(
     )
     parser.add_argument(
         "--device",
-        choices=["auto", "cuda", "cpu"],
+        choices=DEVICE_CHOICES,
         default="auto",
         help="auto: CUDA when visible, else the CPU (default: auto)",
     )

@@ -1,11 +1,7 @@
-"""Top-k predictions of a trained checkpoint for image files and folders.
+"""Top-k predictions of a trained checkpoint for image files and folders (searched recursively).
 
-    python src/predict.py --checkpoint checkpoints/checkpoint_best.pth photo1.jpg more_photos/ --topk 3
-    python src/predict.py --checkpoint checkpoints/checkpoint_best.pth more_photos/ --json > predictions.json
-
-Folders are searched recursively for image files. The class names, image size and normalisation
-come from the checkpoint. A file that cannot be read is reported in the output (with its
-error) and the others are still predicted. Prints a table, or JSON with ``--json``.
+python src/predict.py --checkpoint checkpoints/checkpoint_best.pth photo1.jpg more_photos/ --topk 3
+python src/predict.py --checkpoint checkpoints/checkpoint_best.pth more_photos/ --json > predictions.json
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from imgtrainer.data.image_files import (
     is_image_file,
     open_rgb,
 )
-from imgtrainer.data.loaders import default_num_workers
+from imgtrainer.data.loaders import loader_workers
 from imgtrainer.data.transforms import normalize_batch
 from imgtrainer.distributed.setup import choose_device, cpu_cores_available
 from imgtrainer.errors import UserError, exit_on_user_error
@@ -176,13 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # On stderr: stdout is the table or the JSON.
     print(f"Predicting with {classifier.weights_note} of {args.checkpoint}", file=sys.stderr)
     # Loader processes only pay for themselves when there is more than one batch to read.
-    workers = (
-        args.num_workers
-        if args.num_workers is not None
-        else 0
-        if len(paths) <= args.batch_size
-        else default_num_workers(cpu_cores_available())
-    )
+    few = args.num_workers is None and len(paths) <= args.batch_size
+    workers = 0 if few else loader_workers(args.num_workers, cpu_cores_available())
     results = predict(classifier, paths, args.topk, device, args.batch_size, workers)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     failed = sum("error" in r for r in results)

@@ -37,22 +37,32 @@ def configure_backends(device: torch.device, deterministic: bool) -> None:
 
 
 def choose_precision(cfg: TrainConfig, device: torch.device) -> Precision:
-    if not cfg.use_amp:
-        return Precision(False, torch.float32)
-    if device.type == "cpu" and cfg.low_memory:
-        # bfloat16 autocast runs ~16x slower than float32 on the CPU, and the micro-batches
-        # already keep the memory within the budget.
-        log.info(
-            "--low_memory on the CPU: training in float32 (bfloat16 autocast is much slower there)"
-        )
+    """The run's autocast (``precision_rule``), saying why when the CPU changes the choice."""
+    if cfg.use_amp and device.type == "cpu":
+        if cfg.low_memory:
+            log.info(
+                "--low_memory on the CPU: training in float32 "
+                "(bfloat16 autocast is much slower there)"
+            )
+        else:
+            log.warning(
+                "--use_amp on the CPU uses bfloat16 autocast, which is usually "
+                "slower than float32 there"
+            )
+    return precision_rule(cfg.use_amp, cfg.low_memory, cfg.amp_dtype, device)
+
+
+def precision_rule(
+    use_amp: bool, low_memory: bool, amp_dtype: str, device: torch.device
+) -> Precision:
+    """The one precision rule, for training and for the tools that replay its evaluation:
+    float32 without --use_amp; on the CPU bfloat16, or float32 under --low_memory (bfloat16
+    autocast is much slower there, and the micro-batches already bound the memory)."""
+    if not use_amp or (device.type == "cpu" and low_memory):
         return Precision(False, torch.float32)
     if device.type == "cpu":
-        log.warning(
-            "--use_amp on the CPU uses bfloat16 autocast, which is usually "
-            "slower than float32 there"
-        )
         return Precision(True, torch.bfloat16)
-    return Precision(True, getattr(torch, cfg.amp_dtype))
+    return Precision(True, getattr(torch, amp_dtype))
 
 
 def make_grad_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler:
