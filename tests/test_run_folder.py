@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -101,16 +102,17 @@ def test_the_main_process_decides_and_every_rank_raises_its_line(tmp_path: Path)
 
     (folder).mkdir()
     (folder / "checkpoint_latest.pth").write_bytes(b"earlier run")
-    args = dict(resume=None, overwrite=False, agree=agree)
+    new_run = partial(check_new_run, folder, tmp_path / "logs", None, False)
     with pytest.raises(UserError, match="a new run would replace") as rank0:
-        with claim_run_folder(folder, tmp_path / "logs", enabled=True, **args):
+        with claim_run_folder(folder, new_run, enabled=True, agree=agree):
             pytest.fail("rank 0 must not start")
     with pytest.raises(UserError) as rank1:
-        with claim_run_folder(folder, tmp_path / "logs", enabled=False, **args):
+        with claim_run_folder(folder, new_run, enabled=False, agree=agree):
             pytest.fail("rank 1 must not start")
     assert str(rank0.value) == str(rank1.value) and verdicts[1] is None
     assert lock_holder(folder) is None
-    with claim_run_folder(folder, tmp_path / "logs", resume="auto", overwrite=False, enabled=True):
+    resumed = partial(check_new_run, folder, tmp_path / "logs", "auto", False)
+    with claim_run_folder(folder, resumed, enabled=True):
         assert f"pid {os.getpid()}" in lock_holder(folder)
     assert lock_holder(folder) is None
 

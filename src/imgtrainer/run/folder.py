@@ -216,29 +216,24 @@ def check_run_folder(
 @contextlib.contextmanager
 def claim_run_folder(
     checkpoint_dir: Path,
-    log_dir: Path,
+    check: Callable[[], None] | None,
     *,
-    resume: str | None,
-    overwrite: bool,
     enabled: bool,
-    first_attempt: bool = True,
     agree: Callable[[str | None], str | None] = lambda error: error,
 ) -> Iterator[None]:
-    """Lock ``checkpoint_dir`` for the duration of the block and check that the run may write
-    there. Only the process that writes checkpoints (``enabled``) looks; ``agree`` must run on
-    every process and return that process's verdict (None, or the error line), so all of them
-    raise the same ``UserError`` together and none waits for a process that already left.
-
-    ``first_attempt`` is False in workers that torchrun restarted: the checkpoints they find are
-    their own run's, not another's.
+    """Lock ``checkpoint_dir`` for the duration of the block and run ``check`` (e.g.
+    ``check_new_run``; None skips it) to decide that the run may write there. Only the process
+    that writes checkpoints (``enabled``) looks; ``agree`` must run on every process and return
+    that process's verdict (None, or the error line), so all of them raise the same
+    ``UserError`` together and none waits for a process that already left.
     """
     lock = FolderLock(checkpoint_dir)
     error: str | None = None
     if enabled:
         try:
             lock.acquire()
-            if first_attempt:
-                check_new_run(checkpoint_dir, log_dir, resume, overwrite)
+            if check is not None:
+                check()
         except UserError as err:
             lock.release()
             error = str(err)

@@ -14,6 +14,7 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from imgtrainer.data.demo import prepare_demo_data
@@ -37,7 +38,7 @@ from imgtrainer.run.config import (
     preset_summary,
     print_config_requested,
 )
-from imgtrainer.run.folder import claim_run_folder
+from imgtrainer.run.folder import check_new_run, claim_run_folder
 from imgtrainer.run.lifecycle import exit_now, mark, run_reporting
 from imgtrainer.training.precision import configure_backends
 from imgtrainer.training.trainer import Trainer
@@ -62,15 +63,16 @@ def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
 def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     """One run per checkpoint folder, never over another run's results: the main process locks
     the folder and checks it; every rank takes part in sharing the verdict."""
+    folder = Path(cfg.checkpoint_dir)
+    # Workers restarted by torchrun find their own run's checkpoints, not another's.
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     return claim_run_folder(
-        Path(cfg.checkpoint_dir),
-        Path(cfg.log_dir),
-        resume=cfg.resume,
-        overwrite=cfg.overwrite,
+        folder,
+        partial(check_new_run, folder, Path(cfg.log_dir), cfg.resume, cfg.overwrite)
+        if first_attempt
+        else None,
         enabled=dist.is_main,
         agree=lambda error: all_gather_objects(error)[0],
-        # Workers restarted by torchrun find their own run's checkpoints, not another's.
-        first_attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0",
     )
 
 
