@@ -129,7 +129,7 @@ def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
     import torch.distributed as torch_dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imgtrainer.training.build import no_forward_buffer_sync
+    from imgtrainer.distributed.torch_compat import no_forward_buffer_sync
 
     store = torch_dist.FileStore(str(tmp_path / "store"), 1)
     torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
