@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> dict:
         steps_per_epoch=args.warmup + args.steps,
     )
     model, optimizer = parts.model, parts.optimizer
-    precision, criterion = parts.precision, parts.criterion
+    precision = parts.precision
     # The baseline the fitting takes inside build_memory_plan; in normal mode the same figure
     # without cpu_baseline's allocator setting (the trainer makes it only when fitting).
     baseline = None
@@ -84,9 +84,8 @@ def worker(args: argparse.Namespace) -> dict:
             else resident.reset_peak()
             and resident.current() - resident_training_state(model, optimizer)
         )
-    trial = TrialParts(model, optimizer, criterion, precision, device)
-    plan = build_memory_plan(cfg, trial, 1, args.num_classes)
-    state = parts.step_state(plan)
+    parts.plan = build_memory_plan(cfg, TrialParts.of(parts), 1, args.num_classes)
+
     g = torch.Generator().manual_seed(0)
     batch = (
         torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g),
@@ -96,7 +95,7 @@ def worker(args: argparse.Namespace) -> dict:
         batch = (batch[0].pin_memory(), batch[1].pin_memory())
 
     def steps(count: int) -> None:
-        train_one_epoch(state, [batch] * count)
+        train_one_epoch(parts, [batch] * count)
 
     reset = resident.available and resident.reset_peak()
     if device.type == "cuda":
@@ -109,7 +108,7 @@ def worker(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - started
     result = {
         "mode": args.worker,
-        "micro_batch": plan.micro_batch,
+        "micro_batch": parts.plan.micro_batch,
         "images_per_sec": args.steps * args.batch_size / seconds,
         "imports_mib": imports_mib,
         "peak_rss_mib": resident.peak() / MIB if resident.available else None,

@@ -308,7 +308,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         "images_per_sec": steps * cfg.batch_size * dist.world_size / timed["seconds"],
         "step_seconds": timed["seconds"] / steps,
         "step_shares": {k: v / step_total for k, v in phases.items()},
-        "allreduce_wait_share": allreduce_wait_share(trainer.model, timed["seconds"] / steps),
+        "allreduce_wait_share": allreduce_wait_share(trainer.parts.model, timed["seconds"] / steps),
         "seconds_to_first_step": setup_seconds + timed["first_step_seconds"],
         "setup_seconds": setup_seconds,
         "loader_workers": trainer.train_loader.num_workers,
@@ -344,7 +344,7 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> di
     trainer.sampler.set_epoch(0)
     with timer.attached():
         train_one_epoch(
-            trainer.step_state,
+            trainer.parts,
             timer.loader(trainer.train_loader),
             hooks=[*trainer.hooks, Clock()],
             progress=ProgressBar(trainer.dist.is_main),
@@ -487,7 +487,7 @@ def model_flops(trainer, cfg, step_seconds: float) -> dict:
         cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=trainer.dist.device
     )
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        trainer.plain_model(images)
+        trainer.parts.plain_model(images)
     achieved = 3 * counter.get_total_flops() / step_seconds
     name = torch.cuda.get_device_name(trainer.dist.device)
     peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)

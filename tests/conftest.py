@@ -26,7 +26,7 @@ from imgtrainer.distributed.setup import DistInfo  # noqa: E402
 from imgtrainer.run.config import TrainConfig  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
 from imgtrainer.training.precision import Precision  # noqa: E402
-from imgtrainer.training.step import StepState  # noqa: E402
+from imgtrainer.training.step import RunParts  # noqa: E402
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
 CPU = torch.device("cpu")
@@ -39,15 +39,15 @@ def data_config(train: Path, val: Path, **values) -> TrainConfig:
     return TrainConfig(train_dir=str(train), val_dir=str(val), **{**defaults, **values})
 
 
-def cpu_step_state(
+def cpu_run_parts(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     plan: MemoryPlan,
     criterion: torch.nn.Module | None = None,
-) -> StepState:
+) -> RunParts:
     """The engine's per-step state as the trainer builds it on the CPU in float32, with a
     constant learning rate and cross-entropy unless ``criterion`` says otherwise."""
-    return StepState(
+    return RunParts(
         model,
         optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),

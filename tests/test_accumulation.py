@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import imgtrainer.run.train as train_ddp
-from conftest import CPU, FP32, TINY_FLAGS, cpu_step_state, run_train, user_error_line
+from conftest import CPU, FP32, TINY_FLAGS, cpu_run_parts, run_train, user_error_line
 from imgtrainer.checkpoints.resume import changed_settings, check_resume_settings, saved_step_batch
 from imgtrainer.errors import UserError
 from imgtrainer.run.config import (
@@ -71,7 +71,7 @@ def count_forwards(model: nn.Module) -> list[int]:
 def train_with_engine(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
     """The engine's real epoch and step functions, as the trainer calls them."""
     opt = make_optimizer(model, optimizer)
-    return train_one_epoch(cpu_step_state(model, opt, plan), loader)
+    return train_one_epoch(cpu_run_parts(model, opt, plan), loader)
 
 
 def train_textbook(model: nn.Module, loader, batch: int, optimizer: str) -> None:

@@ -16,7 +16,7 @@ from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.optim import lr_factor
 from imgtrainer.training.precision import Precision, choose_precision
-from imgtrainer.training.step import StepState
+from imgtrainer.training.step import RunParts
 
 
 def tiny_batches(n: int = 4, device: str = "cpu"):
@@ -44,7 +44,7 @@ def run_epoch(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device, enabled=precision.dtype == torch.float16)
-    state = StepState(
+    state = RunParts(
         model,
         optimizer,
         scheduler,

@@ -16,7 +16,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 import imgtrainer.run.train as train_ddp
-from conftest import ONE_CPU_PROCESS, cpu_step_state, data_config, user_error_line
+from conftest import ONE_CPU_PROCESS, cpu_run_parts, data_config, user_error_line
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, SeededImageDataset
@@ -26,7 +26,7 @@ from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.mixing import BatchMixer, step_seed
 from imgtrainer.training.precision import Precision
-from imgtrainer.training.step import StepState, train_step
+from imgtrainer.training.step import RunParts, train_step
 from test_resume import assert_same_tensors
 
 HAS_CUDA = torch.cuda.is_available()
@@ -181,7 +181,7 @@ def test_mix_off_epochs_turns_mixing_off_for_the_last_epochs():
     # Without a mixer the engine trains on the hard labels: the loss is plain cross entropy.
     images, labels = batch()
     model = linear_model()
-    state = step_state(model, label_smoothing=0.0)
+    state = run_parts(model, label_smoothing=0.0)
     plain = train_one_epoch(state, [(images, labels)])
     with torch.no_grad():
         expected = nn.functional.cross_entropy(linear_model()(images), labels)
@@ -196,11 +196,11 @@ def linear_model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 3))  # no BatchNorm
 
 
-def step_state(
+def run_parts(
     model: nn.Module, label_smoothing: float = 0.1, micro_batch: int | None = None
-) -> StepState:
+) -> RunParts:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return cpu_step_state(
+    return cpu_run_parts(
         model,
         optimizer,
         MemoryPlan(micro_batch=micro_batch),
@@ -237,7 +237,7 @@ def test_mixed_step_in_micro_batches_has_the_whole_batchs_gradient_and_metrics()
     results = []
     for micro_batch in (None, 2):
         model = linear_model()
-        state = step_state(model, micro_batch=micro_batch)
+        state = run_parts(model, micro_batch=micro_batch)
         state.optimizer.zero_grad()
         sums, _ = train_step(state, mixed, soft)
         results.append((sums, [p.detach().clone() for p in model.parameters()]))
@@ -256,7 +256,7 @@ def test_mixed_step_in_micro_batches_has_the_whole_batchs_gradient_and_metrics()
 
 def test_soft_targets_under_bfloat16_autocast():
     images, labels = batch()
-    state = step_state(linear_model())
+    state = run_parts(linear_model())
     state.precision = Precision(True, torch.bfloat16)
     metrics = train_one_epoch(
         state, [(images, labels)], epoch=EpochPlan(mixer=make_mixer(3, 0.4, 0).for_epoch(0))
@@ -275,7 +275,7 @@ def test_engine_mixes_each_batch_with_its_step_index():
         return make_mixer(3, 0.4, 1.0).for_epoch(0)(images, targets, step)
 
     train_one_epoch(
-        step_state(linear_model()),
+        run_parts(linear_model()),
         batches[2:],
         epoch=EpochPlan(start_step=2, mixer=recording_mixer),
     )

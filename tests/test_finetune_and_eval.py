@@ -40,7 +40,7 @@ from imgtrainer.tools.predict import main as predict_main
 from imgtrainer.training.build import seed_everything
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision
-from imgtrainer.training.step import StepState, train_step
+from imgtrainer.training.step import RunParts, train_step
 
 # timm's smallest ResNet (0.4 M parameters, BatchNorm, a Linear head ``fc``): the end-to-end
 # runs below take seconds with it.
@@ -212,10 +212,10 @@ def test_resume_check_names_the_grouping_of_an_old_checkpoint():
 # ----------------------------------------------------------------------------- clipping
 
 
-def step_state(
+def run_parts(
     model: nn.Module, optimizer: torch.optim.Optimizer, scaler, clip: float, micro_batch: int
-) -> StepState:
-    return StepState(
+) -> RunParts:
+    return RunParts(
         model,
         optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
@@ -255,7 +255,7 @@ def test_clip_grad_norm_clips_the_unscaled_whole_step_gradient_once(monkeypatch)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counting_clip)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # gradients 1024x until unscaled
-    state = step_state(model, optimizer, scaler, clip=0.1, micro_batch=2)  # 4 micro-batches
+    state = run_parts(model, optimizer, scaler, clip=0.1, micro_batch=2)  # 4 micro-batches
     train_step(state, images, targets)
     assert calls == [0.1]
     for got, want in zip(model.parameters(), expected, strict=True):
@@ -269,7 +269,7 @@ def test_clip_leaves_out_groups_whose_learning_rate_is_zero():
     optimizer = torch.optim.SGD(
         [{"params": frozen.parameters(), "lr": 0.0}, {"params": head.parameters(), "lr": 1.0}]
     )
-    state = step_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 0.01, 8)
+    state = run_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 0.01, 8)
     images, targets = torch.randn(8, 5) * 10, torch.randint(0, 3, (8,))
     train_step(state, images, targets)
     head_norm = torch.linalg.vector_norm(
@@ -283,7 +283,7 @@ def test_without_clip_grad_norm_nothing_is_clipped(monkeypatch):
     monkeypatch.setattr(engine, "clip_gradients", lambda state: pytest.fail("clipped"))
     model = nn.Linear(5, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = step_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 0.0, 4)
+    state = run_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 0.0, 4)
     train_step(state, torch.randn(8, 5), torch.randint(0, 3, (8,)))
 
 
@@ -299,7 +299,7 @@ def test_clip_grad_norm_under_float16_gradscaler_on_cuda():
     model = nn.Linear(5, 3).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    state = StepState(
+    state = RunParts(
         model,
         optimizer,
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import imgtrainer.distributed.collectives as distributed
 import imgtrainer.distributed.setup as dist_setup
 import imgtrainer.training.step as engine
-from conftest import CPU, FP32, ROOT, cpu_step_state
+from conftest import CPU, FP32, ROOT, cpu_run_parts
 from imgtrainer.models import strip_wrapper_prefixes
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan, is_out_of_memory
@@ -225,7 +225,7 @@ def test_ranks_agree_on_the_input_copy_before_the_first_forward(monkeypatch):
     plan = MemoryPlan(4, retry_on_oom=True)
     loader = batches(2, 8)
     opt = make_optimizer(model, "sgd")
-    metrics = train_one_epoch(cpu_step_state(model, opt, plan), loader)
+    metrics = train_one_epoch(cpu_run_parts(model, opt, plan), loader)
     # Step 1: agree (copy ok), 2 forwards, agree. Step 2: the copy fails: agreed on before any
     # forward; redone with micro-batch 2: agree, 4 forwards, agree.
     assert events == (
@@ -277,7 +277,7 @@ def _copy_failure_worker(rank: int, port: int, out: Path) -> None:
         plan = MemoryPlan(4, retry_on_oom=True)
         model = DDP(hit)
         opt = make_optimizer(model, "sgd")
-        metrics = train_one_epoch(cpu_step_state(model, opt, plan), batches(2, 8, seed=rank))
+        metrics = train_one_epoch(cpu_run_parts(model, opt, plan), batches(2, 8, seed=rank))
         (out / f"rank{rank}.json").write_text(
             json.dumps(
                 {

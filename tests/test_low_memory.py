@@ -40,7 +40,7 @@ from imgtrainer.training.memory_fit import (
 )
 from imgtrainer.training.memory_probes import StepCost
 from imgtrainer.training.precision import Precision
-from imgtrainer.training.step import StepState
+from imgtrainer.training.step import RunParts
 
 HUGE = 2**40  # a budget nothing reaches
 
@@ -105,7 +105,7 @@ def train(
     opt = make_optimizer(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
-    state = StepState(
+    state = RunParts(
         model, opt, scheduler, scaler, nn.CrossEntropyLoss(), FP32, plan or MemoryPlan(), CPU
     )
     return train_one_epoch(state, loader)
@@ -445,7 +445,7 @@ def test_cuda_float16_channels_last_accumulation():
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cuda")
     plan = MemoryPlan(4, retry_on_oom=True, channels_last=True)
-    state = StepState(
+    state = RunParts(
         model,
         opt,
         scheduler,

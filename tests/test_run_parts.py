@@ -24,7 +24,7 @@ from imgtrainer.training.hooks import Hook
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, make_grad_scaler
-from imgtrainer.training.step import StepState
+from imgtrainer.training.step import RunParts
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 
@@ -37,13 +37,13 @@ def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def tiny_state(scaler: torch.amp.GradScaler | None = None) -> StepState:
+def tiny_state(scaler: torch.amp.GradScaler | None = None) -> RunParts:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return StepState(
+    return RunParts(
         model,
         opt,
         torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import platform
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,8 +19,8 @@ from imgtrainer.models import build_model, unwrap_model
 from imgtrainer.run.config import TrainConfig
 from imgtrainer.training.memory import MemoryPlan, enable_memory_savers
 from imgtrainer.training.optim import build_optimizer, build_scheduler
-from imgtrainer.training.precision import Precision, choose_precision, make_grad_scaler
-from imgtrainer.training.step import StepState
+from imgtrainer.training.precision import choose_precision, make_grad_scaler
+from imgtrainer.training.step import RunParts
 
 
 def seed_everything(seed: int) -> None:
@@ -62,34 +61,6 @@ def compile_model(model: nn.Module) -> nn.Module:
     return torch.compile(model)
 
 
-@dataclass
-class RunParts:
-    """What one training step needs, and the unwrapped model (what checkpoints save)."""
-
-    model: nn.Module  # wrapped: DDP and/or compiled, on the device
-    plain_model: nn.Module  # the same weights, unwrapped
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    precision: Precision
-    scaler: torch.amp.GradScaler
-    criterion: nn.Module
-    device: torch.device
-    clip_grad_norm: float = 0.0  # 0: off
-
-    def step_state(self, plan: MemoryPlan | None = None) -> StepState:
-        return StepState(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            self.criterion,
-            self.precision,
-            plan or MemoryPlan(),
-            self.device,
-            clip_grad_norm=self.clip_grad_norm,
-        )
-
-
 def build_run_parts(
     cfg: TrainConfig, dist: DistInfo, num_classes: int, steps_per_epoch: int
 ) -> RunParts:
@@ -109,12 +80,13 @@ def build_run_parts(
     precision = choose_precision(cfg, dist.device)
     return RunParts(
         model=wrapped,
-        plain_model=unwrap_model(wrapped),
         optimizer=optimizer,
         scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
-        precision=precision,
         scaler=make_grad_scaler(precision, dist.device),
         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        precision=precision,
+        plan=MemoryPlan(),  # the trainer replaces it with the one that fits (memory_fit)
         device=dist.device,
         clip_grad_norm=cfg.clip_grad_norm,
+        plain_model=unwrap_model(wrapped),
     )

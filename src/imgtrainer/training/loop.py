@@ -17,8 +17,8 @@ from imgtrainer.training.step import (
     CORRECT,
     COUNT,
     LOSS,
+    RunParts,
     StepInfo,
-    StepState,
     _ddp,
     train_step,
 )
@@ -106,7 +106,7 @@ class EpochPlan:
 
 
 def train_one_epoch(
-    state: StepState,
+    state: RunParts,
     loader,
     *,
     hooks: Iterable[Hook] = (),

@@ -33,6 +33,7 @@ from imgtrainer.training.memory_probes import (
     saved_tensor_bytes,
     tensor_bytes,
 )
+from imgtrainer.training.step import RunParts
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,12 @@ class TrialParts:
     criterion: nn.Module
     precision: Any
     device: torch.device
+
+    @classmethod
+    def of(cls, parts: RunParts) -> TrialParts:
+        return cls(
+            parts.plain_model, parts.optimizer, parts.criterion, parts.precision, parts.device
+        )
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ TOP5 = 3  # evaluation adds correct-in-top-5
 
 
 @dataclass
-class StepState:
-    """Everything a training step works with, built once per run (``run_parts.build_run_parts``)."""
+class RunParts:
+    """The run's parts that a training step works with, built once per run
+    (``training.build.build_run_parts``); the trainer, the benchmarks and the tests share it."""
 
-    model: nn.Module  # as trained: DDP and/or compiled
+    model: nn.Module  # as trained: DDP and/or compiled, on the device
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -43,6 +44,11 @@ class StepState:
     plan: MemoryPlan  # the micro-batch; halved on out-of-memory if it allows
     device: torch.device
     clip_grad_norm: float = 0.0  # max total gradient norm per optimizer step; 0: off
+    plain_model: nn.Module | None = None  # the same weights unwrapped (what checkpoints save)
+
+    def __post_init__(self) -> None:
+        if self.plain_model is None:
+            self.plain_model = self.model
 
 
 @dataclass
@@ -62,7 +68,7 @@ class StepInfo:
 
 
 def train_step(
-    state: StepState, images: torch.Tensor, targets: torch.Tensor
+    state: RunParts, images: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step on one loaded batch; returns its [loss_sum, correct, count], and
     (with a GradScaler) a device flag set when the scaler skipped the step.
@@ -105,7 +111,7 @@ def train_step(
     return step_sums, skipped
 
 
-def clip_gradients(state: StepState) -> None:
+def clip_gradients(state: RunParts) -> None:
     """Clip the step's whole gradient (every micro-batch's, accumulated) to
     ``state.clip_grad_norm``. Under a GradScaler the gradients are unscaled first, or the limit
     would apply to the loss-scaled ones; ``scaler.step`` then knows they are unscaled, and still
@@ -123,7 +129,7 @@ def clip_gradients(state: StepState) -> None:
 
 
 def accumulate_gradients(
-    state: StepState, images: torch.Tensor, targets: torch.Tensor
+    state: RunParts, images: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor | None:
     """Forward and backward over the micro-batches of one batch; returns the step's metric sums,
     or None on every rank when any rank ran out of memory (only with ``plan.retry_on_oom``).

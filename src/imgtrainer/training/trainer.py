@@ -93,18 +93,13 @@ class Trainer:
             cfg, dist
         )
         self.steps_per_epoch = len(self.train_loader)
-        self.parts = build_run_parts(cfg, dist, len(self.class_names), self.steps_per_epoch)
-        self.model, self.plain_model = self.parts.model, self.parts.plain_model
-        self.optimizer, self.scheduler = self.parts.optimizer, self.parts.scheduler
-        self.precision, self.scaler = self.parts.precision, self.parts.scaler
+        self.parts = parts = build_run_parts(cfg, dist, len(self.class_names), self.steps_per_epoch)
         # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
-        self.ema = ModelEma(self.plain_model if cfg.model_ema else None, cfg.ema_decay)
+        self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
-        trial = TrialParts(
-            self.plain_model, self.optimizer, self.parts.criterion, self.precision, dist.device
+        parts.plan = build_memory_plan(
+            cfg, TrialParts.of(parts), dist.local_world_size, len(self.class_names)
         )
-        self.plan = build_memory_plan(cfg, trial, dist.local_world_size, len(self.class_names))
-        self.step_state = self.parts.step_state(self.plan)
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
         self.mixer = BatchMixer.from_config(cfg, len(self.class_names), dist.rank, dist.device)
         self.checkpoints = CheckpointWriter(
@@ -156,33 +151,34 @@ class Trainer:
         return self.epoch * self.steps_per_epoch + self.step
 
     def load_checkpoint(self, path: Path) -> None:
+        parts = self.parts
         ckpt = load_training_checkpoint(path)
         check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
         changes = check_resume_settings(
             ckpt, path, self.cfg.to_dict(), self.dist.world_size, override=self.cfg.resume_override
         )
-        from_flags = optimisation_settings(self.optimizer, self.scheduler)
-        self.plain_model.load_state_dict(ckpt["model_state_dict"])
+        from_flags = optimisation_settings(parts.optimizer, parts.scheduler)
+        parts.plain_model.load_state_dict(ckpt["model_state_dict"])
         self.ema.resume(ckpt)
         # Param groups laid out otherwise (the flags that choose them changed) are matched by
         # name only under --resume_override.
         restore_optimizer_state(
-            self.optimizer, ckpt["optimizer_state_dict"], self.plain_model, regroup=bool(changes)
+            parts.optimizer, ckpt["optimizer_state_dict"], parts.plain_model, regroup=bool(changes)
         )
-        restore_scheduler_state(self.scheduler, ckpt["scheduler_state_dict"])
+        restore_scheduler_state(parts.scheduler, ckpt["scheduler_state_dict"])
         if changes:  # --resume_override: the new values, over the loaded moments and step count
-            apply_optimisation_settings(self.optimizer, self.scheduler, from_flags)
+            apply_optimisation_settings(parts.optimizer, parts.scheduler, from_flags)
             log.info(
                 f"--resume_override: applied {'; '.join(changes)}; learning rate now "
-                f"{self.optimizer.param_groups[0]['lr']:.3g}"
+                f"{parts.optimizer.param_groups[0]['lr']:.3g}"
             )
         if ckpt.get("scaler_state_dict"):
-            self.scaler.load_state_dict(ckpt["scaler_state_dict"])
+            parts.scaler.load_state_dict(ckpt["scaler_state_dict"])
         self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
         self.best_acc = ckpt.get("best_acc", 0.0)
         # A micro-batch halved after an out-of-memory error stays halved.
-        self.plan.micro_batch = min(
-            self.plan.micro_batch, ckpt.get("micro_batch", self.plan.micro_batch)
+        parts.plan.micro_batch = min(
+            parts.plan.micro_batch, ckpt.get("micro_batch", parts.plan.micro_batch)
         )
         # The checkpoint's own history: records written after it (by the run that crashed)
         # are dropped, so every epoch appears exactly once.
@@ -232,7 +228,8 @@ class Trainer:
             raise UserError(error)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
-        weights = self.plain_model.state_dict()
+        parts = self.parts
+        weights = parts.plain_model.state_dict()
         ema_weights = self.ema.state_dict()
         last = self.history.records[-1] if self.history.records else None
         return training_checkpoint(
@@ -242,12 +239,12 @@ class Trainer:
             state_dict_ema=ema_weights,  # timm's key; the same dict, stored once
             ema_updates=self.ema.updates if self.ema.enabled else None,
             best_weights=better_weights(last, self.ema.enabled) if last else None,
-            optimizer_state_dict=self.optimizer.state_dict(),
-            scheduler_state_dict=self.scheduler.state_dict(),
-            scaler_state_dict=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            optimizer_state_dict=parts.optimizer.state_dict(),
+            scheduler_state_dict=parts.scheduler.state_dict(),
+            scaler_state_dict=parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
             epoch=self.epoch,
             step=self.step,
-            micro_batch=self.plan.micro_batch,
+            micro_batch=parts.plan.micro_batch,
             best_acc=self.best_acc,
             class_names=self.class_names,
             image_size=self.cfg.image_size,
@@ -269,7 +266,7 @@ class Trainer:
         first_step, started = self.step, time.perf_counter()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         train = train_one_epoch(
-            self.step_state,
+            self.parts,
             self.train_loader,
             hooks=self.hooks,
             progress=progress,
@@ -285,11 +282,11 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
-        val = self.validate(self.plain_model)
+        val = self.validate(self.parts.plain_model)
         if self.ema.enabled:
             val.update(ema_metrics(self.validate(self.ema.module)))
         if self.cfg.check_sync:
-            check_ranks_in_sync(self.plain_model)
+            check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
                 check_ranks_in_sync(self.ema.module)
         self.epoch, self.step = self.epoch + 1, 0
@@ -313,7 +310,9 @@ class Trainer:
         """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
         BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
         broadcast_buffers(model)
-        settings = EvalSettings(self.dist.device, self.precision, self.plan, self.dist.is_main)
+        settings = EvalSettings(
+            self.dist.device, self.parts.precision, self.parts.plan, self.dist.is_main
+        )
         return evaluate(model, self.val_loader, settings)
 
     def epoch_record(
@@ -327,11 +326,11 @@ class Trainer:
             "val_acc": val["val_acc"],
             "val_top5": val["val_top5"],
             **{key: value for key, value in val.items() if key.endswith(EMA_SUFFIX)},
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.parts.optimizer.param_groups[0]["lr"],
             "epoch_seconds": time.perf_counter() - started,
             "train_images_per_sec": images_per_sec,
             "peak_memory_mb": peak_memory_mb(self.dist.device),
-            "micro_batch": self.plan.micro_batch,
+            "micro_batch": self.parts.plan.micro_batch,
         }
 
     def log_epoch(self, is_best: bool) -> None:
