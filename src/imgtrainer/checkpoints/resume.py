@@ -66,7 +66,8 @@ def check_resume_fits(
 # Flags that change what the optimisation does: resuming under other values is silently another
 # run. --epochs may grow (continuing a finished run); --optimizer is checked above (its state does
 # not carry over to another optimizer); the effective batch is compared in ``changed_settings``. Mixup/cutmix
-# change the loss's targets, like label smoothing, and --mix_off_epochs is a schedule; the
+# change the loss's targets, like label smoothing and --class_weights, and --mix_off_epochs is a
+# schedule; --sampler changes which images an epoch sees; the
 # per-image augmentation (crop, flip, --auto_augment, --random_erasing) is not checked.
 SCHEDULE_FLAGS = (
     "learning_rate",
@@ -87,6 +88,8 @@ SCHEDULE_FLAGS = (
     "mix_switch_prob",
     "mix_off_epochs",
     "ema_decay",
+    "class_weights",
+    "sampler",
 )
 
 
@@ -96,6 +99,8 @@ VALUES_BEFORE_FLAG = {
     "clip_grad_norm": 0.0,
     "head_lr_scale": 1.0,
     "freeze_backbone_epochs": 0,
+    "class_weights": "none",
+    "sampler": "random",
 }
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.checks import check_data_folders
-from imgtrainer.data.samplers import EpochSampler, ShardSampler
+from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
 from imgtrainer.data.sources import (
     DecodedImageCache,
     ReadableImageFolder,
@@ -212,7 +213,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     )
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
-    train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
+    train_sampler = build_train_sampler(cfg, train_set.folder.targets, class_names, dist)
     workers = loader_workers(cfg.num_workers, cores, dist.device.type, cached)
     pin = dist.device.type == "cuda"
     if cfg.cache_images == "gpu":  # batches are made on the device by the main process
@@ -230,3 +231,25 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         replace(train_spec, batch_size=cfg.batch_size, train=False),
     )
     return train_loader, val_loader, train_sampler, class_names
+
+
+def build_train_sampler(
+    cfg: TrainConfig, targets: list[int], class_names: list[str], dist: DistInfo
+) -> EpochSampler:
+    """The training order of --sampler; first, one note when the classes are far apart in
+    size (with the flags that balance them, unless the run uses one)."""
+    note = imbalance_note(
+        class_counts(targets, len(class_names)),
+        class_names,
+        handled=cfg.class_weights != "none" or cfg.sampler != "random",
+    )
+    if note:
+        log.warning(note)
+    if cfg.class_weights != "none" and cfg.sampler != "random":
+        log.warning(
+            "--class_weights balanced with --sampler balanced corrects the imbalance twice: "
+            "the small classes are drawn as often as the others and weigh more too"
+        )
+    if cfg.sampler == "balanced":
+        return BalancedClassSampler(targets, dist.rank, dist.world_size, cfg.seed)
+    return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed)

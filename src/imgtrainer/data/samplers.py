@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -34,9 +34,13 @@ class EpochSampler(Sampler):
         self.epoch = epoch
         self.start = start
 
-    def indices(self) -> list[int]:
+    def epoch_order(self) -> list[int]:
+        """The epoch's order over the whole dataset, the same on every rank."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def indices(self) -> list[int]:
+        order = self.epoch_order()
         padding = self.per_rank * self.world_size - self.dataset_size
         order += (order * math.ceil(padding / max(1, len(order))))[:padding]
         return order[self.rank :: self.world_size]
@@ -47,6 +51,38 @@ class EpochSampler(Sampler):
 
     def __len__(self) -> int:
         return self.per_rank - self.start
+
+
+class BalancedClassSampler(EpochSampler):
+    """``--sampler balanced``: an epoch of the usual length that draws every class equally
+    often (the remainder of len / classes goes to classes drawn at random), whatever their
+    sizes. Within a class the images come in a random order, repeated as often as the class's
+    share needs: a small class's images are each seen several times, a large class's at most
+    once. A function of (seed, epoch) only, like the shuffled order, so a resumed run on any
+    number of processes continues the same epoch."""
+
+    def __init__(self, targets: Sequence[int], rank: int, world_size: int, seed: int):
+        super().__init__(len(targets), rank, world_size, seed)
+        by_class: dict[int, list[int]] = {}
+        for index, target in enumerate(targets):
+            by_class.setdefault(int(target), []).append(index)
+        self.by_class = [by_class[c] for c in sorted(by_class)]
+
+    def epoch_order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        classes = len(self.by_class)
+        share, extra = divmod(self.dataset_size, classes)
+        lucky = set(torch.randperm(classes, generator=generator)[:extra].tolist())
+        drawn: list[int] = []
+        for c, members in enumerate(self.by_class):
+            wanted = share + (c in lucky)
+            while wanted > 0:  # a fresh random order of the class for each pass over it
+                take = min(wanted, len(members))
+                shuffled = torch.randperm(len(members), generator=generator)[:take].tolist()
+                drawn += [members[i] for i in shuffled]
+                wanted -= take
+        mixed = torch.randperm(len(drawn), generator=generator).tolist()
+        return [drawn[i] for i in mixed]
 
 
 class ShardSampler(Sampler):

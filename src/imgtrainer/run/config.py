@@ -126,6 +126,19 @@ class TrainConfig:
         choices=["none", "linear", "sqrt"],
     )
     label_smoothing: float = _opt(0.0, "label smoothing of the training loss")
+    class_weights: str = _opt(
+        "none",
+        "weight each class in the training loss: balanced: n_images / (n_classes x the "
+        "class's images), scikit-learn's formula; none: every image counts the same",
+        choices=["none", "balanced"],
+    )
+    sampler: str = _opt(
+        "random",
+        "training order: random (each image once per epoch, shuffled) or balanced (an "
+        "epoch of the same length drawing every class equally often: small classes' "
+        "images repeat, large classes' are subsampled)",
+        choices=["random", "balanced"],
+    )
     decay_norm_and_bias: bool = _opt(
         False,
         "weight decay on every parameter; by default normalisation weights and biases "
@@ -198,7 +211,7 @@ class TrainConfig:
         "the optimisation (learning rate, scheduler, warm-up, "
         "weight decay and its grouping, momentum, label smoothing, "
         "mixup/cutmix, gradient clipping, head learning rate, frozen "
-        "epochs, batch per step) instead of refusing them",
+        "epochs, batch per step, class weights, sampler) instead of refusing them",
     )
     tensorboard: bool = _opt(
         True,
@@ -318,6 +331,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "head_lr_scale",
         "freeze_backbone_epochs",
     ),
+    "class imbalance": ("class_weights", "sampler"),
     "precision and memory": (
         "use_amp",
         "amp_dtype",

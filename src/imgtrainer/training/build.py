@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, unwrap_model
 from imgtrainer.run.config import TrainConfig
+from imgtrainer.training.loss import build_criterion
 from imgtrainer.training.memory import MemoryPlan, enable_memory_savers
 from imgtrainer.training.optim import build_optimizer, build_scheduler
 from imgtrainer.training.precision import choose_precision, make_grad_scaler
@@ -62,9 +64,14 @@ def compile_model(model: nn.Module) -> nn.Module:
 
 
 def build_run_parts(
-    cfg: TrainConfig, dist: DistInfo, num_classes: int, steps_per_epoch: int
+    cfg: TrainConfig,
+    dist: DistInfo,
+    num_classes: int,
+    steps_per_epoch: int,
+    class_counts: Sequence[int] | None = None,
 ) -> RunParts:
-    """Every part of a run that depends only on the config, the ranks and the data's shape."""
+    """Every part of a run that depends only on the config, the ranks and the data's shape
+    (``class_counts``: training images per class, which --class_weights reads)."""
     # Every rank builds the same initial weights (DDP would broadcast rank 0's anyway).
     seed_everything(cfg.seed)
     model = build_model(cfg.model, num_classes, cfg.pretrained, cfg.pretrained_path)
@@ -83,7 +90,7 @@ def build_run_parts(
         optimizer=optimizer,
         scheduler=build_scheduler(cfg, optimizer, steps_per_epoch),
         scaler=make_grad_scaler(precision, dist.device),
-        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        criterion=build_criterion(cfg, class_counts).to(dist.device),
         precision=precision,
         plan=MemoryPlan(),  # the trainer replaces it with the one that fits (memory_fit)
         device=dist.device,

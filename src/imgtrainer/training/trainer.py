@@ -24,6 +24,7 @@ from imgtrainer.checkpoints.resume import (
     saved_step_batch,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.data.balance import class_counts
 from imgtrainer.data.loaders import build_loaders
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.distributed.collectives import (
@@ -93,7 +94,13 @@ class Trainer:
             cfg, dist
         )
         self.steps_per_epoch = len(self.train_loader)
-        self.parts = parts = build_run_parts(cfg, dist, len(self.class_names), self.steps_per_epoch)
+        self.parts = parts = build_run_parts(
+            cfg,
+            dist,
+            len(self.class_names),
+            self.steps_per_epoch,
+            class_counts(self.train_loader.dataset.folder.targets, len(self.class_names)),
+        )
         # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
         self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
