@@ -17,6 +17,7 @@ from torch import nn
 import imgtrainer.tools.inference as inference
 from conftest import SRC, assert_user_error, run_cli, user_error_line, write_image_folder
 from imgtrainer.models import build_model
+from imgtrainer.reports.confusion import balanced_accuracy, macro_f1
 from imgtrainer.tools.evaluate import main as evaluate_main
 
 CLASSES = ["a", "b", "c"]
@@ -99,6 +100,9 @@ def test_report_matches_a_hand_computed_confusion_matrix(tmp_path: Path, monkeyp
     assert [per_class[c]["accuracy"] for c in CLASSES] == pytest.approx([3 / 4, 2 / 3, 2 / 3])
     assert [per_class[c]["images"] for c in CLASSES] == [4, 3, 3]
     assert per_class["c"]["most_confused_with"] == {"class": "b", "images": 1}
+    # Every class counts the same: the mean recall, and the mean F1 = 2 TP / (images + predicted).
+    assert metrics["balanced_accuracy"] == pytest.approx((3 / 4 + 2 / 3 + 2 / 3) / 3)
+    assert metrics["macro_f1"] == pytest.approx((6 / 8 + 4 / 7 + 4 / 5) / 3)
 
     with open(tmp_path / "eval" / "misclassified.csv") as f:
         rows = list(csv.DictReader(f))
@@ -111,6 +115,24 @@ def test_report_matches_a_hand_computed_confusion_matrix(tmp_path: Path, monkeyp
     png = tmp_path / "eval" / "confusion_matrix.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Worst 3 classes by accuracy" in out and "top-1 0.7000" in out
+    assert f"balanced accuracy {metrics['balanced_accuracy']:.4f}  macro F1" in out
+
+
+def test_balanced_accuracy_and_macro_f1_count_classes_as_scikit_learn_does():
+    """balanced_accuracy_score leaves out classes without images; f1_score(average="macro")
+    averages over the classes with images or predictions, 0 for one never predicted right.
+    (Checked against scikit-learn when written; its import would cost this test seconds.)"""
+    confusion = np.array(
+        [
+            [3, 1, 0, 0, 0],
+            [0, 2, 0, 1, 0],
+            [0, 0, 0, 0, 0],  # no image, predicted once (for an image of class 3)
+            [0, 0, 1, 0, 0],
+            [0, 0, 0, 0, 0],  # neither images nor predictions: not counted
+        ]
+    )
+    assert balanced_accuracy(confusion) == pytest.approx((3 / 4 + 2 / 3 + 0) / 3)
+    assert macro_f1(confusion) == pytest.approx((6 / 7 + 4 / 6 + 0 + 0) / 4)
 
 
 def random_checkpoint(path: Path) -> Path:

@@ -59,6 +59,27 @@ def per_class_metrics(confusion: np.ndarray, class_names: Sequence[str]) -> dict
     return metrics
 
 
+def balanced_accuracy(confusion: np.ndarray) -> float | None:
+    """The mean of the per-class recalls over the classes that have images (scikit-learn's
+    ``balanced_accuracy_score``): every class counts the same, whatever its size."""
+    images = confusion.sum(axis=1)
+    present = images > 0
+    if not present.any():
+        return None
+    return float((np.diag(confusion)[present] / images[present]).mean())
+
+
+def macro_f1(confusion: np.ndarray) -> float | None:
+    """The mean F1 over the classes that have images or predictions (scikit-learn's
+    ``f1_score(average="macro")``; a class never predicted right scores 0)."""
+    images, predicted = confusion.sum(axis=1), confusion.sum(axis=0)
+    seen = (images + predicted) > 0
+    if not seen.any():
+        return None
+    # F1 = 2 TP / (2 TP + FP + FN) = 2 correct / (images + predicted)
+    return float((2 * np.diag(confusion)[seen] / (images + predicted)[seen]).mean())
+
+
 def most_confused_with(
     confusion: np.ndarray, k: int, class_names: Sequence[str]
 ) -> dict[str, Any] | None:

@@ -38,7 +38,9 @@ from imgtrainer.distributed.setup import (
 from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.reports.confusion import (
     FULL_MATRIX_MAX_CLASSES,
+    balanced_accuracy,
     format_worst_classes,
+    macro_f1,
     per_class_metrics,
     plot_confusion_matrix,
     plot_confusion_summary,
@@ -210,6 +212,9 @@ def build_metrics(
         "top1": correct / images,
         "top5": counts.top5_correct / images,
         "loss": counts.loss_sum / images,
+        # Every class counts the same: what top-1 hides when the classes differ in size.
+        "balanced_accuracy": balanced_accuracy(counts.confusion),
+        "macro_f1": macro_f1(counts.confusion),
         "per_class": per_class_metrics(counts.confusion, class_names),
         "class_names": class_names,
         # rows: true class, columns: predicted. Inlined only while it stays readable; the CSV
@@ -310,7 +315,9 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     log.info(
         f"top-1 {metrics['top1']:.4f}  top-5 {metrics['top5']:.4f}  loss "
-        f"{metrics['loss']:.4f}  ({metrics['correct']}/{metrics['images']} correct)"
+        f"{metrics['loss']:.4f}  ({metrics['correct']}/{metrics['images']} correct)  "
+        f"balanced accuracy {metrics['balanced_accuracy']:.4f}  macro F1 "
+        f"{metrics['macro_f1']:.4f}"
     )
     log.info(format_worst_classes(metrics["per_class"], WORST_CLASSES_SHOWN))
     if written:
