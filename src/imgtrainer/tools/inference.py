@@ -45,6 +45,8 @@ class Classifier:
     tta: str = "none"  # test-time augmentation: none, or flip (``FlipAveraged``)
     weights: str = "raw"  # which of the checkpoint's weights: "raw" or "ema"
     weights_note: str = "the trained weights"  # which, and why, for the tools' output
+    model_name: str = ""  # the timm model name (export.py rebuilds the model from it)
+    config: dict[str, Any] = field(default_factory=dict)  # the training run's flags
 
 
 TTA_CHOICES = ("none", "flip")
@@ -144,6 +146,8 @@ def load_classifier(
         tta,
         chosen,
         note,
+        state["model_name"],
+        config,
     )
 
 
