@@ -36,14 +36,11 @@ def checked_export(run, tmp_path: Path, fmt: str, capsys) -> tuple[Path, dict]:
     assert info["image_size"] == 16 and info["resize_side"] == 19  # ceil(16 / 0.875)
     assert info["mean"] == pytest.approx([0.485, 0.456, 0.406]) and info["weights"] == "raw"
     # The checkpoint's --val_dir holds 15 images: the check took 8 of them.
-    assert info["check"]["images"] == 8 and info["check"]["max_abs_diff"] <= 1e-4
+    check = info["check"]
+    assert check["images"] == 8 and check["images_from"] == f"8 images of {run.val}"
+    assert check["max_abs_diff"] <= 1e-4 and check["same_top1"] == 8
     assert not list(tmp_path.glob(".*"))  # no temporary file left
     return output, info
-
-
-def reference_logits(run, images: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return load_classifier(run.best, CPU, "raw").model(images)
 
 
 def test_safetensors_holds_the_checkpoints_weights(trained_run, tmp_path: Path, capsys):
@@ -58,9 +55,8 @@ def test_safetensors_holds_the_checkpoints_weights(trained_run, tmp_path: Path, 
 
 def test_torchscript_runs_any_batch_size_as_the_checkpoint(trained_run, tmp_path: Path, capsys):
     output, _ = checked_export(trained_run, tmp_path, "torchscript", capsys)
-    images = torch.randn(3, 3, 16, 16)
-    exported = export.run_torchscript(output, None, images)
-    torch.testing.assert_close(exported, reference_logits(trained_run, images))
+    # The check ran 8 images through a model traced on 2: a plain load runs any batch size.
+    assert export.run_torchscript(output, None, torch.randn(3, 3, 16, 16)).shape == (3, 3)
 
 
 ONNX_MISSING = [
@@ -72,11 +68,8 @@ ONNX_MISSING = [
 def test_onnx_runs_any_batch_size_as_the_checkpoint(trained_run, tmp_path: Path, capsys):
     output, info = checked_export(trained_run, tmp_path, "onnx", capsys)
     assert info["input"]["name"] == "images" and info["output"]["name"] == "logits"
-    images = torch.randn(3, 3, 16, 16)  # the export's example batch had 2
-    exported = export.run_onnx(output, None, images)
-    torch.testing.assert_close(
-        exported, reference_logits(trained_run, images), atol=1e-4, rtol=1e-3
-    )
+    # Exported from a batch of 2, checked on 8: the batch size is dynamic.
+    assert export.run_onnx(output, None, torch.randn(3, 3, 16, 16)).shape == (3, 3)
 
 
 def test_outputs_beyond_the_tolerance_fail_and_write_nothing(
@@ -100,12 +93,6 @@ def test_outputs_beyond_the_tolerance_fail_and_write_nothing(
     assert code == export.EXIT_CHECK_FAILED == 1
     assert "error: export check failed on safetensors" in err and "up to 0.01" in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
-    # Within a tolerance that allows the change, the same export passes.
-    assert (
-        run_main(export.main, export_argv(trained_run, output, "safetensors", "--atol", "0.02"))
-        == 0
-    )
-    assert output.is_file() and export.preprocessing_path(output).is_file()
 
 
 def test_compare_outputs_uses_absolute_plus_relative_tolerance():
