@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.errors import UserError
+from imgtrainer.reports.trackers import tracker_names
 
 # --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
 DEVICE_CHOICES = ["auto", "cuda", "cpu"]
@@ -206,6 +207,12 @@ class TrainConfig:
         "grid of augmented images) to <log_dir>/tensorboard on the "
         "main process; --no_tensorboard: off",
     )
+    log_to: str = _opt(
+        "none",
+        "also send the curves to these experiment trackers, comma-separated: wandb, mlflow "
+        "(main process; each needs its package, and its login unless offline: "
+        "WANDB_MODE=offline, MLflow's local store); <log_dir>/metrics.csv is always written",
+    )
     save_every_steps: int = _opt(
         0, "also write checkpoint_latest.pth every N steps inside an epoch (0: only at epoch end)"
     )
@@ -337,6 +344,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "overwrite",
         "save_every_steps",
         "tensorboard",
+        "log_to",
         "seed",
         "deterministic",
     ),
@@ -622,6 +630,7 @@ def validate(cfg: TrainConfig) -> None:
             "--resume_override applies new flags to a resumed run; add --resume auto "
             "(or --resume PATH)"
         )
+    tracker_names(cfg.log_to)
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
 
