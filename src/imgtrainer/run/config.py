@@ -179,7 +179,11 @@ class TrainConfig:
         "checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go"
     )
     log_dir: str = _opt("logs", "where training_history.json and per-rank logs go")
-    log_interval: int = _opt(20, "steps between progress-bar metric updates (each one syncs)")
+    log_interval: int = _opt(
+        20,
+        "steps between progress-bar metric updates, or plain lines where the console is not "
+        "a terminal (each one syncs)",
+    )
     seed: int = _opt(42, "seed of sample order, augmentation and initial weights")
     resume: str | None = _opt(
         None,
