@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import subprocess
 import sys
@@ -170,37 +169,3 @@ def test_the_progress_bar_is_plain_lines_where_the_console_is_no_terminal(caplog
         "epoch 1/2 step 6/6  loss 0.5000  acc 0.7500  lr 1.00e-02  12 img/s",
     ]
     assert ProgressBar(enabled=True, terminal=True).wrap(range(3), 0) is not None
-
-
-@pytest.mark.slow
-def test_a_run_logged_to_a_file_has_plain_lines_and_a_metrics_csv(tiny_dataset, tmp_path: Path):
-    """``train_ddp.py > train.log 2>&1``: one line per --log_interval steps and one per epoch,
-    no carriage return; metrics.csv holds the history's records."""
-    train, val = tiny_dataset
-    log_file = tmp_path / "train.log"
-    flags = [*TINY_FLAGS, "--log_interval", "2", "--epochs", "2", "--no_tensorboard"]
-    command = [sys.executable, ROOT / "src" / "train_ddp.py", "--device", "cpu"]
-    with open(log_file, "w") as out:
-        result = subprocess.run(
-            [*map(str, command), "--train_dir", train, "--val_dir", val, *flags],
-            cwd=tmp_path,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=300,
-        )
-    text = log_file.read_text()
-    assert result.returncode == 0, text
-    assert "\r" not in text
-    lines = text.splitlines()
-    # 48 images in batches of 8: 6 steps an epoch, a line at steps 2, 4 and 6
-    steps = [line.split("  ")[0] for line in lines if " step " in line and "img/s" in line]
-    assert steps == [f"epoch {e}/2 step {s}/6" for e in (1, 2) for s in (2, 4, 6)]
-    assert len([line for line in lines if line.startswith("epoch ") and "val_acc" in line]) == 2
-    records = json.loads((tmp_path / "logs" / "training_history.json").read_text())["epochs"]
-    rows = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
-    assert rows[0].split(",")[:3] == ["epoch", "train_loss", "train_acc"]
-    assert len(rows) == 1 + len(records) == 3
-    for row, record in zip(rows[1:], records, strict=True):
-        cells = dict(zip(rows[0].split(","), row.split(","), strict=True))
-        assert int(cells["epoch"]) == record["epoch"]
-        assert math.isclose(float(cells["val_loss"]), record["val_loss"], rel_tol=0, abs_tol=0)

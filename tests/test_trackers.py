@@ -100,9 +100,11 @@ def fake_mlflow(calls: Calls) -> types.ModuleType:
     return module
 
 
-def test_trackers_receive_the_runs_curves_and_keep_their_run_on_resume(
-    tiny_dataset, tmp_path: Path, monkeypatch
-):
+def test_a_run_logged_to_a_file_with_trackers(tiny_dataset, tmp_path: Path, monkeypatch):
+    """``train_ddp.py --log_to wandb,mlflow > train.log 2>&1`` (in this process, its stdout and
+    stderr a file): plain lines, one per --log_interval steps and one per epoch, no carriage
+    return; metrics.csv holds the history's records; the trackers get the same curves and keep
+    their run on resume."""
     from conftest import TINY_FLAGS, run_train
 
     wandb_calls, mlflow_calls = Calls(), Calls()
@@ -110,8 +112,25 @@ def test_trackers_receive_the_runs_curves_and_keep_their_run_on_resume(
     monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mlflow_calls))
     train, val = tiny_dataset
     flags = ["--train_dir", train, "--val_dir", val, *TINY_FLAGS, "--model", "test_resnet"]
-    flags += ["--no_tensorboard", "--log_interval", "3", "--epochs", "1", "--log_to"]
-    assert run_train([*flags, "wandb,mlflow"], tmp_path) == 0
+    flags += ["--no_tensorboard", "--log_interval", "3", "--epochs", "1"]
+    log_file = tmp_path / "train.log"
+    with open(log_file, "w") as out, monkeypatch.context() as console:
+        console.setattr(sys, "stdout", out)
+        console.setattr(sys, "stderr", out)
+        code = run_train([*flags, "--log_to", "wandb,mlflow"], tmp_path)
+    text = log_file.read_text()
+    assert code == 0, text
+    assert "\r" not in text
+    lines = text.splitlines()
+    # 48 images in batches of 8: 6 steps, a line at steps 3 and 6, then the epoch's line
+    steps = [line.split("  ")[0] for line in lines if " step " in line and "img/s" in line]
+    assert steps == ["epoch 1/1 step 3/6", "epoch 1/1 step 6/6"]
+    assert len([line for line in lines if line.startswith("epoch ") and "val_acc" in line]) == 1
+    records = json.loads((tmp_path / "logs" / "training_history.json").read_text())["epochs"]
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as table:
+        rows = list(csv.DictReader(table))
+    assert len(rows) == len(records) == 1
+    assert {key: float(value) for key, value in rows[0].items()} == records[0]
 
     (init,) = wandb_calls.named("init")
     assert init[0]["config"]["log_to"] == "wandb,mlflow" and init[0]["id"] is None
