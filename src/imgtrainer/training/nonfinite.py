@@ -68,7 +68,7 @@ class NonFiniteLoss:
             f"the training loss was not finite (NaN or inf) for {self.steps} optimizer steps "
             f"in a row from step {first} (epoch {epoch + 1}, step {step + 1} of "
             f"{steps_per_epoch}) on rank {rank}; stopped before saving anything from it. "
-            f"{CAUSES}; --resume auto continues from the last checkpoint saved before"
+            f"{CAUSES}; --resume auto continues from the last checkpoint saved before it, if any"
         )
 
 
@@ -90,5 +90,6 @@ def nonfinite_weights_error(where: str, names: list[str]) -> RunFailed:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return RunFailed(
         f"the {where} hold NaN or inf ({shown}): the training diverged; stopped before "
-        f"saving them. {CAUSES}; --resume auto continues from the last checkpoint saved before"
+        f"saving them. {CAUSES}; --resume auto continues from the last checkpoint saved "
+        "before it, if any"
     )
