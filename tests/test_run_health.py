@@ -130,6 +130,7 @@ except UserError as err:
 """
 
 
+@pytest.mark.slow
 def test_a_real_full_file_system(tmp_path: Path):
     """A 2 MiB tmpfs mounted in a user namespace (no root needed where the kernel allows it)."""
     if shutil.which("unshare") is None:
