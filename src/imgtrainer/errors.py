@@ -28,6 +28,14 @@ class UserError(Exception):
     """A problem with the user's input, reported as one line and exit code 2."""
 
 
+EXIT_RUN_FAILED = 1
+
+
+class RunFailed(Exception):
+    """A run that cannot go on for a reason that is not a bug (its training diverged): one
+    line and exit code 1, never a traceback."""
+
+
 def exit_on_user_error(main: F) -> F:
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -37,6 +45,10 @@ def exit_on_user_error(main: F) -> F:
             sys.stderr.write(f"error: {err}\n")  # one write: ranks never interleave in a line
             sys.stderr.flush()
             sys.exit(EXIT_USER_ERROR)
+        except RunFailed as err:
+            sys.stderr.write(f"error: {err}\n")
+            sys.stderr.flush()
+            sys.exit(EXIT_RUN_FAILED)
         except BrokenPipeError:
             # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so the
             # interpreter's final flush of what is still buffered cannot fail a second time.

@@ -39,13 +39,39 @@ def atomic_write(
             os.fsync(f.fileno())
     except BaseException as err:  # the partial file goes, whatever stopped the write
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno in NO_SPACE:
-            raise disk_full_error(path, needed_bytes()) from None
+        needed = _needed_if_out_of_space(err, path.parent, needed_bytes)
+        if needed is not None:
+            raise disk_full_error(path, needed) from None
         raise
     if keep_previous_as is not None and path.exists():
         os.replace(path, keep_previous_as)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+# Slack on top of the estimated size of a file (zip records, pickled structure).
+SIZE_SLACK_BYTES = 1 << 20
+
+
+def _needed_if_out_of_space(
+    err: BaseException, folder: Path, needed_bytes: Callable[[], int]
+) -> int | None:
+    """The bytes the file needs if ``err`` means the disk (or quota) was full, else None.
+
+    ``torch.save`` reports a full disk from inside its zip writer as a RuntimeError ("[enforce
+    fail at inline_container.cc:...] . unexpected pos ..."), not an OSError: for a failed write
+    that is not an ENOSPC/EDQUOT, the folder's free space (the partial file removed) decides.
+    """
+    if isinstance(err, OSError) and err.errno in NO_SPACE:
+        return needed_bytes()
+    if not isinstance(err, OSError | RuntimeError):
+        return None
+    needed = needed_bytes()
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    return needed if free < needed + SIZE_SLACK_BYTES else None
 
 
 def atomic_link(source: Path, path: Path) -> bool:

@@ -7,6 +7,10 @@ from typing import Any
 
 from imgtrainer.checkpoints.files import BEST, LATEST, atomic_save, previous_path
 from imgtrainer.files import atomic_link
+from imgtrainer.training.nonfinite import nonfinite_tensors, nonfinite_weights_error
+
+# The weights a checkpoint holds, and what the error line calls them.
+WEIGHT_KEYS = {"model_state_dict": "weights", "model_ema_state_dict": "EMA weights"}
 
 
 class CheckpointWriter:
@@ -30,8 +34,13 @@ class CheckpointWriter:
         return self.dir / BEST
 
     def save(self, state: dict[str, Any], is_best: bool) -> None:
+        """Raises ``RunFailed`` (writing nothing) when the weights are not finite."""
         if not self.enabled:
             return
+        for key, what in WEIGHT_KEYS.items():
+            bad = nonfinite_tensors(state.get(key) or {})
+            if bad:
+                raise nonfinite_weights_error(what, bad)
         atomic_save(state, self.latest, keep_previous=not self.replace_previous_run)
         if self.replace_previous_run:
             # The earlier run's best and fallback must not pass for this run's. Removed once this

@@ -61,3 +61,11 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
         return True
+
+
+def console_is_terminal() -> bool:
+    """True when progress bars can redraw in place: stderr is a terminal."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False

@@ -4,7 +4,7 @@ Rewritten atomically by the main process right after every checkpoint (so the fi
 newest checkpoint agree, and a run started with --overwrite replaces the earlier run's history
 together with its checkpoints). On resume it is rebuilt from the history stored in the
 checkpoint, so records after the checkpoint's position are dropped and every epoch appears
-exactly once.
+exactly once. ``metrics.csv`` beside it holds the same records, one row per epoch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.files import atomic_write
+from imgtrainer.reports.trackers.csv_file import METRICS_CSV, metrics_csv
 
 
 class HistoryWriter:
@@ -40,6 +41,12 @@ class HistoryWriter:
             return
         text = json.dumps({**self.header, "epochs": self.records}, indent=2).encode()
         atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
+        table = metrics_csv(self.records).encode()
+        atomic_write(self.csv_path, lambda f: f.write(table), lambda: len(table))
+
+    @property
+    def csv_path(self) -> Path:
+        return self.path.parent / METRICS_CSV
 
 
 def read_history(path: Path) -> dict[str, Any]:

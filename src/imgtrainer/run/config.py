@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.errors import UserError
+from imgtrainer.reports.trackers import tracker_names
 
 # --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
 DEVICE_CHOICES = ["auto", "cuda", "cpu"]
@@ -191,7 +192,11 @@ class TrainConfig:
         "checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go"
     )
     log_dir: str = _opt("logs", "where training_history.json and per-rank logs go")
-    log_interval: int = _opt(20, "steps between progress-bar metric updates (each one syncs)")
+    log_interval: int = _opt(
+        20,
+        "steps between progress-bar metric updates, or plain lines where the console is not "
+        "a terminal (each one syncs)",
+    )
     seed: int = _opt(42, "seed of sample order, augmentation and initial weights")
     resume: str | None = _opt(
         None,
@@ -218,6 +223,12 @@ class TrainConfig:
         "write TensorBoard event files (curves, hyper-parameters, a "
         "grid of augmented images) to <log_dir>/tensorboard on the "
         "main process; --no_tensorboard: off",
+    )
+    log_to: str = _opt(
+        "none",
+        "also send the curves to these experiment trackers, comma-separated: wandb, mlflow "
+        "(main process; each needs its package, and its login unless offline: "
+        "WANDB_MODE=offline, MLflow's local store); <log_dir>/metrics.csv is always written",
     )
     save_every_steps: int = _opt(
         0, "also write checkpoint_latest.pth every N steps inside an epoch (0: only at epoch end)"
@@ -351,6 +362,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "overwrite",
         "save_every_steps",
         "tensorboard",
+        "log_to",
         "seed",
         "deterministic",
     ),
@@ -636,6 +648,7 @@ def validate(cfg: TrainConfig) -> None:
             "--resume_override applies new flags to a resumed run; add --resume auto "
             "(or --resume PATH)"
         )
+    tracker_names(cfg.log_to)
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
 

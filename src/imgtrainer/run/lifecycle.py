@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from imgtrainer.errors import EXIT_USER_ERROR, UserError
+from imgtrainer.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunFailed, UserError
 from imgtrainer.files import atomic_write
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -138,8 +138,8 @@ def run_reporting(main: Callable[[], int]) -> int:
     """Run a rank's ``main`` and return its exit code; under the launcher, also report it.
 
     Until training installs its own handlers (``stopping.StopRequest``), a stop signal ends the
-    rank at once. A bad input is one ``error:`` line (exit 2); a bug keeps its traceback. Under
-    the launcher both go to this rank's stderr (the log folder) and to the report, and the
+    rank at once. A bad input is one ``error:`` line (exit 2), a diverged run one too (exit 1); a
+    bug keeps its traceback. Under the launcher these go to this rank's stderr (the log folder) and to the report, and the
     launcher prints them once; the main rank's progress bar goes to the console (its stdout).
     """
     owner = os.getpid()
@@ -158,6 +158,8 @@ def run_reporting(main: Callable[[], int]) -> int:
         code = main()
     except UserError as err:
         code, line = EXIT_USER_ERROR, f"error: {err}"
+    except RunFailed as err:
+        code, line = EXIT_RUN_FAILED, f"error: {err}"
     except (StoppedEarly, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         code = exit_code_for(signum)

@@ -10,6 +10,7 @@ from torch import nn
 from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum
+from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import CORRECT, COUNT, LOSS, TOP5, PredictionHook, to_device
@@ -63,8 +64,10 @@ def evaluation_sums(
     device, precision = settings.device, settings.precision
     plan = settings.plan or MemoryPlan()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
+    # No bar where the console is not a terminal: its redraws would pile up on one line.
+    show = settings.show_progress and console_is_terminal()
     for batch_images, batch_targets in tqdm(
-        loader, desc="val", disable=not settings.show_progress, dynamic_ncols=True, leave=False
+        loader, desc="val", disable=not show, dynamic_ncols=True, leave=False
     ):
         size = plan.size_for(len(batch_targets))
         for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):

@@ -3,6 +3,7 @@ each step and at logging steps; the progress bar is its first hook."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -11,8 +12,10 @@ import torch
 from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
+from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.distributed.torch_compat import check_ddp_internals
 from imgtrainer.training.hooks import Hook, Hooks
+from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.step import (
     CORRECT,
     COUNT,
@@ -23,19 +26,29 @@ from imgtrainer.training.step import (
     train_step,
 )
 
+log = logging.getLogger(__name__)
+
 
 class ProgressBar(Hook):
-    """tqdm over the loader, with the running metrics at logging steps; disabled, it shows
-    nothing (tqdm's own no-op) and its ``on_log_step`` does nothing."""
+    """tqdm over the loader, with the running metrics at logging steps, where the console is a
+    terminal. Elsewhere (SLURM, nohup, ``> train.log``) a redrawn bar would pile up carriage
+    returns on one line, so each logging step is one plain log line instead. Disabled, it shows
+    nothing and its ``on_log_step`` does nothing."""
 
-    def __init__(self, enabled: bool, description: str = "train"):
+    def __init__(self, enabled: bool, description: str = "train", terminal: bool | None = None):
         self.enabled, self.description = enabled, description
+        # Where tqdm draws (the launcher points the main rank's stderr at its stdout).
+        self.terminal = console_is_terminal() if terminal is None else terminal
         self.bar: tqdm | None = None
+        self.done, self.total = 0, 0
 
     def wrap(self, loader, start_step: int) -> Iterable:
+        self.done, self.total = start_step, start_step + len(loader)
+        if not self.terminal:
+            return self._counted(loader)
         self.bar = tqdm(
             loader,
-            total=start_step + len(loader),
+            total=self.total,
             initial=start_step,
             desc=self.description,
             disable=not self.enabled,
@@ -44,12 +57,25 @@ class ProgressBar(Hook):
         )
         return self.bar
 
+    def _counted(self, loader) -> Iterator:
+        for batch in loader:
+            self.done += 1
+            yield batch
+
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
-        if self.enabled and self.bar is not None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{metrics['train_loss']:.4f}",
                 acc=f"{metrics['train_acc']:.4f}",
                 lr=f"{metrics['lr']:.2e}",
+            )
+        elif not self.terminal:
+            log.info(
+                f"{self.description} step {self.done}/{self.total}  "
+                f"loss {metrics['train_loss']:.4f}  acc {metrics['train_acc']:.4f}  "
+                f"lr {metrics['lr']:.2e}  {metrics['images_per_sec']:.0f} img/s"
             )
 
     def close(self) -> None:
@@ -103,6 +129,9 @@ class EpochPlan:
     mixer: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = (
         None
     )
+    # Stops the run (every rank) on losses that are no longer finite; checked at the logging
+    # steps and at the end of the epoch
+    nonfinite: NonFiniteLoss | None = None
 
 
 def train_one_epoch(
@@ -127,6 +156,8 @@ def train_one_epoch(
     hooks = Hooks([progress, *hooks])
     # Only hooks that want the logging step make it read the metrics (a host synchronisation).
     log_hooks = hooks.implementing("on_log_step")
+    nonfinite = epoch.nonfinite
+    steps_per_epoch = start_step + len(loader)
     step = start_step
     window = LogWindow()
     for images, targets in window.timed(progress.wrap(loader, start_step)):
@@ -138,6 +169,10 @@ def train_one_epoch(
         step += 1
         window.images += len(targets)
         global_step = first_global_step + step - start_step
+        if nonfinite is not None:
+            nonfinite.update(step_sums[LOSS], global_step)
+            if step % epoch.log_interval == 0:  # where the main process reads the sums anyway
+                nonfinite.check(steps_per_epoch)
         if log_hooks and step % epoch.log_interval == 0:
             count = sums[COUNT].item()
             metrics = {
@@ -150,6 +185,8 @@ def train_one_epoch(
         if any(hooks.call("on_step_end", StepInfo(step, global_step, sums, skipped))):
             break
     progress.close()
+    if nonfinite is not None:
+        nonfinite.check(steps_per_epoch)
 
     total = all_reduce_sum(sums.clone()).tolist()
     return {

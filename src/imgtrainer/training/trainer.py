@@ -36,9 +36,10 @@ from imgtrainer.distributed.collectives import (
 from imgtrainer.distributed.setup import (
     DistInfo,
 )
-from imgtrainer.errors import UserError
+from imgtrainer.errors import RunFailed, UserError
 from imgtrainer.reports.history import HistoryWriter
 from imgtrainer.reports.tensorboard import TensorBoardLogger
+from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.run.config import (
     TrainConfig,
     effective_batch,
@@ -59,6 +60,7 @@ from imgtrainer.training.hooks import Hook, Hooks
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
+from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.step import StepInfo
 from imgtrainer.training.stopping import StopRequest
@@ -118,6 +120,7 @@ class Trainer:
             enabled=dist.is_main,
         )
         self.stop = StopRequest(dist.is_distributed)
+        self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
         self.epoch, self.step, self.best_acc = 0, 0, 0.0
         self.resumed_sums: torch.Tensor | None = None
         self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
@@ -149,8 +152,26 @@ class Trainer:
             PositionKeeper(self),
             CheckpointAndStop(self),
             TensorBoardHook(self),
+            *self.trackers(),
         ):
             self.hooks.register(hook)
+
+    def trackers(self) -> list[Hook]:
+        """--log_to's trackers, on the main process; a missing package or a refused login there
+        stops every rank with its line."""
+        trackers, error = [], None
+        if self.dist.is_main:
+            context = TrackerContext(
+                self.cfg, Path(self.cfg.log_dir), self.global_step, self.steps_per_epoch
+            )
+            try:
+                trackers = build_trackers(self.cfg.log_to, context)
+            except UserError as err:
+                error = str(err)
+        error = all_gather_objects(error)[0]
+        if error is not None:
+            raise UserError(error)
+        return trackers
 
     @property
     def global_step(self) -> int:
@@ -218,7 +239,9 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
-        """Every rank must call this: each contributes its random state and running metrics."""
+        """Every rank must call this: each contributes its random state and running metrics.
+        Nothing is saved once the loss or the weights are no longer finite."""
+        self.nonfinite.check(self.steps_per_epoch)
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         error = None
         try:
@@ -226,13 +249,14 @@ class Trainer:
             # the two loses nothing.
             self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
             self.history.save()
-        except UserError as err:  # a full disk on the main process
-            error = str(err)
+        except (UserError, RunFailed) as err:  # a full disk, or non-finite weights
+            error = (isinstance(err, RunFailed), str(err))
         # Every rank stops with the main process's error line, instead of waiting for it at the
         # next collective.
         error = all_gather_objects(error)[0]
         if error is not None:
-            raise UserError(error)
+            failed, line = error
+            raise RunFailed(line) if failed else UserError(line)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         parts = self.parts
@@ -283,6 +307,7 @@ class Trainer:
                 sums=self.resumed_sums,
                 log_interval=self.cfg.log_interval,
                 mixer=self.mixer.for_epoch(self.epoch) if self.mixer else None,
+                nonfinite=self.nonfinite,
             ),
         )
         self.resumed_sums = None

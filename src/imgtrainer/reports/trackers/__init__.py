@@ -1,0 +1,111 @@
+"""Experiment trackers beyond TensorBoard: ``--log_to wandb,mlflow``.
+
+Each tracker is one module here holding a ``Tracker`` class, a ``training.hooks.Hook`` built
+with a ``TrackerContext`` on the main process only. Its package is imported when the run asks
+for it, never otherwise; a missing package, or one that refuses to start (no credentials), is
+one ``UserError`` line. ``metrics.csv`` is not a tracker: the history writes it with every
+checkpoint (``csv_file``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from imgtrainer.errors import UserError
+from imgtrainer.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+# --log_to's names, and the module (in this package) of each one's Tracker.
+TRACKERS = {"wandb": "wandb_tracker", "mlflow": "mlflow_tracker"}
+
+# Each tracker's run id, so a resumed run continues the same tracked run.
+RUN_IDS_FILE = "tracker_runs.json"
+
+
+def tracker_names(value: str) -> list[str]:
+    """``--log_to``'s comma-separated names, checked; [] for "" or "none"."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise UserError(
+            f"--log_to: unknown tracker {unknown[0]!r}; choose from {', '.join(TRACKERS)} "
+            "(comma-separated; metrics.csv is always written)"
+        )
+    if len(set(names)) != len(names):
+        raise UserError(f"--log_to names a tracker twice: {value}")
+    return names
+
+
+@dataclass(frozen=True)
+class TrackerContext:
+    """What a tracker needs from the run (the trainer builds it after resuming)."""
+
+    cfg: Any  # run.config.TrainConfig
+    log_dir: Path
+    start_step: int  # the run's global step at its start: 0 for a new run
+    steps_per_epoch: int
+
+    @property
+    def resumed(self) -> bool:
+        return self.start_step > 0
+
+    def saved_run_id(self, tracker: str) -> str | None:
+        """The id this tracker's run had before a resume, if it was kept."""
+        if not self.resumed:
+            return None
+        try:
+            return json.loads((self.log_dir / RUN_IDS_FILE).read_text()).get(tracker)
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def save_run_id(self, tracker: str, run_id: str) -> None:
+        path = self.log_dir / RUN_IDS_FILE
+        try:
+            ids = json.loads(path.read_text())
+        except (OSError, ValueError):
+            ids = {}
+        text = json.dumps({**ids, tracker: run_id}, indent=2).encode()
+        atomic_write(path, lambda f: f.write(text), lambda: len(text))
+
+
+def import_package(tracker: str, install: str):
+    """The tracker's own package, imported now; a missing one is one line."""
+    try:
+        return importlib.import_module(tracker)
+    except ImportError as err:
+        raise UserError(
+            f"--log_to {tracker} needs the {tracker} package, which cannot be imported "
+            f"({err}): {install}, or leave {tracker} out of --log_to"
+        ) from None
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def build_trackers(log_to: str, context: TrackerContext) -> list:
+    """The trackers ``log_to`` names, each imported (with its package) only now."""
+    trackers = []
+    for name in tracker_names(log_to):
+        module = importlib.import_module(f"{__name__}.{TRACKERS[name]}")
+        trackers.append(module.Tracker(context))
+        log.info(f"--log_to {name}: {trackers[-1].where}")
+    return trackers
+
+
+def numeric(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a history record (trackers take metrics only)."""
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }

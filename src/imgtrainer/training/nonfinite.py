@@ -1,0 +1,95 @@
+"""Stopping a run whose loss is no longer finite, before it saves non-finite weights.
+
+Each optimizer step's loss is checked on the device (no host synchronisation): a count of
+consecutive non-finite losses, and the first step of the first run of ``NONFINITE_STEPS`` of
+them. The host reads it where the loop already synchronises (its logging steps, the end of the
+epoch) and before every checkpoint, and every rank agrees on it, so all ranks stop together.
+A step that the float16 GradScaler skips (its gradients overflowed) has a finite loss and does
+not count; a loss that is itself NaN or inf does, scaler or not. Checkpoints are also refused
+when the weights themselves are not finite (``nonfinite_tensors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from imgtrainer.distributed.collectives import all_reduce, host_group
+from imgtrainer.errors import RunFailed
+
+# Consecutive optimizer steps with a non-finite loss that stop the run: one such step (a float16
+# overflow the GradScaler then skips) can pass; weights that became NaN make every later loss NaN.
+NONFINITE_STEPS = 3
+
+CAUSES = (
+    "Usual causes: a learning rate too high for this batch and optimizer "
+    "(--learning_rate, --warmup_epochs), or float16 overflow under --use_amp (try "
+    "--amp_dtype bfloat16 or --clip_grad_norm)"
+)
+
+
+class NonFiniteLoss:
+    """The loop's per-step record of non-finite losses; ``check`` raises ``RunFailed`` on every
+    rank once any rank had ``NONFINITE_STEPS`` in a row."""
+
+    def __init__(self, device: torch.device, distributed: bool, steps: int = NONFINITE_STEPS):
+        self.steps, self.distributed = steps, distributed
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def update(self, loss_sum: torch.Tensor, global_step: int) -> None:
+        """After optimizer step ``global_step`` (1-based) with this loss (any scale): device
+        operations only."""
+        bad = (~torch.isfinite(loss_sum)).to(torch.int64)
+        self.streak.mul_(bad).add_(bad)
+        tripped = (self.streak == self.steps) & (self.first_bad < 0)
+        self.first_bad.copy_(torch.where(tripped, global_step - self.steps + 1, self.first_bad))
+
+    def check(self, steps_per_epoch: int) -> None:
+        """Every rank must call this at the same points: it reads the device and, under
+        torch.distributed, agrees over the host group."""
+        first = int(self.first_bad.item())
+        rank = torch.distributed.get_rank() if self.distributed else 0
+        if self.distributed:
+            world = torch.distributed.get_world_size()
+            # The earliest step on any rank, and the lowest rank that had it.
+            code = torch.tensor(
+                [first * world + rank if first >= 0 else torch.iinfo(torch.int64).max]
+            )
+            code = int(all_reduce(code, "min", group=host_group()).item())
+            if code == torch.iinfo(torch.int64).max:
+                return
+            first, rank = divmod(code, world)
+        elif first < 0:
+            return
+        epoch, step = divmod(first - 1, steps_per_epoch)
+        raise RunFailed(
+            f"the training loss was not finite (NaN or inf) for {self.steps} optimizer steps "
+            f"in a row from step {first} (epoch {epoch + 1}, step {step + 1} of "
+            f"{steps_per_epoch}) on rank {rank}; stopped before saving anything from it. "
+            f"{CAUSES}; --resume auto continues from the last checkpoint saved before it, if any"
+        )
+
+
+def nonfinite_tensors(state_dict: Mapping[str, object]) -> list[str]:
+    """Names of the floating-point tensors of ``state_dict`` holding a NaN or inf (one host
+    synchronisation for all of them)."""
+    named = [
+        (name, t)
+        for name, t in state_dict.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()
+    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+
+
+def nonfinite_weights_error(where: str, names: list[str]) -> RunFailed:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return RunFailed(
+        f"the {where} hold NaN or inf ({shown}): the training diverged; stopped before "
+        f"saving them. {CAUSES}; --resume auto continues from the last checkpoint saved "
+        "before it, if any"
+    )
