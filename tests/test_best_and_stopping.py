@@ -248,7 +248,7 @@ def test_early_stopping_on_validated_epochs_keeps_checkpoints_and_resumes(tmp_pa
     assert (
         f"Stopped early after epoch 4 of 8: val_loss did not improve by more than 10 in 1 "
         f"validated epochs (--early_stopping_patience 1); best val_loss "
-        f"{records[best_epoch - 1]['val_loss']:.4f} at epoch {best_epoch}" in out
+        f"{records[best_epoch - 1]['val_loss']:.4f} (epoch {best_epoch})" in out
     )
     checkpoints = tmp_path / "checkpoints"
     assert sorted(epoch_checkpoints(checkpoints)) == sorted({best_epoch, 3})

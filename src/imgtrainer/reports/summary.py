@@ -68,7 +68,7 @@ def ending_line(trainer: Trainer) -> str:
     """Why a finished run ended (its last epoch, or early stopping) and its best epoch."""
     cfg = trainer.cfg
     if not trainer.stopped_early:
-        return f"Done: {best_summary(trainer)} ({trainer.epoch} epochs)"
+        return f"Done: {best_summary(trainer)}; {trainer.epoch} epochs trained"
     delta = cfg.early_stopping_min_delta
     return (
         f"Stopped early after epoch {trainer.epoch} of {cfg.epochs}: {cfg.best_metric} did not "
@@ -79,11 +79,11 @@ def ending_line(trainer: Trainer) -> str:
 
 
 def best_summary(trainer: Trainer) -> str:
-    """The best epoch, as "best val_acc 0.9123 at epoch 7" (with EMA: which weights)."""
+    """The best epoch, as "best val_acc 0.9123 (epoch 7)"; with EMA "(EMA weights, epoch 7)"."""
     state = trainer.best.state
     if state.value is None:
         return f"no epoch was validated, so no best {state.metric}"
     weights = (
-        f" ({'EMA' if state.weights == 'ema' else 'raw'} weights)" if trainer.ema.enabled else ""
+        f"{'EMA' if state.weights == 'ema' else 'raw'} weights, " if trainer.ema.enabled else ""
     )
-    return f"best {state.metric} {state.value:.4f} at epoch {state.epoch}{weights}"
+    return f"best {state.metric} {state.value:.4f} ({weights}epoch {state.epoch})"
