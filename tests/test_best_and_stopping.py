@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import CLASSES, TINY_FLAGS, run_train, write_image_folder
+from conftest import CLASSES, ROOT, TINY_FLAGS, run_cli, run_train, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.errors import UserError
@@ -290,3 +290,29 @@ def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(
     assert [r["epoch"] for r in history_of(tmp_path)] == [1, 2]
     assert all("val_acc" in r for r in history_of(tmp_path))
     assert sorted(epoch_checkpoints(tmp_path / "checkpoints")) == [1, 2]
+
+
+@pytest.mark.slow
+def test_max_time_through_the_launcher_stops_both_ranks_with_exit_0(tmp_path: Path):
+    """Two processes: the budget stops both at the same step, with the resume command, and the
+    run files keep the new flags (passed on by the launcher)."""
+    flags = small_folders(tmp_path, per_class=6)  # 18 images: 1 step of 8 per rank
+    new_flags = [
+        *("--best_metric", "val_loss", "--early_stopping_patience", "3"),
+        *("--val_every_epochs", "2", "--keep_checkpoints", "2", "--max_time", "1s"),
+    ]
+    result = run_cli(
+        [ROOT / "launch_ddp.py", "--device", "cpu", "--nproc", "2"]
+        + [*flags, "--epochs", "2", *new_flags],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "Stopped at epoch 1, step 1 (the --max_time budget 1s is nearly spent)" in result.stdout
+    assert "Resume with the same command plus --resume" in result.stdout
+    saved = load_checkpoint_file(tmp_path / "checkpoints" / "checkpoint_latest.pth")
+    assert (saved["epoch"], saved["step"], saved["world_size"]) == (0, 1, 2)
+    assert len(saved["rank_states"]) == 2  # both ranks took part in the save
+    run_file = (tmp_path / "logs" / "config.yaml").read_text()
+    for line in ("best_metric: val_loss", "early_stopping_patience: 3", "max_time: 1s"):
+        assert line in run_file

@@ -81,6 +81,8 @@ class StopRequest:
         flag = SIGNAL_STOP if self.signum is not None else TIME_STOP if time_up else NO_STOP
         if self.distributed:
             flag = int(all_reduce_max(torch.tensor([flag]), group=self.group).item())
+        if flag == TIME_STOP and self.agreed_flag == NO_STOP:
+            log.warning("The --max_time budget is nearly spent: saving a checkpoint and stopping")
         self.agreed_flag = max(self.agreed_flag, flag)
         self.requested_by_all = self.agreed_flag != NO_STOP
         return self.requested_by_all

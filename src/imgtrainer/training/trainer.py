@@ -392,7 +392,7 @@ class Trainer:
         return f"  (best{metric}: {weights} weights)"
 
     def best_line(self) -> str:
-        """ "best val_acc 0.9123 (epoch 7)", or that no epoch was validated yet."""
+        """The best so far, as "best val_acc 0.9123 (epoch 7)", or that there is none yet."""
         s = self.best.state
         if s.value is None:
             return f"no best {s.metric} yet"
@@ -501,8 +501,8 @@ class TensorBoardHook(Hook):
 
 class CheckpointAndStop(Hook):
     """The agreed stop on a signal or the --max_time budget (with a checkpoint), and the
-    periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only the main process
-    writes (its CheckpointWriter)."""
+    periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only
+    the main process writes (its CheckpointWriter)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
