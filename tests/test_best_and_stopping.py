@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -168,9 +169,16 @@ def _agreement_worker(rank: int, port: int, out: Path) -> None:
 def test_every_rank_agrees_on_a_time_stop_and_on_early_stopping(tmp_path: Path):
     from imgtrainer.run.launcher import free_port
 
-    mp.start_processes(
-        _agreement_worker, args=(free_port(), tmp_path), nprocs=2, start_method="fork"
+    # Forked: no second import of torch.
+    ranks = mp.start_processes(
+        _agreement_worker, args=(free_port(), tmp_path), nprocs=2, join=False, start_method="fork"
     )
+    deadline = time.monotonic() + 60
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish")
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert results == {
