@@ -17,7 +17,8 @@ from imgtrainer.checkpoints.files import CHECKPOINT_SCHEMA, CheckpointError
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import choose_weights
 from imgtrainer.tools.predict import main as predict_main
-from imgtrainer.training.ema import ModelEma, better_weights, ema_decay, epoch_score
+from imgtrainer.training.best import metric_value
+from imgtrainer.training.ema import ModelEma, ema_decay
 from imgtrainer.training.step import StepInfo
 
 SUMS = torch.zeros(3, dtype=torch.float64)
@@ -155,13 +156,13 @@ def test_resume_continues_the_average_or_starts_from_the_weights():
 def test_best_weights_and_score():
     raw_better = {"val_acc": 0.8, "val_acc_ema": 0.7}
     ema_better = {"val_acc": 0.6, "val_acc_ema": 0.7}
-    assert better_weights(raw_better, ema_enabled=True) == "raw"
-    assert better_weights(ema_better, ema_enabled=True) == "ema"
-    assert better_weights({"val_acc": 0.7, "val_acc_ema": 0.7}, ema_enabled=True) == "ema"
-    assert better_weights(ema_better, ema_enabled=False) == "raw"  # no EMA weights saved
-    assert better_weights({"val_acc": 0.5}, ema_enabled=True) == "raw"
-    assert epoch_score(raw_better) == 0.8 and epoch_score(ema_better) == 0.7
-    assert epoch_score({"val_acc": 0.5}) == 0.5
+    assert metric_value(raw_better, "val_acc", ema_enabled=True) == (0.8, "raw")
+    assert metric_value(ema_better, "val_acc", ema_enabled=True) == (0.7, "ema")
+    tie = {"val_acc": 0.7, "val_acc_ema": 0.7}
+    assert metric_value(tie, "val_acc", ema_enabled=True) == (0.7, "ema")
+    # No EMA weights saved.
+    assert metric_value(ema_better, "val_acc", ema_enabled=False) == (0.6, "raw")
+    assert metric_value({"val_acc": 0.5}, "val_acc", ema_enabled=True) == (0.5, "raw")
 
 
 def test_inference_weights_choice():
@@ -233,8 +234,8 @@ def test_history_and_log_line_have_the_ema_metrics(ema_run):
         assert isinstance(record[key], float), key
     assert record["val_loss_ema"] != record["val_loss"]
     best = load(root / "checkpoints" / "checkpoint_best.pth")
-    assert best["best_weights"] == better_weights(record, ema_enabled=True)
-    assert best["best_acc"] == epoch_score(record)
+    best_acc, weights = metric_value(record, "val_acc", ema_enabled=True)
+    assert (best["best_weights"], best["best_acc"]) == (weights, best_acc)
     log = (root / "logs" / "train_rank_0.log").read_text()
     assert f"val_acc_ema {record['val_acc_ema']:.4f}" in log
     assert "(best: " in log and " weights, epoch 1)" in log

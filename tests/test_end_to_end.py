@@ -71,11 +71,22 @@ def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_p
             "--epochs",
             "2",
             "--check_sync",
+            # Kept epochs and the early-stopping count through the launcher, at no cost: the
+            # run still ends after its last epoch.
+            *("--save_every_epochs", "1", "--keep_checkpoints", "1"),
+            *("--early_stopping_patience", "5"),
             *TINY_FLAGS,
         ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    kept = sorted(path.name for path in (tmp_path / "checkpoints").glob("checkpoint_epoch_*"))
+    assert kept == ["checkpoint_epoch_001.pth", "checkpoint_epoch_002.pth"]
+    latest = torch.load(tmp_path / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+    first, second = (r["val_acc"] for r in latest["history"])
+    improved = second > first
+    assert (latest["best_metric"], latest["best_epoch"]) == ("val_acc", 2 if improved else 1)
+    assert latest["early_stopping"]["wait"] == (0 if improved else 1)
     assert "torch.distributed.run" in result.stdout.splitlines()[0]  # the printed command
     assert "Done: best val_acc" in result.stdout
     assert "python src/utils.py --history" in result.stdout

@@ -47,16 +47,23 @@ CHECKPOINT_SCHEMA = {
     "state_dict_ema": "the same dict, under the key timm's loaders prefer (use_ema=True, their "
     "default); None without EMA",
     "ema_updates": "EMA updates done: the position of its warm-up (None without EMA)",
-    "best_weights": "which weights scored the higher val_acc at the last evaluation: 'ema' "
-    "(model_ema_state_dict) or 'raw' (model_state_dict); in checkpoint_best.pth the ones that "
-    "scored best_acc. None before the first evaluation",
+    "best_weights": "which weights scored the better --best_metric (val_acc by default) at the "
+    "last evaluation: 'ema' (model_ema_state_dict) or 'raw' (model_state_dict); in "
+    "checkpoint_best.pth the ones that scored best_value. None before the first evaluation",
     "optimizer_state_dict": "optimizer.state_dict()",
     "scheduler_state_dict": "scheduler.state_dict()",
     "scaler_state_dict": "GradScaler.state_dict(), or None without float16 loss scaling",
     "epoch": "epochs completed",
     "step": "optimizer steps done in the next epoch",
     "micro_batch": "images per forward/backward pass",
-    "best_acc": "the best val_acc so far (with EMA: of the raw or the EMA weights, the higher)",
+    "best_acc": "the best val_acc so far (with EMA: of the raw or the EMA weights, the higher), "
+    "whatever --best_metric chooses",
+    "best_metric": "--best_metric: the history key that chooses checkpoint_best.pth (absent: "
+    "val_acc)",
+    "best_value": "the best value of best_metric so far (None before the first validation)",
+    "best_epoch": "the first epoch that scored best_value: checkpoint_best.pth's",
+    "early_stopping": "{'reference': the value early stopping last saw improve by more than "
+    "--early_stopping_min_delta, 'wait': validated epochs since then}",
     "class_names": "index -> class name, the order of the model's outputs",
     "image_size": "the side of the training crops",
     "mean": "normalisation mean",

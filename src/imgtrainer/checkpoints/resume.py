@@ -183,6 +183,25 @@ def check_resume_settings(
     return changes
 
 
+def check_best_metric(state: dict[str, Any], path: Path, metric: str, override: bool) -> None:
+    """Another --best_metric makes the saved best checkpoint and patience count another
+    metric's: refused unless ``override`` (then they are recomputed from the history)."""
+    saved = state.get("best_metric", "val_acc")  # what the trainer chose before the flag
+    if saved == metric:
+        return
+    if not override:
+        raise CheckpointError(
+            f"--resume {path}: the run being resumed chose its best checkpoint by "
+            f"--best_metric {saved}, not {metric}; resume with --best_metric {saved}, or add "
+            "--resume_override to rank its epochs by the new metric from here on"
+        )
+    log.info(
+        f"--resume_override: --best_metric {saved} -> {metric}; best epoch and patience "
+        f"recomputed from the history (checkpoint_best.pth keeps its {saved} best until a new "
+        "best epoch)"
+    )
+
+
 def optimisation_settings(
     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR
 ) -> dict[str, Any]:

@@ -1,13 +1,18 @@
-"""Writes the latest and best checkpoints of a run."""
+"""Writes the latest and best checkpoints of a run, and keeps the epochs' checkpoints asked for."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from imgtrainer.checkpoints.files import BEST, LATEST, atomic_save, previous_path
 from imgtrainer.files import atomic_link
+from imgtrainer.run.folder import epoch_checkpoint_name, epoch_checkpoints
 from imgtrainer.training.nonfinite import nonfinite_tensors, nonfinite_weights_error
+
+log = logging.getLogger(__name__)
 
 # The weights a checkpoint holds, and what the error line calls them.
 WEIGHT_KEYS = {"model_state_dict": "weights", "model_ema_state_dict": "EMA weights"}
@@ -33,8 +38,12 @@ class CheckpointWriter:
     def best(self) -> Path:
         return self.dir / BEST
 
-    def save(self, state: dict[str, Any], is_best: bool) -> None:
-        """Raises ``RunFailed`` (writing nothing) when the weights are not finite."""
+    def save(
+        self, state: dict[str, Any], is_best: bool, keep_epochs: Collection[int] | None = None
+    ) -> None:
+        """Write ``state`` as the latest checkpoint (and the best one); at an epoch's end,
+        ``keep_epochs``: the epochs whose checkpoints to keep (``keep``). Raises ``RunFailed``
+        (writing nothing) when the weights are not finite."""
         if not self.enabled:
             return
         for key, what in WEIGHT_KEYS.items():
@@ -43,12 +52,33 @@ class CheckpointWriter:
                 raise nonfinite_weights_error(what, bad)
         atomic_save(state, self.latest, keep_previous=not self.replace_previous_run)
         if self.replace_previous_run:
-            # The earlier run's best and fallback must not pass for this run's. Removed once this
-            # run's latest is written, so a failed first save leaves the earlier run whole.
-            for old in (self.best, previous_path(self.latest)):
+            # The earlier run's best, fallback and kept epochs must not pass for this run's.
+            # Removed once this run's latest is written, so a failed first save leaves the
+            # earlier run whole.
+            for old in (
+                self.best,
+                previous_path(self.latest),
+                *epoch_checkpoints(self.dir).values(),
+            ):
                 old.unlink(missing_ok=True)
             self.replace_previous_run = False
         # The best checkpoint is the latest one, a second name of its file (0.3 s of writing
         # ResNet18's 134 MB saved per best epoch); a copy where hard links are not supported.
         if is_best and not atomic_link(self.latest, self.best):
             atomic_save(state, self.best)
+        if keep_epochs is not None:
+            self.keep(state, keep_epochs)
+
+    def keep(self, state: dict[str, Any], epochs: Collection[int]) -> None:
+        """checkpoint_epoch_NNN.pth for this epoch if it is among ``epochs`` (a second name of
+        the latest checkpoint, just written), then removes the kept checkpoints of the earlier
+        epochs that no longer are. Those of later epochs (left by a run that went further before
+        this one resumed from an earlier checkpoint) wait until this run reaches their epoch."""
+        epoch = state["epoch"]
+        if epoch in epochs:
+            path = self.dir / epoch_checkpoint_name(epoch)
+            if not atomic_link(self.latest, path):
+                atomic_save(state, path)
+        for old_epoch, path in epoch_checkpoints(self.dir).items():
+            if old_epoch <= epoch and old_epoch not in epochs:
+                path.unlink(missing_ok=True)

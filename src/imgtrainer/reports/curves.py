@@ -32,13 +32,16 @@ def plot_curves(history: dict, output: Path) -> None:
 
     records = history["epochs"]
     epochs = [r["epoch"] for r in records]
+    # Epochs without validation (--val_every_epochs) have no val_* points.
+    validated = [r for r in records if "val_acc" in r]
+    val_epochs = [r["epoch"] for r in validated]
     fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
     ax_loss.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    ax_loss.plot(epochs, [r["val_loss"] for r in records], "o-", label="val")
+    ax_loss.plot(val_epochs, [r["val_loss"] for r in validated], "o-", label="val")
     ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
     ax_acc.plot(epochs, [r["train_acc"] for r in records], "o-", label="train top-1")
-    ax_acc.plot(epochs, [r["val_acc"] for r in records], "o-", label="val top-1")
-    ax_acc.plot(epochs, [r["val_top5"] for r in records], "o--", label="val top-5")
+    ax_acc.plot(val_epochs, [r["val_acc"] for r in validated], "o-", label="val top-1")
+    ax_acc.plot(val_epochs, [r["val_top5"] for r in validated], "o--", label="val top-5")
     ax_acc.set(title="Accuracy", xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02))
     ax_lr.plot(epochs, [r["lr"] for r in records], "o-", color="tab:green")
     ax_lr.set(title="Learning rate (end of epoch)", xlabel="epoch", ylabel="lr")
@@ -48,8 +51,11 @@ def plot_curves(history: dict, output: Path) -> None:
     ax_loss.legend()
     ax_acc.legend()
     model = history.get("config", {}).get("model", "model")
-    best = max(r["val_acc"] for r in records)
-    fig.suptitle(f"{model}, world size {history.get('world_size', '?')}: best val top-1 {best:.4f}")
+    best = max((r["val_acc"] for r in validated), default=None)
+    fig.suptitle(
+        f"{model}, world size {history.get('world_size', '?')}"
+        + (f": best val top-1 {best:.4f}" if best is not None else "")
+    )
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)

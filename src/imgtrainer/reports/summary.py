@@ -14,10 +14,7 @@ from imgtrainer.run.config import (
     TrainConfig,
     effective_batch_line,
 )
-from imgtrainer.training.ema import (
-    best_record,
-    weights_label,
-)
+from imgtrainer.run.folder import epoch_checkpoints
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -36,22 +33,57 @@ def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
 
 
 def log_summary(trainer: Trainer, finished: bool) -> None:
+    """Why the run ended, its best epoch and the files it wrote (or the command that resumes)."""
     cfg = trainer.cfg
     if not finished:
+        budget = (
+            f" (the --max_time budget {cfg.max_time} is nearly spent)"
+            if trainer.stop.by_time
+            else ""
+        )
         log.info(
-            f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}; checkpoint saved "
-            f"to {trainer.checkpoints.latest}. Resume with the same command plus "
+            f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}{budget}; checkpoint "
+            f"saved to {trainer.checkpoints.latest}. Resume with the same command plus "
             f"--resume {trainer.checkpoints.latest}"
         )
         return
     history = Path(cfg.log_dir) / "training_history.json"
-    # With EMA: which weights of which epoch checkpoint_best.pth holds the score of.
-    best = best_record(trainer.history.records) if trainer.ema.enabled else None
-    which = f" ({weights_label(best)} weights, epoch {best['epoch']})" if best else ""
+    kept = epoch_checkpoints(trainer.checkpoints.dir) if trainer.dist.is_main else {}
     log.info(
-        f"Done: best val_acc {trainer.best_acc:.4f}{which}\n"
+        f"{ending_line(trainer)}\n"
         f"  best checkpoint:   {trainer.checkpoints.best}\n"
         f"  latest checkpoint: {trainer.checkpoints.latest}\n"
-        f"  history:           {history}\n"
+        + (
+            f"  kept epochs:       {', '.join(str(epoch) for epoch in kept)} "
+            f"({trainer.checkpoints.dir}/checkpoint_epoch_NNN.pth)\n"
+            if kept
+            else ""
+        )
+        + f"  history:           {history}\n"
         f"  plot the curves:   python src/utils.py --history {history} --output curves.png"
     )
+
+
+def ending_line(trainer: Trainer) -> str:
+    """Why a finished run ended (its last epoch, or early stopping) and its best epoch."""
+    cfg = trainer.cfg
+    if not trainer.stopped_early:
+        return f"Done: {best_summary(trainer)}; {trainer.epoch} epochs trained"
+    delta = cfg.early_stopping_min_delta
+    return (
+        f"Stopped early after epoch {trainer.epoch} of {cfg.epochs}: {cfg.best_metric} did not "
+        f"improve{f' by more than {delta:g}' if delta else ''} in "
+        f"{trainer.best.state.wait} validated epochs (--early_stopping_patience "
+        f"{cfg.early_stopping_patience}); {best_summary(trainer)}"
+    )
+
+
+def best_summary(trainer: Trainer) -> str:
+    """The best epoch, as "best val_acc 0.9123 (epoch 7)"; with EMA "(EMA weights, epoch 7)"."""
+    state = trainer.best.state
+    if state.value is None:
+        return f"no epoch was validated, so no best {state.metric}"
+    weights = (
+        f"{'EMA' if state.weights == 'ema' else 'raw'} weights, " if trainer.ema.enabled else ""
+    )
+    return f"best {state.metric} {state.value:.4f} ({weights}epoch {state.epoch})"

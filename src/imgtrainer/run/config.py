@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,17 @@ from imgtrainer.reports.trackers import tracker_names
 
 # --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
 DEVICE_CHOICES = ["auto", "cuda", "cpu"]
+
+
+# --best_metric: history keys of a validation; "lower" or "higher" is better.
+BEST_METRICS = {
+    "val_acc": "higher",
+    "val_loss": "lower",
+    "val_top5": "higher",
+    "val_acc_ema": "higher",
+    "val_loss_ema": "lower",
+    "val_top5_ema": "higher",
+}
 
 
 def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -239,6 +251,39 @@ class TrainConfig:
     check_sync: bool = _opt(
         False, "after every epoch, verify that all ranks hold identical parameters and buffers"
     )
+    val_every_epochs: int = _opt(
+        1, "validate every N epochs (the last epoch always); only validated epochs count as best"
+    )
+    best_metric: str = _opt(
+        "val_acc",
+        "the validation metric that picks checkpoint_best.pth and drives early stopping "
+        "(val_loss: lower is better); with --model_ema, val_acc/val_loss/val_top5 take the "
+        "better of the raw and EMA weights, the *_ema ones the EMA weights alone",
+        choices=list(BEST_METRICS),
+    )
+    early_stopping_patience: int = _opt(
+        0,
+        "stop when --best_metric has not improved for N validated epochs in a row (0: off); "
+        "exit code 0, the summary says so",
+    )
+    early_stopping_min_delta: float = _opt(
+        0.0,
+        "with --early_stopping_patience: a change of --best_metric smaller than this is no "
+        "improvement",
+    )
+    keep_checkpoints: int = _opt(
+        0,
+        "also keep the K best epochs' checkpoints by --best_metric as "
+        "checkpoint_epoch_NNN.pth (hard links where possible; 0: only latest and best)",
+    )
+    save_every_epochs: int = _opt(
+        0, "also keep checkpoint_epoch_NNN.pth of every Nth epoch, whatever its score (0: off)"
+    )
+    max_time: str | None = _opt(
+        None,
+        "time budget of this run, e.g. 2h30m, 90m, 45s, 3600 (seconds) or DD:HH:MM:SS: stop "
+        "with a checkpoint and the resume command while one still fits; exit code 0",
+    )
     demo: bool = _opt(False, "write the bundled digits demo data to data/demo and train on it")
     distributed: bool = _opt(
         False, "accepted for compatibility; distribution follows torchrun's environment"
@@ -365,6 +410,15 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "log_to",
         "seed",
         "deterministic",
+    ),
+    "validation, stopping and checkpoint history": (
+        "val_every_epochs",
+        "best_metric",
+        "early_stopping_patience",
+        "early_stopping_min_delta",
+        "keep_checkpoints",
+        "save_every_epochs",
+        "max_time",
     ),
 }
 
@@ -651,6 +705,63 @@ def validate(cfg: TrainConfig) -> None:
     tracker_names(cfg.log_to)
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
+    validate_stopping(cfg)
+
+
+def validate_stopping(cfg: TrainConfig) -> None:
+    """The flags of validation, best checkpoint, early stopping and checkpoint history."""
+    for name in ("early_stopping_patience", "keep_checkpoints", "save_every_epochs"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} must be 0 (off) or more, got {getattr(cfg, name)}")
+    if cfg.val_every_epochs < 1:
+        raise UserError(f"--val_every_epochs must be at least 1, got {cfg.val_every_epochs}")
+    if cfg.early_stopping_min_delta < 0:
+        raise UserError(
+            f"--early_stopping_min_delta must be 0 or more, got {cfg.early_stopping_min_delta}"
+        )
+    if cfg.early_stopping_min_delta and not cfg.early_stopping_patience:
+        raise UserError(
+            "--early_stopping_min_delta is a setting of early stopping; add "
+            "--early_stopping_patience N"
+        )
+    if cfg.best_metric.endswith("_ema") and not cfg.model_ema:
+        raise UserError(
+            f"--best_metric {cfg.best_metric} scores the EMA weights; add --model_ema, or "
+            f"choose {cfg.best_metric.removesuffix('_ema')}"
+        )
+    if cfg.max_time is not None:
+        parse_duration(cfg.max_time)
+
+
+# Units of --max_time's "2h30m" form, in seconds.
+DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str, flag: str = "--max_time") -> float:
+    """Seconds in "2h30m", "90m", "45s", "1.5h", "3600" (seconds) or Lightning's "DD:HH:MM:SS"
+    (also "HH:MM:SS"); one clear error otherwise."""
+    spec = text.strip().lower()
+    number = r"(\d+(?:\.\d*)?)"
+    seconds = None
+    if re.fullmatch(number, spec):
+        seconds = float(spec)
+    elif re.fullmatch(rf"{number}(:{number}){{2,3}}", spec):
+        parts = [float(part) for part in spec.split(":")]
+        seconds = sum(
+            v * unit for v, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False)
+        )
+    elif spec and (match := re.fullmatch("".join(rf"(?:{number}{u})?" for u in "dhms"), spec)):
+        seconds = sum(
+            float(v) * unit
+            for v, unit in zip(match.groups(), DURATION_UNITS.values(), strict=True)
+            if v
+        )
+    if seconds is None or seconds <= 0:
+        raise UserError(
+            f"{flag} {text!r}: give a positive duration such as 2h30m, 90m, 45s, 3600 "
+            "(seconds) or DD:HH:MM:SS"
+        )
+    return seconds
 
 
 def optimizer_batch(cfg: TrainConfig) -> int:

@@ -22,6 +22,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,26 @@ LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
 
 
 CHECKPOINT_FILES = (LATEST_NAME, "checkpoint_latest.prev.pth", BEST_NAME)
+
+
+# The epochs' checkpoints kept by --keep_checkpoints / --save_every_epochs.
+EPOCH_NAME = re.compile(r"checkpoint_epoch_(\d+)\.pth")
+
+
+def epoch_checkpoint_name(epoch: int) -> str:
+    return f"checkpoint_epoch_{epoch:03d}.pth"
+
+
+def epoch_checkpoints(folder: Path) -> dict[int, Path]:
+    """The kept epochs' checkpoints in ``folder``, by epoch."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = EPOCH_NAME.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
 
 
 HISTORY_NAME = "training_history.json"
@@ -153,6 +174,7 @@ def lock_holder(folder: Path) -> str | None:
 def previous_run_files(checkpoint_dir: Path, log_dir: Path) -> list[Path]:
     """The checkpoints and the history an earlier run left in these folders."""
     found = [checkpoint_dir / name for name in CHECKPOINT_FILES]
+    found.extend(epoch_checkpoints(checkpoint_dir).values())
     found.append(log_dir / HISTORY_NAME)
     return [path for path in found if path.is_file()]
 
@@ -169,10 +191,11 @@ def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overw
         return
     found = previous_run_files(checkpoint_dir, log_dir)
     checkpoints = [path for path in found if path.parent == checkpoint_dir]
-    # --resume auto continues from the latest checkpoint (or its fallback), never from the best.
+    # --resume auto continues from the latest checkpoint (or its fallback), never from the best
+    # or a kept epoch's.
     continues = (
         resume == "auto"
-        and any(path.name != BEST_NAME for path in checkpoints)
+        and any(path.name in CHECKPOINT_FILES[:2] for path in checkpoints)
         or resume not in (None, "auto")
         and _inside(Path(resume), checkpoint_dir)
     )

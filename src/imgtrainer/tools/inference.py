@@ -94,7 +94,9 @@ def choose_weights(
     if ema is None:
         return "raw", state["model_state_dict"], "the trained weights (the checkpoint has no EMA)"
     if state.get("best_weights") == "raw":  # checkpoint_best.pth: the weights that scored best
-        note = "the raw weights (they scored a higher val_acc than the EMA weights; "
+        metric = state.get("best_metric", "val_acc")  # --best_metric of the run
+        better = "a lower" if "loss" in metric else "a higher"
+        note = f"the raw weights (they scored {better} {metric} than the EMA weights; "
         return "raw", state["model_state_dict"], note + "--weights ema for those)"
     return "ema", ema, "the EMA weights (--weights raw for the trained ones)"
 

@@ -127,25 +127,3 @@ class ModelEma(Hook):
 def ema_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """``engine.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
     return {f"{key}{EMA_SUFFIX}": val[key] for key in VAL_KEYS}
-
-
-def better_weights(record: Mapping[str, Any], ema_enabled: bool) -> str:
-    """Which weights scored the higher val_acc in an epoch's record: "ema" (ties included: the
-    average is the smoother of the two) or "raw" (also when there is no EMA)."""
-    ema_acc = record.get(f"val_acc{EMA_SUFFIX}")
-    return "ema" if ema_enabled and ema_acc is not None and ema_acc >= record["val_acc"] else "raw"
-
-
-def epoch_score(record: Mapping[str, Any]) -> float:
-    """The val_acc that counts for the best checkpoint: the better of the raw and EMA weights'."""
-    return max(record["val_acc"], record.get(f"val_acc{EMA_SUFFIX}", 0.0))
-
-
-def best_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first epoch that scored the best val_acc (raw or EMA): checkpoint_best.pth's."""
-    return max(records, key=epoch_score, default=None)
-
-
-def weights_label(record: dict[str, Any]) -> str:
-    """With EMA, which weights scored an epoch's val_acc, for the log lines."""
-    return "EMA" if better_weights(record, ema_enabled=True) == "ema" else "raw"

@@ -1,11 +1,12 @@
-"""Stopping on SIGTERM/SIGINT/SIGHUP (preemption, Ctrl-C, a closed terminal) at a step that every
-rank agrees on.
+"""Stopping on SIGTERM/SIGINT/SIGHUP (preemption, Ctrl-C, a closed terminal), or when the
+--max_time budget runs out, at a step that every rank agrees on.
 
 A signal only sets a flag. After each optimizer step every rank calls ``agreed()``, a one-number
 all-reduce (MAX) of the flags, so all ranks see the request at the same step even when only one of
 them was signalled; they then save a checkpoint together and leave the loop. A second signal,
 later than the burst a single Ctrl-C produces (the terminal and torchrun both deliver it), exits
-at once.
+at once. A rank whose ``TimeBudget`` says the next piece of work and a checkpoint no longer fit
+raises the same flag (a lower value: a signal's exit code wins over the budget's 0).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,6 +35,10 @@ SIGNALS = STOP_SIGNALS
 SAME_REQUEST_SECONDS = 2.0
 
 
+# The values of the agreed flag: the highest any rank raised wins.
+NO_STOP, TIME_STOP, SIGNAL_STOP = 0, 1, 2
+
+
 class StopRequest:
     def __init__(self, distributed: bool):
         self.distributed = distributed
@@ -41,6 +47,7 @@ class StopRequest:
         self.signum: int | None = None
         self.received_at = 0.0
         self.requested_by_all = False
+        self.agreed_flag = NO_STOP
         self.owner_pid = os.getpid()
 
     def _handle(self, signum: int, frame) -> None:
@@ -68,16 +75,90 @@ class StopRequest:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def agreed(self) -> bool:
-        """True on every rank once any rank was signalled. Every rank must call it, at the same
-        steps."""
-        if not self.distributed:
-            self.requested_by_all = self.signum is not None
-            return self.requested_by_all
-        flag = torch.tensor([0 if self.signum is None else 1])
-        self.requested_by_all = bool(all_reduce_max(flag, group=self.group).item())
+    def agreed(self, time_up: bool = False) -> bool:
+        """True on every rank once any rank was signalled or found its ``time_up``. Every rank
+        must call it, at the same steps."""
+        flag = SIGNAL_STOP if self.signum is not None else TIME_STOP if time_up else NO_STOP
+        if self.distributed:
+            flag = int(all_reduce_max(torch.tensor([flag]), group=self.group).item())
+        if flag == TIME_STOP and self.agreed_flag == NO_STOP:
+            log.warning("The --max_time budget is nearly spent: saving a checkpoint and stopping")
+        self.agreed_flag = max(self.agreed_flag, flag)
+        self.requested_by_all = self.agreed_flag != NO_STOP
         return self.requested_by_all
 
     @property
+    def by_time(self) -> bool:
+        """The agreed stop is the --max_time budget's (no rank was signalled)."""
+        return self.agreed_flag == TIME_STOP
+
+    @property
     def exit_code(self) -> int:
+        """0 for the --max_time budget (as Lightning's max_time and Ultralytics' time end a
+        fit), else the signal's 130 or 143."""
+        if self.by_time:
+            return 0
         return exit_code_for(self.signum or signal.SIGTERM)
+
+
+# How long a checkpoint takes before one was timed: generous, so the first one fits.
+FIRST_SAVE_SECONDS = 5.0
+
+
+# The estimates of what is ahead are multiplied by this, for the jitter of step times.
+SAFETY_FACTOR = 1.25
+
+
+# Steps whose durations make the step estimate (the longest of them).
+STEP_WINDOW = 20
+
+
+class TimeBudget:
+    """--max_time: the seconds this process may train, counted from its creation, and the
+    durations timed so far (steps, validations, checkpoints) that say whether the next piece of
+    work and a checkpoint still fit. Without a budget it never runs out."""
+
+    def __init__(self, seconds: float | None, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.started = clock()
+        self.steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self.step_started: float | None = None
+        self.save_seconds = FIRST_SAVE_SECONDS
+        self.validation_seconds: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.seconds is not None
+
+    def remaining(self) -> float:
+        return float("inf") if self.seconds is None else self.started + self.seconds - self.clock()
+
+    def start_steps(self) -> None:
+        """The next step starts now (an epoch's loader starts): time spent before is no step's."""
+        self.step_started = self.clock()
+
+    def step_done(self) -> None:
+        now = self.clock()
+        if self.step_started is not None:
+            self.steps.append(now - self.step_started)
+        self.step_started = now
+
+    def timed_save(self, seconds: float) -> None:
+        self.save_seconds = seconds
+
+    def timed_validation(self, seconds: float) -> None:
+        self.validation_seconds = seconds
+
+    def step_estimate(self) -> float:
+        return max(self.steps, default=0.0)
+
+    def validation_estimate(self, batches: int) -> float:
+        """The last validation's time; before one, ``batches`` steps' (a validation batch
+        costs less than a training step)."""
+        if self.validation_seconds is not None:
+            return self.validation_seconds
+        return self.step_estimate() * batches
+
+    def runs_out(self, work_seconds: float) -> bool:
+        """Whether ``work_seconds`` of work and then a checkpoint no longer fit."""
+        return self.remaining() < SAFETY_FACTOR * (work_seconds + self.save_seconds)

@@ -44,16 +44,16 @@ from imgtrainer.run.config import (
     TrainConfig,
     effective_batch,
     optimizer_batch,
+    parse_duration,
 )
 from imgtrainer.run.lifecycle import mark
+from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import (
     EMA_SUFFIX,
+    VAL_KEYS,
     ModelEma,
-    better_weights,
     ema_metrics,
-    epoch_score,
-    weights_label,
 )
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.hooks import Hook, Hooks
@@ -63,7 +63,7 @@ from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.step import StepInfo
-from imgtrainer.training.stopping import StopRequest
+from imgtrainer.training.stopping import StopRequest, TimeBudget
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
+        # --max_time counts from here: loading and caching the data count too.
+        self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
         self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(
             cfg, dist
         )
@@ -121,7 +123,9 @@ class Trainer:
         )
         self.stop = StopRequest(dist.is_distributed)
         self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
-        self.epoch, self.step, self.best_acc = 0, 0, 0.0
+        self.best = BestTracker(cfg)  # --best_metric, early stopping, the kept epochs
+        self.epoch, self.step = 0, 0
+        self.checkpoint_written = False  # by this process: a --max_time stop may rely on it
         self.resumed_sums: torch.Tensor | None = None
         self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
 
@@ -203,7 +207,7 @@ class Trainer:
         if ckpt.get("scaler_state_dict"):
             parts.scaler.load_state_dict(ckpt["scaler_state_dict"])
         self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
-        self.best_acc = ckpt.get("best_acc", 0.0)
+        self.best.resume(ckpt, path, override=self.cfg.resume_override)
         # A micro-batch halved after an out-of-memory error stays halved.
         parts.plan.micro_batch = min(
             parts.plan.micro_batch, ckpt.get("micro_batch", parts.plan.micro_batch)
@@ -234,20 +238,25 @@ class Trainer:
             self.step = 0
         log.info(
             f"Resumed from {path}: epoch {self.epoch + 1}, step {self.step} of "
-            f"{self.steps_per_epoch}, best val_acc {self.best_acc:.4f}"
+            f"{self.steps_per_epoch}, {self.best_line()}"
         )
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save_checkpoint(self, sums: torch.Tensor | None, is_best: bool = False) -> None:
+    def save_checkpoint(
+        self, sums: torch.Tensor | None, is_best: bool = False, epoch_end: bool = False
+    ) -> None:
         """Every rank must call this: each contributes its random state and running metrics.
-        Nothing is saved once the loss or the weights are no longer finite."""
+        At an epoch's end (``epoch_end``) the epochs' checkpoints to keep are kept. Nothing is
+        saved once the loss or the weights are no longer finite."""
         self.nonfinite.check(self.steps_per_epoch)
+        started = self.budget.clock()
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
+        keep = self.best.kept_epochs(self.history.records) if epoch_end else None
         error = None
         try:
             # The checkpoint first: a resume rebuilds the history from it, so a failure between
             # the two loses nothing.
-            self.checkpoints.save(self.checkpoint_state(rank_states), is_best)
+            self.checkpoints.save(self.checkpoint_state(rank_states), is_best, keep)
             self.history.save()
         except (UserError, RunFailed) as err:  # a full disk, or non-finite weights
             error = (isinstance(err, RunFailed), str(err))
@@ -257,26 +266,27 @@ class Trainer:
         if error is not None:
             failed, line = error
             raise RunFailed(line) if failed else UserError(line)
+        self.checkpoint_written = True
+        self.budget.timed_save(self.budget.clock() - started)
 
     def checkpoint_state(self, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
         parts = self.parts
         weights = parts.plain_model.state_dict()
         ema_weights = self.ema.state_dict()
-        last = self.history.records[-1] if self.history.records else None
         return training_checkpoint(
             model_state_dict=weights,
             state_dict=weights,  # timm's key; the same dict, stored once
             model_ema_state_dict=ema_weights,
             state_dict_ema=ema_weights,  # timm's key; the same dict, stored once
             ema_updates=self.ema.updates if self.ema.enabled else None,
-            best_weights=better_weights(last, self.ema.enabled) if last else None,
+            best_weights=self.best.last_weights(self.history.records),
             optimizer_state_dict=parts.optimizer.state_dict(),
             scheduler_state_dict=parts.scheduler.state_dict(),
             scaler_state_dict=parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
             epoch=self.epoch,
             step=self.step,
             micro_batch=parts.plan.micro_batch,
-            best_acc=self.best_acc,
+            **self.best.checkpoint_fields(self.history.records),
             class_names=self.class_names,
             image_size=self.cfg.image_size,
             mean=list(IMAGENET_MEAN),
@@ -295,6 +305,7 @@ class Trainer:
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
         self.sampler.set_epoch(self.epoch, start=self.step * optimizer_batch(self.cfg))
         first_step, started = self.step, time.perf_counter()
+        self.budget.start_steps()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         train = train_one_epoch(
             self.parts,
@@ -314,18 +325,12 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
-        val = self.validate(self.parts.plain_model)
-        if self.ema.enabled:
-            val.update(ema_metrics(self.validate(self.ema.module)))
+        val = self.validate_epoch() if self.validates(self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
                 check_ranks_in_sync(self.ema.module)
         self.epoch, self.step = self.epoch + 1, 0
-        # With EMA, the better of the two sets of weights counts; the checkpoint says which.
-        score = epoch_score(val)
-        is_best = score > self.best_acc
-        self.best_acc = max(self.best_acc, score)
         # Speed counts the steps this process ran, not those restored from a checkpoint.
         images_per_sec = (
             (train["steps"] - first_step)
@@ -333,10 +338,35 @@ class Trainer:
             / max(train_seconds, 1e-9)
         )
         self.history.append(self.epoch_record(train, val, images_per_sec, started))
-        self.save_checkpoint(None, is_best)
+        is_best = self.update_best(self.history.records[-1])
+        self.save_checkpoint(None, is_best, epoch_end=True)
         self.hooks.call("on_epoch_end", self.epoch, self.history.records[-1])
         self.log_epoch(is_best)
         return True
+
+    def validates(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (1-based) is validated: every --val_every_epochs-th, and the
+        last."""
+        return epoch % self.cfg.val_every_epochs == 0 or epoch == self.cfg.epochs
+
+    def validate_epoch(self) -> dict[str, float]:
+        """The epoch's validation metrics: the weights', and with EMA the average's."""
+        started = self.budget.clock()
+        val = self.validate(self.parts.plain_model)
+        if self.ema.enabled:
+            val.update(ema_metrics(self.validate(self.ema.module)))
+        self.budget.timed_validation(self.budget.clock() - started)
+        return val
+
+    def update_best(self, record: dict[str, Any]) -> bool:
+        """Count the epoch for the best checkpoint and early stopping; True if it is the new
+        best. Every rank computes the same metrics, yet all take the main process's verdict, so
+        they stop at the same epoch whatever the floating point does."""
+        is_best = self.best.update(record)
+        if self.dist.is_distributed:
+            main_state, is_best = all_gather_objects((self.best.to_plain(), is_best))[0]
+            self.best.from_plain(main_state)
+        return is_best
 
     def validate(self, model: torch.nn.Module) -> dict[str, float]:
         """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
@@ -354,9 +384,8 @@ class Trainer:
             "epoch": self.epoch,
             "train_loss": train["train_loss"],
             "train_acc": train["train_acc"],
-            "val_loss": val["val_loss"],
-            "val_acc": val["val_acc"],
-            "val_top5": val["val_top5"],
+            # An epoch without validation (--val_every_epochs) has none of the val_* keys.
+            **{key: val[key] for key in VAL_KEYS if key in val},
             **{key: value for key, value in val.items() if key.endswith(EMA_SUFFIX)},
             "lr": self.parts.optimizer.param_groups[0]["lr"],
             "epoch_seconds": time.perf_counter() - started,
@@ -369,8 +398,13 @@ class Trainer:
         r = self.history.records[-1]
         log.info(
             f"epoch {r['epoch']}/{self.cfg.epochs}  train_loss {r['train_loss']:.4f}  "
-            f"train_acc {r['train_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
-            f"val_acc {r['val_acc']:.4f}  val_top5 {r['val_top5']:.4f}  "
+            f"train_acc {r['train_acc']:.4f}  "
+            + (
+                f"val_loss {r['val_loss']:.4f}  val_acc {r['val_acc']:.4f}  "
+                f"val_top5 {r['val_top5']:.4f}  "
+                if "val_acc" in r
+                else "(not validated)  "
+            )
             + (
                 f"val_loss_ema {r['val_loss_ema']:.4f}  val_acc_ema {r['val_acc_ema']:.4f}  "
                 f"val_top5_ema {r['val_top5_ema']:.4f}  "
@@ -383,7 +417,18 @@ class Trainer:
 
     def best_note(self, record: dict[str, Any]) -> str:
         """Marks a best epoch on its log line; with EMA, says which weights scored it."""
-        return f"  (best: {weights_label(record)} weights)" if self.ema.enabled else "  (best)"
+        metric = "" if self.best.metric == "val_acc" else f" {self.best.metric}"
+        if not self.ema.enabled:
+            return f"  (best{metric})"
+        weights = "EMA" if self.best.state.weights == "ema" else "raw"
+        return f"  (best{metric}: {weights} weights)"
+
+    def best_line(self) -> str:
+        """The best so far, as "best val_acc 0.9123 (epoch 7)", or that there is none yet."""
+        s = self.best.state
+        if s.value is None:
+            return f"no best {s.metric} yet"
+        return f"best {s.metric} {s.value:.4f} (epoch {s.epoch})"
 
     def end_hooks(self, finished: bool) -> None:
         """A finished run's hyperparameters and final metrics, for the loggers among the hooks."""
@@ -391,13 +436,35 @@ class Trainer:
             self.hooks.call("on_run_end", self.cfg.to_dict(), self.history.records[-1])
 
     def fit(self) -> bool:
-        """Train until the last epoch, or until a stop signal; True if the run finished."""
-        while self.epoch < self.cfg.epochs:
+        """Train until the last epoch or early stopping (True: the run is over), or until a
+        stop signal or the --max_time budget (False: it stopped to be resumed)."""
+        while self.epoch < self.cfg.epochs and not self.best.should_stop:
             # A signal that arrived during evaluation is honoured here, at an epoch boundary
-            # whose checkpoint is already written.
-            if self.stop.agreed() or not self.run_epoch():
+            # whose checkpoint is already written; so is a budget too short for another step
+            # (before this process wrote a checkpoint, the first step runs and saves one).
+            time_up = self.checkpoint_written and self.time_runs_out(at_epoch_end=False)
+            if self.stop.agreed(time_up) or not self.run_epoch():
                 return False
         return True
+
+    @property
+    def stopped_early(self) -> bool:
+        """Early stopping ended the run before its last epoch."""
+        return self.best.should_stop and self.epoch < self.cfg.epochs
+
+    def time_runs_out(self, at_epoch_end: bool) -> bool:
+        """--max_time: whether the work up to the next point to stop at, and a checkpoint, no
+        longer fit: after an epoch's last step its validation, else the next step."""
+        if not self.budget.enabled:
+            return False
+        if not at_epoch_end:
+            return self.budget.runs_out(self.budget.step_estimate())
+        validation = (
+            self.budget.validation_estimate(len(self.val_loader))
+            if self.validates(self.epoch + 1)
+            else 0.0
+        )
+        return self.budget.runs_out(validation)
 
 
 # ----------------------------------------------------------------------------- per-step work
@@ -465,9 +532,9 @@ class TensorBoardHook(Hook):
 
 
 class CheckpointAndStop(Hook):
-    """The agreed stop on a signal (with a checkpoint), and the periodic checkpoint of
-    --save_every_steps. Every rank runs it: both are collectives; only the main process
-    writes (its CheckpointWriter)."""
+    """The agreed stop on a signal or the --max_time budget (with a checkpoint), and the
+    periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only
+    the main process writes (its CheckpointWriter)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
@@ -475,7 +542,9 @@ class CheckpointAndStop(Hook):
 
     def on_step_end(self, info: StepInfo) -> bool:
         trainer = self.trainer
-        if trainer.stop.agreed():
+        trainer.budget.step_done()
+        time_up = trainer.time_runs_out(at_epoch_end=info.step == trainer.steps_per_epoch)
+        if trainer.stop.agreed(time_up):
             trainer.save_checkpoint(info.sums)
             return True
         if self.every and info.step % self.every == 0 and info.step < trainer.steps_per_epoch:
