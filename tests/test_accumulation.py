@@ -217,8 +217,17 @@ def test_resume_compares_the_effective_batch():
         "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
         "8x2x2=32 -> 8x4x2=64"
     ]
-    with pytest.raises(UserError, match="8x2x2=32 -> 8x2x1=16.*--resume_override"):
-        check_resume_settings(state, Path("c.pth"), same, 1, override=False)
+    # The same flags on another number of processes keep the global batch (the layout
+    # changes); per-process flags that change it are refused.
+    assert check_resume_settings(state, Path("c.pth"), same, 1, override=False) == []
+    with pytest.raises(UserError, match="8x2x2=32 -> 8x1x1=8.*--resume_override"):
+        check_resume_settings(state, Path("c.pth"), dict(same, accum_steps=1), 1, override=False)
+    # --global_batch_size states it: the same one is no change, another one is.
+    assert changed_settings(state, dict(same, global_batch_size=32, accum_steps=7), 3) == []
+    assert changed_settings(state, dict(same, global_batch_size=64), 2) == [
+        "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
+        "8x2x2=32 -> --global_batch_size 64"
+    ]
 
 
 def test_an_old_checkpoint_meant_batch_size_per_step():

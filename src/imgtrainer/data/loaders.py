@@ -43,6 +43,7 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.run.config import (
     TrainConfig,
+    effective_batch,
     optimizer_batch,
 )
 from imgtrainer.run.lifecycle import STOP_SIGNALS, die_with_parent, mark
@@ -212,7 +213,11 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     )
     cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
-    train_sampler = EpochSampler(len(train_set), dist.rank, dist.world_size, cfg.seed)
+    # Each optimizer step takes the next global batch of the epoch's order, whatever the
+    # number of processes: a resume on another number goes on at the same sample.
+    train_sampler = EpochSampler(
+        len(train_set), dist.rank, dist.world_size, cfg.seed, effective_batch(cfg, dist.world_size)
+    )
     workers = loader_workers(cfg.num_workers, cores, dist.device.type, cached)
     pin = dist.device.type == "cuda"
     if cfg.cache_images == "gpu":  # batches are made on the device by the main process
