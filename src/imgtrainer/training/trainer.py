@@ -151,6 +151,10 @@ class Trainer:
         state, world = self.resume_state, self.dist.world_size
         if state is None:
             return cfg
+        # Model and optimizer first (the classes are compared once the data is read).
+        check_resume_fits(
+            state, self.resume_path, state.get("class_names"), cfg.model, cfg.optimizer
+        )
         changes = check_resume_settings(
             state, self.resume_path, cfg.to_dict(), world, override=cfg.resume_override
         )
