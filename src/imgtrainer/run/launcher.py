@@ -364,7 +364,7 @@ def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
     flags = {
         "num_gpus": args.num_gpus,
         "nproc": nproc if args.num_gpus is None else None,
-        "nnodes": args.nnodes,
+        "nnodes": int(args.nnodes) if str(args.nnodes).isdigit() else str(args.nnodes),
         "node_rank": args.node_rank,
         "master_addr": args.master_addr,
         "master_port": args.master_port,
