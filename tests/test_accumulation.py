@@ -290,7 +290,8 @@ def test_an_old_style_checkpoint_resumes_mid_epoch(trained_run, tmp_path: Path, 
     workdir = trained_run.copy_to(tmp_path)
     latest = workdir / "checkpoints" / "checkpoint_latest.pth"
     ckpt = torch.load(latest, weights_only=True)
-    del ckpt["effective_batch_size"]
+    for key in ("effective_batch_size", "epoch_position", "layout"):  # keys added since
+        del ckpt[key]
     ckpt.update(format_version=1, epoch=1, step=3, micro_batch=4, history=ckpt["history"][:1])
     ckpt["config"] = dict(ckpt["config"], batch_size=8, accum_steps=2)
     torch.save(ckpt, latest)
