@@ -12,8 +12,9 @@ launcher builds and runs the torchrun command (``torch.distributed.run:main`` wi
 interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
 SIGINT/SIGTERM/SIGHUP to it (SLURM's SIGUSR1 warning as SIGTERM), and exits with the code of
 how the run ended: 0 done, 2 bad input, 130 after Ctrl-C, 143 after SIGTERM (a closed terminal
-and SIGUSR1 count as SIGTERM), or the failing rank's code. On the CPU, torchrun forks the workers from its agent, which imported the trainer (torch,
-torchvision, timm) once (``--start_method``).
+and SIGUSR1 count as SIGTERM), or the failing rank's code. On the CPU, torchrun forks the
+workers from its agent, which imported the trainer (torch, torchvision, timm) once
+(``--start_method``).
 
 It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
 pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
