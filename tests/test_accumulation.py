@@ -217,8 +217,17 @@ def test_resume_compares_the_effective_batch():
         "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
         "8x2x2=32 -> 8x4x2=64"
     ]
-    with pytest.raises(UserError, match="8x2x2=32 -> 8x2x1=16.*--resume_override"):
-        check_resume_settings(state, Path("c.pth"), same, 1, override=False)
+    # The same flags on another number of processes keep the global batch (the layout
+    # changes); per-process flags that change it are refused.
+    assert check_resume_settings(state, Path("c.pth"), same, 1, override=False) == []
+    with pytest.raises(UserError, match="8x2x2=32 -> 8x1x1=8.*--resume_override"):
+        check_resume_settings(state, Path("c.pth"), dict(same, accum_steps=1), 1, override=False)
+    # --global_batch_size states it: the same one is no change, another one is.
+    assert changed_settings(state, dict(same, global_batch_size=32, accum_steps=7), 3) == []
+    assert changed_settings(state, dict(same, global_batch_size=64), 2) == [
+        "effective batch per optimizer step (--batch_size x --accum_steps x processes) "
+        "8x2x2=32 -> --global_batch_size 64"
+    ]
 
 
 def test_an_old_checkpoint_meant_batch_size_per_step():
@@ -281,7 +290,8 @@ def test_an_old_style_checkpoint_resumes_mid_epoch(trained_run, tmp_path: Path, 
     workdir = trained_run.copy_to(tmp_path)
     latest = workdir / "checkpoints" / "checkpoint_latest.pth"
     ckpt = torch.load(latest, weights_only=True)
-    del ckpt["effective_batch_size"]
+    for key in ("effective_batch_size", "epoch_position", "layout"):  # keys added since
+        del ckpt[key]
     ckpt.update(format_version=1, epoch=1, step=3, micro_batch=4, history=ckpt["history"][:1])
     ckpt["config"] = dict(ckpt["config"], batch_size=8, accum_steps=2)
     torch.save(ckpt, latest)

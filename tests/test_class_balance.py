@@ -97,12 +97,13 @@ def test_balanced_sampler_draws_every_class_equally_from_seed_and_epoch():
     assert again.epoch_order() == order
     again.set_epoch(3)
     assert again.epoch_order() != order
-    # Ranks split that order as they split the shuffled one (every world_size-th index).
-    ranks = [BalancedClassSampler(TARGETS, r, 3, seed=3) for r in range(3)]
+    # Ranks split that order as they split the shuffled one: whole global batches of 3 (39 of
+    # the 40), every world_size-th index, from the position a resume continues at.
+    ranks = [BalancedClassSampler(TARGETS, r, 3, seed=3, global_batch=3) for r in range(3)]
     for r in ranks:
-        r.set_epoch(2, start=1)
-    assert [r.indices() for r in ranks] == [(order + order[:2])[r::3] for r in range(3)]
-    assert [index for index, _ in ranks[1]] == ranks[1].indices()[1:]
+        r.set_epoch(2, position=3)
+    assert [r.indices() for r in ranks] == [order[3 + r : 39 : 3] for r in range(3)]
+    assert [index for index, _ in ranks[1]] == ranks[1].indices() and len(ranks[1]) == 12
 
 
 def test_the_shuffled_order_is_unchanged():

@@ -6,18 +6,26 @@ itself right after that optimizer step of that epoch (1-based), on the first tor
 only, so the restarted workers run on. The kill comes after the EMA update and the position of
 that step, before its checkpoint: the trainer's registration gets one more hook, ahead of
 ``CheckpointAndStop``, once ``imgtrainer.training.trainer`` is imported.
+
+TRAIN_DDP_RECORD_INDICES=DIR makes every rank append, after each optimizer step, the training
+indices that step used to DIR/indices.jsonl (``install_recorder``): one JSON line with the run
+attempt (its start position, world size and
+torchrun restart), epoch, step, rank, world size and indices. The loader reads the sampler lazily with
+--num_workers 0, so the keys the sampler gave since the last step are that step's batch.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import json
 import logging
 import os
 import signal
 import sys
 
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
+RECORD_ENV = "TRAIN_DDP_RECORD_INDICES"
 TRAINER_MODULE = "imgtrainer.training.trainer"
 # A child of the project logger, so the message reaches the rank's log file.
 LOGGER = "imgtrainer.fault_injection"
@@ -64,6 +72,56 @@ def install(trainer_module) -> None:
     trainer_class.register_hooks = register_hooks_with_fault
 
 
+def install_recorder(trainer_module, folder: str) -> None:
+    """Wrap ``Trainer.register_hooks`` to record each step's training indices (first hook)."""
+    from imgtrainer.training.hooks import Hook
+
+    class RecordIndices(Hook):
+        def __init__(self, trainer):
+            self.trainer = trainer
+            # The same on every rank of one attempt: where it started, on how many processes.
+            self.attempt = (
+                f"{trainer.epoch}:{trainer.step}:{trainer.dist.world_size}:"
+                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            )
+            self.keys: list[tuple[int, int]] = []
+            sampler = trainer.sampler
+            base = type(sampler)
+
+            def recording_iter(this):
+                for key in base.__iter__(this):
+                    self.keys.append(key)
+                    yield key
+
+            # The loader holds this sampler: a subclass of its own class records what it gives.
+            sampler.__class__ = type(
+                "Recording" + base.__name__, (base,), {"__iter__": recording_iter}
+            )
+
+        def on_step_end(self, info) -> bool:
+            trainer = self.trainer
+            record = {
+                "attempt": self.attempt,
+                "epoch": trainer.epoch,
+                "step": info.step,
+                "rank": trainer.dist.rank,
+                "world_size": trainer.dist.world_size,
+                "indices": [index for index, _ in self.keys],
+            }
+            self.keys.clear()
+            with open(os.path.join(folder, "indices.jsonl"), "a") as out:
+                out.write(json.dumps(record) + "\n")
+            return False
+
+    register_hooks = trainer_module.Trainer.register_hooks
+
+    def register_hooks_with_recorder(self) -> None:
+        register_hooks(self)
+        self.hooks.register(RecordIndices(self), before=type(self.ema))
+
+    trainer_module.Trainer.register_hooks = register_hooks_with_recorder
+
+
 class _AfterTrainerImport(importlib.abc.MetaPathFinder):
     """Finds the trainer module with the usual finders, and installs the hook after it runs."""
 
@@ -77,11 +135,14 @@ class _AfterTrainerImport(importlib.abc.MetaPathFinder):
 
         def exec_and_install(module) -> None:
             exec_module(module)
-            install(module)
+            if os.environ.get(KILL_AT_ENV):
+                install(module)
+            if os.environ.get(RECORD_ENV):
+                install_recorder(module, os.environ[RECORD_ENV])
 
         spec.loader.exec_module = exec_and_install
         return spec
 
 
-if os.environ.get(KILL_AT_ENV):
+if os.environ.get(KILL_AT_ENV) or os.environ.get(RECORD_ENV):
     sys.meta_path.insert(0, _AfterTrainerImport())

@@ -55,6 +55,9 @@ CHECKPOINT_SCHEMA = {
     "scaler_state_dict": "GradScaler.state_dict(), or None without float16 loss scaling",
     "epoch": "epochs completed",
     "step": "optimizer steps done in the next epoch",
+    "epoch_position": "samples of the next epoch's global order consumed (step x "
+    "effective_batch_size): where a resume on any number of processes continues (absent in "
+    "older files: step x their effective batch)",
     "micro_batch": "images per forward/backward pass",
     "best_acc": "the best val_acc so far (with EMA: of the raw or the EMA weights, the higher), "
     "whatever --best_metric chooses",
@@ -69,11 +72,14 @@ CHECKPOINT_SCHEMA = {
     "mean": "normalisation mean",
     "std": "normalisation std",
     "model_name": "the timm model name",
-    "config": "TrainConfig.to_dict() of the run",
+    "config": "TrainConfig.to_dict() of the run, its flags as given (a resume compares its own "
+    "with them)",
     "world_size": "processes that wrote it",
-    "effective_batch_size": "images per optimizer step over all processes: config batch_size x "
-    "accum_steps x world_size (absent before --accum_steps counted batches per step: then "
-    "batch_size alone was a process's step)",
+    "layout": "batch_size, accum_steps and world_size that made the global batch when it was "
+    "written (the flags' own, or chosen for another world size; absent in older files: config's)",
+    "effective_batch_size": "images per optimizer step over all processes, the run's constant: "
+    "layout batch_size x accum_steps x world_size (absent before --accum_steps counted batches "
+    "per step: then batch_size alone was a process's step)",
     "history": "the history records up to this checkpoint",
     "rank_states": "per rank: RNG states and running epoch metrics (``rank_state``)",
 }

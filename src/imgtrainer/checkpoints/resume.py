@@ -122,6 +122,40 @@ def saved_step_batch(state: dict[str, Any]) -> tuple[int, int] | None:
     return saved["batch_size"], saved.get("accum_steps", 1)
 
 
+def saved_global_batch(state: dict[str, Any]) -> int | None:
+    """Images per optimizer step over all processes in the run that wrote ``state``."""
+    if "effective_batch_size" in state:
+        return state["effective_batch_size"]
+    step, processes = saved_step_batch(state), saved_world_size(state)
+    return step[0] * step[1] * processes if step and processes else None
+
+
+def _saved_layout_text(state: dict[str, Any]) -> str:
+    layout = state.get("layout")
+    if layout:
+        batch, accum, processes = layout["batch_size"], layout["accum_steps"], layout["world_size"]
+    else:
+        (batch, accum), processes = saved_step_batch(state), saved_world_size(state)
+    return f"{batch}x{accum}x{processes}={batch * accum * processes}"
+
+
+def requested_global_batch(
+    state: dict[str, Any], config: dict[str, Any], world_size: int
+) -> tuple[int, str]:
+    """The global batch that the new flags ask for, and how they ask for it. It is the saved
+    one when they do not change it: --global_batch_size the same, or --batch_size and
+    --accum_steps those of the run (another world size then changes only the layout). Other
+    per-process flags ask for batch_size x accum_steps x the new world size."""
+    saved = state.get("config") or {}
+    if config.get("global_batch_size"):
+        return config["global_batch_size"], f"--global_batch_size {config['global_batch_size']}"
+    same_flags = all(saved.get(k) == config[k] for k in ("batch_size", "accum_steps"))
+    if same_flags and "effective_batch_size" in state and not saved.get("global_batch_size"):
+        return state["effective_batch_size"], "the same flags"
+    batch, accum = config["batch_size"], config["accum_steps"]
+    return batch * accum * world_size, f"{batch}x{accum}x{world_size}={batch * accum * world_size}"
+
+
 def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
     """``--flag saved -> new`` for each flag that changes the schedule or the optimisation."""
     saved = state.get("config") or {}
@@ -134,16 +168,13 @@ def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: 
         if flag in READ_ONLY_WHEN and not READ_ONLY_WHEN[flag](saved, config):
             continue  # not read with these settings
         changes.append(f"--{flag} {saved[flag]} -> {config[flag]}")
-    processes, step = saved_world_size(state), saved_step_batch(state)
-    if step and processes:
-        (batch, accum), new_accum = step, config["accum_steps"]
-        before, after = batch * accum * processes, config["batch_size"] * new_accum * world_size
+    before = saved_global_batch(state)
+    if before:
+        after, asked = requested_global_batch(state, config, world_size)
         if before != after:
             changes.append(
                 f"effective batch per optimizer step (--batch_size x --accum_steps x "
-                f"processes) {batch}x{accum}x{processes}={before} -> "
-                f"{config['batch_size']}x{new_accum}x{world_size}={after}"
-                + _old_accum_hint(saved, state)
+                f"processes) {_saved_layout_text(state)} -> {asked}" + _old_accum_hint(saved, state)
             )
     return changes
 

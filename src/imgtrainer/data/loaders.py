@@ -44,6 +44,7 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.run.config import (
     TrainConfig,
+    effective_batch,
     optimizer_batch,
 )
 from imgtrainer.run.lifecycle import STOP_SIGNALS, die_with_parent, mark
@@ -250,6 +251,9 @@ def build_train_sampler(
             "--class_weights balanced with --sampler balanced corrects the imbalance twice: "
             "the small classes are drawn as often as the others and weigh more too"
         )
+    # Each optimizer step takes the next global batch of the epoch's order, whatever the
+    # number of processes: a resume on another number goes on at the same sample.
+    global_batch = effective_batch(cfg, dist.world_size)
     if cfg.sampler == "balanced":
-        return BalancedClassSampler(targets, dist.rank, dist.world_size, cfg.seed)
-    return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed)
+        return BalancedClassSampler(targets, dist.rank, dist.world_size, cfg.seed, global_batch)
+    return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed, global_batch)

@@ -12,45 +12,77 @@ from torch.utils.data import Sampler
 
 
 class EpochSampler(Sampler):
-    """This rank's share of a shuffled epoch, as ``(index, epoch)`` keys; resumable by position.
+    """This rank's share of a shuffled epoch, as ``(index, epoch)`` keys; resumable at any
+    position of the epoch, on any number of processes.
 
-    Like ``DistributedSampler``: the permutation is drawn from a generator seeded with
-    seed + epoch (identical on every rank), padded by repeating its head so it divides evenly,
-    and rank r takes every world_size-th index. ``set_epoch`` must be called before each epoch,
-    otherwise every epoch would see the same order. ``start`` skips the first samples of this
-    rank's share by index, without loading them, to continue a run in the middle of an epoch.
+    The epoch's global order (``epoch_order``) depends on (seed, epoch) only; optimizer step s
+    takes its ``global_batch`` consecutive samples from position s x global_batch, rank r
+    every world_size-th of them from the r-th (as ``DistributedSampler`` splits an order).
+    ``set_epoch(epoch, position)`` continues after ``position`` samples of that order, so a
+    run resumed on another number of processes goes on at the same sample; ``set_epoch`` must
+    be called before each epoch, otherwise every epoch would see the same order. An epoch is
+    ``steps_per_epoch`` whole global batches: a partial last one is left out, like the
+    loader's ``drop_last``.
     """
 
-    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int):
+    def __init__(
+        self, num_samples: int, rank: int, world_size: int, seed: int, global_batch: int = 0
+    ):
         self.dataset_size = num_samples
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.per_rank = math.ceil(num_samples / world_size)
+        # One sample per process and step unless told: the steps are then the loader's batches.
+        self.global_batch = global_batch or world_size
+        if self.global_batch % world_size:
+            raise ValueError(f"a global batch of {global_batch} on {world_size} processes")
         self.epoch = 0
-        self.start = 0
+        self.position = 0
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.dataset_size // self.global_batch
+
+    def set_epoch(self, epoch: int, position: int = 0) -> None:
+        """``epoch``'s order, continuing after its first ``position`` samples."""
         self.epoch = epoch
-        self.start = start
+        self.position = position
 
     def epoch_order(self) -> list[int]:
-        """The epoch's order over the whole dataset, the same on every rank."""
+        """The epoch's global order, the same on every rank and at every world size: a
+        permutation seeded with seed + epoch, padded by repeating its head to at least
+        steps_per_epoch x global_batch (a subclass may draw it otherwise, with that length)."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
+        order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        return pad_order(order, self.steps_per_epoch * self.global_batch)
 
     def indices(self) -> list[int]:
-        order = self.epoch_order()
-        padding = self.per_rank * self.world_size - self.dataset_size
-        order += (order * math.ceil(padding / max(1, len(order))))[:padding]
-        return order[self.rank :: self.world_size]
+        """This rank's share of the rest of the epoch, from ``position``."""
+        end = self.steps_per_epoch * self.global_batch
+        return rank_share(self.epoch_order()[:end], self.position, self.rank, self.world_size)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        for index in self.indices()[self.start :]:
+        for index in self.indices():
             yield index, self.epoch
 
     def __len__(self) -> int:
-        return self.per_rank - self.start
+        end = self.steps_per_epoch * self.global_batch
+        return max(0, end - self.position) // self.world_size
+
+
+def pad_order(order: list[int], length: int) -> list[int]:
+    """``order`` repeated from its head up to ``length`` indices (unchanged if long enough)."""
+    padding = length - len(order)
+    if padding <= 0:
+        return order
+    return order + (order * math.ceil(padding / max(1, len(order))))[:padding]
+
+
+def rank_share(order: list[int], position: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s part of ``order`` after its first ``position`` samples: every
+    world_size-th from the rank-th. With whole global batches left (a multiple of world_size
+    each), each step's global batch is split over the ranks the same way."""
+    return order[position + rank :: world_size]
 
 
 class BalancedClassSampler(EpochSampler):
@@ -61,8 +93,10 @@ class BalancedClassSampler(EpochSampler):
     once. A function of (seed, epoch) only, like the shuffled order, so a resumed run on any
     number of processes continues the same epoch."""
 
-    def __init__(self, targets: Sequence[int], rank: int, world_size: int, seed: int):
-        super().__init__(len(targets), rank, world_size, seed)
+    def __init__(
+        self, targets: Sequence[int], rank: int, world_size: int, seed: int, global_batch: int = 0
+    ):
+        super().__init__(len(targets), rank, world_size, seed, global_batch)
         by_class: dict[int, list[int]] = {}
         for index, target in enumerate(targets):
             by_class.setdefault(int(target), []).append(index)

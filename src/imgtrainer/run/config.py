@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,13 @@ class TrainConfig:
         "gradient accumulation: batches of --batch_size per optimizer step in each "
         "process (gradients exchanged once per step); effective batch = batch_size x "
         "accum_steps x processes",
+    )
+    global_batch_size: int | None = _opt(
+        None,
+        "images per optimizer step over all processes, kept when a resume or an elastic "
+        "restart runs on another number of processes: --accum_steps (and where it must "
+        "--batch_size, as the largest pass that divides a process's share) are chosen to "
+        "make it (default: batch_size x accum_steps x processes of the run's first start)",
     )
     learning_rate: float = _opt(0.001, "peak learning rate (before --lr_scaling)")
     weight_decay: float = _opt(0.01, "weight decay")
@@ -372,6 +380,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "epochs",
         "batch_size",
         "accum_steps",
+        "global_batch_size",
         "learning_rate",
         "weight_decay",
         "optimizer",
@@ -473,11 +482,13 @@ def _field_type(f: dataclasses.Field) -> type:
 LAUNCHER_KEYS: dict[str, tuple[type, ...]] = {
     "num_gpus": (int, str),
     "nproc": (int,),
-    "nnodes": (int,),
+    "nnodes": (int, str),
     "node_rank": (int,),
     "master_addr": (str,),
     "master_port": (int,),
     "rdzv_id": (str,),
+    "rdzv_endpoint": (str,),
+    "rdzv_conf": (str,),
     "max_restarts": (int,),
     "start_method": (str,),
 }
@@ -571,7 +582,7 @@ def _checked_file_value(path: Path, f: dataclasses.Field, value: Any) -> Any:
     return float(value) if kind is float else value
 
 
-def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
+def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainConfig:
     """Defaults, then the presets switched on, then the run file (``--config``), then what the
     user typed explicitly: the command line wins."""
     run_flags, rest = run_file_parser().parse_known_args(argv)
@@ -593,7 +604,94 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
         values["overwrite"] = False
     cfg = TrainConfig(**values)
     validate(cfg)
-    return cfg
+    return with_global_batch_layout(cfg, set(explicit), world_size)
+
+
+def with_global_batch_layout(
+    cfg: TrainConfig, given: set[str], world_size: int | None = None
+) -> TrainConfig:
+    """With --global_batch_size, the --batch_size and --accum_steps that make it at this start's
+    world size (``world_size``, or torchrun's WORLD_SIZE). Flags typed explicitly are kept; at a fresh start (not a
+    resume, not a restarted worker) flags that cannot make it are refused. A resume at another
+    world size lays the run out again (``training.trainer``)."""
+    if cfg.global_batch_size is None:
+        return cfg
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    fresh = cfg.resume is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    fixed = {name: getattr(cfg, name) for name in ("batch_size", "accum_steps") if name in given}
+    try:
+        layout = choose_layout(cfg.global_batch_size, world, cfg.batch_size, fixed)
+    except LayoutContradiction as err:
+        if fresh:
+            raise UserError(str(err)) from None
+        layout = choose_layout(cfg.global_batch_size, world, cfg.batch_size)
+    return dataclasses.replace(cfg, batch_size=layout.batch_size, accum_steps=layout.accum_steps)
+
+
+# ----------------------------------------------------------------------------- global batch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one optimizer step's global batch is made: passes of ``batch_size`` images,
+    ``accum_steps`` of them per process, on ``world_size`` processes."""
+
+    batch_size: int
+    accum_steps: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.accum_steps * self.world_size
+
+    def describe(self) -> str:
+        return (
+            f"--batch_size {self.batch_size} x --accum_steps {self.accum_steps} x "
+            f"{self.world_size} process(es) = {self.global_batch}"
+        )
+
+
+class LayoutContradiction(UserError):
+    """Explicit --batch_size/--accum_steps that cannot make --global_batch_size."""
+
+
+def world_sizes_for(global_batch: int, limit: int = 12) -> str:
+    """The numbers of processes that can share ``global_batch`` evenly (its divisors)."""
+    sizes = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+    return ", ".join(map(str, sizes[:limit])) + (", ..." if len(sizes) > limit else "")
+
+
+def choose_layout(
+    global_batch: int, world_size: int, max_pass: int, fixed: dict[str, int] | None = None
+) -> Layout:
+    """The layout that makes ``global_batch`` on ``world_size`` processes: the largest pass of
+    at most ``max_pass`` images that divides a process's share, and as many accumulation steps
+    as it takes; ``fixed`` (explicit flags) must be kept, or LayoutContradiction."""
+    if global_batch % world_size:
+        raise UserError(
+            f"the global batch of {global_batch} images cannot be split evenly over "
+            f"{world_size} processes; numbers of processes that can: "
+            f"{world_sizes_for(global_batch)} (or resume with another --global_batch_size "
+            "and --resume_override)"
+        )
+    share = global_batch // world_size
+    fixed = fixed or {}
+    if "accum_steps" in fixed and "batch_size" not in fixed and share % fixed["accum_steps"] == 0:
+        return Layout(share // fixed["accum_steps"], fixed["accum_steps"], world_size)
+    if "batch_size" in fixed and share % fixed["batch_size"] == 0:
+        layout = Layout(fixed["batch_size"], share // fixed["batch_size"], world_size)
+        if fixed.get("accum_steps", layout.accum_steps) == layout.accum_steps:
+            return layout
+    if fixed:
+        given = " x ".join(f"--{name} {value}" for name, value in fixed.items())
+        raise LayoutContradiction(
+            f"--global_batch_size {global_batch} contradicts {given} on {world_size} "
+            f"process(es) ({share} images per process and optimizer step); give "
+            "--global_batch_size alone (the accumulation steps are then chosen), or a "
+            f"--batch_size that divides {share}"
+        )
+    batch = max(d for d in range(1, min(max_pass, share) + 1) if share % d == 0)
+    return Layout(batch, share // batch, world_size)
 
 
 def print_config_requested(argv: Sequence[str] | None) -> bool:
@@ -607,7 +705,6 @@ LAUNCHER_FLAGS_ENV = "TRAIN_DDP_LAUNCHER_FLAGS"
 
 def launcher_flags_from_env() -> dict[str, Any]:
     import json
-    import os
 
     return json.loads(os.environ.get(LAUNCHER_FLAGS_ENV, "{}"))
 
@@ -674,6 +771,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"--mix_off_epochs must be 0 or more, got {cfg.mix_off_epochs}")
     if cfg.accum_steps < 1:
         raise UserError(f"--accum_steps must be at least 1, got {cfg.accum_steps}")
+    if cfg.global_batch_size is not None and cfg.global_batch_size < 1:
+        raise UserError(f"--global_batch_size must be positive, got {cfg.global_batch_size}")
     if cfg.prefetch_factor < 1:
         raise UserError(f"--prefetch_factor must be at least 1, got {cfg.prefetch_factor}")
     if cfg.max_memory_gb is not None:

@@ -5,14 +5,16 @@
     python launch_ddp.py --num_gpus all --use_amp            # every visible GPU
     python launch_ddp.py --device cpu --nproc 2              # 2 CPU processes over gloo
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
+    python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --max_restarts 10 ...  # elastic
 
 Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
 launcher builds and runs the torchrun command (``torch.distributed.run:main`` with the same
 interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
-SIGINT/SIGTERM/SIGHUP to it, and exits with the code of how the run ended: 0 done, 2 bad input,
-130 after Ctrl-C, 143 after SIGTERM (a closed terminal counts as SIGTERM), or the failing rank's
-code. On the CPU, torchrun forks the workers from its agent, which imported the trainer (torch,
-torchvision, timm) once (``--start_method``).
+SIGINT/SIGTERM/SIGHUP to it (SLURM's SIGUSR1 warning as SIGTERM), and exits with the code of
+how the run ended: 0 done, 2 bad input, 130 after Ctrl-C, 143 after SIGTERM (a closed terminal
+and SIGUSR1 count as SIGTERM), or the failing rank's code. On the CPU, torchrun forks the
+workers from its agent, which imported the trainer (torch, torchvision, timm) once
+(``--start_method``).
 
 It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
 pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
@@ -83,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc", type=int, default=1, help="processes per node on the CPU (default: 1)"
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument(
+        "--nnodes",
+        default="1",
+        help="number of nodes, or MIN:MAX for an elastic job: torchrun goes on with the "
+        "nodes left when one is lost, and takes in one that joins at the next restart "
+        "(with --max_restarts; workers resume from the newest checkpoint) (default: 1)",
+    )
     parser.add_argument(
         "--node_rank",
         type=int,
@@ -98,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)",
+    )
+    parser.add_argument(
+        "--rdzv_endpoint",
+        default=None,
+        help="HOST:PORT of torchrun's c10d rendezvous (default: --master_addr:--master_port); "
+        "for an elastic job a node that stays",
+    )
+    parser.add_argument(
+        "--rdzv_conf",
+        default=None,
+        help="torchrun's --rdzv-conf KEY=VALUE,... (e.g. last_call_timeout=5 for the seconds "
+        "an elastic rendezvous waits for more nodes once it has MIN, join_timeout=600)",
     )
     parser.add_argument(
         "--rdzv_id",
@@ -178,12 +198,32 @@ def start_method(args: argparse.Namespace, device: str) -> str:
     return "fork" if device == "cpu" else "spawn"
 
 
+def node_range(nnodes: object) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX as (min, max)."""
+    text = str(nnodes)
+    parts = text.split(":")
+    if len(parts) > 2 or not all(part.isdigit() for part in parts):
+        raise UserError(f"--nnodes takes a number of nodes or MIN:MAX, got {text!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 1 <= low <= high:
+        raise UserError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
+    if args.rdzv_endpoint:
+        return args.rdzv_endpoint
+    port = args.master_port or (29500 if several_nodes else free_port())
+    return f"{args.master_addr}:{port}"
+
+
 def torchrun_command(
     args: argparse.Namespace, device: str, nproc: int, trainer_args: list[str]
 ) -> list[str]:
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise UserError(f"--node_rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
-    port = args.master_port or (29500 if args.nnodes > 1 else free_port())
+    low, high = node_range(args.nnodes)
+    elastic = low < high
+    if not elastic and not 0 <= args.node_rank < high:
+        raise UserError(f"--node_rank must be in 0..{high - 1}, got {args.node_rank}")
     # torchrun (torch.distributed.run:main), through src/quick_exit.py: no interpreter teardown
     # at its end (seconds, after importing torch).
     if start_method(args, device) == "fork":
@@ -197,19 +237,22 @@ def torchrun_command(
     command = [
         *agent,
         "torch.distributed.run:main",  # the torchrun command
-        f"--nnodes={args.nnodes}",
+        f"--nnodes={low}:{high}" if elastic else f"--nnodes={high}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={args.master_addr}:{port}",
+        f"--rdzv-endpoint={rendezvous_endpoint(args, high > 1)}",
         f"--rdzv-id={args.rdzv_id}",
         f"--max-restarts={args.max_restarts}",
     ]
-    if args.nnodes > 1:
+    # Elastic: the agent on the endpoint's host holds the rendezvous store (torchrun finds it by
+    # its address), and the rendezvous numbers the nodes of each round.
+    conf = [args.rdzv_conf] if args.rdzv_conf else []
+    if high > 1 and not elastic:
         # Ranks are assigned by the rendezvous; node 0 hosts its store at master_addr:port.
-        command += [
-            f"--node-rank={args.node_rank}",
-            f"--rdzv-conf=is_host={1 if args.node_rank == 0 else 0}",
-        ]
+        command.append(f"--node-rank={args.node_rank}")
+        conf.insert(0, f"is_host={1 if args.node_rank == 0 else 0}")
+    if conf:
+        command.append(f"--rdzv-conf={','.join(conf)}")
     return command + [*script, "--device", device, *trainer_args]
 
 
@@ -256,7 +299,8 @@ def run_forwarding_signals(
 
     def forward(signum, frame):
         received.append(signum)
-        child.send_signal(signum)
+        # torchrun's agent stops its workers on SIGTERM; SIGUSR1 would end it at once.
+        child.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
@@ -320,11 +364,13 @@ def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
     flags = {
         "num_gpus": args.num_gpus,
         "nproc": nproc if args.num_gpus is None else None,
-        "nnodes": args.nnodes,
+        "nnodes": int(args.nnodes) if str(args.nnodes).isdigit() else str(args.nnodes),
         "node_rank": args.node_rank,
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "rdzv_id": args.rdzv_id,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "rdzv_conf": args.rdzv_conf,
         "max_restarts": args.max_restarts,
         "start_method": args.start_method if args.start_method != "auto" else None,
     }
@@ -347,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         args, trainer_args = parser.parse_known_args(argv)
     device, nproc = resolve_device_and_nproc(args)
     # Bad input found without torch: one line and exit 2 here, before torchrun starts.
-    cfg = parse_config(["--device", device, *trainer_args])
+    cfg = parse_config(
+        ["--device", device, *trainer_args], world_size=nproc * node_range(args.nnodes)[0]
+    )
     if run_flags.print_config:
         print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
         return 0
@@ -355,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     print("Running: " + shlex.join(command), flush=True)
     if args.dry_run:
         return 0
-    launcher_checks(cfg, device, world_size=nproc * args.nnodes)
+    launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
     return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from imgtrainer.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunFailed, UserError
 from imgtrainer.files import atomic_write
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1: SLURM's --signal warning before a time limit or preemption; stops like SIGTERM.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
@@ -63,7 +64,8 @@ def mark(event: str, at: float | None = None, once: bool = False, who: str | Non
 
 
 def exit_code_for(signum: int) -> int:
-    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) is handled as SIGTERM."""
+    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) and SLURM's warning
+    (SIGUSR1) are handled as SIGTERM."""
     return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
 

@@ -5,7 +5,6 @@ data folders again and everything that needs torch.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -30,9 +29,10 @@ def check_device_options(cfg: TrainConfig, device_type: str) -> None:
 
 
 def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
-    """Every process needs at least one full optimizer step's batch per epoch (the training
-    loader yields --accum_steps batches of --batch_size as one, and drops a partial last one)."""
-    if math.ceil(train_images / world_size) >= optimizer_batch(cfg):
+    """An epoch needs at least one full optimizer step over all processes (the training
+    loader yields --accum_steps batches of --batch_size as one; a partial last step is left
+    out)."""
+    if train_images >= optimizer_batch(cfg) * world_size:
         return
     if cfg.accum_steps == 1:
         asked, lower = f"--batch_size {cfg.batch_size}", "lower --batch_size"

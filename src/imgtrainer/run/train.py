@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     trainer = Trainer(cfg, dist)
     trainer.resume()
     mark("model ready")
-    log_run_start(cfg, dist, trainer)
+    log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
     try:
         with trainer.stop.installed():
             finished = trainer.fit()

@@ -1,9 +1,11 @@
 """Mixup and CutMix on whole training batches (``--mixup``, ``--cutmix``), seeded per step.
 
 torchvision's ``v2.MixUp``/``v2.CutMix`` draw from torch's global CPU generator, so each batch
-runs them with that generator seeded from (seed, epoch, step, rank) and restored afterwards: the
-same mixing after a resume and with any number of loader workers. Ranks mix differently, as
-their batches differ. Label smoothing needs nothing here: ``nn.CrossEntropyLoss`` smooths
+runs them with that generator seeded from (seed, epoch, step, position of the batch's first
+sample in the epoch's global order) and restored afterwards: the same mixing after a resume and
+with any number of loader workers, and no draw keyed by a rank. Ranks mix differently, as their
+batches differ; a batch pairs its own images, so another number of processes (other batches)
+mixes other pairs. Label smoothing needs nothing here: ``nn.CrossEntropyLoss`` smooths
 probability targets too.
 """
 
@@ -15,13 +17,14 @@ import torch
 from torchvision.transforms import v2
 
 from imgtrainer.data.sources import sample_seed, seeded_cpu_generator
-from imgtrainer.run.config import TrainConfig
+from imgtrainer.run.config import TrainConfig, optimizer_batch
 
 
-def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """The mixing seed of one optimizer batch: a function of (seed, epoch, step, rank) only.
-    Offset from the per-sample seeds (data.sample_seed) so the two never share a stream."""
-    return (sample_seed(seed, epoch, step) * 1_000_003 + rank + 1) % (2**63)
+def step_seed(seed: int, epoch: int, step: int, position: int) -> int:
+    """The mixing seed of one process's batch of an optimizer step: a function of (seed, epoch,
+    step, the position of its first sample in the epoch's global order) only. Offset from the
+    per-sample seeds (data.sample_seed) so the two never share a stream."""
+    return (sample_seed(seed, epoch, step) * 1_000_003 + position + 1) % (2**63)
 
 
 class BatchMixer:
@@ -35,6 +38,7 @@ class BatchMixer:
         num_classes: int,
         rank: int = 0,
         device: torch.device | str = "cpu",
+        world_size: int = 1,
     ):
         if cfg.mixup <= 0 and cfg.cutmix <= 0:
             raise ValueError("BatchMixer needs --mixup or --cutmix above 0")
@@ -51,16 +55,23 @@ class BatchMixer:
         # Epochs count from 0: epochs 0 .. this - 1 mix.
         self.last_mixed_epoch = cfg.epochs - cfg.mix_off_epochs
         self.seed, self.rank = cfg.seed, rank
+        # Step s of an epoch starts at position s x global batch; rank r's share at + r.
+        self.global_batch = optimizer_batch(cfg) * world_size
         self.device = torch.device(device)
 
     @classmethod
     def from_config(
-        cls, cfg: TrainConfig, num_classes: int, rank: int, device: torch.device
+        cls,
+        cfg: TrainConfig,
+        num_classes: int,
+        rank: int,
+        device: torch.device,
+        world_size: int = 1,
     ) -> BatchMixer | None:
         """The run's mixer, or None when neither --mixup nor --cutmix is on."""
         if cfg.mixup <= 0 and cfg.cutmix <= 0:
             return None
-        return cls(cfg, num_classes, rank, device)
+        return cls(cfg, num_classes, rank, device, world_size)
 
     def for_epoch(self, epoch: int) -> EpochMixer | None:
         """The mixing of ``epoch`` (counted from 0), or None in the last ``--mix_off_epochs``."""
@@ -74,7 +85,8 @@ class BatchMixer:
         # On the device first: the blend runs there, and a pinned batch is copied as it is.
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        with seeded_cpu_generator(step_seed(self.seed, epoch, step, self.rank)):
+        position = step * self.global_batch + self.rank
+        with seeded_cpu_generator(step_seed(self.seed, epoch, step, position)):
             return self.transform(images, targets)
 
 

@@ -1,5 +1,6 @@
-"""Stopping on SIGTERM/SIGINT/SIGHUP (preemption, Ctrl-C, a closed terminal), or when the
---max_time budget runs out, at a step that every rank agrees on.
+"""Stopping on SIGTERM/SIGINT/SIGHUP/SIGUSR1 (preemption, Ctrl-C, a closed terminal, SLURM's
+``--signal`` warning before a time limit), or when the --max_time budget runs out, at a step
+that every rank agrees on.
 
 A signal only sets a flag. After each optimizer step every rank calls ``agreed()``, a one-number
 all-reduce (MAX) of the flags, so all ranks see the request at the same step even when only one of

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +23,10 @@ from imgtrainer.checkpoints.resume import (
     find_resume_checkpoint,
     optimisation_settings,
     rank_state,
+    requested_global_batch,
     restore_rank_state,
-    saved_step_batch,
+    saved_global_batch,
+    saved_world_size,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.data.balance import class_counts
@@ -41,9 +46,10 @@ from imgtrainer.reports.history import HistoryWriter
 from imgtrainer.reports.tensorboard import TensorBoardLogger
 from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.run.config import (
+    Layout,
     TrainConfig,
+    choose_layout,
     effective_batch,
-    optimizer_batch,
     parse_duration,
 )
 from imgtrainer.run.lifecycle import mark
@@ -91,9 +97,14 @@ class Trainer:
     """The state of one run and the steps of its loop; ``main()`` below is its table of contents."""
 
     def __init__(self, cfg: TrainConfig, dist: DistInfo):
-        self.cfg, self.dist = cfg, dist
+        # The flags as given: checkpoints keep them, so a restart can tell whether its own
+        # flags change the run. ``self.cfg`` is the layout that makes the global batch here.
+        self.requested, self.dist = cfg, dist
         # --max_time counts from here: loading and caching the data count too.
         self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
+        self.override_changes: list[str] = []  # the flags --resume_override applies
+        self.resume_path, self.resume_state = self.find_resume_state(cfg)
+        self.cfg = cfg = self.lay_out(cfg)
         self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(
             cfg, dist
         )
@@ -112,7 +123,9 @@ class Trainer:
             cfg, TrialParts.of(parts), dist.local_world_size, len(self.class_names)
         )
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
-        self.mixer = BatchMixer.from_config(cfg, len(self.class_names), dist.rank, dist.device)
+        self.mixer = BatchMixer.from_config(
+            cfg, len(self.class_names), dist.rank, dist.device, dist.world_size
+        )
         self.checkpoints = CheckpointWriter(
             Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
         )
@@ -130,10 +143,46 @@ class Trainer:
         self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
 
     # -- resume ---------------------------------------------------------------------------
+    @staticmethod
+    def find_resume_state(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
+        """The checkpoint to resume and its contents. Workers that torchrun restarted (an
+        elastic restart, a lost process) continue from the newest checkpoint by themselves,
+        as under --resume auto."""
+        folder, path = Path(cfg.checkpoint_dir), None
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            path = find_resume_checkpoint("auto", folder)
+        path = path or find_resume_checkpoint(cfg.resume, folder)
+        return path, (load_training_checkpoint(path) if path is not None else None)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.cfg.batch_size, self.cfg.accum_steps, self.dist.world_size)
+
+    def lay_out(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with the --batch_size and --accum_steps that make the resumed run's global
+        batch on this run's processes (unchanged when its own flags make it). A resume whose
+        flags change the global batch is refused here unless --resume_override."""
+        state, world = self.resume_state, self.dist.world_size
+        if state is None:
+            return cfg
+        # Model and optimizer first (the classes are compared once the data is read).
+        check_resume_fits(
+            state, self.resume_path, state.get("class_names"), cfg.model, cfg.optimizer
+        )
+        changes = check_resume_settings(
+            state, self.resume_path, cfg.to_dict(), world, override=cfg.resume_override
+        )
+        self.override_changes = changes
+        target, _ = requested_global_batch(state, cfg.to_dict(), world)
+        if target == effective_batch(cfg, world):
+            return cfg
+        layout = choose_layout(target, world, cfg.batch_size)
+        return replace(cfg, batch_size=layout.batch_size, accum_steps=layout.accum_steps)
+
     def resume(self) -> None:
-        path = find_resume_checkpoint(self.cfg.resume, Path(self.cfg.checkpoint_dir))
-        if path is not None:
-            self.load_checkpoint(path)
+        if self.resume_state is not None:
+            self.load_checkpoint(self.resume_path, self.resume_state)
+            self.resume_state = None  # the weights are in the model now
         # Only rank 0 writes checkpoints: a rank on another node that finds none (or another
         # one) would train other weights from another position, and hang at the epoch's end.
         positions = all_gather_objects((self.epoch, self.step))
@@ -182,13 +231,10 @@ class Trainer:
         """Optimizer steps since the run began: the step axis of the TensorBoard curves."""
         return self.epoch * self.steps_per_epoch + self.step
 
-    def load_checkpoint(self, path: Path) -> None:
+    def load_checkpoint(self, path: Path, ckpt: dict[str, Any]) -> None:
         parts = self.parts
-        ckpt = load_training_checkpoint(path)
         check_resume_fits(ckpt, path, self.class_names, self.cfg.model, self.cfg.optimizer)
-        changes = check_resume_settings(
-            ckpt, path, self.cfg.to_dict(), self.dist.world_size, override=self.cfg.resume_override
-        )
+        changes = self.override_changes
         from_flags = optimisation_settings(parts.optimizer, parts.scheduler)
         parts.plain_model.load_state_dict(ckpt["model_state_dict"])
         self.ema.resume(ckpt)
@@ -206,7 +252,8 @@ class Trainer:
             )
         if ckpt.get("scaler_state_dict"):
             parts.scaler.load_state_dict(ckpt["scaler_state_dict"])
-        self.epoch, self.step = ckpt["epoch"], ckpt.get("step", 0)
+        self.epoch = ckpt["epoch"]
+        self.step = self.resumed_position(ckpt) // effective_batch(self.cfg, self.dist.world_size)
         self.best.resume(ckpt, path, override=self.cfg.resume_override)
         # A micro-batch halved after an out-of-memory error stays halved.
         parts.plan.micro_batch = min(
@@ -216,30 +263,34 @@ class Trainer:
         # are dropped, so every epoch appears exactly once.
         self.history.records = list(ckpt.get("history", []))
         self.history.save()
-        rank_states = ckpt.get("rank_states") or []
-        # The position within the epoch counts loader batches of one optimizer step each.
-        saved_step = saved_step_batch(ckpt)
-        same_layout = (
-            len(rank_states) == self.dist.world_size
-            and saved_step is not None
-            and saved_step[0] * saved_step[1] == optimizer_batch(self.cfg)
-        )
-        if same_layout:
-            self.resumed_sums = restore_rank_state(rank_states[self.dist.rank], self.dist.device)
-        elif self.step:
-            per_process = (
-                f"{saved_step[0] * saved_step[1]}" if saved_step else "an unknown number of"
-            )
-            log.warning(
-                f"{path} was written by {len(rank_states)} process(es) with "
-                f"{per_process} images per optimizer step each; with a different "
-                f"layout, epoch {self.epoch + 1} restarts from its first step"
-            )
-            self.step = 0
+        self.resumed_sums = self.resumed_rank_state(ckpt)
         log.info(
             f"Resumed from {path}: epoch {self.epoch + 1}, step {self.step} of "
-            f"{self.steps_per_epoch}, {self.best_line()}"
+            f"{self.steps_per_epoch} (sample {self.step * self.layout.global_batch} of the "
+            f"epoch's order), {self.best_line()}; processes "
+            f"{saved_world_size(ckpt) or '?'} -> {self.dist.world_size}, layout "
+            f"{self.layout.describe()}"
         )
+
+    @staticmethod
+    def resumed_position(ckpt: dict[str, Any]) -> int:
+        """Samples of the epoch's global order consumed (older checkpoints count steps)."""
+        if "epoch_position" in ckpt:
+            return ckpt["epoch_position"]
+        return ckpt.get("step", 0) * (saved_global_batch(ckpt) or 0)
+
+    def resumed_rank_state(self, ckpt: dict[str, Any]) -> torch.Tensor | None:
+        """This rank's random state and running metrics. Written by another number of
+        processes, the metrics of the epoch's steps so far go to rank 0, as one sum (the epoch's
+        figures are summed over ranks); the random streams are each rank's own, and nothing of
+        the training draws from them (augmentation and mixing are seeded by position)."""
+        rank_states = ckpt.get("rank_states") or []
+        if len(rank_states) == self.dist.world_size:
+            return restore_rank_state(rank_states[self.dist.rank], self.dist.device)
+        sums = [s["train_sums"] for s in rank_states if s.get("train_sums") is not None]
+        if not sums or not self.step or self.dist.rank != 0:
+            return None
+        return torch.stack(sums).sum(0)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(
@@ -285,6 +336,10 @@ class Trainer:
             scaler_state_dict=parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
             epoch=self.epoch,
             step=self.step,
+            # The position in the epoch's global sample order: a resume on any number of
+            # processes continues there.
+            epoch_position=self.step * self.layout.global_batch,
+            layout=dataclasses.asdict(self.layout),
             micro_batch=parts.plan.micro_batch,
             **self.best.checkpoint_fields(self.history.records),
             class_names=self.class_names,
@@ -292,7 +347,7 @@ class Trainer:
             mean=list(IMAGENET_MEAN),
             std=list(IMAGENET_STD),
             model_name=self.cfg.model,
-            config=self.cfg.to_dict(),
+            config=self.requested.to_dict(),
             world_size=self.dist.world_size,
             effective_batch_size=effective_batch(self.cfg, self.dist.world_size),
             history=self.history.records,
@@ -303,7 +358,7 @@ class Trainer:
     def run_epoch(self) -> bool:
         """Train and evaluate one epoch; False if a stop signal ended it early."""
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
-        self.sampler.set_epoch(self.epoch, start=self.step * optimizer_batch(self.cfg))
+        self.sampler.set_epoch(self.epoch, position=self.step * self.layout.global_batch)
         first_step, started = self.step, time.perf_counter()
         self.budget.start_steps()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")

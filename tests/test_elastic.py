@@ -1,0 +1,379 @@
+"""Elastic runs: the global batch kept over another number of processes, sample-exact resumes,
+torchrun's node range through the launcher, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import imgtrainer.run.launcher as launch_ddp
+import imgtrainer.run.train as train_ddp
+import imgtrainer.training.trainer as trainer_module
+from conftest import (
+    ROOT,
+    TINY_FLAGS,
+    run_cli,
+    run_main,
+    run_train,
+    start_launcher,
+    user_error_line,
+    write_image_folder,
+)
+from imgtrainer.checkpoints.resume import changed_settings
+from imgtrainer.data.samplers import EpochSampler
+from imgtrainer.errors import UserError
+from imgtrainer.run.config import TrainConfig, choose_layout, parse_config
+
+FAULTS = Path(__file__).parent / "fault_injection"
+sys.path.insert(0, str(FAULTS))
+from sitecustomize import RECORD_ENV, install_recorder  # noqa: E402
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def rank_batches(sampler_args: tuple, world: int, epoch: int, position: int) -> list[list[int]]:
+    """Each rank's indices from ``position`` of ``epoch``, at ``world`` processes."""
+    shares = []
+    for rank in range(world):
+        sampler = EpochSampler(sampler_args[0], rank, world, *sampler_args[1:])
+        sampler.set_epoch(epoch, position)
+        shares.append([index for index, _ in sampler])
+        assert len(shares[-1]) == len(sampler)
+    return shares
+
+
+def test_each_step_takes_the_next_global_batch_at_any_world_size():
+    args = (48, 3, 12)  # 48 samples, seed 3, global batch 12: 4 steps per epoch
+    order = EpochSampler(48, 0, 1, 3, 12)
+    order.set_epoch(1)
+    full = order.epoch_order()
+    assert sorted(full) == list(range(48)) and order.steps_per_epoch == 4
+    for world in (1, 2, 3, 4, 6):
+        shares = rank_batches(args, world, 1, 24)  # resumed after 2 steps
+        per_step = 12 // world
+        for step in range(2):
+            taken = sorted(
+                i for share in shares for i in share[step * per_step : (step + 1) * per_step]
+            )
+            assert taken == sorted(full[24 + 12 * step : 36 + 12 * step])
+    # The partial last global batch is left out, as the loader's drop_last does.
+    sampler = EpochSampler(50, 0, 2, 3, 12)
+    assert sampler.steps_per_epoch == 4 and len(sampler) == 24
+
+
+def test_the_epoch_order_is_the_subclass_contract():
+    """A sampler that overrides epoch_order() (a balanced one) is split over ranks the same way."""
+
+    class Reversed(EpochSampler):
+        def epoch_order(self) -> list[int]:
+            return list(reversed(range(self.dataset_size)))
+
+    shares = []
+    for rank in range(2):
+        sampler = Reversed(8, rank, 2, 0, 4)
+        sampler.set_epoch(0, position=4)
+        shares.append([index for index, _ in sampler])
+    assert shares == [[3, 1], [2, 0]]
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def test_layout_keeps_the_global_batch_and_the_pass_where_it_can():
+    assert choose_layout(32, 2, 16).__dict__ == {
+        "batch_size": 16,
+        "accum_steps": 1,
+        "world_size": 2,
+    }
+    assert choose_layout(32, 1, 16).accum_steps == 2
+    assert (choose_layout(48, 4, 16).batch_size, choose_layout(48, 4, 16).accum_steps) == (12, 1)
+    assert (choose_layout(40, 2, 16).batch_size, choose_layout(40, 2, 16).accum_steps) == (10, 2)
+    with pytest.raises(
+        UserError, match=r"32 images cannot be split evenly over 3 processes.*1, 2, 4, 8, 16, 32"
+    ):
+        choose_layout(32, 3, 16)
+
+
+def test_explicit_flags_that_contradict_the_global_batch_are_refused_at_start(capsys):
+    cfg = parse_config(["--global_batch_size", "64", "--batch_size", "16"], world_size=2)
+    assert (cfg.batch_size, cfg.accum_steps) == (16, 2)
+    cfg = parse_config(["--global_batch_size", "64", "--accum_steps", "4"], world_size=2)
+    assert (cfg.batch_size, cfg.accum_steps) == (8, 4)
+    assert parse_config(["--global_batch_size", "64"], world_size=4).batch_size == 16
+    with pytest.raises(
+        UserError,
+        match=r"--global_batch_size 64 contradicts --batch_size 16 x --accum_steps 1 on 2",
+    ):
+        parse_config(
+            ["--global_batch_size", "64", "--batch_size", "16", "--accum_steps", "1"], world_size=2
+        )
+    with pytest.raises(UserError, match="cannot be split evenly over 3 processes"):
+        parse_config(["--global_batch_size", "64"], world_size=3)
+    # A resume (or a restarted worker) lays the run out again instead.
+    resumed = parse_config(
+        [
+            "--global_batch_size",
+            "64",
+            "--batch_size",
+            "16",
+            "--accum_steps",
+            "1",
+            "--resume",
+            "auto",
+        ],
+        world_size=1,
+    )
+    assert (resumed.batch_size, resumed.accum_steps) == (16, 4)
+    line = user_error_line(
+        train_ddp.main, ["--global_batch_size", "30", "--accum_steps", "4"], capsys
+    )
+    assert "--global_batch_size 30 contradicts --accum_steps 4 on 1 process(es)" in line
+
+
+def test_a_resume_keeps_the_global_batch_and_refuses_to_change_it():
+    config = dict(TrainConfig().to_dict(), batch_size=16, accum_steps=1)
+    state = {"config": config, "world_size": 2, "effective_batch_size": 32}
+    state["layout"] = {"batch_size": 16, "accum_steps": 1, "world_size": 2}
+    assert changed_settings(state, config, 1) == []  # the same flags: 16 x 2 x 1 then
+    assert changed_settings(state, config, 4) == []
+    [change] = changed_settings(state, dict(config, batch_size=8), 1)
+    assert change.endswith("16x1x2=32 -> 8x1x1=8")
+    [change] = changed_settings(state, dict(config, global_batch_size=64), 2)
+    assert change.endswith("16x1x2=32 -> --global_batch_size 64")
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@pytest.fixture
+def elastic_dataset(tmp_path: Path) -> tuple[Path, Path]:
+    """32 training images: 2 steps of 16 per epoch."""
+    classes = ["cat", "dog"]
+    return (
+        write_image_folder(tmp_path / "data" / "train", classes, 16, seed=1),
+        write_image_folder(tmp_path / "data" / "val", classes, 2, seed=2),
+    )
+
+
+def vit_flags(train: Path, val: Path, *extra: str) -> list[str]:
+    """A tiny timm ViT: no BatchNorm, so the weights do not depend on how a step is split."""
+    return [
+        *("--train_dir", train, "--val_dir", val, *TINY_FLAGS),
+        *("--model", "test_vit", "--optimizer", "sgd", "--epochs", "2", "--save_every_steps", "1"),
+        *extra,
+    ]
+
+
+def recording_env(folder: Path, **extra: str) -> dict[str, str]:
+    path = [str(FAULTS), os.environ.get("PYTHONPATH", "")]
+    return {RECORD_ENV: str(folder), "PYTHONPATH": os.pathsep.join(filter(None, path)), **extra}
+
+
+def used_indices(folder: Path) -> dict[int, list[int]]:
+    """Per epoch, the indices of the steps that count: a step run again after a crash counts
+    as its last attempt ran it (the crashed attempt's weights were never saved)."""
+    records = [json.loads(line) for line in (folder / "indices.jsonl").read_text().splitlines()]
+    last = {(r["epoch"], r["step"]): r["attempt"] for r in records}  # appended in time order
+    used = defaultdict(list)
+    for r in records:
+        if last[(r["epoch"], r["step"])] == r["attempt"]:
+            used[r["epoch"]] += r["indices"]
+    return used
+
+
+def assert_each_index_once_per_epoch(folder: Path, epochs: int, samples: int) -> None:
+    used = used_indices(folder)
+    assert sorted(used) == list(range(epochs))
+    for epoch, indices in used.items():
+        assert sorted(indices) == list(range(samples)), f"epoch {epoch}"
+
+
+def latest(workdir: Path) -> dict:
+    return torch.load(workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+
+
+def launch(workdir: Path, flags: list, env: dict, *launcher_flags: str):
+    return run_cli(
+        [ROOT / "launch_ddp.py", "--device", "cpu", *launcher_flags, *flags], workdir, env=env
+    )
+
+
+def run_recorded(
+    flags: list, workdir: Path, monkeypatch, stop_at: tuple[int, int] | None = None
+) -> int:
+    """``run_train`` with the index recorder; ``stop_at`` (epoch from 0, step): a SIGTERM
+    there, the preemption a stop saves for."""
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            trainer_module.Trainer, "register_hooks", trainer_module.Trainer.register_hooks
+        )
+        install_recorder(trainer_module, str(workdir))
+        if stop_at is not None:
+            register = trainer_module.Trainer.register_hooks
+
+            class Preempt(trainer_module.Hook):
+                def __init__(self, trainer):
+                    self.trainer = trainer
+
+                def on_step_end(self, info) -> bool:
+                    if (self.trainer.epoch, info.step) == stop_at:
+                        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning
+                    return False
+
+            def with_preempt(self) -> None:
+                register(self)
+                self.hooks.register(Preempt(self), before=trainer_module.CheckpointAndStop)
+
+            patch.setattr(trainer_module.Trainer, "register_hooks", with_preempt)
+        return run_train([str(a) for a in flags], workdir)
+
+
+@pytest.mark.slow
+def test_two_one_two_processes_resume_sample_exact(elastic_dataset, tmp_path, monkeypatch):
+    """2 processes (killed in epoch 1), 1 (stopped by SIGUSR1 in epoch 2), 2 again, at the same
+    global batch of 16: every training index once per epoch, the uninterrupted run's step
+    count, and its weights to float tolerance."""
+    train, val = elastic_dataset
+    clean, elastic = tmp_path / "clean", tmp_path / "elastic"
+    clean.mkdir(), elastic.mkdir()
+    assert run_recorded(vit_flags(train, val, "--accum_steps", "2"), clean, monkeypatch) == 0
+
+    flags = vit_flags(train, val, "--resume", "auto")
+    killed = launch(elastic, flags, recording_env(elastic, TRAIN_DDP_KILL_AT="1:2"), "--nproc", "2")
+    assert killed.returncode != 0 and latest(elastic)["step"] == 1
+    assert run_recorded(flags, elastic, monkeypatch, stop_at=(1, 1)) == 143
+    log = (elastic / "logs" / "train_rank_0.log").read_text()
+    assert "epoch 1, step 1 of 2 (sample 16 of the epoch's order)" in log
+    assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es) = 16" in log
+    assert (latest(elastic)["epoch"], latest(elastic)["epoch_position"]) == (1, 16)
+    done = launch(elastic, flags, recording_env(elastic), "--nproc", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "processes 1 -> 2, layout --batch_size 8 x --accum_steps 1 x 2 process(es) = 16"
+        in done.stdout
+    )
+
+    assert_each_index_once_per_epoch(elastic, 2, 32)
+    a, b = latest(clean), latest(elastic)
+    assert a["scheduler_state_dict"]["last_epoch"] == b["scheduler_state_dict"]["last_epoch"] == 4
+    assert a["effective_batch_size"] == b["effective_batch_size"] == 16
+    for name, weight in a["model_state_dict"].items():
+        torch.testing.assert_close(b["model_state_dict"][name], weight, rtol=1e-4, atol=1e-5)
+    history = json.loads((elastic / "logs" / "training_history.json").read_text())["epochs"]
+    assert [r["epoch"] for r in history] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def dry_run(capsys, *args: str) -> str:
+    assert run_main(launch_ddp.main, ["--dry_run", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_an_elastic_node_range_goes_to_torchrun(capsys):
+    cmd = dry_run(
+        capsys,
+        *("--device", "cpu", "--nnodes", "1:4", "--rdzv_endpoint", "10.1.2.3:29400"),
+        *("--max_restarts", "5", "--rdzv_conf", "last_call_timeout=5"),
+    )
+    assert "--nnodes=1:4" in cmd and "--rdzv-endpoint=10.1.2.3:29400" in cmd
+    assert "--max-restarts=5" in cmd and "--rdzv-conf=last_call_timeout=5" in cmd
+    assert "--node-rank" not in cmd  # the rendezvous numbers the nodes of each round
+    fixed = dry_run(capsys, "--device", "cpu", "--nnodes", "2", "--rdzv_conf", "join_timeout=60")
+    assert "--rdzv-conf=is_host=1,join_timeout=60" in fixed and "--nnodes=2 " in fixed
+    for bad in ("3:2", "0:2", "1:2:3", "two"):
+        line = user_error_line(launch_ddp.main, ["--device", "cpu", "--nnodes", bad], capsys)
+        assert "--nnodes" in line and bad in line
+
+
+def agent_group(launcher) -> int:
+    """The process group of a launcher's torchrun (its own session): the agent and workers."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    return os.getpgid(int(children[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("IMGTRAINER_ELASTIC_AGENTS_TEST"),
+    reason="about a minute on 2 CPU cores (two agents start, the survivor waits out the lost "
+    "agent's keep-alive and the rendezvous' last call): set IMGTRAINER_ELASTIC_AGENTS_TEST=1",
+)
+def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_path):
+    """Two torchrun agents (--nnodes 1:2, c10d on localhost, one process each); the second
+    (not the rendezvous host) is SIGKILLed with its worker after a mid-epoch checkpoint. The
+    survivor restarts its worker on its own, which resumes at world size 1: every epoch once
+    in the history, each index once per epoch, the uninterrupted run's step count."""
+    train, val = elastic_dataset
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    endpoint = f"localhost:{launch_ddp.free_port()}"
+    elastic = [
+        *("--device", "cpu", "--nproc", "1", "--nnodes", "1:2", "--rdzv_endpoint", endpoint),
+        *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", "last_call_timeout=8"),
+    ]
+    flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
+    env = recording_env(workdir)
+    first = start_launcher(flags, workdir, env=env)
+    time.sleep(1)  # the first agent hosts the rendezvous store; both join the first round
+    second = start_launcher(flags, workdir, env=env, stdout=subprocess.DEVNULL)
+    checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert latest(workdir)["world_size"] == 2 and latest(workdir)["step"] == 1
+    os.killpg(agent_group(second), signal.SIGKILL)
+    second.kill()
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-3000:]
+    assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es)" in stdout
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert_each_index_once_per_epoch(workdir, 2, 32)
+    final = latest(workdir)
+    assert final["effective_batch_size"] == 16 and final["scheduler_state_dict"]["last_epoch"] == 4
+
+
+FORWARD_SCRIPT = """
+import os, signal, sys, threading, time
+from imgtrainer.run.launcher import run_forwarding_signals
+
+ready = sys.argv[1]
+child = (
+    "import signal, sys, time\\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\\n"
+    "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\\n"
+    f"open({ready!r}, 'w').close()\\n"
+    "time.sleep(60)\\n"
+)
+
+def warn_when_ready():
+    while not os.path.exists(ready):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning before the time limit
+
+threading.Thread(target=warn_when_ready, daemon=True).start()
+received, code = run_forwarding_signals([sys.executable, "-c", child], dict(os.environ), None)
+print(received, code)
+"""
+
+
+def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
+    """torchrun's agent stops its workers on SIGTERM (SIGUSR1 would end it at once)."""
+    result = run_cli(
+        ["-c", FORWARD_SCRIPT, tmp_path / "ready"],
+        tmp_path,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [f"[{int(signal.SIGUSR1)}]", "7"]
