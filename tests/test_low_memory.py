@@ -213,9 +213,9 @@ def test_low_memory_checkpoints_the_early_layers_exactly_and_keeps_less():
     images, targets = torch.randn(2, 3, 48, 48), torch.tensor([0, 2])
     for model in (plain, early):
         nn.functional.cross_entropy(model(images), targets).backward()
-    for (name, a), b in zip(plain.named_parameters(), early.parameters()):
+    for (name, a), b in zip(plain.named_parameters(), early.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
-    for (name, a), b in zip(plain.named_buffers(), early.buffers()):
+    for (name, a), b in zip(plain.named_buffers(), early.buffers(), strict=True):
         assert torch.equal(a, b), name  # the recomputation is not counted again
 
     def saved_bytes(model: nn.Module) -> int:
