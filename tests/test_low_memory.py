@@ -198,7 +198,7 @@ def test_low_memory_checkpoints_the_early_layers_exactly_and_keeps_less():
     from imgtrainer.training.memory_fit import TrialInputs, TrialParts, measure_micro_batch
 
     torch.manual_seed(0)
-    plain = build_model("resnet18", 3)
+    plain = build_model("test_resnet", 3)  # timm's small ResNet: the same stem and stages
     early, every = copy.deepcopy(plain), copy.deepcopy(plain)
     enable_memory_savers(early, grad_checkpointing=True, channels_last=False, early_only=True)
     enable_memory_savers(every, grad_checkpointing=True, channels_last=False)
@@ -210,7 +210,7 @@ def test_low_memory_checkpoints_the_early_layers_exactly_and_keeps_less():
         "early layers",
         "every block",
     ]
-    images, targets = torch.randn(2, 3, 48, 48), torch.tensor([0, 2])
+    images, targets = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
     for model in (plain, early):
         nn.functional.cross_entropy(model(images), targets).backward()
     for (name, a), b in zip(plain.named_parameters(), early.parameters(), strict=True):
@@ -221,7 +221,7 @@ def test_low_memory_checkpoints_the_early_layers_exactly_and_keeps_less():
     def saved_bytes(model: nn.Module) -> int:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         parts = TrialParts(model, optimizer, nn.CrossEntropyLoss(), FP32, CPU)
-        return measure_micro_batch(parts, TrialInputs((3, 64, 64), 3), 4).batch_bytes
+        return measure_micro_batch(parts, TrialInputs((3, 32, 32), 3), 2).batch_bytes
 
     kept = {
         name: saved_bytes(m) for name, m in (("off", plain), ("early", early), ("every", every))

@@ -194,14 +194,20 @@ def _resnet_stem(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _early_checkpointed_features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = _checkpoint(partial(_resnet_stem, model), [model.bn1], x)
+    stem = (model.conv1, model.bn1, model.act1, model.maxpool)  # conv1: one or three (deep stem)
+    x = _checkpoint(partial(_resnet_stem, model), _batch_norms(*stem), x)
     for block in model.layer1:
-        x = _checkpoint(block, [m for m in block.modules() if _is_batch_norm(m)], x)
+        x = _checkpoint(block, _batch_norms(block), x)
     return model.layer4(model.layer3(model.layer2(x)))
 
 
-def _is_batch_norm(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+def _batch_norms(*modules: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
 
 
 def _checkpoint(function, norms: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
