@@ -713,4 +713,12 @@ def decode_rates(folder: Path, device: str, limit: int = 4096) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--worker" in sys.argv:
+        # The trainer's loader workers leave stopping to it (they ignore SIGTERM), and an epoch
+        # cut short leaves them running: multiprocessing's exit handler would wait for them
+        # forever. The result is written; end the measurement process here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -213,6 +213,9 @@ def _batch_norms(*modules: nn.Module) -> list[nn.Module]:
 def _checkpoint(function, norms: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # evaluation, the EMA's forward: nothing to recompute
         return function(x)
+    if torch.compiler.is_compiling():
+        # The compiled graph recomputes values only; its running statistics are updated once.
+        return checkpoint(function, x, use_reentrant=False)
     recompute = partial(_running_stats_kept, norms)
     return checkpoint(
         function, x, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute())
