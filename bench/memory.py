@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Peak memory and speed of training steps, normal mode vs --low_memory, and the budget.
+"""Peak memory and speed of training steps: normal mode, --low_memory (which checkpoints the
+early layers only) and the same preset with timm's checkpointing of every block, and the budget.
 
     python bench/memory.py                                   # CPU: ResNet18, 128 px, batch 64
     python bench/memory.py --device cuda --image_size 224    # CUDA: the 2 GB target
@@ -22,6 +23,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MIB = 2**20
+EVERY_BLOCK = "every_block"  # the mode with timm's checkpointing of every block
+MODES = ("normal", "low_memory", EVERY_BLOCK)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -60,6 +63,10 @@ def worker(args: argparse.Namespace) -> dict:
     ]
     if args.worker == "low_memory":
         flags += ["--low_memory", "--max_memory_gb", str(args.max_memory_gb)]
+    elif args.worker == EVERY_BLOCK:  # the preset's flags, without its early-layers choice
+        flags += ["--grad_checkpointing", "--auto_micro_batch", "--prefetch_factor", "1"]
+        flags += ["--max_memory_gb", str(args.max_memory_gb)]
+        flags += ["--use_amp", "--channels_last"] if args.device == "cuda" else []
     cfg = parse_config(flags)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -113,7 +120,7 @@ def worker(args: argparse.Namespace) -> dict:
         "imports_mib": imports_mib,
         "peak_rss_mib": resident.peak() / MIB if resident.available else None,
         "budgeted_peak_mib": ((resident.peak() - baseline) / MIB if baseline is not None else None),
-        "budget_mib": args.max_memory_gb * 1024 if args.worker == "low_memory" else None,
+        "budget_mib": args.max_memory_gb * 1024 if args.worker != "normal" else None,
         "peak_reset": reset,
         "precision": str(precision.dtype) if precision.enabled else "float32",
     }
@@ -149,7 +156,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def report(args: argparse.Namespace, normal: dict, low: dict) -> None:
+def report(args: argparse.Namespace, normal: dict, low: dict, every: dict | None = None) -> None:
     cuda = args.device == "cuda"
     print(
         f"\n{args.model}, {args.image_size} px, batch {args.batch_size} per optimizer step, "
@@ -157,13 +164,14 @@ def report(args: argparse.Namespace, normal: dict, low: dict) -> None:
         f"--low_memory with --max_memory_gb {args.max_memory_gb}"
     )
     header = f"{'mode':<11} {'micro-batch':>11} {'precision':>16}"
+    rows = [r for r in (normal, low, every) if r]
     header += (
         f" {'CUDA peak':>12}"
         if cuda
         else f" {'peak RSS':>10} {'above imports':>14} {'budgeted':>10}"
     )
     print(header + f" {'img/s':>8}")
-    for r in (normal, low):
+    for r in rows:
         line = f"{r['mode']:<11} {r['micro_batch']:>11} {r['precision']:>16}"
         if cuda:
             line += f" {r['cuda_peak_mib']:>8.0f} MiB"
@@ -174,6 +182,11 @@ def report(args: argparse.Namespace, normal: dict, low: dict) -> None:
                 f" {r['budgeted_peak_mib']:>6.0f} MiB"
             )
         print(line + f" {r['images_per_sec']:>8.1f}")
+    if every:
+        print(
+            f"speed vs normal: low_memory {low['images_per_sec'] / normal['images_per_sec']:.2f}, "
+            f"{EVERY_BLOCK} {every['images_per_sec'] / normal['images_per_sec']:.2f}"
+        )
     speed = low["images_per_sec"] / normal["images_per_sec"]
     budget = args.max_memory_gb * 1024
     if cuda:
@@ -214,7 +227,12 @@ def main() -> None:
         "weights, gradients and AdamW state take 0.17 of it; 2 on CUDA, the "
         "2 GB GPU target)",
     )
-    parser.add_argument("--worker", choices=["normal", "low_memory"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--skip_every_block",
+        action="store_true",
+        help=f"leave out the {EVERY_BLOCK} mode (timm's checkpointing of every block)",
+    )
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.max_memory_gb is None:
         args.max_memory_gb = 2.0 if args.device == "cuda" else 0.5
@@ -223,7 +241,8 @@ def main() -> None:
         return
     normal = run_mode("normal", args)
     low = run_mode("low_memory", args)
-    report(args, normal, low)
+    every = None if args.skip_every_block else run_mode(EVERY_BLOCK, args)
+    report(args, normal, low, every)
 
 
 if __name__ == "__main__":

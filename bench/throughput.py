@@ -3,6 +3,8 @@
     python bench/throughput.py                                   # ResNet18, 32 px, batch 64, 1 and 2 processes
     python bench/throughput.py --image_size 224 --batch_size 32
     python bench/throughput.py -- --cache_images ram             # trainer flags after "--"
+    python bench/throughput.py --sources gpu ram none --decode   # each source; JPEG decode rates
+    python bench/throughput.py --world_sizes 1 --step_variants eager compile batch_x2
 
 For each world size it runs, as separate torchrun jobs with the same threads per process:
 
@@ -11,10 +13,19 @@ For each world size it runs, as separate torchrun jobs with the same threads per
 2. trainer: the real training path (the trainer's loader, transforms, sampler, AMP setting, DDP
    wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files.
 
+With ``--sources``, the trainer runs once per image source (``--cache_images`` gpu, ram, none)
+against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
+(``torchvision.io.decode_jpeg(list, device="cuda")``, batches of 256) and on the CPU (files read
+and decoded by as many loader workers as the trainer would start, and by one process).
+``--step_variants`` measures the bare step (world size 1) with ``torch.compile`` in each mode,
+larger batches, and AdamW's foreach kernels instead of the fused ones, with the time of the first
+step (compilation included).
+
 It prints a table and writes JSON: images/s of both, efficiency = trainer / ceiling, the share of
 each step spent waiting for data, in forward/backward, in the optimizer, in metrics and hooks,
 and the all-reduce wait not hidden behind backward (from DDP's own timing), the time from start
-to the first step, and on CUDA the achieved TFLOP/s and the fraction of the device's peak.
+to the first step, and on CUDA the achieved TFLOP/s and the fraction of the device's dense bf16
+peak (FLOPs counted by ``torch.utils.flop_counter``: forward x 3 for forward and backward).
 """
 
 from __future__ import annotations
@@ -48,6 +59,19 @@ PEAK_FLOPS = {
 }
 
 
+# Variants of the bare step: torch.compile's mode, the batch's multiple, AdamW's kernels.
+STEP_VARIANTS: dict[str, dict] = {
+    "eager": {},
+    "compile": {"compile": "default"},
+    "compile_max_autotune_no_cudagraphs": {"compile": "max-autotune-no-cudagraphs"},
+    "compile_reduce_overhead": {"compile": "reduce-overhead"},
+    "batch_x2": {"batch_scale": 2},
+    "batch_x4": {"batch_scale": 4},
+    "adamw_foreach": {"adamw": "foreach"},
+}
+DECODE_BATCH = 256  # images per decode_jpeg call on the GPU
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 
@@ -67,8 +91,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="images in the generated training folder, at least (the scan of "
         "Animals-90 is part of the time to first step)",
     )
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=["gpu", "ram", "none"],
+        default=None,
+        help="run the trainer once per --cache_images source (default: once, as the trainer "
+        "flags say)",
+    )
+    parser.add_argument("--decode", action="store_true", help="also measure JPEG decode rates")
+    parser.add_argument(
+        "--step_variants",
+        nargs="*",
+        choices=list(STEP_VARIANTS),
+        default=[],
+        help="also measure the bare step with these variants (world size 1)",
+    )
     parser.add_argument("--output", type=Path, default=Path("bench_results/throughput.json"))
     parser.add_argument("--worker", choices=["ceiling", "trainer"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=list(STEP_VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args, trainer_flags = parser.parse_known_args(argv)
@@ -121,6 +162,7 @@ def run_worker(
         str(args.steps),
         "--device",
         args.device,
+        *(["--variant", args.variant] if getattr(args, "variant", None) else []),
         "--",
         *args.trainer_flags,
     ]
@@ -138,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
     per_run = (args.warmup + args.steps + 1) * args.batch_size * max(args.world_sizes)
+    per_run *= max([1] + [STEP_VARIANTS[v].get("batch_scale", 1) for v in args.step_variants])
+    report: dict = {
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("worker", "result", "data", "output")
+        },
+    }
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         data = make_dataset(
@@ -151,37 +199,64 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - started:.1f}s",
             flush=True,
         )
-        rows = []
-        for world_size in args.world_sizes:
-            ceiling = run_worker(args, "ceiling", world_size, data, Path(tmp) / "ceiling.json")
-            trainer = run_worker(args, "trainer", world_size, data, Path(tmp) / "trainer.json")
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "ceiling": ceiling,
-                    "trainer": trainer,
-                    "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
-                }
-            )
-            print_row(rows[-1])
-    report = {
-        "settings": {
-            k: v for k, v in vars(args).items() if k not in ("worker", "result", "data", "output")
-        },
-        "results": rows,
-    }
+        report["results"] = measure_sources(args, data, Path(tmp))
+        print_summary(report["results"])
+        if args.decode:
+            report["decode"] = decode_rates(data / "train", args.device)
+            print_decode(report["decode"])
+        if args.step_variants:
+            report["step_variants"] = measure_step_variants(args, data, Path(tmp))
+            print_step_variants(report["step_variants"])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str))
     print(f"Wrote {args.output}")
     return 0
 
 
+def measure_sources(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict]:
+    """For each world size: the ceiling once, then the trainer once per source."""
+    rows = []
+    for world_size in args.world_sizes:
+        ceiling = run_worker(args, "ceiling", world_size, data, tmp / "ceiling.json")
+        for source in args.sources or [None]:
+            flags = args.trainer_flags + (["--cache_images", source] if source else [])
+            run_args = argparse.Namespace(**{**vars(args), "trainer_flags": flags})
+            trainer = run_worker(run_args, "trainer", world_size, data, tmp / "trainer.json")
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "source": trainer["source"],
+                    "ceiling": ceiling,
+                    "trainer": trainer,
+                    "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
+                }
+            )
+            print_row(rows[-1])
+    return rows
+
+
+def measure_step_variants(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict]:
+    """The bare step at world size 1 for each variant, as separate processes."""
+    results = []
+    for variant in args.step_variants:
+        run_args = argparse.Namespace(**{**vars(args), "variant": variant})
+        result = run_worker(run_args, "ceiling", 1, data, tmp / f"step_{variant}.json")
+        results.append({"variant": variant, **result})
+        print(
+            f"  step {variant:<36} {result['images_per_sec']:9.1f} img/s, first step "
+            f"{result['first_step_seconds']:.1f}s",
+            flush=True,
+        )
+    return results
+
+
 def print_row(row: dict) -> None:
     c, t = row["ceiling"], row["trainer"]
     shares = "  ".join(f"{k} {v:.0%}" for k, v in t["step_shares"].items())
     print(
-        f"\nworld size {row['world_size']} on {t['device']} ({t['threads_per_process']} "
-        f"thread(s)/process, {t['loader_workers']} loader worker(s)/process)"
+        f"\nworld size {row['world_size']}, images from {row['source']}, on {t['device']} "
+        f"({t['threads_per_process']} thread(s)/process, {t['loader_workers']} loader "
+        "worker(s)/process)"
     )
     print(f"  ceiling  {c['images_per_sec']:8.1f} img/s   (bare loop, tensors in memory)")
     print(f"  trainer  {t['images_per_sec']:8.1f} img/s   efficiency {row['efficiency']:.3f}")
@@ -189,15 +264,56 @@ def print_row(row: dict) -> None:
     if t.get("allreduce_wait_share") is not None:
         print(
             f"  all-reduce wait not hidden by backward: {t['allreduce_wait_share']:.1%} of a "
-            f"step (ceiling: {c.get('allreduce_wait_share', 0):.1%})"
+            f"step (ceiling: {c.get('allreduce_wait_share') or 0:.1%})"
         )
     print(
         f"  time to first step {t['seconds_to_first_step']:.1f}s (of which dataset + model "
         f"set-up {t['setup_seconds']:.1f}s)"
     )
     if t.get("tflops") is not None:
-        peak = f", {t['fraction_of_peak']:.1%} of peak" if t.get("fraction_of_peak") else ""
-        print(f"  model FLOPs: {t['tflops']:.1f} TFLOP/s per GPU{peak}")
+        peak = t.get("fraction_of_peak")
+        note = f", {peak:.1%} of the dense bf16 peak" if peak is not None else ""
+        print(f"  model FLOPs: {t['tflops']:.1f} TFLOP/s per GPU{note}")
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def print_summary(rows: list[dict]) -> None:
+    """One line per (world size, source): the figures the issue's table compares."""
+    print(
+        f"\n{'world':>5} {'source':<6} {'img/s':>9} {'ceiling':>9} {'trainer/ceiling':>15} "
+        f"{'data wait':>9} {'of bf16 peak':>12}"
+    )
+    for row in rows:
+        t, c = row["trainer"], row["ceiling"]
+        print(
+            f"{row['world_size']:>5} {row['source']:<6} {t['images_per_sec']:>9.1f} "
+            f"{c['images_per_sec']:>9.1f} {row['efficiency']:>15.3f} "
+            f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} "
+            f"{percent(t.get('fraction_of_peak')):>12}"
+        )
+
+
+def print_decode(rates: dict) -> None:
+    print(f"\nJPEG decode ({rates['images']} files of {rates['mean_kib']:.0f} KiB on average)")
+    for name, figures in rates["rates"].items():
+        print(f"  {name:<36} {figures['images_per_sec']:9.1f} img/s")
+
+
+def print_step_variants(results: list[dict]) -> None:
+    base = next((r for r in results if r["variant"] == "eager"), None)
+    print(
+        f"\n{'step variant (world size 1)':<36} {'batch':>5} {'img/s':>9} {'vs eager':>8} "
+        f"{'first step':>10} {'of bf16 peak':>12}"
+    )
+    for r in results:
+        ratio = f"{r['images_per_sec'] / base['images_per_sec']:.2f}" if base else "n/a"
+        print(
+            f"{r['variant']:<36} {r['batch_size']:>5} {r['images_per_sec']:>9.1f} {ratio:>8} "
+            f"{r['first_step_seconds']:>9.1f}s {percent(r.get('fraction_of_peak')):>12}"
+        )
 
 
 # ----------------------------------------------------------------------------- workers
@@ -238,8 +354,11 @@ def worker_main(args: argparse.Namespace) -> int:
     try:
         # The trainer's kernel choices (cudnn.benchmark, determinism) for both measurements.
         configure_backends(dist.device, cfg.deterministic)
-        measure = measure_ceiling if args.worker == "ceiling" else measure_trainer
-        result = measure(cfg, dist, args.warmup, args.steps)
+        if args.worker == "ceiling":
+            variant = STEP_VARIANTS[args.variant] if args.variant else {}
+            result = measure_ceiling(cfg, dist, args.warmup, args.steps, variant)
+        else:
+            result = measure_trainer(cfg, dist, args.warmup, args.steps)
         result.update(
             device=dist.device.type,
             world_size=dist.world_size,
@@ -252,22 +371,39 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
+def measure_ceiling(cfg, dist, warmup: int, steps: int, variant: dict | None = None) -> dict:
+    """The bare step on tensors already on the device; ``variant`` (one of STEP_VARIANTS)
+    compiles the model in a mode, scales the batch, or swaps AdamW's kernels."""
     import torch
 
     from imgtrainer.training.build import build_run_parts
 
+    variant = variant or {}
     # The trainer's own parts (model, savers, wrappers, optimizer, precision, scaler, loss).
     parts = build_run_parts(cfg, dist, num_classes=10, steps_per_epoch=1)
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     precision, criterion = parts.precision, parts.criterion
+    if variant.get("compile"):
+        model = torch.compile(
+            model, mode=None if variant["compile"] == "default" else variant["compile"]
+        )
+    if variant.get("adamw") == "foreach":
+        if cfg.optimizer != "adamw":
+            raise SystemExit("the adamw_foreach variant needs --optimizer adamw")
+        groups = [{**g, "fused": None, "foreach": True} for g in optimizer.param_groups]
+        optimizer = torch.optim.AdamW(groups)
+    batch_size = cfg.batch_size * variant.get("batch_scale", 1)
     channels_last = cfg.channels_last and dist.device.type == "cuda"  # as the trainer does
-    images = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
+    images = torch.randn(batch_size, 3, cfg.image_size, cfg.image_size, device=dist.device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    targets = torch.randint(0, 10, (cfg.batch_size,), device=dist.device)
+    targets = torch.randint(0, 10, (batch_size,), device=dist.device)
     model.train()
+    first_started = time.perf_counter()
     for step in range(warmup + steps):
+        if step == 1:
+            synchronize(dist.device)
+            first_step = time.perf_counter() - first_started
         if step == warmup:
             synchronize(dist.device)
             started = time.perf_counter()
@@ -279,16 +415,26 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int) -> dict:
         scaler.update()
     synchronize(dist.device)
     seconds = time.perf_counter() - started
-    return {
-        "images_per_sec": steps * cfg.batch_size * dist.world_size / seconds,
+    result = {
+        "images_per_sec": steps * batch_size * dist.world_size / seconds,
         "step_seconds": seconds / steps,
+        "batch_size": batch_size,
+        "first_step_seconds": first_step,
+        "optimizer_kernels": sorted(
+            {k for g in optimizer.param_groups for k in ("fused", "foreach") if g.get(k)}
+        ),
         "allreduce_wait_share": allreduce_wait_share(model, seconds / steps),
     }
+    if dist.device.type == "cuda":
+        per_gpu = result["images_per_sec"] / dist.world_size
+        result.update(model_flops(parts.plain_model, dist.device, cfg.image_size, per_gpu))
+    return result
 
 
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
+    from imgtrainer.data.loaders import data_source
     from imgtrainer.training.trainer import Trainer
 
     setup_started = time.perf_counter()
@@ -313,9 +459,11 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         "setup_seconds": setup_seconds,
         "loader_workers": trainer.train_loader.num_workers,
         "train_images": len(trainer.train_loader.dataset),
+        "source": data_source(trainer.train_loader.dataset.folder),
     }
     if dist.device.type == "cuda":
-        result.update(model_flops(trainer, cfg, timed["seconds"] / steps))
+        per_gpu = result["images_per_sec"] / dist.world_size
+        result.update(model_flops(trainer.parts.plain_model, dist.device, cfg.image_size, per_gpu))
     return result
 
 
@@ -478,25 +626,99 @@ def allreduce_wait_share(model, step_seconds: float) -> float | None:
     return max(0.0, exposed_ns / 1e9) / step_seconds
 
 
-def model_flops(trainer, cfg, step_seconds: float) -> dict:
-    """Achieved training FLOP/s per GPU (forward FLOPs x 3) and its fraction of the peak."""
+def model_flops(model, device, image_size: int, images_per_sec_per_gpu: float) -> dict:
+    """Achieved training FLOP/s per GPU (forward FLOPs x 3, counted by torch's FlopCounterMode)
+    and its fraction of the device's dense bf16 peak."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    images = torch.randn(
-        cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=trainer.dist.device
-    )
+    images = torch.randn(2, 3, image_size, image_size, device=device)
+    was_training = model.training
+    model.eval()  # the count is the same; BatchNorm's running statistics stay as they are
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        trainer.parts.plain_model(images)
-    achieved = 3 * counter.get_total_flops() / step_seconds
-    name = torch.cuda.get_device_name(trainer.dist.device)
+        model(images)
+    model.train(was_training)
+    per_image = 3 * counter.get_total_flops() / 2
+    achieved = per_image * images_per_sec_per_gpu
+    name = torch.cuda.get_device_name(device)
     peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
     return {
         "tflops": achieved / 1e12,
+        "gflops_per_image": per_image / 1e9,
         "gpu": name,
-        "fraction_of_peak": achieved / peak if peak and cfg.use_amp else None,
+        "fraction_of_peak": achieved / peak if peak else None,
     }
 
 
+# ----------------------------------------------------------------------------- JPEG decoding
+
+
+class JpegFiles:
+    """Each file's bytes decoded to a uint8 tensor (3, H, W): what a loader worker does with a
+    JPEG file, resizing and cropping aside."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+        return decode_jpeg(read_file(str(self.paths[index])), mode=ImageReadMode.RGB)
+
+
+def decode_rates(folder: Path, device: str, limit: int = 4096) -> dict:
+    """Images/s of JPEG decoding: one CPU process (bytes in memory), the loader workers the
+    trainer would start (reading the files), and on CUDA batched nvJPEG decoding."""
+    import torch
+    from torch.utils.data import DataLoader
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+    from imgtrainer.data.loaders import loader_workers
+    from imgtrainer.distributed.setup import cpu_cores_available
+
+    paths = sorted(folder.rglob("*.jpg"))[:limit]
+    encoded = [read_file(str(path)) for path in paths]
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    rates: dict[str, dict] = {}
+
+    started = time.perf_counter()
+    few = encoded[: max(1, len(encoded) // 4)]
+    for data in few:
+        decode_jpeg(data, mode=ImageReadMode.RGB)
+    rates["cpu, 1 process"] = {"images_per_sec": len(few) / (time.perf_counter() - started)}
+
+    workers = loader_workers(None, cpu_cores_available(), "cuda" if use_cuda else "cpu", "files")
+    loader = DataLoader(JpegFiles(paths), batch_size=64, num_workers=workers, collate_fn=list)
+    started = time.perf_counter()
+    count = sum(len(batch) for batch in loader)
+    rates[f"cpu, {workers} loader worker(s), from files"] = {
+        "images_per_sec": count / (time.perf_counter() - started),
+        "workers": workers,
+    }
+    if use_cuda:
+        decode_jpeg(encoded[:DECODE_BATCH], mode=ImageReadMode.RGB, device="cuda")  # warm-up
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for i in range(0, len(encoded), DECODE_BATCH):
+            decode_jpeg(encoded[i : i + DECODE_BATCH], mode=ImageReadMode.RGB, device="cuda")
+        torch.cuda.synchronize()
+        rates[f"cuda, nvJPEG, batches of {DECODE_BATCH}"] = {
+            "images_per_sec": len(encoded) / (time.perf_counter() - started)
+        }
+    mean_kib = sum(e.numel() for e in encoded) / max(1, len(encoded)) / 1024
+    return {"images": len(encoded), "mean_kib": mean_kib, "rates": rates}
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--worker" in sys.argv:
+        # The trainer's loader workers leave stopping to it (they ignore SIGTERM), and an epoch
+        # cut short leaves them running: multiprocessing's exit handler would wait for them
+        # forever. The result is written; end the measurement process here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

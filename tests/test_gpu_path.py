@@ -696,6 +696,10 @@ def test_gpu_check_covers_the_cuda_paths():
         "throughput_224_cache_gpu",
         "throughput_224_cache_ram",
         "throughput_224_cache_none",
+        "shared_gpu_ws2_cache_gpu",
+        "shared_gpu_ws2_kill_resume",
+        "jpeg_decode",
+        "step_variants",
     ):
         assert wanted in names, wanted
     measured = {c.name for c in gc.all_checks() if c.measurement}
@@ -704,7 +708,13 @@ def test_gpu_check_covers_the_cuda_paths():
         "throughput_224_cache_gpu",
         "throughput_224_cache_ram",
         "throughput_224_cache_none",
+        "jpeg_decode",
+        "step_variants",
     }
+    # Compiling in three modes takes minutes: only when asked for (--only step_variants).
+    assert [c.name for c in gc.all_checks() if not c.default] == ["step_variants"]
+    bench = gc.load_bench_module("throughput")
+    assert set(gc.STEP_VARIANTS) == set(bench.STEP_VARIANTS)
 
 
 def test_gpu_check_figures_and_comparison():

@@ -218,9 +218,45 @@ def test_auto_cache_uses_ram_only_when_it_fits():
 
 
 def test_loader_workers_rule():
-    """--num_workers wins; else up to 4 per process, and none for cached images on the CPU."""
-    assert loader_workers(3, 16, "cpu", cached=True) == 3
-    assert loader_workers(None, 16) == 4
-    assert loader_workers(None, 2, "cpu") == 2
-    assert loader_workers(None, 0) == 0
-    assert loader_workers(None, 16, "cpu", cached=True) == 0
+    """--num_workers wins (except on the GPU cache: batches are made on the device); else sized
+    to the cores per process and to the source: with a GPU, one core drives it and the others
+    decode files (half of them for images in RAM); on the CPU the model takes the cores."""
+    assert loader_workers(3, 16, "cpu", "ram") == 3
+    assert loader_workers(3, 16, "cuda", "gpu") == 0
+    assert loader_workers(None, 16, "cuda", "gpu") == 0
+    assert loader_workers(None, 16, "cuda", "files") == 15
+    assert loader_workers(None, 16, "cuda", "ram") == 7
+    assert loader_workers(None, 64, "cuda", "files") == 16  # each worker holds its batches
+    # 8 GPUs on 16 cores: 2 cores per process, one worker whatever the source.
+    assert loader_workers(None, 2, "cuda", "files") == loader_workers(None, 2, "cuda", "ram") == 1
+    assert loader_workers(None, 1, "cuda", "files") == 1  # the data still overlaps the step
+    assert loader_workers(None, 0, "cuda", "files") == 0
+    assert loader_workers(None, 2, "cpu", "files") == 2
+    assert loader_workers(None, 16, "cpu", "files") == 4
+    assert loader_workers(None, 16, "cpu", "ram") == 0
+
+
+def test_the_loader_workers_follow_the_cores_and_the_source(tmp_path, monkeypatch, caplog):
+    """build_loaders reads the cores this process may use, shares them with the node's other
+    processes, and logs its choice."""
+    import logging
+
+    from imgtrainer.data import loaders
+    from imgtrainer.distributed.setup import DistInfo
+
+    write_noise_images(tmp_path / "train", 4, seed=1)
+    write_noise_images(tmp_path / "val", 1, seed=2)
+    monkeypatch.setattr(loaders, "cpu_cores_available", lambda: 16)
+    two_on_node = DistInfo(0, 0, 1, 2, torch.device("cpu"))
+    flags = ["--train_dir", str(tmp_path / "train"), "--val_dir", str(tmp_path / "val")]
+    flags += ["--image_size", "16", "--batch_size", "4", "--log_dir", str(tmp_path / "logs")]
+    with caplog.at_level(logging.INFO, logger="imgtrainer"):
+        train, *_ = loaders.build_loaders(
+            parse_config([*flags, "--cache_images", "none"]), two_on_node
+        )
+        cached, *_ = loaders.build_loaders(
+            parse_config([*flags, "--cache_images", "ram"]), two_on_node
+        )
+    assert (train.num_workers, cached.num_workers) == (4, 0)
+    assert "Loader: 4 worker(s) per process, images from files (8 CPU core(s)" in caplog.text
+    assert "Loader: 0 worker(s) per process, images from ram" in caplog.text

@@ -56,18 +56,42 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- loaders
 
 
+# Loader workers per process at most: each is a process holding its own prefetched batches.
+MAX_LOADER_WORKERS = 16
+
+
 def loader_workers(
-    requested: int | None, cores_per_process: int, device_type: str = "cuda", cached: bool = False
+    requested: int | None, cores_per_process: int, device_type: str = "cuda", source: str = "files"
 ) -> int:
-    """--num_workers when given; else, with a GPU, up to 4 per process keep it fed. On the CPU
-    the model already uses every core: workers only take cores from it, unless decoding files
-    makes the data costly; images cached in memory are cheapest to augment in the training
-    process itself."""
+    """Loader worker processes per training process: ``--num_workers`` when given, else sized to
+    this process's share of the cores and to what its ``source`` leaves the workers to do.
+
+    "gpu" (images cached on the device): none, the main process makes the batches there (and
+    a forked worker must not touch CUDA). With a GPU, one core stays with the main process to
+    drive it and the others decode: "files" gets all of them (JPEG decoding is the costliest
+    per-image work), "ram" (decoded images in memory) half, and either at least one so the
+    data overlaps the step. On the CPU the model's threads already use every core: images in
+    memory are cheapest to augment in the training process itself, files get up to 4."""
+    if source == "gpu":
+        return 0
     if requested is not None:
         return requested
-    if device_type == "cpu" and cached:
+    if cores_per_process < 1:  # more processes than cores: workers would only queue
         return 0
-    return max(0, min(4, cores_per_process))
+    if device_type == "cpu":
+        return 0 if source == "ram" else min(4, cores_per_process)
+    spare = max(1, cores_per_process - 1)
+    return min(MAX_LOADER_WORKERS, spare if source == "files" else max(1, spare // 2))
+
+
+def data_source(folder: object) -> str:
+    """Where the training images come from, as ``loader_workers`` reads it: "gpu" or "ram" for
+    a decoded-image cache on that device, "files" otherwise."""
+    if not isinstance(folder, DecodedImageCache):
+        return "files"
+    images = getattr(folder, "images", None)
+    device = getattr(folder, "device", None) or (images[0].device if images else "cpu")
+    return "gpu" if torch.device(device).type == "cuda" else "ram"
 
 
 def quiet_loader_worker(worker_id: int) -> None:
@@ -212,13 +236,20 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     train_set, val_set, class_names = build_datasets(
         cfg, dist, cache_budget_bytes=budget, threads=cores
     )
-    cached = isinstance(train_set.folder, DecodedImageCache)
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = build_train_sampler(cfg, train_set.folder.targets, class_names, dist)
-    workers = loader_workers(cfg.num_workers, cores, dist.device.type, cached)
-    pin = dist.device.type == "cuda"
-    if cfg.cache_images == "gpu":  # batches are made on the device by the main process
-        workers, pin = 0, False
+    source = data_source(train_set.folder)
+    workers = loader_workers(cfg.num_workers, cores, dist.device.type, source)
+    pin = dist.device.type == "cuda" and source != "gpu"
+    chosen = cfg.num_workers is None or source == "gpu"
+    log.info(
+        f"Loader: {workers} worker(s) per process, images from {source} "
+        + (
+            f"({cores} CPU core(s) per process on this node; --num_workers N to choose)"
+            if chosen
+            else "(--num_workers)"
+        )
+    )
     # One loader batch is one optimizer step: --accum_steps batches of --batch_size, which the
     # engine runs as separate forward/backward passes. Loading them together keeps the sample
     # order and the resume position independent of how a step is split.

@@ -14,6 +14,7 @@ import torch.distributed as torch_dist
 from imgtrainer.distributed.collectives import host_group
 from imgtrainer.errors import UserError
 from imgtrainer.run.lifecycle import die_with_parent
+from imgtrainer.run.preflight import gpus_may_be_shared
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,21 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
         )
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
+    visible = torch.cuda.device_count()
+    if local_rank >= visible and not gpus_may_be_shared():
         raise UserError(
             f"local rank {local_rank} needs GPU {local_rank} but only "
-            f"{torch.cuda.device_count()} are visible; start fewer processes per node"
+            f"{visible} are visible; start fewer processes per node"
         )
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", local_rank % visible)
+
+
+def process_group_backend(device: torch.device, local_world_size: int) -> str:
+    """NCCL with one GPU per process; gloo on the CPU, and when this node's processes share its
+    GPUs (``SHARE_GPUS_ENV``), which NCCL refuses (gloo reduces CUDA tensors through the host)."""
+    if device.type != "cuda" or local_world_size > torch.cuda.device_count():
+        return "gloo"
+    return "nccl"
 
 
 def cpu_cores_available() -> int:
@@ -87,7 +97,7 @@ def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 3
         torch.set_num_threads(max(1, cpu_cores_available() // local_world_size))
 
     if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = process_group_backend(device, local_world_size)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         torch_dist.init_process_group(
             backend,
@@ -95,7 +105,7 @@ def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 3
             rank=rank,
             world_size=world_size,
             timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
         host_group(timeout)  # now, with the job's timeout; later calls reuse it
     return DistInfo(rank, local_rank, world_size, local_world_size, device)

@@ -55,7 +55,8 @@ class TrainConfig:
     )
     num_workers: int | None = _opt(
         None,
-        "loader worker processes per training process (default: min(4, CPU cores per process))",
+        "loader worker processes per training process (default: from the CPU cores per "
+        "process and the image source: none for the GPU cache, more for files than for RAM)",
     )
     cache_images: str = _opt(
         "auto",
@@ -193,8 +194,8 @@ class TrainConfig:
     low_memory: bool = _opt(
         False,
         "preset for small GPUs (2 GB): --use_amp --channels_last "
-        "--grad_checkpointing --auto_micro_batch --num_workers 2 "
-        "--prefetch_factor 1; on the CPU it trains in float32. "
+        "--grad_checkpointing (of the early, high-resolution layers only) "
+        "--auto_micro_batch --prefetch_factor 1; on the CPU it trains in float32. "
         "Flags given explicitly win",
     )
     auto_micro_batch: bool = _opt(
@@ -336,8 +337,7 @@ LOW_MEMORY_PRESET: dict[str, Any] = {
     "channels_last": True,  # the layout float16 convolutions run fastest in
     "grad_checkpointing": True,  # keep only block inputs; recompute the rest in backward
     "auto_micro_batch": True,  # find the largest micro-batch that fits; halve on OOM
-    "num_workers": 2,  # each worker is a process holding its own prefetched batches
-    "prefetch_factor": 1,
+    "prefetch_factor": 1,  # each loader worker holds one batch ahead, not two
 }
 
 

@@ -55,7 +55,7 @@ from imgtrainer.run.lifecycle import (
     mark,
     read_outcomes,
 )
-from imgtrainer.run.preflight import launcher_checks, visible_gpu_count
+from imgtrainer.run.preflight import gpus_may_be_shared, launcher_checks, visible_gpu_count
 
 SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
 TRAIN_SCRIPT = SRC / "train_ddp.py"
@@ -173,7 +173,7 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
         return device, visible
     if not requested.isdigit() or int(requested) < 1:
         raise UserError(f"--num_gpus must be a positive number or 'all', got {requested}")
-    if int(requested) > visible:
+    if int(requested) > visible and not gpus_may_be_shared():
         raise UserError(
             f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
             f"are visible; use --num_gpus {visible} (or --num_gpus all)"

@@ -75,6 +75,15 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
 
 # ----------------------------------------------------------------------------- GPUs
 
+# Set to 1, lets more processes than visible GPUs run, sharing them over gloo (NCCL refuses two
+# ranks on one device). Only for the self-check (bench/gpu_check.py), so that the multi-process
+# CUDA path runs on one-GPU machines; never faster than one process per GPU, so not a flag.
+SHARE_GPUS_ENV = "IMGTRAINER_SHARE_GPUS"
+
+
+def gpus_may_be_shared() -> bool:
+    return os.environ.get(SHARE_GPUS_ENV) == "1"
+
 
 def visible_gpu_count() -> int:
     """The CUDA GPUs a process started from here would see, without importing torch.

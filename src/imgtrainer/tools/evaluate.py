@@ -286,7 +286,9 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
     )
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
-    workers = loader_workers(args.num_workers, cpu_cores_available() // dist.local_world_size)
+    workers = loader_workers(
+        args.num_workers, cpu_cores_available() // dist.local_world_size, dist.device.type
+    )
     loader = make_loader(
         dataset,
         ShardSampler(len(dataset), dist.rank, dist.world_size),

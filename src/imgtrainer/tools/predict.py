@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Predicting with {classifier.weights_note} of {args.checkpoint}", file=sys.stderr)
     # Loader processes only pay for themselves when there is more than one batch to read.
     few = args.num_workers is None and len(paths) <= args.batch_size
-    workers = 0 if few else loader_workers(args.num_workers, cpu_cores_available())
+    workers = 0 if few else loader_workers(args.num_workers, cpu_cores_available(), device.type)
     results = predict(classifier, paths, args.topk, device, args.batch_size, workers)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     failed = sum("error" in r for r in results)

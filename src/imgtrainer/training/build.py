@@ -79,6 +79,7 @@ def build_run_parts(
         model,
         grad_checkpointing=cfg.grad_checkpointing,
         channels_last=cfg.channels_last and dist.device.type == "cuda",
+        early_only=cfg.low_memory,
     )
     wrapped = wrap_model(model, cfg, dist)
     # From here each rank draws different random numbers (dropout, drop-path): offset by rank.

@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from imgtrainer.errors import UserError
 
@@ -137,11 +141,15 @@ class BufferSnapshot:
 
 
 def enable_memory_savers(
-    model: nn.Module, *, grad_checkpointing: bool, channels_last: bool
+    model: nn.Module, *, grad_checkpointing: bool, channels_last: bool, early_only: bool = False
 ) -> None:
-    """Activation checkpointing (timm's ``set_grad_checkpointing``) and the channels_last
-    layout. Call before DDP wraps the model: DDP lays out its buckets from the parameters."""
-    if grad_checkpointing:
+    """Activation checkpointing and the channels_last layout. Call before DDP wraps the model:
+    DDP lays out its buckets from the parameters.
+
+    Checkpointing is timm's ``set_grad_checkpointing`` (every block), or with ``early_only``
+    (``--low_memory``) only the early, high-resolution layers where a ResNet keeps most of its
+    activations (``checkpoint_early_layers``); models without that split get timm's."""
+    if grad_checkpointing and not (early_only and checkpoint_early_layers(model)):
         try:
             model.set_grad_checkpointing(True)
         except (AttributeError, NotImplementedError, AssertionError) as err:
@@ -151,6 +159,82 @@ def enable_memory_savers(
             )
     if channels_last:
         model.to(memory_format=torch.channels_last)
+
+
+# What ``checkpoint_early_layers`` marks a model with, for the run's memory line.
+EARLY_CHECKPOINTING = "_checkpointed_early_layers"
+
+
+def checkpointing_in_use(model: nn.Module) -> str:
+    """How the model checkpoints its activations: "early layers", "every block" or "off"."""
+    if getattr(model, EARLY_CHECKPOINTING, False):
+        return "early layers"
+    return "every block" if getattr(model, "grad_checkpointing", False) else "off"
+
+
+def checkpoint_early_layers(model: nn.Module) -> bool:
+    """Recompute in backward only the stem (up to the max-pool) and the first stage of a timm
+    ResNet, False for other models. Those run at 1/2 and 1/4 of the input's side and keep about
+    70% of ResNet18's activations; the later stages, which hold most of the FLOPs, keep theirs
+    and are not run twice. Timm's own checkpointing keeps the stem's activations and recomputes
+    every block."""
+    from timm.models.resnet import ResNet
+
+    if not isinstance(model, ResNet):
+        return False
+    # An instance attribute: timm's forward calls self.forward_features; state_dict keys, DDP,
+    # torch.compile and deepcopy (the EMA) see the same module tree.
+    model.forward_features = partial(_early_checkpointed_features, model)
+    setattr(model, EARLY_CHECKPOINTING, True)
+    return True
+
+
+def _resnet_stem(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.maxpool(model.act1(model.bn1(model.conv1(x))))
+
+
+def _early_checkpointed_features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    stem = (model.conv1, model.bn1, model.act1, model.maxpool)  # conv1: one or three (deep stem)
+    x = _checkpoint(partial(_resnet_stem, model), _batch_norms(*stem), x)
+    for block in model.layer1:
+        x = _checkpoint(block, _batch_norms(block), x)
+    return model.layer4(model.layer3(model.layer2(x)))
+
+
+def _batch_norms(*modules: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+def _checkpoint(function, norms: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():  # evaluation, the EMA's forward: nothing to recompute
+        return function(x)
+    if torch.compiler.is_compiling():
+        # The compiled graph recomputes values only; its running statistics are updated once.
+        return checkpoint(function, x, use_reentrant=False)
+    recompute = partial(_running_stats_kept, norms)
+    return checkpoint(
+        function, x, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute())
+    )
+
+
+@contextmanager
+def _running_stats_kept(norms: list[nn.Module]) -> Iterator[None]:
+    """The recomputation in backward sees the same batch again: BatchNorm must not count it in
+    its running statistics a second time (momentum 0 leaves them as they are)."""
+    saved = [(m, m.momentum, m.num_batches_tracked.clone()) for m in norms if m.track_running_stats]
+    for m, _, _ in saved:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in saved:
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
 
 
 def memory_budget(

@@ -18,6 +18,7 @@ from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
     MemoryPlan,
+    checkpointing_in_use,
     gib,
     halving_sizes,
     is_out_of_memory,
@@ -244,7 +245,7 @@ def build_memory_plan(
             torch.cuda.reset_peak_memory_stats(device)
     precision = parts.precision
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
-    checkpointing = "on" if getattr(model, "grad_checkpointing", False) else "off"
+    checkpointing = checkpointing_in_use(model)
     log.info(
         f"Memory: micro-batch {plan.micro_batch} ({step_batch // plan.micro_batch} "
         f"forward/backward pass(es) per optimizer step of {step_batch} images per "
