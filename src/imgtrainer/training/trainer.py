@@ -43,7 +43,6 @@ from imgtrainer.run.config import (
     effective_batch,
     optimizer_batch,
 )
-from imgtrainer.run.lifecycle import mark
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import (
     EMA_SUFFIX,
@@ -379,7 +378,6 @@ class PositionKeeper(Hook):
 
     def on_step_end(self, info: StepInfo) -> bool:
         self.trainer.step = info.step
-        mark("first step done", once=True)
         return False
 
 
