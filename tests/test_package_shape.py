@@ -2,6 +2,7 @@
 docstrings say what a module is in a few lines; the long explanations live in docs/."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,11 @@ def _scripts() -> list[Path]:
     return sorted((ROOT / "src").glob("*.py"))
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     args = fn.args
     names = [a.arg for a in args.posonlyargs + args.args]
@@ -30,7 +36,7 @@ def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def _offenders() -> list[str]:
     found = []
     for path in _product_files():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -55,7 +61,7 @@ def test_no_function_takes_more_than_six_parameters():
 def test_module_docstrings_are_a_few_lines():
     long = []
     for path in _product_files() + _scripts():
-        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        doc = ast.get_docstring(_tree(path))
         lines = len(doc.splitlines()) if doc else 0
         if lines > MAX_DOCSTRING_LINES:
             long.append(f"{path.relative_to(ROOT).as_posix()} ({lines} lines)")
