@@ -3,7 +3,6 @@
 
     python launch_ddp.py --demo                              # the bundled demo data
     python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
-    python launch_ddp.py --num_gpus all --use_amp            # every visible GPU
     python launch_ddp.py --device cpu --nproc 2              # 2 CPU processes over gloo
     python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
 

@@ -23,23 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from harness import class_names, write_image_folder  # noqa: E402
+
 
 def write_set(root: Path, classes: int, images: int, image_size: int) -> Path:
-    """An ImageFolder of ``images`` noise images spread over ``classes`` class folders, and an
-    untrained ResNet18 checkpoint of the trainer's format for them."""
-    import numpy as np
+    """An ImageFolder of ``images`` noise images (a whole number a class) in ``classes`` class
+    folders, and an untrained ResNet18 checkpoint of the trainer's format for them."""
     import torch
-    from PIL import Image
 
     from imgtrainer.models import build_model
 
-    rng = np.random.default_rng(0)
-    names = [f"class_{k:04d}" for k in range(classes)]
-    for i in range(images):
-        folder = root / "val" / names[i % classes]
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(folder / f"img_{i:05d}.jpg")
+    names = class_names(classes)
+    write_image_folder(root / "val", names, max(1, images // classes), image_size, coloured=False)
     torch.manual_seed(0)
     torch.save(
         {

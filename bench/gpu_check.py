@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = ROOT / "launch_ddp.py"
 sys.path.insert(0, str(ROOT / "src"))
+
+import harness  # noqa: E402
 
 from imgtrainer.run.lifecycle import descendants  # noqa: E402
 
@@ -219,31 +220,14 @@ def versions() -> dict[str, str]:
 
 
 def write_dataset(
-    root: Path, classes: int, train_per_class: int, val_per_class: int, side: int, threads: int = 8
+    root: Path, classes: int, train_per_class: int, val_per_class: int, side: int
 ) -> Path:
     """root/{train,val}/class_NN/*.jpg: noisy patches, one colour per class (learnable)."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    noise = rng.normal(0, 30, (8, side, side, 3)).astype(np.float32)
-    jobs = []
-    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
-        for c in range(classes):
-            folder = root / split / f"class_{c:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            colour = np.array(
-                [(c * 97 + 40) % 256, (c * 57 + 90) % 256, (c * 23 + 160) % 256], dtype=np.float32
-            )
-            jobs += [(folder / f"{i:05d}.jpg", colour, i) for i in range(per_class)]
-
-    def write(job: tuple) -> None:
-        path, colour, i = job
-        pixels = np.clip(colour + np.roll(noise[i % len(noise)], i, axis=0), 0, 255)
-        Image.fromarray(pixels.astype(np.uint8)).save(path, quality=90)
-
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(write, jobs))
+    threads = min(16, os.cpu_count() or 1)
+    for split, per_class, seed in (("train", train_per_class, 0), ("val", val_per_class, 1)):
+        harness.write_image_folder(
+            root / split, classes, per_class, side, seed, noise=30, quality=90, threads=threads
+        )
     return root
 
 
@@ -256,9 +240,7 @@ def dataset(ctx: Context, kind: str) -> Path:
     }  # 5400 images of 280 px, for 224 px crops
     with ctx.lock:
         if kind not in ctx.data:
-            ctx.data[kind] = write_dataset(
-                ctx.work / f"data_{kind}", *specs[kind], threads=min(16, os.cpu_count() or 1)
-            )
+            ctx.data[kind] = write_dataset(ctx.work / f"data_{kind}", *specs[kind])
         return ctx.data[kind]
 
 
@@ -296,9 +278,7 @@ def launcher_command(
 ) -> list[str]:
     device = device or ctx.device
     placement = ["--num_gpus", str(gpus)] if device == "cuda" else ["--nproc", str(gpus)]
-    return [
-        sys.executable,
-        str(LAUNCHER),
+    return harness.launcher_command(
         "--device",
         device,
         *placement,
@@ -311,7 +291,7 @@ def launcher_command(
         "--log_dir",
         str(folder / "logs"),
         *flags,
-    ]
+    )
 
 
 def start(
@@ -330,7 +310,7 @@ def start(
     folder.mkdir(parents=True, exist_ok=False)
     command = launcher_command(ctx, folder, data, flags, gpus, device)
     (folder / "command.txt").write_text(" ".join(command) + "\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = harness.child_env(env)
     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
         # Its own session: a timeout can stop it without touching this script.
         process = subprocess.Popen(

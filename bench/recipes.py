@@ -57,6 +57,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from harness import launcher_command  # noqa: E402
+
 from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
 
 TIMM_COMMIT = "2aabaef039d918d453b58714ab84562609981112"
@@ -242,7 +244,7 @@ def run_launcher(
         "--checkpoint_dir", str(folder / "checkpoints"), "--log_dir", str(folder / "logs"),
         "--overwrite",
     ]  # fmt: skip
-    command = [*taskset(args.cpus), sys.executable, str(ROOT / "launch_ddp.py"), *common]
+    command = [*taskset(args.cpus), *launcher_command(*common)]
     command += [
         *args.extra,
         *(str(args.pretrained_path) if f == "PRETRAINED" else f for f in flags),

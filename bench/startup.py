@@ -21,7 +21,7 @@ Prints:
     from timm's own data pipeline, optimizer and model, and says so.
 
 The phases come from the timeline the launcher, torchrun's agent and the ranks write when
-$TRAIN_DDP_TIMELINE names a file (``lifecycle.mark``). Other work on the machine slows every
+bench/instrument/sitecustomize.py, on their PYTHONPATH, wraps the functions that end each phase. Other work on the machine slows every
 number: compare the ratios, and on a busy machine take the medians of several rounds
 (``--repeat``; each round measures the import, both launcher starts and timm side by side, in
 fresh folders).
@@ -35,7 +35,6 @@ timm's ``-c`` config file (older train.py versions have no ``--device`` flag).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from harness import run_launcher  # noqa: E402
+from instrument.sitecustomize import timeline_env  # noqa: E402
+
 from imgtrainer.data.demo import write_demo_dataset  # noqa: E402
-from imgtrainer.run.lifecycle import TIMELINE_ENV  # noqa: E402
+
+RUN_TIMEOUT = 3600  # seconds: a launcher run on a busy machine
 
 START_PHASES = [  # (name, event that ends it); each phase starts where the previous one ended
     ("launcher (python, flags, checks)", "torchrun start"),
@@ -103,13 +106,16 @@ for epoch in range(epochs):
 def timed(command: list[str], **kwargs) -> tuple[float, subprocess.CompletedProcess]:
     started = time.time()
     result = subprocess.run(command, capture_output=True, text=True, **kwargs)
-    elapsed = time.time() - started
+    return time.time() - started, succeeded(command, result)
+
+
+def succeeded(command: list, result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     if result.returncode != 0:
         sys.exit(
             f"{command[:3]} failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
             f"{result.stderr[-2000:]}"
         )
-    return elapsed, result
+    return result
 
 
 def import_seconds() -> float:
@@ -127,10 +133,7 @@ def launcher_run(
 ) -> dict[str, float]:
     """One launcher run; returns {event: seconds since the launcher was started}."""
     timeline = work / f"timeline_{time.time_ns()}.txt"
-    env = {**os.environ, TIMELINE_ENV: str(timeline)}
-    command = [
-        sys.executable,
-        str(ROOT / "launch_ddp.py"),
+    flags = [
         "--device",
         "cpu",
         "--nproc",
@@ -156,10 +159,11 @@ def launcher_run(
         start_method,
     ]
     if workers is not None:
-        command += ["--num_workers", str(workers)]
+        flags += ["--num_workers", str(workers)]
     started = time.time()
-    elapsed, _ = timed(command, cwd=work, env=env)
-    events = {"launcher exit": elapsed}
+    result = run_launcher(flags, work, timeout=RUN_TIMEOUT, env=timeline_env(timeline))
+    events = {"launcher exit": time.time() - started}
+    succeeded(["launch_ddp.py", *flags], result)
     for line in timeline.read_text().splitlines():
         stamp, who, event = line.split(" ", 2)
         if who in ("launcher", "agent", "rank0"):

@@ -45,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from harness import write_image_folder  # noqa: E402
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
 PEAK_FLOPS = {
     "H200": 989e12,
@@ -118,19 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_dataset(root: Path, images: int, classes: int, side: int) -> Path:
-    """A generated ImageFolder of JPEG files: noisy colour patches, one colour per class."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, count in (("train", images), ("val", max(classes, images // 10))):
-        for i in range(count):
-            label = i % classes
-            folder = root / split / f"class_{label:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            colour = np.array([(label * 97) % 256, (label * 57) % 256, (label * 23) % 256])
-            pixels = np.clip(colour + rng.normal(0, 40, (side, side, 3)), 0, 255)
-            Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=90)
+    """A generated ImageFolder of at least ``images`` training JPEGs (and a tenth of that for
+    validation): noisy colour patches, one colour per class."""
+    threads = os.cpu_count() or 1
+    for split, count, seed in (("train", images, 0), ("val", max(classes, images // 10), 1)):
+        per_class = math.ceil(count / classes)
+        write_image_folder(
+            root / split, classes, per_class, side, seed, noise=40, quality=90, threads=threads
+        )
     return root
 
 
@@ -195,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             side=int(math.ceil(args.image_size * 1.25)),
         )
         print(
-            f"Generated {max(per_run, args.startup_images)} training JPEGs in "
+            f"Generated {sum(1 for _ in (data / 'train').rglob('*.jpg'))} training JPEGs in "
             f"{time.perf_counter() - started:.1f}s",
             flush=True,
         )

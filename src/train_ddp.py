@@ -8,11 +8,7 @@
 A thin script over ``imgtrainer.run.train`` (this folder is on ``sys.path`` when it runs).
 """
 
-import time
-
-STARTED = time.time()  # for bench/startup.py: what importing the trainer costs
-
-from imgtrainer.run.train import run_as_script  # noqa: E402
+from imgtrainer.run.train import run_as_script
 
 if __name__ == "__main__":
-    run_as_script(STARTED)
+    run_as_script()

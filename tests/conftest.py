@@ -1,5 +1,6 @@
 """Shared helpers: tiny generated image folders, running the real tools (in this process or as
-a user would, in a new interpreter), and one trained run shared by the tests that need one."""
+a user would, in a new interpreter: ``bench/harness.py``, shared with the benchmarks), and one
+trained run shared by the tests that need one."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(ROOT / "bench"))  # harness: what the tests share with the benchmarks
 
 import torch  # noqa: E402
+from harness import run_cli, start_launcher, write_image_folder  # noqa: E402, F401
 
 from imgtrainer.distributed.setup import DistInfo  # noqa: E402
 from imgtrainer.run.config import TrainConfig  # noqa: E402
@@ -59,24 +60,7 @@ def cpu_run_parts(
     )
 
 
-# Distinct colours per class: a trivially separable problem a tiny run can learn.
-COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (230, 220, 40), (200, 40, 200)]
 CLASSES = ["cat", "dog", "fox"]
-
-
-def write_image_folder(
-    root: Path, classes: list[str], per_class: int, size: int = 16, seed: int = 0, ext: str = "jpg"
-) -> Path:
-    """``root/<class>/img_<i>.<ext>``: each class a noisy patch of its own colour."""
-    rng = np.random.default_rng(seed)
-    for c, name in enumerate(classes):
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            base = np.array(COLOURS[c % len(COLOURS)], dtype=np.float32)
-            pixels = np.clip(base + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(np.uint8)
-            Image.fromarray(pixels).save(folder / f"img_{i:03d}.{ext}")
-    return root
 
 
 def write_tiny_dataset(root: Path) -> tuple[Path, Path]:
@@ -110,44 +94,11 @@ TINY_FLAGS = [
 # ----------------------------------------------------------------------------- new interpreters
 
 
-def run_cli(
-    args: list, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, **kwargs
-) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` the way a user would, capturing its output; ``env``: variables
-    set on top of this process's environment."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        **kwargs,
-    )
-
-
 def kill_at(spec: str) -> dict[str, str]:
     """The environment that makes a run SIGKILL itself at EPOCH:STEP[:RANK] (first torchrun
     attempt only): tests/fault_injection/sitecustomize.py, on PYTHONPATH, adds the hook."""
     path = [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH", "")]
     return {"TRAIN_DDP_KILL_AT": spec, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-
-
-def launcher_command(*args: object) -> list[str]:
-    """``python launch_ddp.py <args>``, as a user types it."""
-    return [sys.executable, str(ROOT / "launch_ddp.py"), *map(str, args)]
-
-
-def start_launcher(
-    args: Sequence, cwd: Path, env: dict[str, str] | None = None, **kwargs
-) -> subprocess.Popen:
-    """``launch_ddp.py <args>`` started in the background, its output captured as text
-    (``kwargs`` override ``subprocess.Popen``'s arguments)."""
-    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
-    return subprocess.Popen(
-        launcher_command(*args), cwd=cwd, env={**os.environ, **(env or {})}, **options
-    )
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:

@@ -75,7 +75,7 @@ def test_mismatched_classes_name_both_sides(tmp_path: Path, capsys):
         capsys,
         cwd=tmp_path,
     )
-    assert "missing in validation: ['owl']" in line and "missing in training: ['yak']" in line
+    assert "only in training: ['owl']; only in validation: ['yak']" in line
 
 
 @pytest.mark.parametrize(

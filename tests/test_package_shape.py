@@ -1,14 +1,27 @@
-"""Configs travel whole: no function of the product takes more than 6 parameters."""
+"""Configs travel whole: no function of the product takes more than 6 parameters. Module
+docstrings say what a module is in a few lines; the long explanations live in docs/."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PARAMS = 6
+MAX_DOCSTRING_LINES = 8
 
 
 def _product_files() -> list[Path]:
     return sorted((ROOT / "src" / "imgtrainer").rglob("*.py")) + [ROOT / "launch_ddp.py"]
+
+
+def _scripts() -> list[Path]:
+    """The thin scripts users type."""
+    return sorted((ROOT / "src").glob("*.py"))
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -23,7 +36,7 @@ def _param_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def _offenders() -> list[str]:
     found = []
     for path in _product_files():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -43,3 +56,16 @@ def _offenders() -> list[str]:
 def test_no_function_takes_more_than_six_parameters():
     offenders = _offenders()
     assert not offenders, "functions over 6 parameters:\n" + "\n".join(offenders)
+
+
+def test_module_docstrings_are_a_few_lines():
+    long = []
+    for path in _product_files() + _scripts():
+        doc = ast.get_docstring(_tree(path))
+        lines = len(doc.splitlines()) if doc else 0
+        if lines > MAX_DOCSTRING_LINES:
+            long.append(f"{path.relative_to(ROOT).as_posix()} ({lines} lines)")
+    assert not long, (
+        f"module docstrings over {MAX_DOCSTRING_LINES} lines (the rest belongs in docs/):\n"
+        + "\n".join(long)
+    )

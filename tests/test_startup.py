@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import instrument.sitecustomize as instrument
 import pytest
 
 import imgtrainer.data.unreadable as unreadable
@@ -179,15 +180,32 @@ def test_a_forked_rank_exits_through_multiprocessing_and_takes_its_loader_worker
 
 @pytest.mark.slow
 def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
-    """--start_method spawn (the CUDA default): torchrun's own way, fresh worker processes."""
+    """--start_method spawn (the CUDA default): torchrun's own way, fresh worker processes. Its
+    timeline (bench/startup.py's instrument, which wraps functions of every process's modules,
+    the agent's too) holds every phase of the start and end, in order."""
     train, val = tiny_dataset
     args = ["--device", "cpu", "--start_method", "spawn", "--epochs", "1", *TINY_FLAGS]
+    timeline = tmp_path / "timeline.txt"
     result = run_cli(
-        [ROOT / "launch_ddp.py", *args, "--train_dir", train, "--val_dir", val], cwd=tmp_path
+        [ROOT / "launch_ddp.py", *args, "--train_dir", train, "--val_dir", val],
+        cwd=tmp_path,
+        env=instrument.timeline_env(timeline),
     )
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert "--run-path" not in result.stdout.splitlines()[0]
     assert "Done: best val_acc" in result.stdout
+    lines = [line.split(" ", 2) for line in timeline.read_text().splitlines()]
+    by_process = {}
+    for stamp, who, event in lines:
+        by_process.setdefault(who, []).append((float(stamp), event))
+    launcher = ["launcher start", "torchrun start", "torchrun exited"]
+    rank = ["worker start", "imports done", "process group ready", "data checked"]
+    rank += ["images cached"] * any(e == "images cached" for _, e in by_process["rank0"])
+    rank += ["model ready", "first step done", "summary logged", "process group destroyed"]
+    assert [e for _, e in by_process["launcher"]] == launcher
+    assert [e for _, e in by_process["rank0"]] == [*rank, "worker exit"]
+    order = sorted(by_process["launcher"] + by_process["rank0"], key=lambda pair: pair[0])
+    assert [e for _, e in order] == [*launcher[:2], *rank, "worker exit", launcher[2]], order
 
 
 # ----------------------------------------------------------------------------- decode check cache

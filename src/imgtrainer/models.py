@@ -39,7 +39,8 @@ class ResNet18Classifier(ResNet):
 
 
 class ResNet18Animals90(ResNet18Classifier):
-    """The former name, 90 classes by default: kept for code written against it."""
+    """``ResNet18Classifier`` with 90 classes by default (Animals-90), for code that imports
+    this name."""
 
     def __init__(
         self, num_classes: int = 90, pretrained: bool = False, pretrained_path: str | None = None

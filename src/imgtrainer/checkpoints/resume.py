@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from imgtrainer.checkpoints.files import LATEST, CheckpointError, previous_path
+from imgtrainer.data.checks import class_difference
 from imgtrainer.distributed import torch_compat
 
 log = logging.getLogger(__name__)
@@ -45,14 +46,11 @@ def check_resume_fits(
     """A checkpoint continues only the run it came from: same classes, model and optimizer."""
     saved_classes = state.get("class_names")
     if saved_classes is not None and saved_classes != class_names:
-        only_saved = sorted(set(saved_classes) - set(class_names))
-        only_data = sorted(set(class_names) - set(saved_classes))
+        difference = class_difference(saved_classes, class_names, ("the checkpoint", "the data"))
         raise CheckpointError(
             f"--resume {path} was trained on {len(saved_classes)} other classes "
-            f"than the data's {len(class_names)} (only in the checkpoint: "
-            f"{only_saved[:5] or 'none'}; only in the data: "
-            f"{only_data[:5] or 'none'}); point --train_dir/--val_dir at the "
-            "same dataset or start a new run"
+            f"than the data's {len(class_names)} ({difference}); point --train_dir/--val_dir at "
+            "the same dataset or start a new run"
         )
     saved = state.get("config", {})
     for flag, value in (("model", model_name), ("optimizer", optimizer)):

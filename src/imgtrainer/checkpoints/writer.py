@@ -62,8 +62,8 @@ class CheckpointWriter:
             ):
                 old.unlink(missing_ok=True)
             self.replace_previous_run = False
-        # The best checkpoint is the latest one, a second name of its file (0.3 s of writing
-        # ResNet18's 134 MB saved per best epoch); a copy where hard links are not supported.
+        # The best checkpoint is the latest one, a second name of its file (no second write of
+        # the whole checkpoint); a copy where hard links are not supported.
         if is_best and not atomic_link(self.latest, self.best):
             atomic_save(state, self.best)
         if keep_epochs is not None:

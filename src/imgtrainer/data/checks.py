@@ -15,6 +15,8 @@ from imgtrainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
+SHOWN_CLASSES = 5  # class names listed a side when two class lists differ
+
 
 # ----------------------------------------------------------------------------- data folders
 
@@ -44,14 +46,22 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
     train_classes = find_classes(train_dir, "training")
     val_classes = find_classes(val_dir, "validation")
     if train_classes != val_classes:
-        only_train = sorted(set(train_classes) - set(val_classes))
-        only_val = sorted(set(val_classes) - set(train_classes))
         raise UserError(
             f"the class folders of {train_dir} and {val_dir} differ: "
-            f"missing in validation: {only_train or 'none'}; "
-            f"missing in training: {only_val or 'none'}"
+            + class_difference(train_classes, val_classes, ("training", "validation"))
         )
     return train_classes
+
+
+def class_difference(first: list[str], second: list[str], names: tuple[str, str]) -> str:
+    """``only in FIRST: [...]; only in SECOND: [...]`` ('none' for an empty side), at most
+    ``SHOWN_CLASSES`` names a side: how two class lists differ, for an error line."""
+    sides = []
+    for name, mine, other in ((names[0], first, second), (names[1], second, first)):
+        only = sorted(set(mine) - set(other))
+        more = f" and {len(only) - SHOWN_CLASSES} more" if len(only) > SHOWN_CLASSES else ""
+        sides.append(f"only in {name}: {only[:SHOWN_CLASSES] or 'none'}{more}")
+    return "; ".join(sides)
 
 
 def count_images(folder: Path, classes: list[str]) -> dict[str, int]:

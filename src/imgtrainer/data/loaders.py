@@ -47,7 +47,7 @@ from imgtrainer.run.config import (
     effective_batch,
     optimizer_batch,
 )
-from imgtrainer.run.lifecycle import STOP_SIGNALS, die_with_parent, mark
+from imgtrainer.run.lifecycle import STOP_SIGNALS, die_with_parent
 from imgtrainer.run.preflight import check_batch_fits, check_device_options
 
 log = logging.getLogger(__name__)
@@ -163,18 +163,15 @@ def build_datasets(
         cache = "none"
     if cache == "none":
         leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
-        mark("data checked")
         train_folder, val_folder = folders["training"], folders["validation"]
     else:
         # Caching decodes every image anyway: that decoding is the check, instead of a decode
         # check first and a second decoding of every image after it.
-        mark("data checked")
         started = time.perf_counter()
         cache_device = str(dist.device) if cfg.cache_images == "gpu" else "cpu"
         train_folder, val_folder = cache_decoded(
             folders, cfg.image_size, cache_device, threads, log_dir, cfg.eval_resize_ratio
         )
-        mark("images cached")
         log.info(
             f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
             f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "

@@ -63,8 +63,8 @@ def seeded_cpu_generator(seed: int) -> Iterator[None]:
     """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
     put its state back after: what runs inside depends only on ``seed``, and the process's own
     random stream (dropout, for instance) is untouched. (torch.manual_seed and fork_rng would
-    also touch every accelerator's generator: ~0.3 ms per sample, more than the augmentation
-    itself at small image sizes.)"""
+    also touch every accelerator's generator, at a cost per sample above the augmentation's
+    own at small image sizes.)"""
     generator = torch.default_generator
     saved = generator.get_state()
     generator.manual_seed(seed)

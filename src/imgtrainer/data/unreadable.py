@@ -66,8 +66,8 @@ def find_unreadable_shared(
 
 class DecodeCheckCache:
     """What the decode check found for each file, keyed by (path, size, modification time), kept
-    in ``folder/image_check_cache.json``. Decoding every image at every start took seconds on a
-    large folder; a file that changes gets a new size or time and is checked again.
+    in ``folder/image_check_cache.json``, so a start does not decode every image again; a file
+    that changes gets a new size or time and is checked again.
 
     It lives in the run's log folder, which is writable by definition (a dataset may sit on a
     read-only share) and goes away with the run's logs. Every rank writes the same content,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 # Up to this many classes the full matrix is drawn with every class named; above it a drawing
-# of K x K cells is neither readable nor cheap (1,000 classes took 19 GB and minutes to render),
+# of K x K cells is neither readable nor cheap (1,000 classes need gigabytes and minutes),
 # so the report draws the most-confused pairs and the worst classes instead.
 FULL_MATRIX_MAX_CLASSES = 100
 
@@ -122,7 +122,7 @@ def format_worst_classes(metrics: dict[str, dict], count: int) -> str:
 
 def most_confused_pairs(confusion: np.ndarray, count: int) -> list[tuple[int, int, int]]:
     """The ``count`` largest off-diagonal cells as (true class, predicted class, images), largest
-    first, ties in matrix order (a stable sort: about 0.1 s for 1,000 classes)."""
+    first, ties in matrix order (a stable sort)."""
     off = confusion.astype(np.int64, copy=True)
     np.fill_diagonal(off, 0)
     flat = off.reshape(-1)

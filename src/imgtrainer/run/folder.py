@@ -1,17 +1,9 @@
 """A run owns its checkpoint folder: one run at a time, and never another run's results silently.
 
-* ``FolderLock``: an OS file lock (``fcntl.flock``) on ``<checkpoint_dir>/.lock``, holding the
-  pid and host of the run. The kernel drops it when the process dies, however it dies, so a crash
-  never leaves a folder stuck; a second run on the same folder stops at once, naming the holder.
-* ``check_new_run``: a run started without ``--resume`` in a folder that holds another run's
-  checkpoints (or a log folder holding its history) stops with one line offering the choices.
-* ``claim_run_folder``: both, decided by the process that writes checkpoints and shared with the
-  others through a collective the caller passes in, so every rank stops together.
-* ``atomic_write``: temporary file, fsync, rename; a full disk is one line naming the file and the
-  space it needs, with the partial file removed and the previous file untouched.
-
-Only the standard library and ``errors``: the launcher can run these checks before it starts
-torchrun, without importing torch.
+``FolderLock`` is an OS file lock on ``<checkpoint_dir>/.lock`` that the kernel drops when the
+process dies; ``check_new_run`` stops a run without ``--resume`` in a folder holding another
+run's results; ``claim_run_folder`` does both on the main process and shares the verdict with
+every rank. Only the standard library and ``errors``: the launcher runs these checks without torch.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Launch src/train_ddp.py under torchrun on 1..N GPUs (or CPU processes), on one or more nodes.
 
-    python launch_ddp.py --demo                              # the bundled demo data
     python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
-    python launch_ddp.py --num_gpus all --use_amp            # every visible GPU
-    python launch_ddp.py --device cpu --nproc 2              # 2 CPU processes over gloo
-    python launch_ddp.py --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 ...
     python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --max_restarts 10 ...  # elastic
 
-Flags below are the launcher's own; every other flag goes unchanged to src/train_ddp.py. The
-launcher builds and runs the torchrun command (``torch.distributed.run:main`` with the same
-interpreter, through ``src/quick_exit.py`` to skip a slow interpreter teardown), forwards
-SIGINT/SIGTERM/SIGHUP to it (SLURM's SIGUSR1 warning as SIGTERM), and exits with the code of
-how the run ended: 0 done, 2 bad input, 130 after Ctrl-C, 143 after SIGTERM (a closed terminal
-and SIGUSR1 count as SIGTERM), or the failing rank's code. On the CPU, torchrun forks the
-workers from its agent, which imported the trainer (torch, torchvision, timm) once
-(``--start_method``).
-
-It never imports torch, torchvision or timm (seconds each on a small machine): its checks are
-pure Python (``src/preflight.py``), and what needs torch is checked by the workers. torchrun's
-own stderr and the ranks' stderr go to LOG_DIR/torchrun.log; the console gets the main rank's
-progress and, when a rank fails, that rank's error line (and a bug's traceback) once.
+The launcher's own flags are parsed here; every other flag goes unchanged to the workers. It
+never imports torch (its checks are ``run.preflight``'s), forwards stop signals to torchrun and
+exits with the code of how the run ended (docs/development.md: the processes of a run).
 """
 
 from __future__ import annotations
@@ -52,7 +38,6 @@ from imgtrainer.run.lifecycle import (
     STOP_SIGNALS,
     die_with_parent,
     exit_code_for,
-    mark,
     read_outcomes,
 )
 from imgtrainer.run.preflight import gpus_may_be_shared, launcher_checks, visible_gpu_count
@@ -287,7 +272,6 @@ def run_forwarding_signals(
     torchrun (SIGTERM: a clean stop with a checkpoint) if the launcher dies, however it dies.
     Returns the signals received and torchrun's exit code."""
     launcher = os.getpid()
-    mark("torchrun start")
     child = subprocess.Popen(
         command,
         env=env,
@@ -305,7 +289,6 @@ def run_forwarding_signals(
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = child.wait()
-    mark("torchrun exited")
     return received, (128 - code if code < 0 else code)
 
 
@@ -379,7 +362,6 @@ def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    mark("launcher start")
     parser = build_parser()
     args, trainer_args = parser.parse_known_args(argv)
     if args.help:
@@ -414,7 +396,7 @@ def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str,
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if device == "cpu":
         # A CPU run on a GPU machine must not touch CUDA: torch's optimizers query the CUDA
-        # stream in every step when a GPU is visible, which failed (CUDA "initialization
-        # error", H100) in workers forked from an agent whose imports had initialised CUDA.
+        # stream in every step when a GPU is visible, which fails ("initialization error") in
+        # workers forked from an agent whose imports initialised CUDA.
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env

@@ -1,18 +1,7 @@
-"""How the processes of one run stop together, and how each rank tells the launcher how it ended.
-
-The chain of processes and what ends each one when the one above dies (a parent-death signal, set
-in the child, because a process in its own session survives its parent):
-
-    launch_ddp.py --SIGTERM--> torchrun agent --SIGTERM--> rank --SIGKILL--> its loader workers
-
-SIGTERM lets the agent and the ranks stop the way they stop on any SIGTERM: the ranks agree on a
-step and save a checkpoint. Loader workers hold nothing worth saving.
-
-Under the launcher, torchrun's stderr (its failure reports and tracebacks) and every rank's
-stderr go to a file in the log folder; each rank writes how it ended (exit code, its error line,
-its traceback) to a small JSON file in ``$TRAIN_DDP_REPORT_DIR``, and the launcher prints the
-first failure as one line, with the traceback of a real bug once. No torch here: the launcher
-imports this module.
+"""How the processes of one run stop together (a parent-death signal down the chain launcher ->
+torchrun -> ranks -> loader workers), how each rank reports its ending to the launcher (a JSON
+file in $TRAIN_DDP_REPORT_DIR), and a rank's exit without the interpreter's teardown
+(docs/development.md: the processes of a run). No torch here: the launcher imports this module.
 """
 
 from __future__ import annotations
@@ -39,28 +28,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
 
 
-TIMELINE_ENV = "TRAIN_DDP_TIMELINE"
-
-
 PR_SET_PDEATHSIG = 1
-
-
-_marked: set[str] = set()
-
-
-def mark(event: str, at: float | None = None, once: bool = False, who: str | None = None) -> None:
-    """Append "time process event" to the file $TRAIN_DDP_TIMELINE names (bench/startup.py reads
-    it to time each phase of a start and an end); nothing without it. The process is ``who``,
-    else the rank, else the launcher."""
-    path = os.environ.get(TIMELINE_ENV)
-    if not path or (once and event in _marked):
-        return
-    _marked.add(event)
-    if who is None:
-        who = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "launcher"
-    # One short append per line: lines from several processes do not interleave.
-    with open(path, "a") as timeline:
-        timeline.write(f"{time.time() if at is None else at:.6f} {who} {event}\n")
 
 
 def exit_code_for(signum: int) -> int:
@@ -206,19 +174,12 @@ def write_line(stream, text: str) -> None:
 
 
 def exit_now(code: int) -> None:
-    """Exit without Python's interpreter teardown, once everything is written and flushed.
-
-    After importing torch, torchvision and timm, tearing the interpreter down (atexit handlers,
-    freeing every module) took 1-4 s here, between the run's last line and the end of the
-    process, for nothing: checkpoints and history are already written (atomically) and the
-    process group is destroyed. Loader workers end with their parent (``die_with_parent``).
-
-    A rank forked by torch elastic (the launcher's ``--start_method fork``) that succeeded exits
-    through ``SystemExit(0)`` instead: torch elastic waits for every rank's return value before
-    it ends the run, and multiprocessing then ends the process without a teardown anyway. Its
-    loader workers are killed first: multiprocessing would wait for them to end, and they ignore
-    the SIGTERM it sends them (``data.quiet_loader_worker``). Any other code is the process's exit
-    code there too, which torch elastic reads.
+    """Exit without Python's interpreter teardown (seconds after importing torch, for nothing:
+    the run's files are written and the process group is destroyed); loader workers end with
+    their parent (``die_with_parent``). A rank forked by torch elastic that succeeded exits
+    through ``SystemExit(0)`` instead, its loader workers killed first: torch elastic waits for
+    every rank's return value, and multiprocessing would wait for the workers, which ignore its
+    SIGTERM (``data.loaders.quiet_loader_worker``).
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):

@@ -39,7 +39,7 @@ from imgtrainer.run.config import (
     print_config_requested,
 )
 from imgtrainer.run.folder import check_new_run, claim_run_folder
-from imgtrainer.run.lifecycle import exit_now, mark, run_reporting
+from imgtrainer.run.lifecycle import exit_now, run_reporting
 from imgtrainer.training.precision import configure_backends
 from imgtrainer.training.trainer import Trainer
 
@@ -84,7 +84,6 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)
     trainer.resume()
-    mark("model ready")
     log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
     try:
         with trainer.stop.installed():
@@ -93,7 +92,6 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     finally:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
     log_summary(trainer, finished)
-    mark("summary logged")
     return 0 if finished else trainer.stop.exit_code
 
 
@@ -102,25 +100,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Bad input is one line and exit code 2, like every tool's ``main``. The command line runs
     the undecorated function under ``run_reporting``, which also reports the line to the
     launcher."""
-    mark("imports done")
     cfg = parse_config(argv)
     if print_config_requested(argv):
         print(config_yaml(cfg, launcher_flags_from_env()), end="")
         return 0
     dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
-    mark("process group ready")
     try:
         return run(cfg, dist)
     finally:
         cleanup_distributed()
-        mark("process group destroyed")
 
 
-def run_as_script(started: float) -> None:
+def run_as_script() -> None:
     """``python src/train_ddp.py``: run ``main`` under ``run_reporting`` (which also reports the
     ending to the launcher) and exit without the interpreter's teardown."""
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    mark("worker start", at=started)
     code = run_reporting(main.__wrapped__)
-    mark("worker exit")
     exit_now(code)

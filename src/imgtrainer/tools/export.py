@@ -4,10 +4,8 @@ preprocessing in a JSON file beside it, then check the exported model against th
     python src/export.py --checkpoint checkpoints/checkpoint_best.pth --format onnx
     python src/export.py --checkpoint checkpoints/checkpoint_best.pth --format safetensors --output deploy/model.safetensors
 
-The model is the one src/evaluate.py runs (--weights picks EMA or raw weights the same way), in
-float32 on the CPU. The check runs the exported file on a few images of the checkpoint's
-validation folder (or --check_images, or random images without one) and fails, exit code 1,
-leaving nothing written, when its logits differ from PyTorch's by more than atol + rtol x |logit|.
+The check runs the exported file on a few validation images and fails (exit 1, nothing written)
+when its logits differ from PyTorch's by more than atol + rtol x |logit| (docs/tools.md).
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
     python src/prepare_data.py --source ~/Downloads/animals --output data --val_ratio 0.2
 
-SOURCE/<class>/<images> becomes OUTPUT/train/<class>/ and OUTPUT/val/<class>/. Downloads that
-nest the class folders one level deeper (animals/animals/<class>) are found. Each class is split
-on its own (so every class keeps the ratio), in an order drawn from (--seed, class name): the same
-seed gives the same split, and adding a class does not move the files of the others. Files are
-copied, or linked with --link. Files that are not images are left out and counted.
+SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/<class>/. Each class is
+split on its own, in an order drawn from (--seed, class name): the same seed gives the same split,
+and adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
 """
 
 from __future__ import annotations

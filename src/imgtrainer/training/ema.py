@@ -1,26 +1,10 @@
 """An exponential moving average (EMA) of the model's weights, kept by a per-step hook.
 
-timm's ``ModelEmaV3`` does the arithmetic: after each update every floating-point tensor of the
-EMA's state dict is ``ema + (1 - decay) * (weights - ema)`` (one foreach lerp), parameters and
-BatchNorm running statistics alike (the statistics are averaged, not copied, so they belong to
-averaged weights); integer buffers (``num_batches_tracked``) are copied. Its state is a plain
-module whose state dict has the model's own keys. What timm leaves to the caller is the number
-of updates done, which the warm-up reads: ``ModelEma`` counts them, and a checkpoint stores the
-count (``ema_updates``) next to the weights, so a resumed run continues the same average bitwise.
-
-The decay of the n-th update (n = 1, 2, ...) is timm's warm-up with power 3/4:
-
-    decay(n) = min(ema_decay, 1 - n ** -0.75)
-
-so the first update copies the weights (decay 0) and the average spans about n ** 0.75 recent
-steps (1 / (1 - decay)): 32 steps after 100 updates, 240 after 1,500; the cap ``ema_decay``
-(0.999: about 1,000 steps) is reached after 10,000 updates. Early epochs are thus never
-dominated by the random initial weights, and a short run on a small dataset averages over its
-last few epochs instead of over its whole length. Power 3/4 is what timm's docstring suggests
-for shorter runs (2/3, its default, is for runs of a million steps).
-
-Only steps the optimizer took update the EMA: a step that the GradScaler skipped (float16
-overflow) left the weights as they were, and counting it would advance the warm-up for nothing.
+timm's ``ModelEmaV3`` does the arithmetic (parameters and BatchNorm statistics averaged, integer
+buffers copied). ``ModelEma`` counts the updates, which the warm-up
+``decay(n) = min(ema_decay, 1 - n ** -0.75)`` reads and a checkpoint stores (``ema_updates``), so a
+resumed run continues the same average bitwise. Only steps the optimizer took update it
+(docs/training.md: EMA of the weights).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Fitting training into a memory budget: the micro-batch size, what it costs, and recovery from
-out-of-memory errors.
+out-of-memory errors (docs/memory.md).
 
-Each loaded batch (``--batch_size`` x ``--accum_steps`` images per process: one optimizer step)
-goes through the model as micro-batches of ``MemoryPlan.micro_batch`` images, whose gradients the
-engine adds up: ``--batch_size`` images each, unless fitting finds that fewer fit. This module
-chooses that size:
-
-* ``measure_micro_batch`` runs one forward and backward on synthetic images and returns what it
-  costs: the bytes the forward pass keeps for backward (counted with ``saved_tensors_hooks``), the
-  loaded batch's inputs, and the weights, gradients and optimizer state; and the real peak: on
-  CUDA the allocator's, on the CPU the process's resident high-water mark above what it held
-  before training (``ResidentMemory``). A CPU with RAM to spare never raises out-of-memory, so
-  there the measured peak is what a budget (``--max_memory_gb``) is checked against: the count
-  of saved tensors misses what the CPU kernels and the allocator hold (~half of the real peak).
-* ``fit_micro_batch`` starts at ``--batch_size`` and halves: it skips the sizes
-  that a linear estimate from a 2-image probe already puts over the budget (a trial would only
-  overshoot it), and tries the others for real, halving on out-of-memory; every rank then takes
-  the smallest size any rank found, so all ranks run the same number of micro-batches.
-
-It never reads files; its only collective is that agreement.
+``measure_micro_batch`` runs one forward and backward on synthetic images and returns its cost
+and real peak (on the CPU the resident high-water mark: what a budget is checked against there);
+``fit_micro_batch`` halves from ``--batch_size`` until a size fits, and every rank takes the
+smallest size any rank found. It never reads files; its only collective is that agreement.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class ResidentMemory:
         """From now on, glibc maps every block of 128 KiB or more on its own and unmaps it when
         freed. By default it raises that threshold as blocks are freed (up to 32 MiB), then
         serves tensors from its heap and keeps freed ones resident: a training run then holds
-        more than its trial measured (~30-90 MB here). Costs page faults (a few % on the CPU)."""
+        more than its trial measured. Costs page faults (a few % on the CPU)."""
         try:
             ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
         except (OSError, AttributeError):

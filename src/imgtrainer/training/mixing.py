@@ -1,12 +1,9 @@
 """Mixup and CutMix on whole training batches (``--mixup``, ``--cutmix``), seeded per step.
 
-torchvision's ``v2.MixUp``/``v2.CutMix`` draw from torch's global CPU generator, so each batch
-runs them with that generator seeded from (seed, epoch, step, position of the batch's first
-sample in the epoch's global order) and restored afterwards: the same mixing after a resume and
-with any number of loader workers, and no draw keyed by a rank. Ranks mix differently, as their
-batches differ; a batch pairs its own images, so another number of processes (other batches)
-mixes other pairs. Label smoothing needs nothing here: ``nn.CrossEntropyLoss`` smooths
-probability targets too.
+Each batch runs torchvision's ``v2.MixUp``/``v2.CutMix`` with the global CPU generator seeded
+from (seed, epoch, step, position of its first sample in the epoch's order), then restored: the
+same mixing after a resume and with any number of workers. A batch pairs its own images, so
+another number of processes mixes other pairs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Stopping a run whose loss is no longer finite, before it saves non-finite weights.
 
-Each optimizer step's loss is checked on the device (no host synchronisation): a count of
-consecutive non-finite losses, and the first step of the first run of ``NONFINITE_STEPS`` of
-them. The host reads it where the loop already synchronises (its logging steps, the end of the
-epoch) and before every checkpoint, and every rank agrees on it, so all ranks stop together.
-A step that the float16 GradScaler skips (its gradients overflowed) has a finite loss and does
-not count; a loss that is itself NaN or inf does, scaler or not. Checkpoints are also refused
-when the weights themselves are not finite (``nonfinite_tensors``).
+Consecutive non-finite losses are counted on the device; the host reads the count where the
+loop already synchronises and before every checkpoint, and all ranks agree on it. A step the
+float16 GradScaler skips has a finite loss and does not count. Checkpoints are also refused
+when the weights themselves are not finite.
 """
 
 from __future__ import annotations

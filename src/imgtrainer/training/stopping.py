@@ -2,12 +2,9 @@
 ``--signal`` warning before a time limit), or when the --max_time budget runs out, at a step
 that every rank agrees on.
 
-A signal only sets a flag. After each optimizer step every rank calls ``agreed()``, a one-number
-all-reduce (MAX) of the flags, so all ranks see the request at the same step even when only one of
-them was signalled; they then save a checkpoint together and leave the loop. A second signal,
-later than the burst a single Ctrl-C produces (the terminal and torchrun both deliver it), exits
-at once. A rank whose ``TimeBudget`` says the next piece of work and a checkpoint no longer fit
-raises the same flag (a lower value: a signal's exit code wins over the budget's 0).
+A signal (or a ``TimeBudget`` that runs out) sets a flag; after each step all ranks agree on it
+with a one-number all-reduce (MAX), save a checkpoint together and leave the loop. A second
+signal, later than one Ctrl-C's burst, exits at once.
 """
 
 from __future__ import annotations

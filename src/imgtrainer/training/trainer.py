@@ -52,7 +52,6 @@ from imgtrainer.run.config import (
     effective_batch,
     parse_duration,
 )
-from imgtrainer.run.lifecycle import mark
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import (
@@ -533,7 +532,6 @@ class PositionKeeper(Hook):
 
     def on_step_end(self, info: StepInfo) -> bool:
         self.trainer.step = info.step
-        mark("first step done", once=True)
         return False
 
 
