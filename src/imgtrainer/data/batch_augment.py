@@ -2,9 +2,9 @@
 
 The host draws each sample's parameters (``AugmentDraws``: crop box, flip, erasing rectangle,
 policy seed) from the generator seeded by (seed, epoch, index); sources hand over uint8 pixels;
-``BatchAugment`` then resamples every crop of the batch at once (two batched matmuls with the
-antialiased bilinear weights of ``interpolate(..., antialias=True)``, flips folded into them),
-applies the ``--auto_augment`` policy per sample, normalises and erases, on whatever device the
+``BatchAugment`` then resamples every crop of the batch at once (a gather of a few taps per
+output pixel and their weighted sum, columns then rows, with the weights of torch's antialiased
+bilinear ``interpolate``; flips folded into them), applies the ``--auto_augment`` policy per sample, normalises and erases, on whatever device the
 batch is on.
 """
 
@@ -105,24 +105,42 @@ class AugmentDraws:
         return torch.tensor(row, dtype=torch.int64)
 
 
-def resample_weights(start: torch.Tensor, length: torch.Tensor, canvas: int, size: int):
-    """(N, size, canvas) weights of the antialiased bilinear resize of each sample's span
-    [start, start + length) of a canvas axis to ``size`` pixels: the weights of
-    ``interpolate(crop, mode="bilinear", antialias=True, align_corners=False)``, clamped to
-    the crop as it is, zero outside it."""
+def resample_taps(start: torch.Tensor, length: torch.Tensor, size: int, taps: int):
+    """Where and how much each output pixel reads, for the antialiased bilinear resize of each
+    sample's span [start, start + length) of a canvas axis to ``size`` pixels: (N, size, taps)
+    canvas indices and float32 weights, the weights of ``interpolate(crop, mode="bilinear",
+    antialias=True, align_corners=False)`` (clamped to the crop as it is; 0 past its taps)."""
     start = start.to(torch.float64)[:, None, None]
     length = length.to(torch.float64)[:, None, None]
     scale = length / size
     support = scale.clamp(min=1.0)  # the triangle widens with the downscale factor
-    center = scale * (
-        torch.arange(size, dtype=torch.float64, device=start.device)[None, :, None] + 0.5
-    )
-    x = torch.arange(canvas, dtype=torch.float64, device=start.device)[None, None, :] - start
+    at = torch.arange(size, dtype=torch.float64, device=start.device)[None, :, None]
+    center = scale * (at + 0.5)
     low = torch.trunc(center - support + 0.5).clamp(min=0)
     high = torch.minimum(torch.trunc(center + support + 0.5), length)
-    weights = (1 - ((x - center + 0.5) / support).abs()).clamp(min=0)
-    weights = weights * ((x >= low) & (x < high))
-    return (weights / weights.sum(-1, keepdim=True)).float()
+    x = low + torch.arange(taps, dtype=torch.float64, device=start.device)
+    weights = (1 - ((x - center + 0.5) / support).abs()).clamp(min=0) * (x < high)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return (torch.minimum(x, length - 1) + start).long(), weights.float()
+
+
+def tap_count(lengths: torch.Tensor, size: int) -> int:
+    """Taps enough for every sample: a span of 2 * support + 1 pixels at most."""
+    return int(2 * max(float(lengths.max()) / size, 1.0)) + 2
+
+
+def weighted_taps(images: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Resample dim 1 of the contiguous ``images`` (N, L, M, C): output j of sample n is the sum
+    over taps k of weights[n, j, k] * images[n, index[n, j, k]], as float32 (N, size, M, C)."""
+    n, length = images.shape[:2]
+    size, taps = index.shape[1:]
+    flat = images.view(n * length, -1)
+    rows = index + length * torch.arange(n, device=index.device)[:, None, None]
+    out = torch.zeros(n, size, *images.shape[2:], device=images.device)
+    for k in range(taps):  # one tap at a time: whole rows of M x C values, one index_select
+        gathered = flat.index_select(0, rows[:, :, k].reshape(-1)).view(out.shape)
+        out.addcmul_(gathered, weights[:, :, k, None, None])
+    return out
 
 
 class BatchAugment:
@@ -144,19 +162,28 @@ class BatchAugment:
         self.mean, self.std = tuple(mean), tuple(std)
 
     def resample(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        """Every crop resized to size x size and flipped where drawn: float, 0..255."""
-        params = params.to(pixels.device)
-        height, width = pixels.shape[-2:]
-        rows = resample_weights(params[:, TOP], params[:, HEIGHT], height, self.size)
-        cols = resample_weights(params[:, LEFT], params[:, WIDTH], width, self.size)
+        """Every crop resized to size x size and flipped where drawn: float, 0..255. Each
+        output pixel is a weighted sum of a few gathered source pixels, rows then columns.
+        ``params`` on the host: the number of taps is read from it without a device sync."""
+        size = self.size
+        height_taps = tap_count(params[:, HEIGHT], size)
+        width_taps = tap_count(params[:, WIDTH], size)
+        params = params.to(pixels.device, non_blocking=True)
+        index, weights = resample_taps(params[:, LEFT], params[:, WIDTH], size, width_taps)
         flip = params[:, FLIP].bool()[:, None, None]
-        cols = torch.where(flip, cols.flip(1), cols)
-        out = pixels.float() @ cols.transpose(1, 2)[:, None]  # (N, 3, H, size)
-        return rows[:, None] @ out  # (N, 3, size, size)
+        index = torch.where(flip, index.flip(1), index)
+        weights = torch.where(flip, weights.flip(1), weights)
+        # Channels last, so that each gathered tap is a contiguous run of memory.
+        across = pixels.permute(0, 3, 2, 1).contiguous()  # (N, W, H, 3)
+        columns = weighted_taps(across, index, weights)  # (N, size, H, 3)
+        index, weights = resample_taps(params[:, TOP], params[:, HEIGHT], size, height_taps)
+        down = columns.transpose(1, 2).contiguous()  # (N, H, size, 3)
+        rows = weighted_taps(down, index, weights)  # (N, size, size, 3)
+        return rows.permute(0, 3, 1, 2)  # (N, 3, size, size), channels_last in memory
 
     def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        params = params.to(pixels.device)
         images = self.resample(pixels, params)
+        params = params.to(pixels.device, non_blocking=True)
         if self.policy is not None:
             images = images.round_().clamp_(0, 255).to(torch.uint8)
             # The policies' ops differ per sample: applied one image at a time, on the device.
@@ -242,7 +269,7 @@ class DeviceBatches:
             pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
         else:
             pixels = pixels.to(self.device, non_blocking=True)
-        return self.augment(pixels, params.to(self.device, non_blocking=True))
+        return self.augment(pixels, params)  # the parameters stay on the host until used
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""

@@ -83,13 +83,22 @@ class TrainingSamples(Dataset):
             with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
                 return index, self.draws(height, width), self.folder.targets[index]
         image, label = self.folder[index]
-        if isinstance(image, Image.Image):
-            image = v2.functional.pil_to_tensor(image)
+        size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
         with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
-            params = self.draws(*image.shape[-2:])
+            params = self.draws(*size)
         top, left, h, w = params[:4].tolist()
+        if isinstance(image, Image.Image):
+            # A crop many times the output size (large photos) is first shrunk by an integer
+            # factor, averaging blocks (PIL's reduce): the batch canvas stays small.
+            factor = min(h, w) // (2 * self.draws.size)
+            box = (left, top, left + w, top + h)
+            image = image.reduce(factor, box=box) if factor >= 2 else image.crop(box)
+            pixels = v2.functional.pil_to_tensor(image)
+        else:
+            pixels = image[:, top : top + h, left : left + w]
         params[:2] = 0  # the pixels handed over are the crop itself
-        return image[:, top : top + h, left : left + w], params, label
+        params[2:4] = torch.tensor(pixels.shape[-2:])
+        return pixels, params, label
 
 
 @contextlib.contextmanager
