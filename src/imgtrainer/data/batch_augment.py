@@ -182,12 +182,14 @@ class BatchAugment:
         return rows.permute(0, 3, 1, 2)  # (N, 3, size, size), channels_last in memory
 
     def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """The batch's pixels on the training device, its parameters still on the host."""
         images = self.resample(pixels, params)
+        seeds = params[:, POLICY_SEED].tolist()  # from the host: no device sync
         params = params.to(pixels.device, non_blocking=True)
         if self.policy is not None:
             images = images.round_().clamp_(0, 255).to(torch.uint8)
             # The policies' ops differ per sample: applied one image at a time, on the device.
-            for n, seed in enumerate(params[:, POLICY_SEED].tolist()):
+            for n, seed in enumerate(seeds):
                 with seeded_cpu_generator(seed):
                     images[n] = self.policy(images[n])
             images = images.float()
