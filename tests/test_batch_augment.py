@@ -188,3 +188,36 @@ def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
     # TF32 matmuls, where the trainer enables them, round to ~1e-3 relative.
     assert (on_cuda[0][0].cpu() - on_cpu[0][0]).abs().max() < 0.05
     assert torch.equal(on_cuda[0][1].cpu(), on_cpu[0][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset):
+    """--cache_images gpu: the loader yields indices into one device canvas and the batch is
+    made on the GPU; the same samples, draws and (up to float rounding) pixels as from RAM."""
+    from dataclasses import replace
+
+    from conftest import ONE_CPU_PROCESS, data_config
+    from imgtrainer.data.batch_augment import train_augmentation
+    from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
+    from imgtrainer.data.samplers import EpochSampler
+
+    train, val = tiny_dataset
+    batches = {}
+    for cache, device in (("ram", "cpu"), ("gpu", "cuda")):
+        cfg = data_config(train, val, image_size=16, seed=3, cache_images=cache)
+        dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
+        train_set, _, _ = build_datasets(cfg, dist)
+        assert train_set.on_device == (cache == "gpu")
+        sampler = EpochSampler(len(train_set), 0, 1, seed=3)
+        canvas = train_set.folder.canvas if train_set.on_device else None
+        loader = DeviceBatches(
+            make_loader(train_set, sampler, LoaderSpec(8, train=True)),
+            train_augmentation(cfg)[1],
+            torch.device(device),
+            canvas,
+        )
+        batches[cache] = next(iter(loader))
+    images, labels = batches["gpu"]
+    assert images.is_cuda and torch.equal(labels.cpu(), batches["ram"][1])
+    assert (images.cpu() - batches["ram"][0]).abs().max() < 0.01
