@@ -122,6 +122,8 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     assert torch.allclose(out[0], out[1].flip(-1), atol=1e-4)
     assert torch.allclose(out[3], out[2].flip(-1), atol=1e-4)
     assert not torch.allclose(out[0], out[1], atol=1)
+    # Channels last in memory, as the model's layout wants it (no copy in the engine).
+    assert augment(pixels, box_params(boxes)).is_contiguous(memory_format=torch.channels_last)
     # On a larger canvas with garbage around the image: the same result.
     canvas = torch.full((4, 3, 50, 60), 255, dtype=torch.uint8)
     canvas[:, :, :30, :40] = pixels
