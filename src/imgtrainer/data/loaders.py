@@ -235,7 +235,10 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     budget = available_memory_bytes() // (4 * dist.local_world_size)
     device_budget = 0
     if dist.device.type == "cuda" and cfg.cache_images == "auto":
-        device_budget = int(torch.cuda.mem_get_info(dist.device)[0] * GPU_CACHE_SHARE)
+        free = torch.cuda.mem_get_info(dist.device)[0]
+        if cfg.max_memory_gb is not None:  # the user's cap on this process's device memory
+            free = min(free, int(cfg.max_memory_gb * 2**30))
+        device_budget = int(free * GPU_CACHE_SHARE)
     train_set, val_set, class_names = build_datasets(
         cfg, dist, cache_budget_bytes=budget, threads=cores, device_budget_bytes=device_budget
     )
