@@ -17,10 +17,15 @@ from torchvision.transforms import v2
 
 import imgtrainer.run.train as train_ddp
 from conftest import ONE_CPU_PROCESS, cpu_run_parts, data_config, user_error_line
+from imgtrainer.data.batch_augment import (
+    BatchAugment,
+    DeviceBatches,
+    collate_samples,
+    train_augmentation,
+)
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, SeededImageDataset
-from imgtrainer.data.transforms import IMAGENET_MEAN, normalize_batch, train_transforms
+from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, TrainingSamples
 from imgtrainer.run.config import HELP_GROUPS, TrainConfig, parse_config
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
@@ -40,14 +45,20 @@ def scramble_global_rngs(seed: int) -> None:
     np.random.seed(seed)
 
 
-# ----------------------------------------------------------------------------- per-image
+# ----------------------------------------------------------------------------- per-sample draws
 
 
 def augmentation(image_size: int, crop_scale_min: float, hflip: float, **flags):
-    """The training transforms of a config with these augmentation settings."""
-    return train_transforms(
+    """The (host draws, device augment) of a config with these augmentation settings."""
+    return train_augmentation(
         TrainConfig(image_size=image_size, crop_scale_min=crop_scale_min, hflip=hflip, **flags)
     )
+
+
+def augment_keys(dataset: TrainingSamples, augment: BatchAugment, keys) -> torch.Tensor:
+    """The augmented batch of these (index, epoch) keys, as the training loader makes it."""
+    pixels, params, _ = collate_samples([dataset[key] for key in keys])
+    return augment(pixels, params)
 
 
 def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augment) -> list:
@@ -55,7 +66,11 @@ def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augmen
     train_set, _, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), 0, 1, seed=7)
     sampler.set_epoch(epoch)
-    loader = make_loader(train_set, sampler, LoaderSpec(8, train=True, num_workers=workers))
+    loader = DeviceBatches(
+        make_loader(train_set, sampler, LoaderSpec(8, train=True, num_workers=workers)),
+        train_augmentation(cfg)[1],
+        torch.device("cpu"),
+    )
     batches = []
     for images, labels in loader:
         batches.append((images, labels))
@@ -64,13 +79,13 @@ def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augmen
     return batches
 
 
-def test_same_augmented_batches_with_0_and_2_loader_workers(tiny_dataset):
+def test_same_augmented_batches_with_0_1_and_2_loader_workers(tiny_dataset):
     train, val = tiny_dataset
     scramble_global_rngs(1)
     alone = first_batches(train, val, workers=0, **AUGMENT)
-    scramble_global_rngs(2)
-    with_workers = first_batches(train, val, workers=2, **AUGMENT)
-    assert_same_tensors(alone, with_workers, "batches")
+    for workers in (1, 2):
+        scramble_global_rngs(1 + workers)
+        assert_same_tensors(alone, first_batches(train, val, workers, **AUGMENT), "batches")
     # The policies did change the images, and the next epoch draws other augmentations.
     plain = first_batches(train, val, workers=0)
     assert not torch.equal(alone[0][0], plain[0][0])
@@ -86,37 +101,44 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
     random stream where it was."""
     train, _ = tiny_dataset
     cache = DecodedImageCache(ReadableImageFolder(train), 16, device="cpu")
-    dataset = SeededImageDataset(
-        cache, augmentation(16, 0.3, 0.5, auto_augment=policy, random_erasing=1.0), seed=3
+    draws, augment = augmentation(16, 0.3, 0.5, auto_augment=policy, random_erasing=1.0)
+    assert (
+        type(augment.policy)
+        is {
+            "trivialaugment": v2.TrivialAugmentWide,
+            "randaugment": v2.RandAugment,
+        }[policy]
     )
-    assert [type(t) for t in dataset.transform.transforms[1:]] == [
-        {"trivialaugment": v2.TrivialAugmentWide, "randaugment": v2.RandAugment}[policy],
-        v2.RandomErasing,
-    ]
+    dataset = TrainingSamples(cache, draws, seed=3)
     scramble_global_rngs(5)
     state = torch.get_rng_state()
-    first = [dataset[(i, 2)][0] for i in range(6)]
+    first = augment_keys(dataset, augment, [(i, 2) for i in range(6)])
     assert torch.equal(torch.get_rng_state(), state)
     scramble_global_rngs(6)
-    again = [dataset[(i, 2)][0] for i in reversed(range(6))][::-1]
-    assert_same_tensors(first, again, "images")
-    assert not torch.equal(first[0], dataset[(0, 3)][0])  # another epoch, other draws
+    again = augment_keys(dataset, augment, [(i, 2) for i in reversed(range(6))]).flip(0)
+    assert_same_tensors(list(first), list(again), "images")
+    # Alone or in another batch, a sample is augmented the same.
+    assert torch.allclose(augment_keys(dataset, augment, [(2, 2)])[0], first[2], atol=1e-5)
+    assert not torch.equal(first[0], augment_keys(dataset, augment, [(0, 3)])[0])  # other epoch
 
 
-def test_random_erasing_fills_with_the_mean_colour(tiny_dataset):
+def test_random_erasing_sets_a_rectangle_to_the_mean_colour_per_sample(tiny_dataset):
     train, _ = tiny_dataset
     cache = DecodedImageCache(ReadableImageFolder(train), 32, device="cpu")
-    erase_only = augmentation(32, 1.0, 0.0, random_erasing=1.0)
-    plain = augmentation(32, 1.0, 0.0)
-    dataset = SeededImageDataset(cache, erase_only, seed=0)
-    erased = dataset[(0, 0)][0]
-    unerased = SeededImageDataset(cache, plain, seed=0)[(0, 0)][0]
-    changed = (erased != unerased).any(0)
-    assert changed.any()
-    mean = torch.tensor([round(255 * m) for m in IMAGENET_MEAN], dtype=torch.uint8)
-    assert (erased.permute(1, 2, 0)[changed] == mean).all()
-    # After normalization the rectangle is (almost) 0, as in torchvision's recipe.
-    assert normalize_batch(erased[None])[0].permute(1, 2, 0)[changed].abs().max() < 0.01
+    erase_draws, augment = augmentation(32, 1.0, 0.0, random_erasing=0.5)
+    plain_draws, _ = augmentation(32, 1.0, 0.0)
+    keys = [(i % len(cache), i // len(cache)) for i in range(40)]
+    erased = augment_keys(TrainingSamples(cache, erase_draws, 0), augment, keys)
+    unerased = augment_keys(TrainingSamples(cache, plain_draws, 0), augment, keys)
+    changed = (erased != unerased).any(1)  # (N, H, W)
+    per_sample = changed.flatten(1).any(1)
+    assert 8 < int(per_sample.sum()) < 32  # p=0.5: some samples erased, others not
+    for n in per_sample.nonzero().flatten().tolist():
+        rows, cols = changed[n].any(1).nonzero(), changed[n].any(0).nonzero()
+        box = changed[n][rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
+        assert box.float().mean() > 0.9  # one rectangle (a pixel may equal the mean already)
+        # 0 after normalization: the mean colour, as in torchvision's recipe.
+        assert erased[n].permute(1, 2, 0)[changed[n]].abs().max() == 0
 
 
 # ----------------------------------------------------------------------------- batch mixing
@@ -341,13 +363,18 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     """--cache_images gpu: the images stay on the GPU through every augmentation and the
     mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
     train, _ = tiny_dataset
-    transform = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
-    on_gpu = SeededImageDataset(
-        DecodedImageCache(ReadableImageFolder(train), 16, "cuda"), transform, 3
-    )
-    first = torch.stack([on_gpu[(i, 0)][0] for i in range(8)])
+    draws, augment = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
+    on_gpu = TrainingSamples(DecodedImageCache(ReadableImageFolder(train), 16, "cuda"), draws, 3)
+    assert on_gpu.on_device and on_gpu.folder.canvas.is_cuda
+    keys = [(i, 0) for i in range(8)]
+    indices, params, _ = collate_samples([on_gpu[key] for key in keys])
+    first = augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params)
     assert first.is_cuda
-    assert torch.equal(first, torch.stack([on_gpu[(i, 0)][0] for i in range(8)]))
+    assert torch.equal(first, augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params))
+    on_cpu = TrainingSamples(DecodedImageCache(ReadableImageFolder(train), 16, "cpu"), draws, 3)
+    cpu_batch = augment_keys(on_cpu, augment, keys)
+    # The same draws; the policies' ops may round differently on the device.
+    assert (first.cpu() - cpu_batch).abs().mean() < 0.05
     images, labels = batch()
     cpu = make_mixer(3, 0.4, 1.0).for_epoch(0)(images, labels, 5)
     gpu = make_mixer(3, 0.4, 1.0, device="cuda").for_epoch(0)(images.cuda(), labels.cuda(), 5)

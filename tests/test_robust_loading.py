@@ -19,6 +19,7 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
+from imgtrainer.data.batch_augment import train_augmentation
 from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.data.sources import ReadableImageFolder
@@ -114,8 +115,9 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
     assert "2 of 15 image files" in warnings[0] and UNREADABLE_LIST in warnings[0]
     listed = (tmp_path / "logs" / UNREADABLE_LIST).read_text().splitlines()
     assert [Path(line.split("\t")[0]).name for line in listed] == ["garbage.jpg", "truncated.jpg"]
-    image, label = train_set[len(train_set) - 1]
-    assert tuple(image.shape) == (3, 16, 16)
+    pixels, params, label = train_set[(len(train_set) - 1, 0)]  # the CMYK image, as RGB
+    image = train_augmentation(cfg)[1](pixels[None], params[None])[0]
+    assert pixels.shape[0] == 3 and tuple(image.shape) == (3, 16, 16)
 
 
 def test_a_file_broken_after_the_scan_does_not_stop_the_epoch(tmp_path: Path, caplog):

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from conftest import ONE_CPU_PROCESS, ROOT, TINY_FLAGS, data_config, run_cli, user_error_line
+from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
@@ -39,7 +40,11 @@ def one_epoch_of_batches(train: Path, val: Path, cache: str) -> tuple[list, obje
     train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
     sampler.set_epoch(1)
-    train_loader = make_loader(train_set, sampler, LoaderSpec(4, train=True))
+    train_loader = DeviceBatches(
+        make_loader(train_set, sampler, LoaderSpec(4, train=True)),
+        train_augmentation(cfg)[1],
+        torch.device("cpu"),
+    )
     val_loader = make_loader(val_set, ShardSampler(len(val_set), 0, 1), LoaderSpec(4, train=False))
     return [*train_loader, *val_loader], train_set.folder
 
@@ -182,39 +187,18 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
     assert report["results"][0]["trainer"]["allreduce_wait_share"] is not None
 
 
-def test_fast_crop_matches_torchvision_resize_and_respects_its_bounds():
-    from torchvision.transforms import v2
-
-    from imgtrainer.data.transforms import RandomResizedCropFlip
-
-    torch.manual_seed(0)
-    image = torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8)
-    whole = RandomResizedCropFlip(32, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=0.0)(image)
-    reference = v2.functional.resize(image, [32, 32], antialias=True)
-    assert whole.dtype == torch.uint8 and whole.shape == (3, 32, 32)
-    assert (whole.int() - reference.int()).abs().max() <= 1  # same bilinear resize
-
-    crop = RandomResizedCropFlip(16, scale=(0.2, 0.6))
-    for _ in range(200):
-        u = torch.rand(23).tolist()
-        top, left, h, w = crop.crop_box(40, 60, u)
-        assert 0 <= top and top + h <= 40 and 0 <= left and left + w <= 60
-        assert 0.2 * 0.9 <= h * w / 2400 <= 0.6 * 1.1  # scale bounds, rounding
-        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1  # ratio bounds, rounding
-    flips = [
-        torch.equal(RandomResizedCropFlip(40, (1, 1), (1, 1), hflip=0.5)(image), image.flip(-1))
-        for _ in range(200)
-    ]
-    assert 60 < sum(flips) < 140
-
-
-def test_auto_cache_uses_ram_only_when_it_fits():
+def test_auto_cache_picks_the_device_then_ram_then_files():
     from imgtrainer.data.sources import choose_cache
 
-    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30) == "ram"  # ~1.4 GB
-    assert choose_cache("auto", 5400, 224, budget_bytes=2**30) == "none"
-    assert choose_cache("none", 10, 32, budget_bytes=2**40) == "none"
-    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == "ram"  # explicit wins
+    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30)[0] == "ram"  # ~1.4 GB
+    assert choose_cache("auto", 5400, 224, budget_bytes=2**30)[0] == "none"
+    # The device canvas (a square of the longer side, ~1.8 GB) when it fits the device budget.
+    choice, why = choose_cache("auto", 5400, 224, 2 * 2**30, device_budget_bytes=2 * 2**30)
+    assert choice == "gpu" and "MiB fit in 25% of the free device memory" in why
+    choice, why = choose_cache("auto", 5400, 224, 2 * 2**30, device_budget_bytes=2**30)
+    assert choice == "ram" and "too large for the device" in why
+    assert choose_cache("none", 10, 32, budget_bytes=2**40)[0] == "none"
+    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == ("ram", "--cache_images ram")
 
 
 def test_loader_workers_rule():

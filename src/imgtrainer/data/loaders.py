@@ -17,12 +17,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgtrainer.data.balance import class_counts, imbalance_note
+from imgtrainer.data.batch_augment import DeviceBatches, collate_samples, train_augmentation
 from imgtrainer.data.checks import check_data_folders
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
 from imgtrainer.data.sources import (
+    GPU_CACHE_SHARE,
     DecodedImageCache,
     ReadableImageFolder,
     SeededImageDataset,
+    TrainingSamples,
     choose_cache,
 )
 from imgtrainer.data.transforms import (
@@ -31,7 +34,6 @@ from imgtrainer.data.transforms import (
     IMAGENET_STD,
     collate_normalized,
     eval_transforms,
-    train_transforms,
 )
 from imgtrainer.data.unreadable import check_no_empty_class, leave_out_unreadable, report_unreadable
 from imgtrainer.distributed.collectives import (
@@ -122,6 +124,12 @@ class LoaderSpec:
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoader:
+    """Training samples are collated as uint8 pixels and parameters for ``BatchAugment``;
+    evaluation images are normalised as they are collated."""
+    if isinstance(dataset, TrainingSamples):
+        collate = collate_samples
+    else:
+        collate = partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std))
     return DataLoader(
         dataset,
         batch_size=spec.batch_size,
@@ -129,7 +137,7 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
         num_workers=spec.num_workers,
         pin_memory=spec.pin_memory,
         drop_last=spec.train,
-        collate_fn=partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std)),
+        collate_fn=collate,
         # Its own generator: the loader's worker seeds must not draw from the process's random
         # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
         generator=torch.Generator().manual_seed(0),
@@ -142,25 +150,39 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
 
 
 def build_datasets(
-    cfg: TrainConfig, dist: DistInfo, *, cache_budget_bytes: int = 0, threads: int = 4
-) -> tuple[SeededImageDataset, SeededImageDataset, list[str]]:
+    cfg: TrainConfig,
+    dist: DistInfo,
+    *,
+    cache_budget_bytes: int = 0,
+    threads: int = 4,
+    device_budget_bytes: int = 0,
+) -> tuple[TrainingSamples, SeededImageDataset, list[str]]:
     """Both datasets of ``cfg``, with unreadable images left out (listed in ``--log_dir``).
     Every rank must call this: the decoding check is shared out over the ranks of ``dist``.
     ``--cache_images`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``,
-    on ``dist.device`` for "gpu"), which is the check; "auto" means "ram" when the decoded images
-    fit in ``cache_budget_bytes``. ``threads`` decode the images to cache."""
+    on ``dist.device`` for "gpu"), which is the check; "auto" means "gpu" when the decoded
+    images fit in ``device_budget_bytes``, else "ram" when they fit in ``cache_budget_bytes``.
+    ``threads`` decode the images to cache."""
     train_dir, val_dir, log_dir = Path(cfg.train_dir), Path(cfg.val_dir), Path(cfg.log_dir)
     class_names = check_data_folders(train_dir, val_dir)
     folders = {
         "training": ReadableImageFolder(train_dir),
         "validation": ReadableImageFolder(val_dir),
     }
-    cache = choose_cache(
-        cfg.cache_images, sum(map(len, folders.values())), cfg.image_size, cache_budget_bytes
+    cache, why = choose_cache(
+        cfg.cache_images,
+        sum(map(len, folders.values())),
+        cfg.image_size,
+        cache_budget_bytes,
+        device_budget_bytes,
     )
-    # Free memory differs between nodes; every rank must read the same images the same way.
-    if "none" in all_gather_objects(cache):
-        cache = "none"
+    # Free memory differs between nodes; every rank must read the same images the same way:
+    # the least any rank can hold.
+    choices = all_gather_objects(cache)
+    least = min(choices, key=CACHE_ORDER.index)
+    if least != cache:
+        cache, why = least, f"{why}, but another rank can only use {least}"
+    log.info(f"Image cache: {cache} ({why})")
     if cache == "none":
         leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         train_folder, val_folder = folders["training"], folders["validation"]
@@ -168,7 +190,7 @@ def build_datasets(
         # Caching decodes every image anyway: that decoding is the check, instead of a decode
         # check first and a second decoding of every image after it.
         started = time.perf_counter()
-        cache_device = str(dist.device) if cfg.cache_images == "gpu" else "cpu"
+        cache_device = str(dist.device) if cache == "gpu" else "cpu"
         train_folder, val_folder = cache_decoded(
             folders, cfg.image_size, cache_device, threads, log_dir, cfg.eval_resize_ratio
         )
@@ -178,11 +200,14 @@ def build_datasets(
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )
-    train_set = SeededImageDataset(train_folder, train_transforms(cfg), cfg.seed)
+    train_set = TrainingSamples(train_folder, train_augmentation(cfg)[0], cfg.seed)
     val_set = SeededImageDataset(
         val_folder, eval_transforms(cfg.image_size, cfg.eval_resize_ratio), cfg.seed
     )
     return train_set, val_set, class_names
+
+
+CACHE_ORDER = ["none", "ram", "gpu"]  # from the least memory needed to the most
 
 
 def cache_decoded(
@@ -228,10 +253,17 @@ def cache_decoded(
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     check_device_options(cfg, dist.device.type)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
-    # --cache_images auto: decoded images may take a quarter of this process's share of the RAM.
+    # --cache_images auto: decoded images may take a quarter of this process's share of the RAM,
+    # or GPU_CACHE_SHARE of the free device memory.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
+    device_budget = 0
+    if dist.device.type == "cuda" and cfg.cache_images == "auto":
+        free = torch.cuda.mem_get_info(dist.device)[0]
+        if cfg.max_memory_gb is not None:  # the user's cap on this process's device memory
+            free = min(free, int(cfg.max_memory_gb * 2**30))
+        device_budget = int(free * GPU_CACHE_SHARE)
     train_set, val_set, class_names = build_datasets(
-        cfg, dist, cache_budget_bytes=budget, threads=cores
+        cfg, dist, cache_budget_bytes=budget, threads=cores, device_budget_bytes=device_budget
     )
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = build_train_sampler(cfg, train_set.folder.targets, class_names, dist)
@@ -253,7 +285,13 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     train_spec = LoaderSpec(
         optimizer_batch(cfg), True, workers, pin, prefetch_factor=cfg.prefetch_factor
     )
-    train_loader = make_loader(train_set, train_sampler, train_spec)
+    canvas = train_set.folder.canvas if train_set.on_device else None
+    train_loader = DeviceBatches(
+        make_loader(train_set, train_sampler, train_spec),
+        train_augmentation(cfg, train_spec.mean, train_spec.std)[1],
+        dist.device,
+        canvas,
+    )
     val_loader = make_loader(
         val_set,
         ShardSampler(len(val_set), dist.rank, dist.world_size),

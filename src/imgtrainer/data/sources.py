@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +59,48 @@ class SeededImageDataset(Dataset):
             return self.transform(image), label
 
 
+class TrainingSamples(Dataset):
+    """Training samples by ``(index, epoch)`` keys from ``EpochSampler``, for ``BatchAugment``:
+    each item is (uint8 pixels of the sample's crop box, its parameters with the box now the
+    whole of those pixels, label), or, for images cached on the device, (index into the cache,
+    parameters with the box in the cached image, label).
+
+    ``draws`` runs with the CPU generator seeded from (seed, epoch, index), so the augmentation
+    of a sample is the same in any worker and on any number of ranks; the process's own random
+    stream is untouched."""
+
+    def __init__(self, folder: datasets.ImageFolder | DecodedImageCache, draws, seed: int):
+        self.folder, self.draws, self.seed = folder, draws, seed
+        self.on_device = isinstance(folder, DecodedImageCache) and folder.canvas is not None
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | int, torch.Tensor, int]:
+        index, epoch = key
+        if self.on_device:  # only the sizes are read on the host
+            height, width = self.folder.sizes[index]
+            with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+                return index, self.draws(height, width), self.folder.targets[index]
+        image, label = self.folder[index]
+        size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
+        with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+            params = self.draws(*size)
+        top, left, h, w = params[:4].tolist()
+        if isinstance(image, Image.Image):
+            # A crop many times the output size (large photos) is first shrunk by an integer
+            # factor, averaging blocks (PIL's reduce): the batch canvas stays small.
+            factor = min(h, w) // (2 * self.draws.size)
+            box = (left, top, left + w, top + h)
+            image = image.reduce(factor, box=box) if factor >= 2 else image.crop(box)
+            pixels = v2.functional.pil_to_tensor(image)
+        else:
+            pixels = image[:, top : top + h, left : left + w]
+        params[:2] = 0  # the pixels handed over are the crop itself
+        params[2:4] = torch.tensor(pixels.shape[-2:])
+        return pixels, params, label
+
+
 @contextlib.contextmanager
 def seeded_cpu_generator(seed: int) -> Iterator[None]:
     """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
@@ -81,8 +124,12 @@ class DecodedImageCache(Dataset):
     resize, 0.875 for the training images; aspect ratio kept), so later epochs skip file reads and JPEG decoding and the random
     crop / flip run on small tensors (the transforms accept tensors). Training then crops from
     the resized picture instead of the full-resolution file: the same framing, less detail in
-    the smallest crops. With ``device`` "cuda" the images live on the GPU and are augmented
-    there. Items are ``(image, label)`` like ImageFolder's.
+    the smallest crops. Items are ``(image, label)`` like ImageFolder's.
+
+    With ``device`` "cuda" the images live on the GPU in one padded ``canvas`` (num, 3, H, W),
+    H and W the largest height and width (a batch is one ``index_select`` of it): it costs
+    num x 3 x H x W bytes, 4/3 of the pixels for 4:3 photos of both orientations, more when a
+    few images are much longer than the rest (``canvas_bytes``).
     """
 
     def __init__(
@@ -119,12 +166,36 @@ class DecodedImageCache(Dataset):
         ]
         self.targets = [target for _, target in self.samples]
         self.unreadable = problems  # left out here; build_datasets reports them once
+        self.sizes = [tuple(image.shape[-2:]) for image in self.images]
+        self.canvas: torch.Tensor | None = None
+        self.on_gpu = torch.device(device).type == "cuda"
+        if self.on_gpu:
+            self.pack()
+
+    def pack(self) -> None:
+        """Copy the images into one padded device canvas; the images become views of it."""
+        if not self.images:
+            return
+        height = max(h for h, _ in self.sizes)
+        width = max(w for _, w in self.sizes)
+        device = self.images[0].device
+        canvas = torch.zeros(len(self.images), 3, height, width, dtype=torch.uint8, device=device)
+        for n, image in enumerate(self.images):
+            canvas[n, :, : image.shape[-2], : image.shape[-1]] = image
+        self.images = [canvas[n, :, :h, :w] for n, (h, w) in enumerate(self.sizes)]
+        self.canvas = canvas
 
     def leave_out(self, paths: set[str]) -> None:
         keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
-        self.images = [self.images[i] for i in keep]
+        if len(keep) == len(self.samples):
+            return
+        self.images = [self.images[i].clone() for i in keep]
         self.samples = [self.samples[i] for i in keep]
         self.targets = [target for _, target in self.samples]
+        self.sizes = [self.sizes[i] for i in keep]
+        if self.canvas is not None:
+            self.canvas = None
+            self.pack()
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -134,6 +205,8 @@ class DecodedImageCache(Dataset):
 
     @property
     def nbytes(self) -> int:
+        if self.canvas is not None:
+            return self.canvas.numel()
         return sum(image.numel() for image in self.images)
 
 
@@ -141,12 +214,31 @@ def cache_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
     return eval_resize_side(image_size, ratio)
 
 
-def choose_cache(cache: str, num_images: int, image_size: int, budget_bytes: int) -> str:
-    """``auto``: keep decoded images in RAM when they fit the budget (photos taken as 4:3)."""
+# --cache_images auto: the share of the free device memory the GPU cache may take (the model,
+# its activations and the batch's float copies need the rest).
+GPU_CACHE_SHARE = 0.25
+
+
+def choose_cache(
+    cache: str, num_images: int, image_size: int, budget_bytes: int, device_budget_bytes: int = 0
+) -> tuple[str, str]:
+    """``auto``: the fastest place the decoded images fit, and why: the device when its padded
+    canvas (4:3 photos of both orientations: a square of the longer side) fits
+    ``device_budget_bytes``, else RAM when the packed images fit ``budget_bytes``, else none."""
     if cache != "auto":
-        return cache
-    estimate = num_images * 3 * cache_side(image_size) ** 2 * 4 // 3
-    return "ram" if estimate <= budget_bytes else "none"
+        return cache, f"--cache_images {cache}"
+    side = cache_side(image_size)
+    packed = num_images * 3 * side**2 * 4 // 3
+    canvas = num_images * 3 * math.ceil(side * 4 / 3) ** 2
+    if 0 < canvas <= device_budget_bytes:
+        return "gpu", (
+            f"auto: ~{canvas / 2**20:.0f} MiB fit in {GPU_CACHE_SHARE:.0%} of the free device "
+            "memory"
+        )
+    if packed <= budget_bytes:
+        where = "; too large for the device" if device_budget_bytes else ""
+        return "ram", f"auto: ~{packed / 2**20:.0f} MiB fit in the RAM budget{where}"
+    return "none", f"auto: ~{packed / 2**20:.0f} MiB do not fit in the RAM budget"
 
 
 # ----------------------------------------------------------------------------- unreadable files

@@ -61,9 +61,9 @@ class TrainConfig:
     cache_images: str = _opt(
         "auto",
         "decode every image once and keep it in memory: ram, gpu "
-        "(on the device, augmented there), none (read the files "
-        "every epoch), or auto (ram when it fits in a quarter of "
-        "the free memory)",
+        "(on the device), none (read the files every epoch), or auto "
+        "(gpu when it fits in a quarter of the free device memory, "
+        "else ram when it fits in a quarter of the free memory)",
         choices=["auto", "none", "ram", "gpu"],
     )
     prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead")

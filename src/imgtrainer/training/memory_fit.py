@@ -226,7 +226,7 @@ def build_memory_plan(
             (3, cfg.image_size, cfg.image_size),
             num_classes,
             channels_last,
-            batch_input_bytes(step_batch, cfg.image_size, device, cfg.cache_images, channels_last),
+            batch_input_bytes(step_batch, cfg.image_size, device, channels_last),
         )
         measure = partial(
             measure_micro_batch,

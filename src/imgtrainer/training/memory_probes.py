@@ -62,17 +62,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def batch_input_bytes(
-    batch_size: int, image_size: int, device: torch.device, cache_images: str, channels_last: bool
+    batch_size: int, image_size: int, device: torch.device, channels_last: bool
 ) -> int:
     """Bytes of one loaded batch's float32 inputs that sit in ``device`` memory during its step.
 
     The engine copies every micro-batch of a step to the device before the first forward (so
     that an out-of-memory error there is agreed on before any collective), so the whole batch
-    is on the device, not one micro-batch. On the CPU that is the loaded batch itself. With
-    ``--cache_images gpu`` the loader already yields the batch on the device; the engine's
-    channels_last copy of it is a second one. (While the next batch is collated, uint8 copies
-    live for a moment too, but then the activations of the step before are already freed.)"""
-    copies = 2 if device.type == "cuda" and cache_images == "gpu" and channels_last else 1
+    is on the device, not one micro-batch. On the CPU that is the loaded batch itself. On CUDA
+    every source's batch is augmented on the device (``data.batch_augment``), channels_last in
+    memory: without channels_last the engine's contiguous copy of it is a second one. (The
+    augmentation's own buffers are freed before the step's forward.)"""
+    copies = 2 if device.type == "cuda" and not channels_last else 1
     return copies * batch_size * 3 * image_size * image_size * 4
 
 

@@ -557,9 +557,10 @@ class TensorBoardHook(Hook):
     def add_augmented_images(self, count: int = 16) -> None:
         """What the model sees: the first training images of epoch 1, augmented as in training
         (the dataset draws each sample's augmentation from (seed, epoch, index))."""
-        dataset = self.trainer.train_loader.dataset
-        images = [dataset[(index, 0)][0] for index in range(min(count, len(dataset)))]
-        self.logger.add_image_grid(torch.stack([image.cpu() for image in images]))
+        loader = self.trainer.train_loader
+        keys = [(index, 0) for index in range(min(count, len(loader.dataset)))]
+        augment = loader.augment
+        self.logger.add_image_grid(loader.preview(keys), mean=augment.mean, std=augment.std)
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
         self.logger.add_step_metrics(

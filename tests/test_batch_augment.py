@@ -1,0 +1,225 @@
+"""The batched augmentation (data.batch_augment): the host draws follow torchvision's
+RandomResizedCrop, the batched resample is the per-image antialiased resize, flips are per
+sample, padding on the canvas is never read, and the device path agrees with the CPU one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+
+from imgtrainer.data.batch_augment import (
+    FLIP,
+    PARAMS,
+    AugmentDraws,
+    BatchAugment,
+    DeviceBatches,
+    collate_samples,
+    crop_box,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def smooth_image(height: int, width: int, seed: int = 0) -> torch.Tensor:
+    """A natural-like uint8 picture: a few random sinusoids (gradients, edges of all sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    y, x = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    image = torch.zeros(3, height, width)
+    for _ in range(6):
+        fy, fx, phase = (torch.rand(3, generator=g) * torch.tensor([0.3, 0.3, 6.3])).tolist()
+        weight = torch.rand(3, 1, 1, generator=g)
+        image += weight * torch.sin(fy * y + fx * x + phase)
+    image = (image - image.min()) / (image.max() - image.min())
+    return (image * 255).round().to(torch.uint8)
+
+
+def box_params(boxes: list[tuple[int, int, int, int]], flips: list[int] | None = None):
+    rows = torch.zeros(len(boxes), PARAMS, dtype=torch.int64)
+    rows[:, :4] = torch.tensor(boxes)
+    if flips is not None:
+        rows[:, FLIP] = torch.tensor(flips)
+    return rows
+
+
+def test_crop_boxes_follow_torchvisions_distribution_and_fallback():
+    """Over 10,000 draws the histograms of area fraction and log aspect ratio match
+    torchvision's RandomResizedCrop.get_params within sampling error (4 sigma per bin)."""
+    height, width, n = 40, 60, 10_000
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    torch.manual_seed(0)
+    ours = [crop_box(height, width, torch.rand(22).tolist(), scale, ratio) for _ in range(n)]
+    reference = [
+        v2.RandomResizedCrop.get_params(torch.empty(3, height, width), list(scale), list(ratio))
+        for _ in range(n)
+    ]  # torchvision 0.2x: v1's get_params, shared by v2
+
+    def histograms(boxes):
+        b = torch.tensor(boxes, dtype=torch.float64)
+        area = b[:, 2] * b[:, 3] / (height * width)
+        log_aspect = torch.log(b[:, 3] / b[:, 2])
+        for top, left, h, w in boxes:
+            assert 0 <= top and top + h <= height and 0 <= left and left + w <= width
+        return (
+            torch.histc(area, 10, 0, 1.0) / n,
+            torch.histc(log_aspect, 10, -0.35, 0.35) / n,
+            torch.histc(b[:, 0] / height, 5, 0, 1) / n,  # where the boxes sit
+        )
+
+    for a, b in zip(histograms(ours), histograms(reference), strict=True):
+        sigma = torch.sqrt((a + b) / 2 * (1 - (a + b) / 2) * 2 / n)
+        assert ((a - b).abs() <= 4 * sigma + 1e-3).all(), (a, b)
+    # The fallback: no try fits (a strip far outside the ratio range, the area near 1):
+    # torchvision's center crop at the nearest ratio.
+    for shape in ((10, 200), (200, 10), (12, 100)):
+        expected = v2.RandomResizedCrop.get_params(torch.empty(3, *shape), [0.9, 1.0], list(ratio))
+        assert crop_box(*shape, torch.rand(22).tolist(), (0.9, 1.0), ratio) == tuple(expected)
+
+
+def test_batched_resample_is_the_per_image_antialiased_resize():
+    """Downscales and upscales of natural-like pictures of different sizes, on one padded
+    canvas, against interpolate(crop, bilinear, antialias=True) of each crop alone: mean abs
+    error below 1e-4 and max below 1e-3 (of 0..255): the same weights, float rounding apart."""
+    torch.manual_seed(0)
+    size = 24
+    images = [
+        smooth_image(h, w, seed) for seed, (h, w) in enumerate([(90, 70), (40, 64), (17, 30)])
+    ]
+    draws = AugmentDraws(size, hflip=0.0)
+    errors = []
+    for _ in range(10):
+        samples = []
+        for image in images:
+            params = draws(*image.shape[-2:])
+            samples.append((image, params, 0))
+        pixels, params, _ = collate_samples(samples)
+        assert pixels.shape == (3, 3, 90, 70)  # the largest height and width
+        batch = BatchAugment(size).resample(pixels, params)
+        for n, image in enumerate(images):
+            top, left, h, w = params[n, :4].tolist()
+            reference = F.interpolate(
+                image[None, :, top : top + h, left : left + w].float(),
+                size=(size, size),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            )[0]
+            errors.append((batch[n] - reference).abs())
+    errors = torch.stack(errors)
+    print(f"mean abs error {errors.mean():.2e}, max {errors.max():.2e}")
+    assert errors.mean() < 1e-4 and errors.max() < 1e-3, (errors.mean(), errors.max())
+
+
+def test_flips_are_per_sample_and_padding_is_never_read():
+    image = smooth_image(30, 40)
+    boxes = [(3, 5, 20, 30)] * 4
+    pixels = image[None].repeat(4, 1, 1, 1)
+    augment = BatchAugment(16)
+    out = augment.resample(pixels, box_params(boxes, flips=[1, 0, 0, 1]))
+    assert torch.allclose(out[0], out[1].flip(-1), atol=1e-4)
+    assert torch.allclose(out[3], out[2].flip(-1), atol=1e-4)
+    assert not torch.allclose(out[0], out[1], atol=1)
+    # Channels last in memory, as the model's layout wants it (no copy in the engine).
+    assert augment(pixels, box_params(boxes)).is_contiguous(memory_format=torch.channels_last)
+    # On a larger canvas with garbage around the image: the same result.
+    canvas = torch.full((4, 3, 50, 60), 255, dtype=torch.uint8)
+    canvas[:, :, :30, :40] = pixels
+    padded = augment.resample(canvas, box_params(boxes, flips=[1, 0, 0, 1]))
+    assert torch.allclose(out, padded, atol=1e-4)
+    # A box reaching the image's edge reads only the image: clamped as interpolate clamps.
+    edge = augment.resample(canvas[:1], box_params([(10, 20, 20, 20)]))
+    alone = F.interpolate(
+        image[None, :, 10:30, 20:40].float(), (16, 16), mode="bilinear", antialias=True
+    )
+    assert (edge - alone).abs().max() < 1e-3
+
+
+def test_host_sources_hand_over_only_the_crop():
+    """The sample's pixels are its crop box alone; the box then spans them."""
+    from imgtrainer.data.sources import TrainingSamples
+
+    image = smooth_image(40, 50)
+    samples = TrainingSamples([(image, 1)], AugmentDraws(16, scale=(0.1, 0.3)), seed=5)
+    pixels, params, label = samples[(0, 0)]
+    assert label == 1 and params[0] == params[1] == 0
+    assert tuple(pixels.shape[-2:]) == tuple(params[2:4].tolist())
+    assert pixels.shape[-2] * pixels.shape[-1] <= 0.35 * 40 * 50
+    again, params_again, _ = samples[(0, 0)]
+    assert torch.equal(again, pixels) and torch.equal(params_again, params)
+    # From a large file, a crop many times the output size is shrunk by averaging blocks.
+    from PIL import Image
+
+    photo = Image.fromarray(smooth_image(400, 300).permute(1, 2, 0).numpy())
+    big = TrainingSamples([(photo, 0)], AugmentDraws(16, scale=(0.5, 1.0)), seed=5)
+    for epoch in range(5):
+        pixels, params, _ = big[(0, epoch)]
+        assert 32 <= min(pixels.shape[-2:]) < 64 and params[2:4].tolist() == [*pixels.shape[-2:]]
+
+
+def test_erasing_draws_follow_torchvisions_rule():
+    draws = AugmentDraws(32, hflip=0.0, random_erasing=1.0)
+    torch.manual_seed(0)
+    boxes = torch.stack([draws(40, 40) for _ in range(500)])[:, 5:9]
+    top, left, h, w = boxes.T
+    assert ((h > 0) & (h < 32) & (w > 0) & (w < 32)).float().mean() > 0.9
+    erased = h > 0
+    area = (h * w)[erased].double() / 32**2
+    assert area.min() >= 0.015 and area.max() <= 0.36  # scale (0.02, 0.33), rounding
+    assert (top + h <= 32).all() and (left + w <= 32).all()
+    aspect = (h / w)[erased]
+    assert 0.25 <= aspect.min() and aspect.max() <= 4  # ratio (0.3, 3.3), rounding
+    assert math.isclose(float(area.mean()), (0.02 + 0.33) / 2, rel_tol=0.15)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
+    images = [smooth_image(40, 30, 1), smooth_image(28, 50, 2)]
+    draws = AugmentDraws(16)
+    torch.manual_seed(0)
+    batch = [(image, draws(*image.shape[-2:]), n) for n, image in enumerate(images)]
+    loader = torch.utils.data.DataLoader(
+        batch, batch_size=2, collate_fn=collate_samples, pin_memory=True
+    )
+    on_cuda = list(DeviceBatches(loader, BatchAugment(16), torch.device("cuda")))
+    on_cpu = list(DeviceBatches(loader, BatchAugment(16), torch.device("cpu")))
+    assert on_cuda[0][0].is_cuda and on_cuda[0][1].is_cuda
+    # TF32 matmuls, where the trainer enables them, round to ~1e-3 relative.
+    assert (on_cuda[0][0].cpu() - on_cpu[0][0]).abs().max() < 0.05
+    assert torch.equal(on_cuda[0][1].cpu(), on_cpu[0][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset):
+    """--cache_images gpu: the loader yields indices into one device canvas and the batch is
+    made on the GPU; the same samples, draws and (up to float rounding) pixels as from RAM."""
+    from dataclasses import replace
+
+    from conftest import ONE_CPU_PROCESS, data_config
+    from imgtrainer.data.batch_augment import train_augmentation
+    from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
+    from imgtrainer.data.samplers import EpochSampler
+
+    train, val = tiny_dataset
+    batches = {}
+    for cache, device in (("ram", "cpu"), ("gpu", "cuda")):
+        cfg = data_config(train, val, image_size=16, seed=3, cache_images=cache)
+        dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
+        train_set, _, _ = build_datasets(cfg, dist)
+        assert train_set.on_device == (cache == "gpu")
+        sampler = EpochSampler(len(train_set), 0, 1, seed=3)
+        canvas = train_set.folder.canvas if train_set.on_device else None
+        loader = DeviceBatches(
+            make_loader(train_set, sampler, LoaderSpec(8, train=True)),
+            train_augmentation(cfg)[1],
+            torch.device(device),
+            canvas,
+        )
+        batches[cache] = next(iter(loader))
+    images, labels = batches["gpu"]
+    assert images.is_cuda and torch.equal(labels.cpu(), batches["ram"][1])
+    assert (images.cpu() - batches["ram"][0]).abs().max() < 0.01
