@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import CLASSES, TINY_FLAGS, run_train, write_image_folder
+from conftest import CLASSES, ROOT, TINY_FLAGS, run_cli, run_train, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.errors import UserError
@@ -295,3 +295,35 @@ def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(
     assert [("val_acc" in r) for r in history_of(tmp_path)] == [False, True]
     assert [r["epoch"] for r in history_of(tmp_path)] == [1, 2]
     assert sorted(epoch_checkpoints(tmp_path / "checkpoints")) == [1, 2]
+
+
+@pytest.mark.slow
+def test_time_budget_validation_interval_and_balancing_through_the_launcher(
+    tiny_dataset, tmp_path: Path
+):
+    """Through the real launcher: --max_time stops after the first step with a checkpoint, exit
+    code 0 and the resume command; the resumed run (balanced loss and sampler, validating every
+    2nd epoch and the last) finishes with each epoch once and val metrics where validated."""
+    train, val = tiny_dataset
+    flags = [
+        ROOT / "launch_ddp.py",
+        *("--device", "cpu", "--nproc", "1", "--train_dir", train, "--val_dir", val),
+        *("--epochs", "3", "--val_every_epochs", "2"),
+        *("--class_weights", "balanced", "--sampler", "balanced"),
+        *TINY_FLAGS,
+    ]
+    stopped = run_cli([*flags, "--max_time", "1s"], cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert "--resume" in stopped.stdout + stopped.stderr
+    latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
+    first = torch.load(latest, weights_only=True)
+    assert (first["epoch"], first["step"]) == (0, 1)
+    resumed = run_cli([*flags, "--resume", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    last = torch.load(latest, weights_only=True)
+    assert last["epoch"] == 3 and last["config"]["sampler"] == "balanced"
+    assert last["config"]["class_weights"] == "balanced"
+    records = last["history"]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert ["val_acc" in r for r in records] == [False, True, True]
+    assert last["best_epoch"] in (2, 3)

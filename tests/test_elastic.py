@@ -303,11 +303,6 @@ def agent_group(launcher) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("IMGTRAINER_ELASTIC_AGENTS_TEST"),
-    reason="about a minute on 2 CPU cores (two agents start, the survivor waits out the lost "
-    "agent's keep-alive and the rendezvous' last call): set IMGTRAINER_ELASTIC_AGENTS_TEST=1",
-)
 def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_path):
     """Two torchrun agents (--nnodes 1:2, c10d on localhost, one process each); the second
     (not the rendezvous host) is SIGKILLed with its worker after a mid-epoch checkpoint. The
