@@ -53,6 +53,7 @@ def test_safetensors_holds_the_checkpoints_weights(trained_run, tmp_path: Path, 
     assert all(torch.equal(weights[name], saved[name]) for name in saved)
 
 
+@pytest.mark.slow
 def test_torchscript_runs_any_batch_size_as_the_checkpoint(trained_run, tmp_path: Path, capsys):
     output, _ = checked_export(trained_run, tmp_path, "torchscript", capsys)
     # The check ran 8 images through a model traced on 2: a plain load runs any batch size.
@@ -64,6 +65,7 @@ ONNX_MISSING = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(ONNX_MISSING), reason=f"not installed: {ONNX_MISSING}")
 def test_onnx_runs_any_batch_size_as_the_checkpoint(trained_run, tmp_path: Path, capsys):
     output, info = checked_export(trained_run, tmp_path, "onnx", capsys)
