@@ -77,10 +77,13 @@ def nvjpeg_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) of a JPEG whose GPU decoding (nvjpeg, RGB) gives ``open_rgb``'s picture,
     read from the header alone; None for anything else, which is decoded on the CPU: other
     formats, grayscale and CMYK (``open_rgb`` converts them with PIL's rules), progressive
-    JPEGs, and photos with an EXIF orientation (``open_rgb`` turns them upright, nvjpeg not)."""
+    JPEGs, RGB stored untransformed (Adobe marker), and photos with an EXIF orientation
+    (``open_rgb`` turns them upright, nvjpeg does not)."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format != "JPEG" or image.mode != "RGB" or "progressive" in image.info:
+                return None
+            if image.info.get("adobe_transform", 1) == 0:  # RGB stored as such, not YCbCr
                 return None
             if image.getexif().get(EXIF_ORIENTATION, 1) != 1:
                 return None
