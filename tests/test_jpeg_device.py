@@ -150,6 +150,29 @@ def test_a_jpeg_the_device_fails_on_is_retried_alone_then_made_by_the_cpu_path(f
     assert torch.equal(images[0], expected[0])  # made by the CPU path itself
 
 
+def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, caplog):
+    """No nvjpeg (every image fails alone too): one warning, then the CPU path without
+    retrying the device for each batch."""
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, _, _, cpu_samples = both_paths(folder, keys)
+    calls = []
+
+    def decode(data):
+        calls.append(len(data))
+        raise RuntimeError("nvjpeg: not available")
+
+    loader = torch.utils.data.DataLoader(
+        [on_device[k] for k in keys], batch_size=4, collate_fn=collate_samples
+    )
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
+    batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
+    for _ in range(2):
+        images, labels = next(iter(batches))
+        assert labels.tolist() == [s[2] for s in cpu_samples]
+    assert calls == [4, 1, 1, 1, 1]  # the second batch never reached the device decoder
+    assert sum("decoding on the CPU from here on" in r.message for r in caplog.records) == 1
+
+
 def test_cache_sources_never_hand_over_bytes(folder):
     from imgtrainer.data.sources import DecodedImageCache
 

@@ -84,18 +84,30 @@ class JpegDecoder:
     ):
         self.device, self.size, self.fallback = torch.device(device), size, fallback
         self.decode = decode or device_decoder(self.device)
+        self.enabled = True  # off once the device decoder fails on every image of a batch
 
     def decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        if not self.enabled:
+            return [None] * len(data)
         try:
             return list(self.decode(data))
         except Exception:  # one bad file fails the whole call: find it alone
             decoded: list[torch.Tensor | None] = []
+            error = None
             for one in data:
                 try:
                     decoded.append(self.decode([one])[0])
                 except Exception as err:  # any decoder failure: the CPU path decides
                     log.debug(f"device JPEG decoding failed ({type(err).__name__}: {err})")
                     decoded.append(None)
+                    error = err
+            if len(data) > 1 and all(image is None for image in decoded):
+                # Not one bad file: the device decoder does not work here (no nvjpeg).
+                self.enabled = False
+                log.warning(
+                    f"JPEG decoding on {self.device} failed for every image of a batch "
+                    f"({type(error).__name__}: {error}); decoding on the CPU from here on"
+                )
             return decoded
 
     def __call__(
