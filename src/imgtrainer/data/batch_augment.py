@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, split_samples
 from imgtrainer.data.sources import seeded_cpu_generator
 from imgtrainer.data.transforms import AUTO_AUGMENT, IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.run.config import TrainConfig
@@ -229,32 +230,51 @@ def train_augmentation(
 
 
 def collate_samples(
-    batch: list[tuple[torch.Tensor | int, torch.Tensor, int]],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch: list[tuple[torch.Tensor | int | JpegBytes, torch.Tensor, int]],
+) -> tuple[torch.Tensor | EncodedBatch, torch.Tensor, torch.Tensor]:
     """Samples -> (pixels, params, labels): each sample's uint8 pixels at the top left of a
     canvas as large as the batch's largest (zeros elsewhere), or, for images cached on the
-    device, their indices into the cache."""
+    device, their indices into the cache; a batch with JPEG bytes in it (decoded on the
+    device) is an ``EncodedBatch`` holding the canvas of its other samples and the bytes."""
     pixels, params, labels = zip(*batch, strict=True)
     labels_t = torch.tensor(labels, dtype=torch.int64)
     params_t = torch.stack(params)
     if isinstance(pixels[0], int):
         return torch.tensor(pixels, dtype=torch.int64), params_t, labels_t
+    pixel_rows, jpeg_rows = split_samples(pixels)
+    if jpeg_rows:
+        canvas = pad_canvas([pixels[n] for n in pixel_rows]) if pixel_rows else None
+        jpegs = [pixels[n] for n in jpeg_rows]
+        return EncodedBatch(canvas, pixel_rows, jpegs, jpeg_rows), params_t, labels_t
+    return pad_canvas(pixels), params_t, labels_t
+
+
+def pad_canvas(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
     height = max(p.shape[-2] for p in pixels)
     width = max(p.shape[-1] for p in pixels)
     canvas = torch.zeros(len(pixels), 3, height, width, dtype=torch.uint8)
     for n, p in enumerate(pixels):
         canvas[n, :, : p.shape[-2], : p.shape[-1]] = p
-    return canvas, params_t, labels_t
+    return canvas
 
 
 class DeviceBatches:
     """The training loader as the loop sees it: each loaded batch moved to ``device``
-    (non-blocking from pinned memory) and augmented there as a whole. Anything else
+    (non-blocking from pinned memory) and augmented there as a whole; batches with JPEG
+    bytes are first decoded there by ``jpegs`` (a ``JpegDecoder``). Anything else
     (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's."""
 
-    def __init__(self, loader, augment: BatchAugment, device: torch.device, cache=None):
+    def __init__(
+        self,
+        loader,
+        augment: BatchAugment,
+        device: torch.device,
+        cache=None,
+        jpegs: JpegDecoder | None = None,
+    ):
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
+        self.jpegs = jpegs
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -264,9 +284,13 @@ class DeviceBatches:
 
     def __iter__(self):
         for pixels, params, labels in self.loader:
+            if isinstance(pixels, EncodedBatch):
+                pixels, params, labels = self.jpegs(pixels, params, labels)
             yield self.apply(pixels, params), labels.to(self.device, non_blocking=True)
 
     def apply(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        if isinstance(pixels, EncodedBatch):
+            pixels, params, _ = self.jpegs(pixels, params, torch.zeros(len(params)))
         if self.cache is not None:  # indices of images already on the device
             pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
         else:

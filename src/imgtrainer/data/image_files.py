@@ -6,6 +6,7 @@ No torch here: ``src/prepare_data.py`` imports this module and starts in a fract
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +68,28 @@ def open_rgb(path: str | Path, draft: int | None = None) -> Image.Image:
         # exif_transpose returns a loaded copy (transposed if needed): the file can be closed.
         upright = ImageOps.exif_transpose(image)
     return to_rgb(upright)
+
+
+EXIF_ORIENTATION = 0x0112
+
+
+def nvjpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) of a JPEG whose GPU decoding (nvjpeg, RGB) gives ``open_rgb``'s picture,
+    read from the header alone; None for anything else, which is decoded on the CPU: other
+    formats, grayscale and CMYK (``open_rgb`` converts them with PIL's rules), progressive
+    JPEGs, RGB stored untransformed (Adobe marker), and photos with an EXIF orientation
+    (``open_rgb`` turns them upright, nvjpeg does not)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != "JPEG" or image.mode != "RGB" or "progressive" in image.info:
+                return None
+            if image.info.get("adobe_transform", 1) == 0:  # RGB stored as such, not YCbCr
+                return None
+            if image.getexif().get(EXIF_ORIENTATION, 1) != 1:
+                return None
+            return image.height, image.width
+    except Exception:  # not an image PIL knows, or a damaged header: the CPU path reports it
+        return None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.batch_augment import DeviceBatches, collate_samples, train_augmentation
 from imgtrainer.data.checks import check_data_folders
+from imgtrainer.data.jpeg_device import JpegDecoder
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
 from imgtrainer.data.sources import (
     GPU_CACHE_SHARE,
@@ -200,7 +201,9 @@ def build_datasets(
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )
-    train_set = TrainingSamples(train_folder, train_augmentation(cfg)[0], cfg.seed)
+    # Files on CUDA: JPEGs are decoded on the device (nvjpeg), the rest in the loader workers.
+    jpeg_bytes = cache == "none" and dist.device.type == "cuda"
+    train_set = TrainingSamples(train_folder, train_augmentation(cfg)[0], cfg.seed, jpeg_bytes)
     val_set = SeededImageDataset(
         val_folder, eval_transforms(cfg.image_size, cfg.eval_resize_ratio), cfg.seed
     )
@@ -286,11 +289,20 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         optimizer_batch(cfg), True, workers, pin, prefetch_factor=cfg.prefetch_factor
     )
     canvas = train_set.folder.canvas if train_set.on_device else None
+    jpegs = None
+    if train_set.jpeg_bytes:
+        jpegs = JpegDecoder(dist.device, cfg.image_size, train_set.pixel_sample)
+        log.info(
+            "JPEG decode on the GPU (nvjpeg); on the CPU in the loader workers for other "
+            "formats and for grayscale, CMYK, progressive and EXIF-rotated JPEGs, and in this "
+            "process for a file the GPU fails on"
+        )
     train_loader = DeviceBatches(
         make_loader(train_set, train_sampler, train_spec),
         train_augmentation(cfg, train_spec.mean, train_spec.std)[1],
         dist.device,
         canvas,
+        jpegs,
     )
     val_loader = make_loader(
         val_set,

@@ -19,8 +19,10 @@ from torchvision.transforms import v2
 from imgtrainer.data.checks import find_classes
 from imgtrainer.data.image_files import (
     is_image_file,
+    nvjpeg_size,
     open_rgb,
 )
+from imgtrainer.data.jpeg_device import JpegBytes
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 
 log = logging.getLogger(__name__)
@@ -63,25 +65,54 @@ class TrainingSamples(Dataset):
     """Training samples by ``(index, epoch)`` keys from ``EpochSampler``, for ``BatchAugment``:
     each item is (uint8 pixels of the sample's crop box, its parameters with the box now the
     whole of those pixels, label), or, for images cached on the device, (index into the cache,
-    parameters with the box in the cached image, label).
+    parameters with the box in the cached image, label). With ``jpeg_bytes`` (files, on CUDA),
+    a JPEG that ``nvjpeg_size`` passes comes as (``JpegBytes``, parameters with the box in the
+    whole image, label), decoded and cropped on the device (``JpegDecoder``).
 
     ``draws`` runs with the CPU generator seeded from (seed, epoch, index), so the augmentation
     of a sample is the same in any worker and on any number of ranks; the process's own random
     stream is untouched."""
 
-    def __init__(self, folder: datasets.ImageFolder | DecodedImageCache, draws, seed: int):
+    def __init__(
+        self,
+        folder: datasets.ImageFolder | DecodedImageCache,
+        draws,
+        seed: int,
+        jpeg_bytes: bool = False,
+    ):
         self.folder, self.draws, self.seed = folder, draws, seed
         self.on_device = isinstance(folder, DecodedImageCache) and folder.canvas is not None
+        self.jpeg_bytes = jpeg_bytes and not isinstance(folder, DecodedImageCache)
 
     def __len__(self) -> int:
         return len(self.folder)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor | int, torch.Tensor, int]:
+    def __getitem__(
+        self, key: tuple[int, int]
+    ) -> tuple[torch.Tensor | int | JpegBytes, torch.Tensor, int]:
         index, epoch = key
         if self.on_device:  # only the sizes are read on the host
             height, width = self.folder.sizes[index]
             with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
                 return index, self.draws(height, width), self.folder.targets[index]
+        if self.jpeg_bytes:
+            path, label = self.folder.samples[index]
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:  # gone since the start-up check: the CPU path handles it
+                data = b""
+            size = nvjpeg_size(data)
+            if size is not None:
+                with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+                    params = self.draws(*size)
+                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                return JpegBytes(raw, (index, epoch)), params, label
+        return self.pixel_sample(key)
+
+    def pixel_sample(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The sample decoded on the CPU: (uint8 pixels of its crop, its parameters, label)."""
+        index, epoch = key
         image, label = self.folder[index]
         size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
         with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):

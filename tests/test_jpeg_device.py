@@ -1,0 +1,232 @@
+"""JPEG files decoded on the training device (data.jpeg_device): which files the header rule sends
+there, mixed batches of bytes and pixels, crops equal to the CPU path's up to the decoders'
+differences, and the fallback to the CPU path for what the device decoder fails on. The device
+is the CPU here (torchvision's decode_jpeg on the CPU injected); one test runs nvjpeg on CUDA."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches, collate_samples
+from imgtrainer.data.image_files import EXIF_ORIENTATION, nvjpeg_size
+from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, device_decoder
+from imgtrainer.data.sources import ReadableImageFolder, TrainingSamples
+
+HAS_CUDA = torch.cuda.is_available()
+SIZE = 16
+LEVEL = 1 / 255 / 0.224  # one uint8 level after normalisation (the smallest std)
+
+
+def photo(height: int, width: int, seed: int) -> Image.Image:
+    """A smooth natural-like RGB picture (JPEG keeps it within a few levels)."""
+    g = torch.Generator().manual_seed(seed)
+    y, x = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    image = torch.zeros(3, height, width)
+    for _ in range(4):
+        fy, fx, phase = (torch.rand(3, generator=g) * torch.tensor([0.1, 0.1, 6.3])).tolist()
+        image += torch.rand(3, 1, 1, generator=g) * torch.sin(fy * y + fx * x + phase)
+    image = (image - image.min()) / (image.max() - image.min())
+    return Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy())
+
+
+def encoded(image: Image.Image, fmt: str = "JPEG", **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def test_header_rule_sends_only_upright_baseline_rgb_jpegs_to_the_device():
+    image = photo(20, 30, 0)
+    assert nvjpeg_size(encoded(image)) == (20, 30)
+    rotated = Image.Exif()
+    rotated[EXIF_ORIENTATION] = 6
+    upright = Image.Exif()
+    upright[EXIF_ORIENTATION] = 1
+    assert nvjpeg_size(encoded(image, exif=upright)) == (20, 30)
+    adobe_rgb = encoded(image)  # with an Adobe marker saying "no colour transform" below
+    for data in (
+        encoded(image, exif=rotated),  # open_rgb turns it upright, nvjpeg would not
+        encoded(image, progressive=True),
+        adobe_rgb[:2] + b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00" + adobe_rgb[2:],
+        encoded(image.convert("L")),
+        encoded(image.convert("CMYK")),
+        encoded(image, "PNG"),
+        encoded(image)[:2] + b"not a jpeg",
+        b"",
+    ):
+        assert nvjpeg_size(data) is None
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """Two classes: baseline JPEGs large enough for the workers' block shrink, a PNG, and a
+    rotated JPEG (both decoded on the CPU)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for n in range(4):
+        photo(90 + 20 * n, 130 - 10 * n, n).save(tmp_path / "a" / f"{n}.jpg", quality=95)
+    photo(40, 50, 7).save(tmp_path / "b" / "p.png")
+    rotated = Image.Exif()
+    rotated[EXIF_ORIENTATION] = 8
+    photo(60, 40, 8).save(tmp_path / "b" / "r.jpg", quality=95, exif=rotated)
+    photo(70, 80, 9).save(tmp_path / "b" / "s.jpg", quality=95)
+    return tmp_path
+
+
+def both_paths(root: Path, keys):
+    draws = AugmentDraws(SIZE, scale=(0.08, 1.0))
+    on_device = TrainingSamples(ReadableImageFolder(root), draws, seed=3, jpeg_bytes=True)
+    on_cpu = TrainingSamples(ReadableImageFolder(root), draws, seed=3)
+    return (
+        on_device,
+        collate_samples([on_device[k] for k in keys]),
+        on_cpu,
+        [on_cpu[k] for k in keys],
+    )
+
+
+KEYS = [(i, e) for e in range(3) for i in range(7)]
+
+
+def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
+    on_device, (batch, params, labels), _, cpu_samples = both_paths(folder, KEYS)
+    assert isinstance(batch, EncodedBatch)
+    # Four JPEGs of "a" and the upright one of "b" come as bytes; the PNG and the rotated one
+    # as pixels.
+    kinds = [type(on_device[k][0]) for k in KEYS[:7]]
+    assert kinds.count(JpegBytes) == 5 and kinds.count(torch.Tensor) == 2
+    assert sorted(batch.pixel_rows + batch.jpeg_rows) == list(range(len(KEYS)))
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, device_decoder("cpu"))
+    canvas, params, labels = decoder(batch, params, labels)
+    assert labels.tolist() == [s[2] for s in cpu_samples]
+    shrunk = 0
+    for row, (pixels, cpu_params, _) in enumerate(cpu_samples):
+        assert torch.equal(params[row], cpu_params)  # same draws, same box after the shrink
+        h, w = pixels.shape[-2:]
+        piece = canvas[row, :, :h, :w].int()
+        # The same libjpeg on the CPU; the shrink rounds halves to even, PIL up.
+        assert (piece - pixels.int()).abs().max() <= 1
+        assert canvas[row, :, h:].sum() == 0 and canvas[row, :, :, w:].sum() == 0
+        shrunk += int(max(h, w) < max(on_device.folder[KEYS[row][0]][0].size) // 2)
+    assert shrunk > 0  # some crops went through the block shrink
+    cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    augment = BatchAugment(SIZE)
+    gap = augment(canvas, params) - augment(cpu_canvas, cpu_params)
+    assert gap.abs().max() <= 1.01 * LEVEL  # the shrink's rounding at most
+
+
+def test_a_jpeg_the_device_fails_on_is_retried_alone_then_made_by_the_cpu_path(folder):
+    data = (folder / "a" / "0.jpg").read_bytes()
+    cut = data.index(b"\xff\xda") + 300  # the header whole, the pixels cut short
+    (folder / "a" / "0.jpg").write_bytes(data[:cut])
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, (batch, params, labels), _, cpu_samples = both_paths(folder, keys)
+    assert len(batch.jpegs) == 4  # the truncated file's header still reads
+    real = device_decoder("cpu")
+    calls = []
+
+    def decode(data):
+        calls.append(len(data))
+        if any(len(d) == cut for d in data):
+            raise RuntimeError("nvjpeg: bad bitstream")
+        return real(data)
+
+    loader = torch.utils.data.DataLoader(
+        [on_device[k] for k in keys], batch_size=4, collate_fn=collate_samples
+    )
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
+    images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)))
+    assert calls == [4, 1, 1, 1, 1]  # the batch, then each JPEG alone
+    # The CPU path's handling: the unreadable file is replaced by the next image (class a).
+    assert labels.tolist() == [s[2] for s in cpu_samples]
+    cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
+    assert (images - expected).abs().max() <= 1.01 * LEVEL
+    assert torch.equal(images[0], expected[0])  # made by the CPU path itself
+
+
+def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, caplog):
+    """No nvjpeg (every image fails alone too): one warning, then the CPU path without
+    retrying the device for each batch."""
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, _, _, cpu_samples = both_paths(folder, keys)
+    calls = []
+
+    def decode(data):
+        calls.append(len(data))
+        raise RuntimeError("nvjpeg: not available")
+
+    loader = torch.utils.data.DataLoader(
+        [on_device[k] for k in keys], batch_size=4, collate_fn=collate_samples
+    )
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
+    batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
+    for _ in range(2):
+        images, labels = next(iter(batches))
+        assert labels.tolist() == [s[2] for s in cpu_samples]
+    assert calls == [4, 1, 1, 1, 1]  # the second batch never reached the device decoder
+    assert sum("decoding on the CPU from here on" in r.message for r in caplog.records) == 1
+
+
+def test_cache_sources_never_hand_over_bytes(folder):
+    from imgtrainer.data.sources import DecodedImageCache
+
+    cache = DecodedImageCache(ReadableImageFolder(folder), SIZE)
+    samples = TrainingSamples(cache, AugmentDraws(SIZE), seed=0, jpeg_bytes=True)
+    assert not samples.jpeg_bytes and isinstance(samples[(0, 0)][0], torch.Tensor)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_nvjpeg_batches_match_the_cpu_path(folder):
+    on_device, _, _, cpu_samples = both_paths(folder, KEYS)
+    loader = torch.utils.data.DataLoader(
+        [on_device[k] for k in KEYS],
+        batch_size=len(KEYS),
+        collate_fn=collate_samples,
+        pin_memory=True,
+    )
+    cuda = torch.device("cuda")
+    decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)  # nvjpeg
+    images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), cuda, jpegs=decoder)))
+    cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
+    assert images.is_cuda and torch.equal(labels.cpu(), cpu_labels)
+    # nvjpeg's IDCT and chroma upsampling differ from libjpeg's by a few levels.
+    gap = (images.cpu() - expected).abs()
+    assert gap.max() < 8 * LEVEL and gap.mean() < 2 * LEVEL
+
+
+def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_factory):
+    """build_datasets turns the bytes path on for files on CUDA only; a mixed batch crosses from
+    a loader worker process and is decoded like the CPU path's."""
+    from dataclasses import replace
+
+    from conftest import ONE_CPU_PROCESS, data_config
+    from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
+
+    val = tmp_path_factory.mktemp("val")
+    for name in ("a", "b"):
+        (val / name).mkdir()
+        photo(20, 20, 0).save(val / name / "v.png")
+    cfg = data_config(folder, val, image_size=SIZE, seed=3)
+    sets = {}
+    for device in ("cpu", "cuda"):  # nothing here touches the device itself
+        dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
+        sets[device] = build_datasets(cfg, dist)[0]
+    assert sets["cuda"].jpeg_bytes and not sets["cpu"].jpeg_bytes
+    keys = [(i, 0) for i in range(len(sets["cuda"]))]
+    loader = make_loader(sets["cuda"], keys, LoaderSpec(len(keys), train=True, num_workers=1))
+    assert isinstance(next(iter(loader))[0], EncodedBatch)
+    decoder = JpegDecoder(
+        torch.device("cpu"), SIZE, sets["cuda"].pixel_sample, device_decoder("cpu")
+    )
+    images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)))
+    cpu_canvas, cpu_params, cpu_labels = collate_samples([sets["cpu"][k] for k in keys])
+    assert torch.equal(labels, cpu_labels)
+    assert (images - BatchAugment(SIZE)(cpu_canvas, cpu_params)).abs().max() <= 1.01 * LEVEL
