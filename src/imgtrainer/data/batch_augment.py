@@ -161,6 +161,15 @@ class BatchAugment:
     ):
         self.size, self.policy = size, policy
         self.mean, self.std = tuple(mean), tuple(std)
+        self._normalisers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def normaliser(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean and std as (1, 3, 1, 1) tensors on ``device``, copied there once."""
+        if device not in self._normalisers:
+            self._normalisers[device] = tuple(
+                torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (self.mean, self.std)
+            )
+        return self._normalisers[device]
 
     def resample(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """Every crop resized to size x size and flipped where drawn: float, 0..255. Each
@@ -194,8 +203,7 @@ class BatchAugment:
                 with seeded_cpu_generator(seed):
                     images[n] = self.policy(images[n])
             images = images.float()
-        mean = torch.tensor(self.mean, device=images.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=images.device).view(1, 3, 1, 1)
+        mean, std = self.normaliser(images.device)
         images = images.div_(255).sub_(mean).div_(std)
         return erase(images, params)
 
