@@ -207,7 +207,8 @@ class TrainConfig:
     )
     max_memory_gb: float | None = _opt(
         None,
-        "memory budget per process for --auto_micro_batch, in GiB (default: what the device has)",
+        "memory budget per process for --auto_micro_batch, in GiB (default and most: the "
+        "device's memory divided by the processes using it)",
     )
     checkpoint_dir: str = _opt(
         "checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go"
