@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -325,8 +326,11 @@ def preprocessing(classifier: Classifier, fmt: str, output: Path, checkpoint: Pa
 
 def export_failed(fmt: str, model_name: str, stage: str, err: Exception) -> str:
     """The one line for a model the ``fmt`` exporter (or its runtime, at ``stage`` "run")
-    cannot handle: the exporter's own first line and the other formats to try."""
-    lines = str(err).strip().splitlines()
+    cannot handle: the first line of the error it was raised from (torch.onnx wraps the reason
+    in a generic "Failed to export" error) and the other formats to try."""
+    while err.__cause__ is not None:
+        err = err.__cause__  # type: ignore[assignment]
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()  # no terminal colours
     reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
     if stage == "export":
         what = f"the {fmt} exporter cannot handle the model {model_name}"
