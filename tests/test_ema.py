@@ -4,6 +4,7 @@ resume, and the inference tools choosing the EMA or the raw weights."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -179,6 +180,19 @@ def test_inference_weights_choice():
     assert choose_weights({"model_state_dict": raw}, path)[:2] == ("raw", raw)  # older file
     with pytest.raises(CheckpointError, match="no EMA weights"):
         choose_weights(no_ema, path, "ema")
+    by_loss = {**state, "best_weights": "raw", "best_metric": "val_loss"}
+    assert "they scored a lower val_loss than the EMA" in choose_weights(by_loss, path)[2]
+
+
+def weights_help(tool: str) -> str:
+    parser = importlib.import_module(f"imgtrainer.tools.{tool}").build_parser()
+    return next(a.help for a in parser._actions if "--weights" in a.option_strings)
+
+
+def test_the_weights_help_names_the_runs_best_metric():
+    for tool in ("evaluate", "predict"):
+        assert "--best_metric" in weights_help(tool) and "val_acc" not in weights_help(tool)
+    assert "as in evaluate.py" in weights_help("export")
 
 
 # ----------------------------------------------------------------------------- a real run

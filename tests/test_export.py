@@ -136,3 +136,41 @@ def test_bad_input_is_one_error_line(trained_run, tmp_path: Path, capsys, monkey
         export.main, ["--checkpoint", trained_run.best, "--format", "onnx"], capsys
     )
     assert "no_such_package_for_export" in line and "requirements-export.txt" in line
+
+
+def test_a_model_the_exporter_cannot_handle_is_one_error_line(
+    trained_run, tmp_path: Path, monkeypatch, capsys
+):
+    def unsupported(model: torch.nn.Module, example: torch.Tensor) -> bytes:
+        try:
+            raise RuntimeError("Could not export \x1b[96maten::weird_op\x1b[0m\n  (long report)")
+        except RuntimeError as reason:  # torch.onnx's way: a generic error, the reason its cause
+            raise ValueError("Failed to export. \x1b[96mThis is step 1/3\x1b[0m") from reason
+
+    def unloadable(path: Path, classifier, images: torch.Tensor) -> torch.Tensor:
+        assert path.exists()  # the file being checked, removed afterwards
+        raise ValueError("Load model failed: unknown op weird_op")
+
+    output = tmp_path / "out" / "model.torchscript"
+    argv = export_argv(trained_run, output, "torchscript")
+    monkeypatch.setitem(
+        export.FORMATS, "torchscript", export.ExportFormat(unsupported, export.run_torchscript)
+    )
+    line = user_error_line(export.main, argv, capsys)
+    assert "torchscript exporter cannot handle the model resnet18" in line
+    assert (
+        "RuntimeError: Could not export aten::weird_op" in line
+        and "long report" not in line
+        and "step 1/3" not in line
+    )
+    assert "try --format onnx or --format safetensors" in line
+    assert not output.parent.exists() or not list(output.parent.iterdir())
+    monkeypatch.setitem(
+        export.FORMATS,
+        "torchscript",
+        export.ExportFormat(export.safetensors_bytes, unloadable),
+    )
+    line = user_error_line(export.main, argv, capsys)
+    assert "torchscript file exported from the model resnet18 does not run" in line
+    assert "ValueError: Load model failed: unknown op weird_op" in line
+    assert not list(output.parent.iterdir())  # neither the model nor its pending file

@@ -89,12 +89,24 @@ def latest(workdir: Path) -> dict:
     return torch.load(workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
 
 
+def imbalanced_folder(root: Path, counts: dict[str, int]) -> Path:
+    """An ImageFolder with ``counts[name]`` images of each class."""
+    write_image_folder(root, list(counts), max(counts.values()), seed=1)
+    for name, count in counts.items():
+        for extra in sorted((root / name).iterdir())[count:]:
+            extra.unlink()
+    return root
+
+
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset, tmp_path):
-    train, val = resume_dataset
+    _, val = resume_dataset
+    # --sampler balanced on 36/24/12 images: 24 of each class per epoch, fox's each twice (the
+    # shuffled order shares all but its epoch_order, exact on resume in the recipe test below).
+    train = imbalanced_folder(tmp_path / "data" / "imbalanced", {"cat": 36, "dog": 24, "fox": 12})
     # --model_ema --check_sync: the replicas' EMAs agree, and the EMA resumes bitwise too.
     flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "2")
-    flags += ["--model_ema", "--check_sync"]
+    flags += ["--model_ema", "--check_sync", "--sampler", "balanced"]
     clean = launch(tmp_path / "clean", flags)
     assert clean.returncode == 0, clean.stderr[-3000:]
 
@@ -117,6 +129,7 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     compared += assert_same_tensors(a["optimizer_state_dict"], b["optimizer_state_dict"], "optim")
     compared += assert_same_tensors(a["model_ema_state_dict"], b["model_ema_state_dict"], "ema")
     assert a["ema_updates"] == b["ema_updates"] == 8  # 4 steps per epoch, 2 epochs
+    assert a["config"]["sampler"] == b["config"]["sampler"] == "balanced"
     assert compared > 2 * 122 and (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 0)
     # Every epoch once, with the same metrics as the uninterrupted run.
     assert metrics_without_timings(tmp_path / "crashed") == metrics_without_timings(

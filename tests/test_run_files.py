@@ -3,12 +3,13 @@ error naming the key and the file, and the resolved configuration reruns to itse
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import LAUNCHER_KEYS, config_yaml, parse_config
+from imgtrainer.run.config import LAUNCHER_KEYS, config_yaml, parse_config, parse_duration
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -56,6 +57,36 @@ def test_bad_keys_and_types_name_the_key_and_the_file(
     assert str(run) in message and "\n" not in message
     for phrase in phrases:
         assert phrase in message, message
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("max_time: 1:30:00\n", 5400),  # YAML 1.1 reads it as the int 5400 (base 60)
+        ("max_time: 90\n", 90),
+        ("max_time: 2.5\n", 2.5),
+        ("max_time: '1:30:00'\n", 5400),
+        ("max_time: 2h30m\n", 9000),
+    ],
+)
+def test_a_yaml_number_for_max_time_is_seconds(tmp_path: Path, text: str, seconds: float):
+    cfg = parse_config(["--config", str(write(tmp_path, text))])
+    assert parse_duration(cfg.max_time) == seconds
+    resolved = write(tmp_path, config_yaml(cfg, {}))
+    assert parse_config(["--config", str(resolved)]) == cfg
+
+
+@pytest.mark.parametrize(
+    "text, phrase",
+    [
+        ("max_time: -5\n", "--max_time '-5': give a positive duration"),
+        ("max_time: 0\n", "--max_time '0': give a positive duration"),
+        ("max_time: true\n", "max_time must be str or null, got True"),
+    ],
+)
+def test_a_yaml_max_time_that_is_no_duration_is_one_error(tmp_path: Path, text: str, phrase):
+    with pytest.raises(UserError, match=re.escape(phrase)):
+        parse_config(["--config", str(write(tmp_path, text))])
 
 
 def test_a_missing_file_is_one_error(tmp_path: Path):

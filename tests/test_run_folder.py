@@ -4,6 +4,7 @@ results, resume checks of the schedule flags (and --resume_override), and a full
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -254,6 +256,62 @@ def test_disk_full_while_writing_the_history(tmp_path: Path, monkeypatch):
     with pytest.raises(UserError, match=r"training_history.json: it needs about \d+ B"):
         writer.save()
     assert path.read_text() == before and not (tmp_path / ".training_history.json.tmp").exists()
+
+
+class QuotaFile(io.FileIO):
+    """A file on a folder with free space whose quota is full after ``room`` bytes."""
+
+    def __init__(self, path, mode: str, room: int):
+        super().__init__(path, mode)
+        self.room = room
+
+    def write(self, data) -> int:
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return super().write(data)
+
+
+@pytest.mark.parametrize("room", [0, 1000, 100_000])
+def test_a_full_quota_inside_torch_save_is_one_line(tmp_path: Path, monkeypatch, room: int):
+    writer = CheckpointWriter(tmp_path, enabled=True)
+    writer.save({"w": torch.zeros(10)}, is_best=True)
+    writer.save({"w": torch.ones(10)}, is_best=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    files = []
+
+    def quota_open(path, mode):
+        files.append(path)
+        return io.BufferedWriter(QuotaFile(path, mode, room))
+
+    # The real torch.save: past its first records it reports the failed write as a
+    # RuntimeError ("unexpected pos ..."), while the folder shows plenty of free space.
+    monkeypatch.setattr(run_folder, "open", quota_open, raising=False)
+    plenty = SimpleNamespace(total=1 << 40, used=0, free=1 << 40)
+    monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda folder: plenty)
+    with pytest.raises(UserError) as err:
+        writer.save({"model": {"w": torch.zeros(64, 1024)}}, is_best=True)  # 256 KiB
+    message = str(err.value)
+    assert str(writer.latest) in message and "needs about 256.0 KiB" in message
+    assert "1024.0 GiB are free there but a disk quota" in message and "\n" not in message
+    assert files and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_other_runtime_errors_of_torch_save_keep_their_traceback(tmp_path: Path, monkeypatch):
+    def failing(obj, f):
+        f.write(b"\0" * 100)
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError:  # chained as torch.save's zip writer chains it: a context, no cause
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")  # noqa: B904
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        atomic_save({}, tmp_path / "x.pth")
+    monkeypatch.setattr(checkpoint.torch, "save", lambda obj, f: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        atomic_save({}, tmp_path / "x.pth")
+    assert not list(tmp_path.iterdir())
 
 
 def test_other_write_errors_keep_their_traceback(tmp_path: Path, monkeypatch):

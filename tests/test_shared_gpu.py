@@ -95,3 +95,56 @@ def test_gpu_check_runs_two_processes_on_one_gpu_with_a_kill_and_resume(tmp_path
     repeated = json.loads(json.dumps(history))
     repeated["epochs"].insert(1, {"epoch": 2})
     assert "epochs [1, 2, 2]" in gc.kill_and_resume_problem(logs, repeated)
+
+
+# ----------------------------------------------------------------------------- memory shares
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("processes, visible", [(1, 1), (2, 1), (3, 2), (2, 2), (5, 2), (1, 4)])
+def test_processes_on_a_device_are_the_local_ranks_choose_device_puts_there(
+    monkeypatch, processes: int, visible: int
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv(SHARE_GPUS_ENV, "1")
+    placed = [dist_setup.choose_device("auto", r) for r in range(processes)]
+    for rank, device in enumerate(placed):
+        info = dist_setup.DistInfo(rank, rank, processes, processes, device)
+        assert info.processes_on_device == placed.count(device)
+    assert dist_setup.processes_sharing_device(torch.device("cpu"), processes, visible) == processes
+
+
+def test_memory_share_splits_the_device_and_caps_at_max_memory_gb():
+    share = dist_setup.memory_share
+    assert share(80 * GIB, 1, None) == 80 * GIB
+    assert share(80 * GIB, 2, None) == 40 * GIB  # two ranks on one GPU: half each
+    assert share(80 * GIB, 2, 30) == 30 * GIB  # --max_memory_gb below the share
+    assert share(80 * GIB, 2, 60) == 40 * GIB  # above it: two of 60 would not fit in 80
+    assert share(80 * GIB, 1, 0.5) == GIB // 2
+
+
+def test_budget_and_gpu_cache_count_the_processes_sharing_the_gpu(monkeypatch):
+    """The CUDA call sites, with the device's figures faked: --auto_micro_batch's budget (of the
+    total) and --cache_images auto's GPU budget (a quarter of the free memory), per process."""
+    from imgtrainer.data.loaders import device_cache_budget
+    from imgtrainer.run.config import TrainConfig
+    from imgtrainer.training.memory import memory_budget
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: argparse.Namespace(total_memory=80 * GIB)
+    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (64 * GIB, 80 * GIB))
+    alone = dist_setup.DistInfo(0, 0, 1, 1, device)
+    pair = dist_setup.DistInfo(1, 1, 2, 2, device)
+    assert memory_budget(None, device, alone.processes_on_device) == 80 * GIB
+    assert memory_budget(None, device, pair.processes_on_device) == 40 * GIB
+    assert memory_budget(50, device, pair.processes_on_device) == 40 * GIB
+    cfg = TrainConfig()
+    assert device_cache_budget(cfg, alone) == 16 * GIB and device_cache_budget(cfg, pair) == 8 * GIB
+    assert device_cache_budget(TrainConfig(max_memory_gb=12), pair) == 3 * GIB
+    assert device_cache_budget(TrainConfig(cache_images="ram"), pair) == 0
+    assert device_cache_budget(cfg, dist_setup.DistInfo(0, 0, 1, 1, torch.device("cpu"))) == 0

@@ -59,19 +59,30 @@ def _needed_if_out_of_space(
     """The bytes the file needs if ``err`` means the disk (or quota) was full, else None.
 
     ``torch.save`` reports a full disk from inside its zip writer as a RuntimeError ("[enforce
-    fail at inline_container.cc:...] . unexpected pos ..."), not an OSError: for a failed write
-    that is not an ENOSPC/EDQUOT, the folder's free space (the partial file removed) decides.
+    fail at inline_container.cc:...] . unexpected pos ..."), not an OSError; the file's own
+    ENOSPC/EDQUOT is then its ``__context__``, found even where the folder shows free space (a
+    quota). Without one, the folder's free space (the partial file removed) decides.
     """
-    if isinstance(err, OSError) and err.errno in NO_SPACE:
-        return needed_bytes()
     if not isinstance(err, OSError | RuntimeError):
         return None
+    if any(isinstance(e, OSError) and e.errno in NO_SPACE for e in _error_chain(err)):
+        return needed_bytes()
     needed = needed_bytes()
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         return None
     return needed if free < needed + SIZE_SLACK_BYTES else None
+
+
+def _error_chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the errors it was raised from or while handling."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def atomic_link(source: Path, path: Path) -> bool:
@@ -102,9 +113,12 @@ def _fsync_dir(folder: Path) -> None:
 
 def disk_full_error(path: Path, needed: int) -> UserError:
     free = shutil.disk_usage(path.parent).free
+    # A full quota (or inode table) leaves free space in view: say why the write still failed.
+    enough = free >= needed + SIZE_SLACK_BYTES
+    quota = " but a disk quota (or the file system's inode limit) is reached" if enough else ""
     return UserError(
         f"no space left on the device to write {path}: it needs about "
-        f"{format_bytes(needed)}, {format_bytes(free)} are free there; free some "
+        f"{format_bytes(needed)}, {format_bytes(free)} are free there{quota}; free some "
         "space, then continue with --resume auto (the files written before are "
         "intact)"
     )

@@ -44,6 +44,7 @@ from imgtrainer.distributed.setup import (
     DistInfo,
     available_memory_bytes,
     cpu_cores_available,
+    memory_share,
 )
 from imgtrainer.run.config import (
     TrainConfig,
@@ -253,20 +254,28 @@ def cache_decoded(
 # ----------------------------------------------------------------------------- set-up pieces
 
 
+def device_cache_budget(cfg: TrainConfig, dist: DistInfo) -> int:
+    """Bytes of device memory the image cache may take with --cache_images auto (0: none):
+    GPU_CACHE_SHARE of this process's share of what is free (every process on the device
+    caches the images), capped by --max_memory_gb."""
+    if dist.device.type != "cuda" or cfg.cache_images != "auto":
+        return 0
+    free = torch.cuda.mem_get_info(dist.device)[0]
+    return int(memory_share(free, dist.processes_on_device, cfg.max_memory_gb) * GPU_CACHE_SHARE)
+
+
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     check_device_options(cfg, dist.device.type)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM,
-    # or GPU_CACHE_SHARE of the free device memory.
+    # or GPU_CACHE_SHARE of its share of the free device memory.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
-    device_budget = 0
-    if dist.device.type == "cuda" and cfg.cache_images == "auto":
-        free = torch.cuda.mem_get_info(dist.device)[0]
-        if cfg.max_memory_gb is not None:  # the user's cap on this process's device memory
-            free = min(free, int(cfg.max_memory_gb * 2**30))
-        device_budget = int(free * GPU_CACHE_SHARE)
     train_set, val_set, class_names = build_datasets(
-        cfg, dist, cache_budget_bytes=budget, threads=cores, device_budget_bytes=device_budget
+        cfg,
+        dist,
+        cache_budget_bytes=budget,
+        threads=cores,
+        device_budget_bytes=device_cache_budget(cfg, dist),
     )
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = build_train_sampler(cfg, train_set.folder.targets, class_names, dist)

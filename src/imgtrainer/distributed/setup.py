@@ -33,6 +33,12 @@ class DistInfo:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def processes_on_device(self) -> int:
+        """This node's processes that use this process's device (its memory is theirs)."""
+        visible = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        return processes_sharing_device(self.device, self.local_world_size, visible)
+
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
@@ -49,6 +55,22 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
             f"{visible} are visible; start fewer processes per node"
         )
     return torch.device("cuda", local_rank % visible)
+
+
+def processes_sharing_device(device: torch.device, local_world_size: int, visible_gpus: int) -> int:
+    """How many of this node's processes use ``device``: all of them on the CPU (its RAM); on
+    GPU d of V, the local ranks r with r % V == d (``choose_device``): more than one only when
+    they share the GPUs (``SHARE_GPUS_ENV``)."""
+    if device.type != "cuda":
+        return max(1, local_world_size)
+    return max(1, len(range(device.index or 0, local_world_size, max(1, visible_gpus))))
+
+
+def memory_share(device_bytes: int, processes: int, max_memory_gb: float | None) -> int:
+    """What one of the ``processes`` using a device may plan on of its ``device_bytes`` (total
+    or free): an equal share, and no more than ``--max_memory_gb`` (a per-process cap)."""
+    share = device_bytes // max(1, processes)
+    return share if max_memory_gb is None else min(share, int(max_memory_gb * 2**30))
 
 
 def process_group_backend(device: torch.device, local_world_size: int) -> str:

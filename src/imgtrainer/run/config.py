@@ -207,7 +207,8 @@ class TrainConfig:
     )
     max_memory_gb: float | None = _opt(
         None,
-        "memory budget per process for --auto_micro_batch, in GiB (default: what the device has)",
+        "memory budget per process for --auto_micro_batch, in GiB (default and most: the "
+        "device's memory divided by the processes using it)",
     )
     checkpoint_dir: str = _opt(
         "checkpoints", "where checkpoint_latest.pth / checkpoint_best.pth go"
@@ -560,12 +561,19 @@ def read_run_file(path: Path) -> dict[str, Any]:
     return values
 
 
+# Flags holding a duration (parse_duration): a run file's number is their seconds.
+DURATION_FIELDS = frozenset({"max_time"})
+
+
 def _checked_file_value(path: Path, f: dataclasses.Field, value: Any) -> Any:
     """``value`` as the field's type (YAML's 3 becomes 3.0 for a float flag), or one error."""
     type_name = str(f.type)
     optional = "None" in type_name
     if value is None and optional:
         return None
+    if f.name in DURATION_FIELDS and isinstance(value, int | float) and not isinstance(value, bool):
+        # Seconds, as on the command line: YAML 1.1 reads 90 as 90 and 1:30:00 as 5400.
+        value = str(value)
     kind = _field_type(f) if type_name.replace(" | None", "") != "bool" else bool
     # YAML reads 3 as an int: accept it for a float, but never a bool for a number.
     accepted = (int, float) if kind is float else (kind,)

@@ -16,6 +16,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -323,6 +324,22 @@ def preprocessing(classifier: Classifier, fmt: str, output: Path, checkpoint: Pa
     }
 
 
+def export_failed(fmt: str, model_name: str, stage: str, err: Exception) -> str:
+    """The one line for a model the ``fmt`` exporter (or its runtime, at ``stage`` "run")
+    cannot handle: the first line of the error it was raised from (torch.onnx wraps the reason
+    in a generic "Failed to export" error) and the other formats to try."""
+    while err.__cause__ is not None:
+        err = err.__cause__  # type: ignore[assignment]
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()  # no terminal colours
+    reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    if stage == "export":
+        what = f"the {fmt} exporter cannot handle the model {model_name}"
+    else:
+        what = f"the {fmt} file exported from the model {model_name} does not run"
+    others = " or ".join(f"--format {other}" for other in SUFFIXES if other != fmt)
+    return f"--format {fmt}: {what} ({reason}); nothing written; try {others}"
+
+
 def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any], str]:
     """Write the exported model and its JSON, once the check passed; returns the model's path,
     the check's figures and where its images came from."""
@@ -336,15 +353,20 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any], str]:
     output = args.output
     fmt = FORMATS[args.format]
     # Two examples: a batch of one would make the ONNX exporter fix the batch size at 1.
-    data = fmt.write(classifier.model, images[[0, len(images) - 1]])
+    try:
+        data = fmt.write(classifier.model, images[[0, len(images) - 1]])
+    except Exception as err:  # each exporter has its own errors for what it cannot handle
+        raise UserError(export_failed(args.format, classifier.model_name, "export", err)) from None
     # Written under a temporary name and checked there: a model that fails the check is never
     # left where a deployment would pick it up.
     pending = output.with_name(f".{output.name}.pending")
     try:
         atomic_write(pending, lambda f: f.write(data), lambda: len(data))
-        result = compare_outputs(
-            fmt.run(pending, classifier, images), reference, args.atol, args.rtol
-        )
+        try:
+            outputs = fmt.run(pending, classifier, images)
+        except Exception as err:  # a runtime that cannot load or run what the exporter wrote
+            raise UserError(export_failed(args.format, classifier.model_name, "run", err)) from None
+        result = compare_outputs(outputs, reference, args.atol, args.rtol)
         result["images_from"] = source
         info = {**preprocessing(classifier, args.format, output, args.checkpoint), "check": result}
         text = (json.dumps(info, indent=2) + "\n").encode()

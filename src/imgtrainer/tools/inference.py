@@ -190,7 +190,7 @@ def add_inference_arguments(
         default="auto",
         help="which weights of a checkpoint trained with --model_ema: ema (the moving "
         "average), raw (the trained ones), or auto: ema unless the checkpoint says the raw "
-        "ones scored a higher val_acc (default: auto)",
+        "ones scored better on the run's --best_metric (default: auto)",
     )
     parser.add_argument(
         "--eval_resize_ratio",

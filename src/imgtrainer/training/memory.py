@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from imgtrainer.distributed.setup import memory_share
 from imgtrainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -226,11 +227,10 @@ def _running_stats_kept(norms: list[nn.Module]) -> Iterator[None]:
 def memory_budget(
     max_memory_gb: float | None, device: torch.device, processes_on_device: int
 ) -> int:
-    """Bytes one process may use: ``--max_memory_gb``, else what the device has (on the CPU,
-    the RAM shared by this node's processes)."""
-    if max_memory_gb is not None:
-        return int(max_memory_gb * GIB)
+    """Bytes one process may use: its share of the device's memory (the GPU, or on the CPU the
+    RAM) among the ``processes_on_device`` using it, and at most ``--max_memory_gb``."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(1, processes_on_device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return memory_share(total, processes_on_device, max_memory_gb)

@@ -119,7 +119,7 @@ class Trainer:
         self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
         parts.plan = build_memory_plan(
-            cfg, TrialParts.of(parts), dist.local_world_size, len(self.class_names)
+            cfg, TrialParts.of(parts), dist.processes_on_device, len(self.class_names)
         )
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
         self.mixer = BatchMixer.from_config(
