@@ -202,8 +202,9 @@ class BatchPolicy:
         the grid made as torchvision's ``_affine_grid`` makes it (zeros outside: fill 0)."""
         n, size = len(images), self.size
         half = torch.tensor([0.5 * size, 0.5 * size], device=theta.device)
-        rescaled = theta.view(n, 2, 3).transpose(1, 2) / half
-        grid = torch.matmul(self.base_grid(images.device), rescaled).view(n, size, size, 2)
+        rescaled = (theta.view(n, 2, 3).transpose(1, 2) / half).contiguous()
+        grid = self.base_grid(images.device).expand(n, -1, -1).bmm(rescaled)
+        grid = grid.view(n, size, size, 2)
         out = F.grid_sample(
             images.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False
         )
