@@ -5,8 +5,7 @@ the policy's ops) from the generator seeded by (seed, epoch, index); sources han
 pixels; ``BatchAugment`` then resamples every crop of the batch at once (a gather of a few taps
 per output pixel and their weighted sum, columns then rows, with the weights of torch's
 antialiased bilinear ``interpolate``; flips folded into them), applies the ``--auto_augment``
-policy op by op to the samples that drew each (``data.batch_policy``), normalises and erases,
-on whatever device the batch is on.
+policy grouped by op (``data.batch_policy``), normalises and erases, on the batch's device.
 """
 
 from __future__ import annotations

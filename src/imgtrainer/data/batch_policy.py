@@ -17,6 +17,9 @@ from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_m
 
 from imgtrainer.data.transforms import AUTO_AUGMENT
 
+# Two torchvision privates, _get_inverse_affine_matrix and the policies' _AUGMENTATION_SPACE, give
+# the numbers its per-image ops use (tests/test_batch_policy.py checks them against the installed
+# torchvision).
 # The ops in the order of both policies' augmentation spaces (the op index is its position).
 OPS = (
     *("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"),
