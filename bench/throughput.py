@@ -725,7 +725,8 @@ def decode_rates(folder: Path, device: str, limit: int = 4096) -> dict:
 def policy_times(image_size: int, batch_size: int, device: str, repeats: int = 5) -> dict:
     """ms per batch (the median of ``repeats``, after a warm-up) of each ``--auto_augment``
     policy on random uint8 images on the device: torchvision's policy image by image, each under
-    its own seed, against ``BatchPolicy`` on the whole batch (the host's part included)."""
+    its own seed, against ``BatchPolicy`` on the whole batch drawing the same ops (the host's
+    part included)."""
     import torch
 
     from imgtrainer.data.batch_policy import BatchPolicy, draw_policy
@@ -749,8 +750,11 @@ def policy_times(image_size: int, batch_size: int, device: str, repeats: int = 5
     policies: dict[str, dict] = {}
     for name in ("trivialaugment", "randaugment"):
         grouped = BatchPolicy(name, image_size)
-        with seeded_cpu_generator(0):
-            choices = torch.tensor([draw_policy(name) for _ in range(batch_size)])
+        rows = []
+        for n in range(batch_size):  # the ops torchvision's policy draws under seed n below
+            with seeded_cpu_generator(n):
+                rows.append(draw_policy(name))
+        choices = torch.tensor(rows)
 
         def per_image(transform=grouped.transform):
             out = images.clone()
