@@ -4,6 +4,7 @@
     python bench/throughput.py --image_size 224 --batch_size 32
     python bench/throughput.py -- --cache_images ram             # trainer flags after "--"
     python bench/throughput.py --sources gpu ram none --decode   # each source; JPEG decode rates
+    python bench/throughput.py --world_sizes 1 --policy          # the policies, looped vs grouped
     python bench/throughput.py --world_sizes 1 --step_variants eager compile batch_x2
 
 For each world size it runs, as separate torchrun jobs with the same threads per process:
@@ -17,6 +18,9 @@ With ``--sources``, the trainer runs once per image source (``--cache_images`` g
 against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
 (``torchvision.io.decode_jpeg(list, device="cuda")``, batches of 256) and on the CPU (files read
 and decoded by as many loader workers as the trainer would start, and by one process).
+``--policy`` times the ``--auto_augment`` policies alone on a batch of uint8 images on the device:
+torchvision's policy on one image at a time, as a loop would run it, against ``BatchPolicy``'s
+ops grouped over the batch, with the same draws.
 ``--step_variants`` measures the bare step (world size 1) with ``torch.compile`` in each mode,
 larger batches, and AdamW's foreach kernels instead of the fused ones, with the time of the first
 step (compilation included).
@@ -102,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "flags say)",
     )
     parser.add_argument("--decode", action="store_true", help="also measure JPEG decode rates")
+    parser.add_argument(
+        "--policy", action="store_true", help="also time the policies: per image vs grouped"
+    )
     parser.add_argument(
         "--step_variants",
         nargs="*",
@@ -201,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode:
             report["decode"] = decode_rates(data / "train", args.device)
             print_decode(report["decode"])
+        if args.policy:
+            report["policy"] = policy_times(args.image_size, args.batch_size, args.device)
+            print_policy(report["policy"])
         if args.step_variants:
             report["step_variants"] = measure_step_variants(args, data, Path(tmp))
             print_step_variants(report["step_variants"])
@@ -707,6 +717,69 @@ def decode_rates(folder: Path, device: str, limit: int = 4096) -> dict:
         }
     mean_kib = sum(e.numel() for e in encoded) / max(1, len(encoded)) / 1024
     return {"images": len(encoded), "mean_kib": mean_kib, "rates": rates}
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def policy_times(image_size: int, batch_size: int, device: str, repeats: int = 5) -> dict:
+    """ms per batch (the median of ``repeats``, after a warm-up) of each ``--auto_augment``
+    policy on random uint8 images on the device: torchvision's policy image by image, each under
+    its own seed, against ``BatchPolicy`` on the whole batch drawing the same ops (the host's
+    part included)."""
+    import torch
+
+    from imgtrainer.data.batch_policy import BatchPolicy, draw_policy
+    from imgtrainer.data.sources import seeded_cpu_generator
+
+    on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch_size, 3, image_size, image_size)
+    images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(on)
+
+    def median_ms(function) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            synchronize(on)
+            started = time.perf_counter()
+            function()
+            synchronize(on)
+            times.append((time.perf_counter() - started) * 1000)
+        return sorted(times[1:])[repeats // 2]
+
+    policies: dict[str, dict] = {}
+    for name in ("trivialaugment", "randaugment"):
+        grouped = BatchPolicy(name, image_size)
+        rows = []
+        for n in range(batch_size):  # the ops torchvision's policy draws under seed n below
+            with seeded_cpu_generator(n):
+                rows.append(draw_policy(name))
+        choices = torch.tensor(rows)
+
+        def per_image(transform=grouped.transform):
+            out = images.clone()
+            for n in range(batch_size):
+                with seeded_cpu_generator(n):
+                    out[n] = transform(out[n])
+
+        per_image_ms = median_ms(per_image)
+        grouped_ms = median_ms(lambda g=grouped, c=choices: g(images.clone(), c))
+        policies[name] = {"per_image_ms": per_image_ms, "grouped_ms": grouped_ms}
+    return {"device": on.type, "image_size": image_size, "batch_size": batch_size, **policies}
+
+
+def print_policy(times: dict) -> None:
+    print(
+        f"\n--auto_augment on a batch of {times['batch_size']} at {times['image_size']} px "
+        f"({times['device']}), ms per batch"
+    )
+    for name in ("trivialaugment", "randaugment"):
+        t = times[name]
+        speedup = t["per_image_ms"] / t["grouped_ms"]
+        print(
+            f"  {name:<15} per image {t['per_image_ms']:8.1f}   grouped {t['grouped_ms']:8.1f}"
+            f"   x{speedup:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -71,3 +71,15 @@ def test_decode_rates_and_the_summary_table(tmp_path, capsys):
         == "world source img/s ceiling trainer/ceiling data wait of bf16 peak".split()
     )
     assert first.split() == ["1", "ram", "150.0", "200.0", "0.750", "25.0%", "13.2%"]
+
+
+def test_policy_times_compare_the_loop_with_the_grouped_ops(capsys):
+    bench = throughput_module()
+    times = bench.policy_times(16, 4, "cpu", repeats=1)
+    assert (times["device"], times["image_size"], times["batch_size"]) == ("cpu", 16, 4)
+    for name in ("trivialaugment", "randaugment"):
+        assert times[name]["per_image_ms"] > 0 and times[name]["grouped_ms"] > 0
+    bench.print_policy(times)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "--auto_augment on a batch of 4 at 16 px (cpu), ms per batch"
+    assert lines[1].split()[:3] == ["trivialaugment", "per", "image"]

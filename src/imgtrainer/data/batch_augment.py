@@ -1,29 +1,30 @@
 """Training augmentation of whole batches on the training device.
 
 The host draws each sample's parameters (``AugmentDraws``: crop box, flip, erasing rectangle,
-policy seed) from the generator seeded by (seed, epoch, index); sources hand over uint8 pixels;
-``BatchAugment`` then resamples every crop of the batch at once (a gather of a few taps per
-output pixel and their weighted sum, columns then rows, with the weights of torch's antialiased
-bilinear ``interpolate``; flips folded into them), applies the ``--auto_augment`` policy per sample, normalises and erases, on whatever device the
-batch is on.
+the policy's ops) from the generator seeded by (seed, epoch, index); sources hand over uint8
+pixels; ``BatchAugment`` then resamples every crop of the batch at once (a gather of a few taps
+per output pixel and their weighted sum, columns then rows, with the weights of torch's
+antialiased bilinear ``interpolate``; flips folded into them), applies the ``--auto_augment``
+policy grouped by op (``data.batch_policy``), normalises and erases, on the batch's device.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from imgtrainer.data.batch_policy import COLUMNS, BatchPolicy, draw_policy
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, split_samples
-from imgtrainer.data.sources import seeded_cpu_generator
-from imgtrainer.data.transforms import AUTO_AUGMENT, IMAGENET_MEAN, IMAGENET_STD
+from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.run.config import TrainConfig
 
-# Columns of a sample's parameters (one int64 row per sample).
-TOP, LEFT, HEIGHT, WIDTH, FLIP, ERASE_TOP, ERASE_LEFT, ERASE_H, ERASE_W, POLICY_SEED = range(10)
-PARAMS = 10
+# Columns of a sample's parameters (one int64 row per sample); from POLICY on, the policy's
+# choices (batch_policy.COLUMNS: op, magnitude bin and sign per op slot; zeros: Identity).
+TOP, LEFT, HEIGHT, WIDTH, FLIP, ERASE_TOP, ERASE_LEFT, ERASE_H, ERASE_W, POLICY = range(10)
+PARAMS = POLICY + COLUMNS
 
 CROP_TRIES = 10  # like torchvision's RandomResizedCrop, then a center crop
 ERASE_TRIES = 10  # like torchvision's RandomErasing, then no erasing
@@ -86,20 +87,21 @@ def erase_box(size: int, u: Sequence[float], p: float) -> tuple[int, int, int, i
 class AugmentDraws:
     """The host half: one sample's parameters from torch's CPU generator (which the dataset
     seeds from (seed, epoch, index)), as an int64 row of ``PARAMS`` values. The crop uses the
-    same uniforms, in the same order, as the per-image crop it replaces."""
+    same uniforms, in the same order, as the per-image crop it replaces; then the ``policy``'s
+    (``--auto_augment``) ops, with the calls of torchvision's policy."""
 
     size: int
     scale: tuple[float, float] = (0.08, 1.0)
     hflip: float = 0.5
     random_erasing: float = 0.0
-    policy: bool = False
+    policy: str = "none"
 
     def __call__(self, height: int, width: int) -> torch.Tensor:
         u = torch.rand(2 * CROP_TRIES + 3).tolist()
         top, left, h, w = crop_box(height, width, u[:-1], self.scale)
-        row = [top, left, h, w, int(u[-1] < self.hflip), 0, 0, 0, 0, 0]
-        if self.policy:
-            row[POLICY_SEED] = int(torch.randint(2**62, ()))
+        row = [top, left, h, w, int(u[-1] < self.hflip), 0, 0, 0, 0] + [0] * COLUMNS
+        if self.policy != "none":
+            row[POLICY:] = draw_policy(self.policy)
         if self.random_erasing > 0:
             e = torch.rand(1 + 2 * ERASE_TRIES + 2).tolist()
             row[ERASE_TOP : ERASE_W + 1] = erase_box(self.size, e, self.random_erasing)
@@ -149,13 +151,13 @@ class BatchAugment:
     normalised float32 batch (N, 3, size, size), on the pixels' device.
 
     Each sample's crop box indexes its own image on the canvas (the padding is never read:
-    its weights are zero). ``policy`` (TrivialAugment/RandAugment) runs per sample on the
-    resampled uint8 images, seeded by the sample's policy seed."""
+    its weights are zero). ``policy`` (TrivialAugment/RandAugment) applies the ops each sample
+    drew to the resampled uint8 images, one op at a time for all the samples that drew it."""
 
     def __init__(
         self,
         size: int,
-        policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        policy: BatchPolicy | None = None,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ):
@@ -194,15 +196,10 @@ class BatchAugment:
     def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """The batch's pixels on the training device, its parameters still on the host."""
         images = self.resample(pixels, params)
-        seeds = params[:, POLICY_SEED].tolist()  # from the host: no device sync
-        params = params.to(pixels.device, non_blocking=True)
-        if self.policy is not None:
+        if self.policy is not None:  # its choices read on the host: no device sync
             images = images.round_().clamp_(0, 255).to(torch.uint8)
-            # The policies' ops differ per sample: applied one image at a time, on the device.
-            for n, seed in enumerate(seeds):
-                with seeded_cpu_generator(seed):
-                    images[n] = self.policy(images[n])
-            images = images.float()
+            images = self.policy(images, params[:, POLICY:]).float()
+        params = params.to(pixels.device, non_blocking=True)
         mean, std = self.normaliser(images.device)
         images = images.div_(255).sub_(mean).div_(std)
         return erase(images, params)
@@ -231,9 +228,9 @@ def train_augmentation(
         scale=(cfg.crop_scale_min, 1.0),
         hflip=cfg.hflip,
         random_erasing=cfg.random_erasing,
-        policy=cfg.auto_augment != "none",
+        policy=cfg.auto_augment,
     )
-    policy = AUTO_AUGMENT[cfg.auto_augment]() if cfg.auto_augment != "none" else None
+    policy = BatchPolicy(cfg.auto_augment, cfg.image_size) if cfg.auto_augment != "none" else None
     return draws, BatchAugment(cfg.image_size, policy, mean, std)
 
 

@@ -1,5 +1,5 @@
 """Image transforms: evaluation's resize and crop, the augmentation policies, normalisation (the
-training crop, flip and erasing run per batch: ``data.batch_augment``)."""
+training crop, flip, policy and erasing run per batch: ``data.batch_augment``)."""
 
 from __future__ import annotations
 

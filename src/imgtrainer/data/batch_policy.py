@@ -1,0 +1,226 @@
+"""TrivialAugment and RandAugment on whole batches. The host draws each sample's ops and
+magnitude bins (``draw_policy``) with the calls of torchvision's own ``forward``, in its order;
+on the device ``BatchPolicy`` groups the batch by op and applies each op to all the samples that
+drew it at once, with torchvision's arithmetic (uint8, nearest interpolation, fill 0): a sample
+comes out as torchvision's policy, drawing the same ops, would make it."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
+
+from imgtrainer.data.transforms import AUTO_AUGMENT
+
+# Two torchvision privates, _get_inverse_affine_matrix and the policies' _AUGMENTATION_SPACE, give
+# the numbers its per-image ops use (tests/test_batch_policy.py checks them against the installed
+# torchvision).
+# The ops in the order of both policies' augmentation spaces (the op index is its position).
+OPS = (
+    *("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"),
+    *("Brightness", "Color", "Contrast", "Sharpness", "Posterize", "Solarize"),
+    *("AutoContrast", "Equalize"),
+)
+GEOMETRIC = range(1, 6)  # ShearX .. Rotate: one batched affine for all of them
+SLOTS = 2  # ops per sample at most: TrivialAugment applies 1, RandAugment (num_ops=2) 2
+OP, BIN, NEGATIVE = range(3)  # a slot's columns: op index, magnitude bin, 1 where negated
+COLUMNS = 3 * SLOTS
+
+# Per-sample values of one slot, as float32 columns moved to the device together.
+FACTOR, ALPHA, THRESHOLD, MASK = range(4)  # 1 + m and 1 - (1 + m); 255 m; posterize's bits
+THETA = 4  # and six more: the affine ops' inverse matrix
+VALUES = THETA + 6
+
+
+@functools.cache
+def policy_transform(name: str) -> v2.Transform:
+    """torchvision's policy of ``--auto_augment name``: its augmentation space and settings."""
+    policy = AUTO_AUGMENT[name]()
+    if tuple(policy._AUGMENTATION_SPACE) != OPS or getattr(policy, "num_ops", 1) > SLOTS:
+        raise ValueError(f"{type(policy).__name__}: not the ops this module batches")
+    return policy
+
+
+def draw_policy(name: str) -> list[int]:
+    """One sample's choices as ``COLUMNS`` ints, from torch's CPU generator with the calls of
+    torchvision's ``forward`` in its order: per op, ``randint(len(ops), ())``, TrivialAugment's
+    magnitude bin ``randint(num_bins, ())``, then ``rand(()) <= 0.5`` negates a signed op."""
+    policy = policy_transform(name)
+    fixed_bin = policy.magnitude if isinstance(policy, v2.RandAugment) else None
+    row = [0] * COLUMNS
+    for slot in range(getattr(policy, "num_ops", 1)):
+        op = int(torch.randint(len(OPS), ()))
+        magnitudes_fn, signed = policy._AUGMENTATION_SPACE[OPS[op]]
+        row[3 * slot + OP] = op
+        if magnitudes_fn(2, 1, 1) is None:  # no magnitude: nothing more drawn
+            continue
+        if fixed_bin is None:
+            row[3 * slot + BIN] = int(torch.randint(policy.num_magnitude_bins, ()))
+        else:
+            row[3 * slot + BIN] = fixed_bin
+        if signed and torch.rand(()) <= 0.5:
+            row[3 * slot + NEGATIVE] = 1
+    return row
+
+
+def magnitude_table(name: str, size: int) -> torch.Tensor:
+    """(len(OPS), num_bins) float64: torchvision's magnitude of each op and bin (float32
+    values, as ``float(magnitudes[bin])`` reads them) for size x size images; 0 where none."""
+    policy = policy_transform(name)
+    bins = policy.num_magnitude_bins
+    table = torch.zeros(len(OPS), bins, dtype=torch.float64)
+    for op, name_ in enumerate(OPS):
+        magnitudes = policy._AUGMENTATION_SPACE[name_][0](bins, size, size)
+        if magnitudes is not None:
+            table[op] = magnitudes.double()
+    return table
+
+
+def affine_matrix(op: str, magnitude: float, size: int) -> list[float]:
+    """The inverse affine matrix torchvision's ``affine``/``rotate`` builds for this op on a
+    size x size image (pixel units, origin at the image's centre)."""
+    if op in ("ShearX", "ShearY"):
+        shear = math.degrees(math.atan(magnitude))
+        corner = 0.0 - size * 0.5  # the policy's center=[0, 0]: the top left corner
+        shears = [shear, 0.0] if op == "ShearX" else [0.0, shear]
+        return _get_inverse_affine_matrix([corner, corner], 0.0, [0.0, 0.0], 1.0, shears)
+    if op in ("TranslateX", "TranslateY"):
+        shift = [float(int(magnitude)), 0.0] if op == "TranslateX" else [0.0, float(int(magnitude))]
+        return _get_inverse_affine_matrix([0.0, 0.0], 0.0, shift, 1.0, [0.0, 0.0])
+    # rotate's own angle convention: the angle mod 360, negated
+    return _get_inverse_affine_matrix([0.0, 0.0], -(magnitude % 360), [0.0, 0.0], 1.0, [0.0, 0.0])
+
+
+def slot_values(ops: list[int], magnitudes: list[float], size: int) -> torch.Tensor:
+    """(N, VALUES) float32 host tensor: what each sample's op needs, rounded to float32 from
+    the float64 values torchvision computes from the magnitude (0 where unused)."""
+    rows = []
+    for op, m in zip(ops, magnitudes, strict=True):
+        row = [1.0 + m, 1.0 - (1.0 + m), 255.0 * m, 255.0] + [0.0] * 6
+        if OPS[op] == "Posterize" and int(m) < 8:
+            row[MASK] = ((1 << int(m)) - 1) << (8 - int(m))  # keep the top int(m) bits
+        elif op in GEOMETRIC:
+            row[THETA:] = affine_matrix(OPS[op], m, size)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64).view(-1, VALUES).float()
+
+
+def per_image(values: torch.Tensor, column: int) -> torch.Tensor:
+    """One column of the group's values, shaped (n, 1, 1, 1) to broadcast over its images."""
+    return values[:, column].view(-1, 1, 1, 1)
+
+
+def blend(images: torch.Tensor, other: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``_blend`` with per-sample ratios: ``images * r + other * (1 - r)``, where
+    its ``add_(alpha=)`` rounds once (a fused multiply-add): done exactly in float64."""
+    alpha = per_image(values, ALPHA).double()
+    scaled = images.float().mul_(per_image(values, FACTOR)).double()
+    return scaled.add_(other.double().mul_(alpha)).float().clamp_(0, 255).to(torch.uint8)
+
+
+def sharpen(images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``adjust_sharpness`` with per-sample factors: the inside pixels moved
+    towards the rounded 3x3 blur (13ths, 5 in the middle) by 1 - factor; the border kept."""
+    if images.shape[-1] <= 2:
+        return images
+    kernel = torch.full((3, 3), 1.0 / 13.0, device=images.device)
+    kernel[1, 1] = 5.0 / 13.0
+    out = images.float()
+    blurred = F.conv2d(out, kernel.expand(3, 1, 3, 3), groups=3).round_()
+    inside = out[..., 1:-1, 1:-1]
+    alpha = per_image(values, ALPHA).double()  # 1 - factor, fused as in blend
+    moved = blurred.sub_(inside).double().mul_(alpha).add_(inside.double())
+    inside.copy_(moved.float())
+    return out.clamp_(0, 255).to(torch.uint8)
+
+
+class BatchPolicy:
+    """The device half: (uint8 images (N, 3, size, size) on any device, the host's int64
+    choices (N, COLUMNS)) -> the images with each sample's drawn ops applied, slot by slot."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self.transform = policy_transform(name)
+        self.num_ops = getattr(self.transform, "num_ops", 1)
+        self.table = magnitude_table(name, size)
+        self._grids: dict[torch.device, torch.Tensor] = {}
+
+    def magnitudes(self, choices: torch.Tensor, slot: int) -> torch.Tensor:
+        """(N,) float64: each sample's signed magnitude in ``slot``, as torchvision's float."""
+        ops, bins, negative = choices[:, 3 * slot : 3 * slot + 3].T
+        return self.table[ops, bins] * (1 - 2 * negative)
+
+    def __call__(self, images: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+        for slot in range(self.num_ops):
+            ops = choices[:, 3 * slot + OP]
+            values = slot_values(ops.tolist(), self.magnitudes(choices, slot).tolist(), self.size)
+            order = torch.argsort(ops, stable=True)
+            counts = torch.bincount(ops, minlength=len(OPS)).tolist()
+            # One copy of the grouping and the values to the device per slot; groups are slices.
+            device_order = order.to(images.device, non_blocking=True)
+            device_values = values[order].to(images.device, non_blocking=True)
+            starts = [sum(counts[:op]) for op in range(len(OPS) + 1)]
+            groups = [(OPS[op], starts[op], starts[op + 1]) for op in range(6, len(OPS))]
+            groups.append(("affine", starts[GEOMETRIC.start], starts[GEOMETRIC.stop]))
+            for op, start, stop in groups:
+                if start == stop:
+                    continue
+                rows = device_order[start:stop]
+                group = images.index_select(0, rows)
+                images.index_copy_(0, rows, self.apply(op, group, device_values[start:stop]))
+        return images
+
+    def apply(self, op: str, images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One op on a group of uint8 images, with their per-sample ``values`` rows."""
+        if op == "affine":
+            return self.affine(images, values[:, THETA:])
+        if op == "Brightness":
+            scaled = images.float().mul_(per_image(values, FACTOR))
+            return scaled.clamp_(0, 255).to(torch.uint8)
+        if op == "Color":
+            return blend(images, TF.rgb_to_grayscale(images).float(), values)  # floored grey
+        if op == "Contrast":
+            grey = TF.rgb_to_grayscale(images).float()
+            return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), values)
+        if op == "Sharpness":
+            return sharpen(images, values)
+        if op == "Posterize":
+            return images.bitwise_and_(per_image(values, MASK).to(torch.uint8))
+        if op == "Solarize":  # compared in float32, as uint8 >= a Python float is
+            flip = images.float() >= per_image(values, THRESHOLD)
+            return torch.where(flip, images.bitwise_not(), images)
+        if op == "AutoContrast":
+            return TF.autocontrast(images)  # per image and channel already
+        if op == "Equalize":
+            return TF.equalize(images)
+        raise ValueError(f"no batched op {op}")
+
+    def affine(self, images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """One nearest ``grid_sample`` for the group, each sample with its own inverse matrix,
+        the grid made as torchvision's ``_affine_grid`` makes it (zeros outside: fill 0)."""
+        n, size = len(images), self.size
+        half = torch.tensor([0.5 * size, 0.5 * size], device=theta.device)
+        rescaled = (theta.view(n, 2, 3).transpose(1, 2) / half).contiguous()
+        grid = self.base_grid(images.device).expand(n, -1, -1).bmm(rescaled)
+        grid = grid.view(n, size, size, 2)
+        out = F.grid_sample(
+            images.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False
+        )
+        return out.round_().to(torch.uint8)
+
+    def base_grid(self, device: torch.device) -> torch.Tensor:
+        """(1, size * size, 3) float32: the output pixels' centres, origin at the centre."""
+        if device not in self._grids:
+            size = self.size
+            grid = torch.empty(1, size, size, 3, device=device)
+            steps = torch.linspace((1.0 - size) * 0.5, (size - 1.0) * 0.5, size, device=device)
+            grid[..., 0].copy_(steps)
+            grid[..., 1].copy_(steps.unsqueeze(-1))
+            grid[..., 2].fill_(1)
+            self._grids[device] = grid.view(1, size * size, 3)
+        return self._grids[device]
