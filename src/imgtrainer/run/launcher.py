@@ -303,6 +303,10 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
     traceback."""
+    if torchrun_code == 0 and not received:
+        # Every rank of torchrun's last round ended 0. An earlier round's 143 under the same
+        # restart count is a rank its agent stopped to take in a joining node.
+        return 0
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
     if failures:
         first = failures[0]
@@ -399,4 +403,9 @@ def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str,
         # stream in every step when a GPU is visible, which fails ("initialization error") in
         # workers forked from an agent whose imports initialised CUDA.
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if node_range(args.nnodes)[1] > 1:
+        # Each rendezvous round publishes its own store address: with torch's shared agent store,
+        # a node that joins a later round waits for an address that the returning rank 0 never
+        # publishes again (it keeps the first round's), and the round times out.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
