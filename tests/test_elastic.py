@@ -284,7 +284,7 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
     cmd = dry_run(
         capsys,
         *("--device", "cpu", "--nnodes", "1:4", "--rdzv_endpoint", "10.1.2.3:29400"),
-        *("--max_restarts", "5", "--rdzv_conf", "last_call_timeout=5"),
+        *("--max_restarts", "5", "--rdzv_conf", "last_call_timeout=5", "--resume", "auto"),
     )
     assert "--nnodes=1:4" in cmd and "--rdzv-endpoint=10.1.2.3:29400" in cmd
     assert "--max-restarts=5" in cmd and "--rdzv-conf=last_call_timeout=5" in cmd
@@ -294,6 +294,16 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
     for bad in ("3:2", "0:2", "1:2:3", "two"):
         line = user_error_line(launch_ddp.main, ["--device", "cpu", "--nnodes", bad], capsys)
         assert "--nnodes" in line and bad in line
+    # A joining node restarts the workers as a new start: only --resume auto continues the run.
+    for resume in ([], ["--resume", "checkpoints/checkpoint_epoch_001.pth"]):
+        line = user_error_line(
+            launch_ddp.main, ["--device", "cpu", "--nnodes", "2:3", *resume], capsys
+        )
+        assert line == (
+            "error: --nnodes 2:3 needs --resume auto: when a node joins, torchrun restarts the "
+            "workers as a new start, and --resume auto makes them continue from the newest "
+            "checkpoint"
+        )
 
 
 def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):

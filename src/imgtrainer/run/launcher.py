@@ -1,7 +1,7 @@
 """Launch src/train_ddp.py under torchrun on 1..N GPUs (or CPU processes), on one or more nodes.
 
     python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
-    python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --max_restarts 10 ...  # elastic
+    python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --resume auto ...  # elastic
 
 The launcher's own flags are parsed here; every other flag goes unchanged to the workers. It
 never imports torch (its checks are ``run.preflight``'s), forwards stop signals to torchrun and
@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nnodes",
         default="1",
-        help="number of nodes, or MIN:MAX for an elastic job: torchrun goes on with the "
-        "nodes left when one is lost, and takes in one that joins at the next restart "
-        "(with --max_restarts; workers resume from the newest checkpoint) (default: 1)",
+        help="number of nodes, or MIN:MAX for an elastic job (with --resume auto): torchrun "
+        "goes on with the nodes left when one is lost (with --max_restarts), and restarts "
+        "the workers to take in one that joins; they resume from the newest checkpoint "
+        "(default: 1)",
     )
     parser.add_argument(
         "--node_rank",
@@ -193,6 +194,18 @@ def node_range(nnodes: object) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise UserError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {text!r}")
     return low, high
+
+
+def check_elastic_resume(nnodes: object, resume: str | None) -> None:
+    """An elastic job restarts its workers when a node joins without counting a restart (the
+    workers' TORCHELASTIC_RESTART_COUNT stays), so only --resume auto lets them continue."""
+    low, high = node_range(nnodes)
+    if low < high and resume != "auto":
+        raise UserError(
+            f"--nnodes {nnodes} needs --resume auto: when a node joins, torchrun restarts the "
+            "workers as a new start, and --resume auto makes them continue from the newest "
+            "checkpoint"
+        )
 
 
 def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
@@ -382,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(
         ["--device", device, *trainer_args], world_size=nproc * node_range(args.nnodes)[0]
     )
+    check_elastic_resume(args.nnodes, cfg.resume)
     if run_flags.print_config:
         print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
         return 0
