@@ -284,7 +284,7 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
     cmd = dry_run(
         capsys,
         *("--device", "cpu", "--nnodes", "1:4", "--rdzv_endpoint", "10.1.2.3:29400"),
-        *("--max_restarts", "5", "--rdzv_conf", "last_call_timeout=5"),
+        *("--max_restarts", "5", "--rdzv_conf", "last_call_timeout=5", "--resume", "auto"),
     )
     assert "--nnodes=1:4" in cmd and "--rdzv-endpoint=10.1.2.3:29400" in cmd
     assert "--max-restarts=5" in cmd and "--rdzv-conf=last_call_timeout=5" in cmd
@@ -294,6 +294,26 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
     for bad in ("3:2", "0:2", "1:2:3", "two"):
         line = user_error_line(launch_ddp.main, ["--device", "cpu", "--nnodes", bad], capsys)
         assert "--nnodes" in line and bad in line
+    # A joining node restarts the workers as a new start: only --resume auto continues the run.
+    for resume in ([], ["--resume", "checkpoints/checkpoint_epoch_001.pth"]):
+        line = user_error_line(
+            launch_ddp.main, ["--device", "cpu", "--nnodes", "2:3", *resume], capsys
+        )
+        assert line == (
+            "error: --nnodes 2:3 needs --resume auto: when a node joins, torchrun restarts the "
+            "workers as a new start, and --resume auto makes them continue from the newest "
+            "checkpoint"
+        )
+
+
+def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):
+    """torch's shared agent store keeps the first round's address on its rank 0, which a node
+    joining a later round waits for in vain: runs on several nodes opt out of it."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    for nnodes, opt_out in (("1", None), ("2", "1"), ("1:4", "1")):
+        args = launch_ddp.build_parser().parse_args(["--nnodes", nnodes])
+        env = launch_ddp.torchrun_env(args, "cpu", 1)
+        assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == opt_out
 
 
 def agent_group(launcher) -> int:
@@ -336,6 +356,54 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
     assert_each_index_once_per_epoch(workdir, 2, 32)
     final = latest(workdir)
     assert final["effective_batch_size"] == 16 and final["scheduler_state_dict"]["last_epoch"] == 4
+
+
+def on_core(core: int):
+    """A Popen preexec_fn: the launcher and its processes on one core, a node of its own (two
+    nodes' ranks of two threads each on 2 shared cores take seconds per step)."""
+    return lambda: os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
+
+
+@pytest.mark.slow
+def test_an_agent_that_joins_a_running_job_is_taken_in(elastic_dataset, tmp_path):
+    """One agent (--nnodes 1:2) trains alone, held after each step while it is alone; once its
+    first checkpoint exists a second agent starts. The first sees it waiting and stops its
+    worker (SIGTERM: a checkpoint mid-epoch); both agents' workers resume at world size 2:
+    every epoch once in the history, each index once per epoch, the uninterrupted run's step
+    count and global batch."""
+    train, val = elastic_dataset
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    endpoint = f"localhost:{launch_ddp.free_port()}"
+    elastic = [
+        *("--device", "cpu", "--nproc", "1", "--nnodes", "1:2", "--rdzv_endpoint", endpoint),
+        *("--max_restarts", "2", "--rdzv_id", "join-test", "--rdzv_conf", "last_call_timeout=1"),
+    ]
+    # A global batch of 8: 4 steps per epoch, so the second agent joins mid-epoch.
+    flags = [*elastic, *vit_flags(train, val, "--resume", "auto", "--global_batch_size", "8")]
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="60:1")  # cut short by the agent's SIGTERM
+    first = start_launcher(flags, workdir, env=env, preexec_fn=on_core(0))
+    checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert latest(workdir)["world_size"] == 1 and latest(workdir)["step"] == 1
+    second = start_launcher(flags, workdir, env=env, preexec_fn=on_core(1))
+    stdout, stderr = first.communicate(timeout=120)
+    second_stderr = second.communicate(timeout=60)[1]
+    assert first.returncode == 0, stderr[-3000:]
+    assert second.returncode == 0, second_stderr[-3000:]
+    assert "processes 1 -> 2, layout --batch_size 4 x --accum_steps 1 x 2 process(es) = 8" in stdout
+    # The first agent stopped its worker itself (nothing signalled the launchers).
+    assert "via signal SIGTERM" in (workdir / "logs" / "torchrun.log").read_text()
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert_each_index_once_per_epoch(workdir, 2, 32)
+    records = [json.loads(line) for line in (workdir / "indices.jsonl").read_text().splitlines()]
+    assert {r["world_size"] for r in records if r["epoch"] == 0} == {1, 2}  # joined mid-epoch
+    final = latest(workdir)
+    assert final["world_size"] == 2 and final["effective_batch_size"] == 8
+    assert final["scheduler_state_dict"]["last_epoch"] == 8
 
 
 FORWARD_SCRIPT = """

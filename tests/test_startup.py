@@ -362,6 +362,13 @@ def test_launcher_exit_codes_after_signals_and_silent_failures(capsys):
     assert launch_ddp.exit_code(1, [], [signal.SIGHUP], log) == 143
     assert capsys.readouterr().err == ""
     assert launch_ddp.exit_code(0, [outcome(0, 0, 1.0)], [], log) == 0
+    # A node joined: the agent stopped its rank (143, the same restart count), whose new rank
+    # in the next round is another; torchrun's 0 is the run's.
+    joined = [
+        outcome(0, 143, 1.0, "Stopped at epoch 1, step 2; resume with ..."),
+        outcome(1, 0, 2.0),
+    ]
+    assert launch_ddp.exit_code(0, joined, [], log) == 0
     assert launch_ddp.exit_code(1, [], [], log) == 1
     assert "no rank said why" in capsys.readouterr().err
 

@@ -12,6 +12,10 @@ indices that step used to DIR/indices.jsonl (``install_recorder``): one JSON lin
 attempt (its start position, world size and
 torchrun restart), epoch, step, rank, world size and indices. The loader reads the sampler lazily with
 --num_workers 0, so the keys the sampler gave since the last step are that step's batch.
+
+TRAIN_DDP_STEP_DELAY="SECONDS:WORLD" makes every rank of a run on WORLD processes wait up to
+SECONDS after each optimizer step (after its checkpoint), cut short by a stop signal: a run that
+is still training when another node joins (``install_delay``).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import logging
 import os
 import signal
 import sys
+import time
 
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
 RECORD_ENV = "TRAIN_DDP_RECORD_INDICES"
+DELAY_ENV = "TRAIN_DDP_STEP_DELAY"
 TRAINER_MODULE = "imgtrainer.training.trainer"
 # A child of the project logger, so the message reaches the rank's log file.
 LOGGER = "imgtrainer.fault_injection"
@@ -122,6 +128,33 @@ def install_recorder(trainer_module, folder: str) -> None:
     trainer_module.Trainer.register_hooks = register_hooks_with_recorder
 
 
+def install_delay(trainer_module, spec: str) -> None:
+    """Wrap ``Trainer.register_hooks`` to wait after each step at one world size (last hook)."""
+    from imgtrainer.training.hooks import Hook
+
+    seconds, world = float(spec.split(":")[0]), int(spec.split(":")[1])
+
+    class StepDelay(Hook):
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def on_step_end(self, info) -> bool:
+            # Polled, so a stop signal (the agent stopping its workers) ends the wait at once.
+            end = time.monotonic() + seconds
+            while self.trainer.stop.signum is None and time.monotonic() < end:
+                time.sleep(0.05)
+            return False
+
+    register_hooks = trainer_module.Trainer.register_hooks
+
+    def register_hooks_with_delay(self) -> None:
+        register_hooks(self)
+        if self.dist.world_size == world:
+            self.hooks.register(StepDelay(self))
+
+    trainer_module.Trainer.register_hooks = register_hooks_with_delay
+
+
 class _AfterTrainerImport(importlib.abc.MetaPathFinder):
     """Finds the trainer module with the usual finders, and installs the hook after it runs."""
 
@@ -139,10 +172,12 @@ class _AfterTrainerImport(importlib.abc.MetaPathFinder):
                 install(module)
             if os.environ.get(RECORD_ENV):
                 install_recorder(module, os.environ[RECORD_ENV])
+            if os.environ.get(DELAY_ENV):
+                install_delay(module, os.environ[DELAY_ENV])
 
         spec.loader.exec_module = exec_and_install
         return spec
 
 
-if os.environ.get(KILL_AT_ENV) or os.environ.get(RECORD_ENV):
+if any(os.environ.get(name) for name in (KILL_AT_ENV, RECORD_ENV, DELAY_ENV)):
     sys.meta_path.insert(0, _AfterTrainerImport())

@@ -1,7 +1,7 @@
 """Launch src/train_ddp.py under torchrun on 1..N GPUs (or CPU processes), on one or more nodes.
 
     python launch_ddp.py --num_gpus 2 --use_amp              # 2 GPUs, DDP + AMP
-    python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --max_restarts 10 ...  # elastic
+    python launch_ddp.py --nnodes 1:4 --rdzv_endpoint HOST:29500 --resume auto ...  # elastic
 
 The launcher's own flags are parsed here; every other flag goes unchanged to the workers. It
 never imports torch (its checks are ``run.preflight``'s), forwards stop signals to torchrun and
@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nnodes",
         default="1",
-        help="number of nodes, or MIN:MAX for an elastic job: torchrun goes on with the "
-        "nodes left when one is lost, and takes in one that joins at the next restart "
-        "(with --max_restarts; workers resume from the newest checkpoint) (default: 1)",
+        help="number of nodes, or MIN:MAX for an elastic job (with --resume auto): torchrun "
+        "goes on with the nodes left when one is lost (with --max_restarts), and restarts "
+        "the workers to take in one that joins; they resume from the newest checkpoint "
+        "(default: 1)",
     )
     parser.add_argument(
         "--node_rank",
@@ -195,6 +196,18 @@ def node_range(nnodes: object) -> tuple[int, int]:
     return low, high
 
 
+def check_elastic_resume(nnodes: object, resume: str | None) -> None:
+    """An elastic job restarts its workers when a node joins without counting a restart (the
+    workers' TORCHELASTIC_RESTART_COUNT stays), so only --resume auto lets them continue."""
+    low, high = node_range(nnodes)
+    if low < high and resume != "auto":
+        raise UserError(
+            f"--nnodes {nnodes} needs --resume auto: when a node joins, torchrun restarts the "
+            "workers as a new start, and --resume auto makes them continue from the newest "
+            "checkpoint"
+        )
+
+
 def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
     if args.rdzv_endpoint:
         return args.rdzv_endpoint
@@ -303,6 +316,10 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
     traceback."""
+    if torchrun_code == 0 and not received:
+        # Every rank of torchrun's last round ended 0. An earlier round's 143 under the same
+        # restart count is a rank its agent stopped to take in a joining node.
+        return 0
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
     if failures:
         first = failures[0]
@@ -378,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(
         ["--device", device, *trainer_args], world_size=nproc * node_range(args.nnodes)[0]
     )
+    check_elastic_resume(args.nnodes, cfg.resume)
     if run_flags.print_config:
         print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
         return 0
@@ -399,4 +417,9 @@ def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str,
         # stream in every step when a GPU is visible, which fails ("initialization error") in
         # workers forked from an agent whose imports initialised CUDA.
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if node_range(args.nnodes)[1] > 1:
+        # Each rendezvous round publishes its own store address: with torch's shared agent store,
+        # a node that joins a later round waits for an address that the returning rank 0 never
+        # publishes again (it keeps the first round's), and the round times out.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
