@@ -62,7 +62,8 @@ def test_bad_keys_and_types_name_the_key_and_the_file(
 @pytest.mark.parametrize(
     "text, seconds",
     [
-        ("max_time: 1:30:00\n", 5400),  # YAML 1.1 reads it as the int 5400 (base 60)
+        ("max_time: 1:30:00\n", 5400),  # text, not YAML 1.1's base-60 number
+        ("max_time: 2:00:00:00\n", 2 * 86400),  # DD:HH:MM:SS as on the command line
         ("max_time: 90\n", 90),
         ("max_time: 2.5\n", 2.5),
         ("max_time: '1:30:00'\n", 5400),
@@ -82,6 +83,7 @@ def test_a_yaml_number_for_max_time_is_seconds(tmp_path: Path, text: str, second
         ("max_time: -5\n", "--max_time '-5': give a positive duration"),
         ("max_time: 0\n", "--max_time '0': give a positive duration"),
         ("max_time: true\n", "max_time must be str or null, got True"),
+        ("max_time: 1:30\n", "--max_time '1:30': give a positive duration"),  # as on the CLI
     ],
 )
 def test_a_yaml_max_time_that_is_no_duration_is_one_error(tmp_path: Path, text: str, phrase):

@@ -514,13 +514,32 @@ def run_file_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_file_loader() -> type:
+    """YAML's safe loader, except that colon numbers (``1:30:00``) stay text: YAML 1.1 reads them
+    in base 60, so ``2:00:00:00`` would be 432,000 s instead of the 2 days it is on the command
+    line, and ``1:30`` 90 s instead of being refused as there."""
+    import yaml
+
+    class RunFileLoader(yaml.SafeLoader):
+        pass
+
+    colon_number = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?$")
+    RunFileLoader.yaml_implicit_resolvers = {
+        first: [("tag:yaml.org,2002:str", colon_number), *resolvers]
+        if first in "+-0123456789"
+        else resolvers
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    return RunFileLoader
+
+
 def read_run_file(path: Path) -> dict[str, Any]:
     """The flag values of a YAML run file, each checked against its flag's type, or one error
     naming the key and the file."""
     import yaml  # only runs that name a file pay for the import
 
     try:
-        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+        data = yaml.load(path.read_text(), _run_file_loader()) if path.is_file() else None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise UserError(
             f"--config {path}: not a readable YAML file ({str(err).splitlines()[0]})"
@@ -572,7 +591,7 @@ def _checked_file_value(path: Path, f: dataclasses.Field, value: Any) -> Any:
     if value is None and optional:
         return None
     if f.name in DURATION_FIELDS and isinstance(value, int | float) and not isinstance(value, bool):
-        # Seconds, as on the command line: YAML 1.1 reads 90 as 90 and 1:30:00 as 5400.
+        # Seconds, as on the command line (colon forms stay text: _run_file_loader).
         value = str(value)
     kind = _field_type(f) if type_name.replace(" | None", "") != "bool" else bool
     # YAML reads 3 as an int: accept it for a float, but never a bool for a number.
