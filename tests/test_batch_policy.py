@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torchvision.transforms.v2 import functional as TF
 
 from imgtrainer.data.batch_augment import (
     CROP_TRIES,
@@ -23,6 +24,7 @@ from imgtrainer.data.batch_policy import (
     OPS,
     SLOTS,
     BatchPolicy,
+    autocontrast,
     draw_policy,
 )
 from imgtrainer.data.sources import seeded_cpu_generator
@@ -99,6 +101,14 @@ def test_every_op_at_every_magnitude_is_torchvisions_per_image_result(name, size
     differ, changed = every_op_against_torchvision(name, size, "cpu")
     assert not differ, differ
     assert changed == set(OPS) - {"Identity"}
+
+
+def test_autocontrast_without_masked_writes_is_torchvisions():
+    """The sync-free AutoContrast equals torchvision's on pictures, noise, flat greys (no
+    range: kept) and a channel flat in one image only."""
+    images = sample_images(10, 24)
+    images[0, 1] = 128  # one flat channel beside two with a range
+    assert torch.equal(autocontrast(images.clone()), TF.autocontrast(images))
 
 
 @pytest.mark.cuda

@@ -139,6 +139,17 @@ def sharpen(images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.clamp_(0, 255).to(torch.uint8)
 
 
+def autocontrast(images: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``autocontrast_image`` (per image and channel, its arithmetic), with
+    ``masked_fill`` for its masked writes, which wait for the device on CUDA."""
+    x = images.float()
+    low = x.amin(dim=(-2, -1), keepdim=True)
+    high = x.amax(dim=(-2, -1), keepdim=True)
+    flat = high == low
+    inv_scale = (high - low).mul_(1.0 / 255).masked_fill_(flat, 1.0)
+    return x.sub_(low.masked_fill_(flat, 0.0)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
+
+
 class BatchPolicy:
     """The device half: (uint8 images (N, 3, size, size) on any device, the host's int64
     choices (N, COLUMNS)) -> the images with each sample's drawn ops applied, slot by slot."""
@@ -148,7 +159,7 @@ class BatchPolicy:
         self.transform = policy_transform(name)
         self.num_ops = getattr(self.transform, "num_ops", 1)
         self.table = magnitude_table(name, size)
-        self._grids: dict[torch.device, torch.Tensor] = {}
+        self._grids: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def magnitudes(self, choices: torch.Tensor, slot: int) -> torch.Tensor:
         """(N,) float64: each sample's signed magnitude in ``slot``, as torchvision's float."""
@@ -195,7 +206,7 @@ class BatchPolicy:
             flip = images.float() >= per_image(values, THRESHOLD)
             return torch.where(flip, images.bitwise_not(), images)
         if op == "AutoContrast":
-            return TF.autocontrast(images)  # per image and channel already
+            return autocontrast(images)
         if op == "Equalize":
             return TF.equalize(images)
         raise ValueError(f"no batched op {op}")
@@ -204,17 +215,18 @@ class BatchPolicy:
         """One nearest ``grid_sample`` for the group, each sample with its own inverse matrix,
         the grid made as torchvision's ``_affine_grid`` makes it (zeros outside: fill 0)."""
         n, size = len(images), self.size
-        half = torch.tensor([0.5 * size, 0.5 * size], device=theta.device)
+        base, half = self.base_grid(images.device)
         rescaled = (theta.view(n, 2, 3).transpose(1, 2) / half).contiguous()
-        grid = self.base_grid(images.device).expand(n, -1, -1).bmm(rescaled)
+        grid = base.expand(n, -1, -1).bmm(rescaled)
         grid = grid.view(n, size, size, 2)
         out = F.grid_sample(
             images.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False
         )
         return out.round_().to(torch.uint8)
 
-    def base_grid(self, device: torch.device) -> torch.Tensor:
-        """(1, size * size, 3) float32: the output pixels' centres, origin at the centre."""
+    def base_grid(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, size * size, 3) float32: the output pixels' centres, origin at the centre; and
+        the half size (2,) that scales them to [-1, 1], kept on the device (no copy per step)."""
         if device not in self._grids:
             size = self.size
             grid = torch.empty(1, size, size, 3, device=device)
@@ -222,5 +234,6 @@ class BatchPolicy:
             grid[..., 0].copy_(steps)
             grid[..., 1].copy_(steps.unsqueeze(-1))
             grid[..., 2].fill_(1)
-            self._grids[device] = grid.view(1, size * size, 3)
+            half = torch.full((2,), 0.5 * size, device=device)
+            self._grids[device] = grid.view(1, size * size, 3), half
         return self._grids[device]
