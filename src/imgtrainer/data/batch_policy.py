@@ -215,7 +215,7 @@ class BatchPolicy:
         """One nearest ``grid_sample`` for the group, each sample with its own inverse matrix,
         the grid made as torchvision's ``_affine_grid`` makes it (zeros outside: fill 0)."""
         n, size = len(images), self.size
-        base, half = self.base_grid(images.device)
+        base, half = self.grid_constants(images.device)
         rescaled = (theta.view(n, 2, 3).transpose(1, 2) / half).contiguous()
         grid = base.expand(n, -1, -1).bmm(rescaled)
         grid = grid.view(n, size, size, 2)
@@ -224,9 +224,10 @@ class BatchPolicy:
         )
         return out.round_().to(torch.uint8)
 
-    def base_grid(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, size * size, 3) float32: the output pixels' centres, origin at the centre; and
-        the half size (2,) that scales them to [-1, 1], kept on the device (no copy per step)."""
+    def grid_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Made once per device: the base grid (1, size * size, 3) float32, the output pixels'
+        centres with the origin at the centre, and the half size (2,) that scales the matrices
+        to [-1, 1]."""
         if device not in self._grids:
             size = self.size
             grid = torch.empty(1, size, size, 3, device=device)

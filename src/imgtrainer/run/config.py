@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -514,6 +515,7 @@ def run_file_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.cache
 def _run_file_loader() -> type:
     """YAML's safe loader, except that colon numbers (``1:30:00``) stay text: YAML 1.1 reads them
     in base 60, so ``2:00:00:00`` would be 432,000 s instead of the 2 days it is on the command
