@@ -117,3 +117,22 @@ def start_launcher(
     (``kwargs`` override ``subprocess.Popen``'s arguments)."""
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
     return subprocess.Popen(launcher_command(*args), cwd=cwd, env=child_env(env), **options)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun, the ranks, their loader workers), from /proc;
+    torchrun runs in its own session, so its process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

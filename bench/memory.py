@@ -34,8 +34,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     import torch  # noqa: F401  (imported here so the baseline below includes it)
 
+    from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import DistInfo
-    from imgtrainer.run.config import parse_config
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.loop import train_one_epoch
     from imgtrainer.training.memory_fit import TrialParts, build_memory_plan

@@ -328,8 +328,8 @@ def print_step_variants(results: list[dict]) -> None:
 
 def worker_main(args: argparse.Namespace) -> int:
     """One measurement inside torchrun; rank 0 writes the result file."""
+    from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import cleanup_distributed, setup_distributed
-    from imgtrainer.run.config import parse_config
 
     cfg = parse_config(
         [
@@ -476,7 +476,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
 
 def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> dict:
     """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
-    from imgtrainer.training.hooks import Hook
+    from imgtrainer.hooks import Hook
     from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 
     clock: dict = {"start": time.perf_counter()}
@@ -618,7 +618,7 @@ def allreduce_wait_share(model, step_seconds: float) -> float | None:
     """The all-reduce time not overlapped with backward, from DDP's own sampled timings."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from imgtrainer.distributed import torch_compat
+    from imgtrainer import torch_compat
 
     ddp = torch_compat.compiled_original(model)
     if not isinstance(ddp, DistributedDataParallel):

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "bench"))  # harness: what the tests share with th
 import torch  # noqa: E402
 from harness import run_cli, start_launcher, write_image_folder  # noqa: E402, F401
 
+from imgtrainer.config import TrainConfig  # noqa: E402
 from imgtrainer.distributed.setup import DistInfo  # noqa: E402
-from imgtrainer.run.config import TrainConfig  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
 from imgtrainer.training.precision import Precision  # noqa: E402
 from imgtrainer.training.step import RunParts  # noqa: E402

@@ -18,15 +18,15 @@ from torch import nn
 import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, TINY_FLAGS, cpu_run_parts, run_train, user_error_line
 from imgtrainer.checkpoints.resume import changed_settings, check_resume_settings, saved_step_batch
-from imgtrainer.errors import UserError
-from imgtrainer.run.config import (
+from imgtrainer.config import (
     TrainConfig,
     effective_batch,
     effective_batch_line,
     optimizer_batch,
     parse_config,
 )
-from imgtrainer.run.preflight import check_batch_fits
+from imgtrainer.data.checks import check_batch_fits
+from imgtrainer.errors import UserError
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from imgtrainer.run.config import parse_config
+from imgtrainer.config import parse_config
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan

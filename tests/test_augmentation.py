@@ -17,6 +17,7 @@ from torchvision.transforms import v2
 
 import imgtrainer.run.train as train_ddp
 from conftest import ONE_CPU_PROCESS, cpu_run_parts, data_config, user_error_line
+from imgtrainer.config import HELP_GROUPS, TrainConfig, parse_config
 from imgtrainer.data.batch_augment import (
     BatchAugment,
     DeviceBatches,
@@ -26,7 +27,6 @@ from imgtrainer.data.batch_augment import (
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, TrainingSamples
-from imgtrainer.run.config import HELP_GROUPS, TrainConfig, parse_config
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.mixing import BatchMixer, step_seed

@@ -21,8 +21,8 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
+from imgtrainer.config import parse_config
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import parse_config
 
 
 def test_fresh_clone_without_data_suggests_demo(tmp_path: Path):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from conftest import ONE_CPU_PROCESS, ROOT
-from imgtrainer.run.config import parse_config
+from imgtrainer.config import parse_config
 
 
 def throughput_module():

@@ -17,10 +17,14 @@ import torch.multiprocessing as mp
 
 from conftest import CLASSES, ROOT, TINY_FLAGS, run_cli, run_train, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
+from imgtrainer.checkpoints.run_folder import (
+    check_new_run,
+    epoch_checkpoint_name,
+    epoch_checkpoints,
+)
 from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.config import TrainConfig, parse_config, parse_duration
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import TrainConfig, parse_config, parse_duration
-from imgtrainer.run.folder import check_new_run, epoch_checkpoint_name, epoch_checkpoints
 from imgtrainer.training.best import BestTracker, metric_value
 from imgtrainer.training.stopping import StopRequest, TimeBudget
 from imgtrainer.training.trainer import Trainer

@@ -14,9 +14,9 @@ from torch import nn
 
 from conftest import ONE_CPU_PROCESS, data_config, write_image_folder
 from imgtrainer.checkpoints.resume import changed_settings
+from imgtrainer.config import TrainConfig, parse_config
 from imgtrainer.data.balance import balanced_class_weights, class_counts, imbalance_note
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler
-from imgtrainer.run.config import TrainConfig, parse_config
 from imgtrainer.training.loss import ClassWeightedCrossEntropy, build_criterion
 from imgtrainer.training.mixing import BatchMixer
 

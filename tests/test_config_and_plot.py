@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from conftest import SRC, assert_user_error, run_cli, user_error_line
-from imgtrainer.run.config import DEMO_PRESET, parse_config
+from imgtrainer.config import DEMO_PRESET, parse_config
 
 
 def test_defaults_match_the_documented_ones():

@@ -29,9 +29,10 @@ from conftest import (
     write_image_folder,
 )
 from imgtrainer.checkpoints.resume import changed_settings
+from imgtrainer.config import TrainConfig, choose_layout, parse_config
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import TrainConfig, choose_layout, parse_config
+from imgtrainer.process import TorchrunEnv
 
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
@@ -104,20 +105,25 @@ def test_layout_keeps_the_global_batch_and_the_pass_where_it_can():
 
 
 def test_explicit_flags_that_contradict_the_global_batch_are_refused_at_start(capsys):
-    cfg = parse_config(["--global_batch_size", "64", "--batch_size", "16"], world_size=2)
+    cfg = parse_config(
+        ["--global_batch_size", "64", "--batch_size", "16"], TorchrunEnv(world_size=2)
+    )
     assert (cfg.batch_size, cfg.accum_steps) == (16, 2)
-    cfg = parse_config(["--global_batch_size", "64", "--accum_steps", "4"], world_size=2)
+    cfg = parse_config(
+        ["--global_batch_size", "64", "--accum_steps", "4"], TorchrunEnv(world_size=2)
+    )
     assert (cfg.batch_size, cfg.accum_steps) == (8, 4)
-    assert parse_config(["--global_batch_size", "64"], world_size=4).batch_size == 16
+    assert parse_config(["--global_batch_size", "64"], TorchrunEnv(world_size=4)).batch_size == 16
     with pytest.raises(
         UserError,
         match=r"--global_batch_size 64 contradicts --batch_size 16 x --accum_steps 1 on 2",
     ):
         parse_config(
-            ["--global_batch_size", "64", "--batch_size", "16", "--accum_steps", "1"], world_size=2
+            ["--global_batch_size", "64", "--batch_size", "16", "--accum_steps", "1"],
+            TorchrunEnv(world_size=2),
         )
     with pytest.raises(UserError, match="cannot be split evenly over 3 processes"):
-        parse_config(["--global_batch_size", "64"], world_size=3)
+        parse_config(["--global_batch_size", "64"], TorchrunEnv(world_size=3))
     # A resume (or a restarted worker) lays the run out again instead.
     resumed = parse_config(
         [
@@ -130,7 +136,7 @@ def test_explicit_flags_that_contradict_the_global_batch_are_refused_at_start(ca
             "--resume",
             "auto",
         ],
-        world_size=1,
+        TorchrunEnv(world_size=1),
     )
     assert (resumed.batch_size, resumed.accum_steps) == (16, 4)
     line = user_error_line(

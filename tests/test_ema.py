@@ -15,12 +15,12 @@ from torch import nn
 
 from conftest import TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
 from imgtrainer.checkpoints.files import CHECKPOINT_SCHEMA, CheckpointError
+from imgtrainer.hooks import StepInfo
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import choose_weights
 from imgtrainer.tools.predict import main as predict_main
 from imgtrainer.training.best import metric_value
 from imgtrainer.training.ema import ModelEma, ema_decay
-from imgtrainer.training.step import StepInfo
 
 SUMS = torch.zeros(3, dtype=torch.float64)
 
@@ -344,7 +344,7 @@ def test_ema_decay_out_of_range_is_one_error_line(ema_run, capsys):
 
 def test_resume_with_another_decay_of_a_kept_average_is_refused():
     from imgtrainer.checkpoints.resume import changed_settings
-    from imgtrainer.run.config import TrainConfig
+    from imgtrainer.config import TrainConfig
 
     saved = {"config": TrainConfig(model_ema=True, ema_decay=0.999).to_dict()}
     other = TrainConfig(model_ema=True, ema_decay=0.99).to_dict()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import TrainedRun, run_main, user_error_line
+from imgtrainer.config import TrainConfig
 from imgtrainer.data.loaders import LoaderSpec, make_loader
 from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
-from imgtrainer.run.config import TrainConfig
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import load_classifier, training_precision
 from imgtrainer.tools.predict import main as predict_main

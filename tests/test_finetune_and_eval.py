@@ -31,10 +31,10 @@ from conftest import (
     write_image_folder,
 )
 from imgtrainer.checkpoints.resume import changed_settings
+from imgtrainer.config import TrainConfig
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.data.transforms import eval_transforms, normalize_batch
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import TrainConfig
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.predict import main as predict_main
 from imgtrainer.training.build import seed_everything

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imgtrainer.training.hooks import HOOK_POINTS, Hook, Hooks
+from imgtrainer.hooks import HOOK_POINTS, Hook, Hooks, StepInfo
 from imgtrainer.training.loop import ProgressBar
-from imgtrainer.training.step import StepInfo
 
 
 def info(step: int) -> StepInfo:

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
+from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import parse_config, preset_summary
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import (

@@ -69,3 +69,85 @@ def test_module_docstrings_are_a_few_lines():
         f"module docstrings over {MAX_DOCSTRING_LINES} lines (the rest belongs in docs/):\n"
         + "\n".join(long)
     )
+
+
+# The floors of the house, lowest first: a module imports only from its own floor or below.
+# Within a floor, rooms may import each other (no circle: Python would fail at import).
+LAYERS = [
+    {"errors"},
+    {"files", "process", "torch_compat"},
+    {"distributed"},
+    {"config"},
+    {"hooks"},
+    {"data", "reports", "checkpoints"},
+    {"models"},
+    {"training"},
+    {"run", "tools"},
+]
+FLOOR = {room: floor for floor, rooms in enumerate(LAYERS) for room in rooms}
+MAX_CLASS_LINES = 250
+MAX_MODULE_LINES = 500
+
+
+def _room(path_or_module: str) -> str:
+    """The first name under ``imgtrainer`` of a file path or a dotted module name."""
+    parts = path_or_module.replace("/", ".").removesuffix(".py").split(".")
+    name = parts[parts.index("imgtrainer") + 1]
+    return "" if name == "__init__" else name
+
+
+def _imported_rooms(tree: ast.Module) -> set[str]:
+    rooms = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if node.module == "imgtrainer":
+                rooms.update(_room(n) for n in names[1:])
+            elif node.module.startswith("imgtrainer."):
+                rooms.add(_room(node.module))
+        elif isinstance(node, ast.Import):
+            rooms.update(_room(a.name) for a in node.names if a.name.startswith("imgtrainer."))
+    return rooms - {""}
+
+
+def test_every_room_has_a_floor():
+    package = ROOT / "src" / "imgtrainer"
+    rooms = {_room(str(p.relative_to(ROOT / "src"))) for p in package.iterdir()}
+    rooms -= {"", "__pycache__"}
+    assert rooms == set(FLOOR), f"rooms without a floor: {rooms - set(FLOOR)}"
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
+    bends = []
+    for path in sorted((ROOT / "src" / "imgtrainer").rglob("*.py")):
+        room = _room(str(path.relative_to(ROOT / "src")))
+        if not room:
+            continue
+        for target in _imported_rooms(_tree(path)):
+            if FLOOR[target] > FLOOR[room]:
+                bends.append(f"{path.relative_to(ROOT).as_posix()} ({room}) -> {target}")
+    assert not bends, "imports from a lower floor up to a higher one:\n" + "\n".join(bends)
+
+
+def test_the_layer_check_sees_an_import_up():
+    tree = ast.parse("from imgtrainer.training.loop import x\nfrom imgtrainer import config\n")
+    assert _imported_rooms(tree) == {"training", "config"}
+
+
+def test_no_class_or_module_is_too_long():
+    long = []
+    for path in _product_files():
+        tree = _tree(path)
+        where = path.relative_to(ROOT).as_posix()
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{where} ({lines} lines)")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    long.append(f"{where}:{node.name} ({size} lines)")
+    assert not long, (
+        f"classes over {MAX_CLASS_LINES} lines or modules over {MAX_MODULE_LINES}:\n"
+        + "\n".join(long)
+    )

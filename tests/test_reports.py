@@ -129,7 +129,7 @@ def test_ddp_is_built_without_the_deprecated_buffer_flag(tmp_path: Path):
     import torch.distributed as torch_dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from imgtrainer.distributed.torch_compat import no_forward_buffer_sync
+    from imgtrainer.torch_compat import no_forward_buffer_sync
 
     store = torch_dist.FileStore(str(tmp_path / "store"), 1)
     torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -189,7 +189,7 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
 def test_help_lists_every_trainer_flag_once_in_its_group():
     import dataclasses
 
-    from imgtrainer.run.config import HELP_GROUPS, TrainConfig, build_parser
+    from imgtrainer.config import HELP_GROUPS, TrainConfig, build_parser
 
     grouped = [name for names in HELP_GROUPS.values() for name in names]
     fields = [f.name for f in dataclasses.fields(TrainConfig)]

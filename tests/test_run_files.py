@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from imgtrainer.config import LAUNCHER_KEYS, config_yaml, parse_config, parse_duration
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import LAUNCHER_KEYS, config_yaml, parse_config, parse_duration
 
 
 def write(tmp_path: Path, text: str) -> Path:

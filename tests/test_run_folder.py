@@ -28,10 +28,7 @@ from imgtrainer.checkpoints.resume import (
     check_resume_settings,
     optimisation_settings,
 )
-from imgtrainer.checkpoints.writer import CheckpointWriter
-from imgtrainer.errors import UserError
-from imgtrainer.run.config import TrainConfig, parse_config
-from imgtrainer.run.folder import (
+from imgtrainer.checkpoints.run_folder import (
     FolderBusy,
     FolderLock,
     check_new_run,
@@ -39,6 +36,9 @@ from imgtrainer.run.folder import (
     claim_run_folder,
     lock_holder,
 )
+from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.config import TrainConfig, parse_config
+from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -66,7 +66,7 @@ def test_lock_of_a_killed_process_is_free_at_once(tmp_path: Path):
             sys.executable,
             "-c",
             "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from imgtrainer.run.folder import FolderLock; from pathlib import Path; "
+            "from imgtrainer.checkpoints.run_folder import FolderLock; from pathlib import Path; "
             "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
             str(SRC),
             str(folder),

@@ -16,11 +16,11 @@ from imgtrainer.checkpoints.files import (
     load_checkpoint_file,
     training_checkpoint,
 )
+from imgtrainer.config import parse_config
 from imgtrainer.distributed.setup import DistInfo
-from imgtrainer.distributed.torch_compat import check_ddp_internals, reset_ddp_after_failed_attempt
-from imgtrainer.run.config import parse_config
+from imgtrainer.hooks import Hook
+from imgtrainer.torch_compat import check_ddp_internals, reset_ddp_after_failed_attempt
 from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.hooks import Hook
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, make_grad_scaler

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import imgtrainer.distributed.setup as dist_setup
 import imgtrainer.run.launcher as launch_ddp
 from imgtrainer.errors import UserError
-from imgtrainer.run.preflight import SHARE_GPUS_ENV
+from imgtrainer.process import SHARE_GPUS_ENV
 from test_gpu_path import gpu_check_module
 
 
@@ -128,8 +128,8 @@ def test_memory_share_splits_the_device_and_caps_at_max_memory_gb():
 def test_budget_and_gpu_cache_count_the_processes_sharing_the_gpu(monkeypatch):
     """The CUDA call sites, with the device's figures faked: --auto_micro_batch's budget (of the
     total) and --cache_images auto's GPU budget (a quarter of the free memory), per process."""
+    from imgtrainer.config import TrainConfig
     from imgtrainer.data.loaders import device_cache_budget
-    from imgtrainer.run.config import TrainConfig
     from imgtrainer.training.memory import memory_budget
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from conftest import ONE_CPU_PROCESS, ROOT, TINY_FLAGS, data_config, run_cli, user_error_line
+from imgtrainer.config import parse_config
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
 from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
-from imgtrainer.run.config import parse_config
 
 
 def write_noise_images(root: Path, per_class: int, seed: int) -> Path:

@@ -15,6 +15,7 @@ import instrument.sitecustomize as instrument
 import pytest
 
 import imgtrainer.data.unreadable as unreadable
+import imgtrainer.process as process
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.lifecycle as lifecycle
 import imgtrainer.run.preflight as preflight
@@ -61,7 +62,7 @@ def test_launcher_help_and_checks_import_no_torch(tmp_path: Path):
 
 
 def test_launcher_checks_empty_class_folder_and_file_as_folder(tmp_path: Path):
-    from imgtrainer.run.config import parse_config
+    from imgtrainer.config import parse_config
 
     train = write_image_folder(tmp_path / "train", ["a", "b"], 4)
     val = write_image_folder(tmp_path / "val", ["a", "b"], 2)
@@ -109,12 +110,12 @@ def test_a_cpu_run_hides_the_gpus_from_its_workers(monkeypatch):
     ],
 )
 def test_visible_gpu_count_without_torch(monkeypatch, listed, installed, expected):
-    monkeypatch.setattr(preflight, "_dev_entries", lambda: installed)
+    monkeypatch.setattr(process, "_dev_entries", lambda: installed)
     if listed is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
-    assert preflight.visible_gpu_count() == expected
+    assert process.visible_gpu_count() == expected
 
 
 # ----------------------------------------------------------------------------- forked workers
@@ -146,7 +147,8 @@ def forked_rank_exit_code(code: int) -> int | None:
     script = (
         "import multiprocessing, signal, sys, time\n"
         f"sys.path.insert(0, {str(SRC)!r})\n"
-        "from imgtrainer.run.lifecycle import die_with_parent, exit_now\n"
+        "from imgtrainer.process import die_with_parent\n"
+        "from imgtrainer.run.lifecycle import exit_now\n"
         "def loader_worker():  # as data.quiet_loader_worker makes them\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "    die_with_parent(signal.SIGKILL)\n"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import descendants
 
 from conftest import (
     ROOT,
@@ -21,7 +22,6 @@ from conftest import (
     start_launcher,
     write_image_folder,
 )
-from imgtrainer.run.lifecycle import descendants
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from imgtrainer.distributed import torch_compat
+from imgtrainer import torch_compat
 from imgtrainer.models import unwrap_model
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from imgtrainer.config import TrainConfig, parse_config, tracker_names
 from imgtrainer.errors import UserError
 from imgtrainer.reports.history import HistoryWriter
-from imgtrainer.reports.trackers import TrackerContext, build_trackers, tracker_names
-from imgtrainer.run.config import TrainConfig, parse_config
+from imgtrainer.reports.trackers import TrackerContext, build_trackers
 
 
 def test_metrics_csv_follows_the_history_and_drops_rows_on_resume(tmp_path: Path):

@@ -94,7 +94,7 @@ def install_loaders(module) -> None:
 
 
 def install_trainer(module) -> None:
-    from imgtrainer.training.hooks import Hook
+    from imgtrainer.hooks import Hook
 
     class FirstStep(Hook):
         def on_step_end(self, info) -> bool:

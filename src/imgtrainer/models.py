@@ -11,7 +11,7 @@ import torch
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
-from imgtrainer.distributed import torch_compat
+from imgtrainer import torch_compat
 from imgtrainer.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ def kill_point(rank: int) -> tuple[int, int] | None:
 
 def install(trainer_module) -> None:
     """Wrap ``Trainer.register_hooks`` to register a ``FaultInjection`` hook too."""
-    from imgtrainer.training.hooks import Hook
+    from imgtrainer.hooks import Hook
 
     class FaultInjection(Hook):
         def __init__(self, trainer, point: tuple[int, int]):
@@ -80,7 +80,7 @@ def install(trainer_module) -> None:
 
 def install_recorder(trainer_module, folder: str) -> None:
     """Wrap ``Trainer.register_hooks`` to record each step's training indices (first hook)."""
-    from imgtrainer.training.hooks import Hook
+    from imgtrainer.hooks import Hook
 
     class RecordIndices(Hook):
         def __init__(self, trainer):
@@ -130,7 +130,7 @@ def install_recorder(trainer_module, folder: str) -> None:
 
 def install_delay(trainer_module, spec: str) -> None:
     """Wrap ``Trainer.register_hooks`` to wait after each step at one world size (last hook)."""
-    from imgtrainer.training.hooks import Hook
+    from imgtrainer.hooks import Hook
 
     seconds, world = float(spec.split(":")[0]), int(spec.split(":")[1])
 

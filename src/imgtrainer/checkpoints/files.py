@@ -10,17 +10,29 @@ import logging
 import pickle
 import warnings
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from imgtrainer.checkpoints.run_folder import BEST_NAME, LATEST_NAME
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
-from imgtrainer.run.folder import BEST_NAME, LATEST_NAME
-from imgtrainer.training.memory_probes import tensor_bytes
 
 log = logging.getLogger(__name__)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a tensor, or in a nested dict, list, tuple or other iterable
+    of them (other values count 0): a step's memory, about what ``torch.save`` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 LATEST, BEST = LATEST_NAME, BEST_NAME

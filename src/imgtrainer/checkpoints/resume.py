@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import LATEST, CheckpointError, previous_path
 from imgtrainer.data.checks import class_difference
-from imgtrainer.distributed import torch_compat
 
 log = logging.getLogger(__name__)
 

@@ -3,14 +3,46 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from imgtrainer.checkpoints.files import BEST, LATEST, atomic_save, previous_path
+from imgtrainer.checkpoints.run_folder import epoch_checkpoint_name, epoch_checkpoints
+from imgtrainer.errors import RunFailed
 from imgtrainer.files import atomic_link
-from imgtrainer.run.folder import epoch_checkpoint_name, epoch_checkpoints
-from imgtrainer.training.nonfinite import nonfinite_tensors, nonfinite_weights_error
+
+CAUSES = (
+    "Usual causes: a learning rate too high for this batch and optimizer "
+    "(--learning_rate, --warmup_epochs), or float16 overflow under --use_amp (try "
+    "--amp_dtype bfloat16 or --clip_grad_norm)"
+)
+
+
+def nonfinite_tensors(state_dict: Mapping[str, object]) -> list[str]:
+    """Names of the floating-point tensors of ``state_dict`` holding a NaN or inf (one host
+    synchronisation for all of them)."""
+    named = [
+        (name, t)
+        for name, t in state_dict.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()
+    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+
+
+def nonfinite_weights_error(where: str, names: list[str]) -> RunFailed:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return RunFailed(
+        f"the {where} hold NaN or inf ({shown}): the training diverged; stopped before "
+        f"saving them. {CAUSES}; --resume auto continues from the last checkpoint saved "
+        "before it, if any"
+    )
+
 
 log = logging.getLogger(__name__)
 

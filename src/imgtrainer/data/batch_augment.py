@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from imgtrainer.config import TrainConfig
 from imgtrainer.data.batch_policy import COLUMNS, BatchPolicy, draw_policy
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, split_samples
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from imgtrainer.run.config import TrainConfig
 
 # Columns of a sample's parameters (one int64 row per sample); from POLICY on, the policy's
 # choices (batch_policy.COLUMNS: op, magnitude bin and sign per op slot; zeros: Identity).

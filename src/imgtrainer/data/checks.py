@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+from imgtrainer.config import TrainConfig, optimizer_batch
 from imgtrainer.data.image_files import (
     IMAGE_EXTENSIONS,
     class_folders,
@@ -95,4 +96,35 @@ def refuse_empty_classes(folder: Path, empty: list[str], role: str, readable: bo
     raise UserError(
         f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no {what}; "
         "add images or remove the folder"
+    )
+
+
+def check_device_options(cfg: TrainConfig, device_type: str) -> None:
+    if device_type == "cuda":
+        return
+    if cfg.cache_images == "gpu":
+        raise UserError("--cache_images gpu needs a CUDA device; use --cache_images ram")
+    if cfg.sync_bn:
+        raise UserError(
+            "--sync_bn needs CUDA (SyncBatchNorm runs on GPUs only); drop it on the CPU"
+        )
+
+
+def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> None:
+    """An epoch needs at least one full optimizer step over all processes (the training
+    loader yields --accum_steps batches of --batch_size as one; a partial last step is left
+    out)."""
+    if train_images >= optimizer_batch(cfg) * world_size:
+        return
+    if cfg.accum_steps == 1:
+        asked, lower = f"--batch_size {cfg.batch_size}", "lower --batch_size"
+    else:
+        asked = (
+            f"one optimizer step of --batch_size {cfg.batch_size} x --accum_steps "
+            f"{cfg.accum_steps} = {optimizer_batch(cfg)} images"
+        )
+        lower = "lower --batch_size or --accum_steps"
+    raise UserError(
+        f"{cfg.train_dir} has {train_images} images: too few for {asked} on "
+        f"{world_size} process(es); {lower}"
     )

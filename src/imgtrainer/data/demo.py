@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from imgtrainer.config import (
+    TrainConfig,
+)
 from imgtrainer.distributed.collectives import (
     barrier,
 )
 from imgtrainer.distributed.setup import (
     DistInfo,
-)
-from imgtrainer.run.config import (
-    TrainConfig,
 )
 
 DEMO_IMAGE_SIZE = 32  # the 8x8 scans are upscaled so the crop transforms have room to work

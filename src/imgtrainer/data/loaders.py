@@ -16,9 +16,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from imgtrainer.config import (
+    TrainConfig,
+    effective_batch,
+    optimizer_batch,
+)
 from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.batch_augment import DeviceBatches, collate_samples, train_augmentation
-from imgtrainer.data.checks import check_data_folders
+from imgtrainer.data.checks import check_batch_fits, check_data_folders, check_device_options
 from imgtrainer.data.jpeg_device import JpegDecoder
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
 from imgtrainer.data.sources import (
@@ -46,13 +51,7 @@ from imgtrainer.distributed.setup import (
     cpu_cores_available,
     memory_share,
 )
-from imgtrainer.run.config import (
-    TrainConfig,
-    effective_batch,
-    optimizer_batch,
-)
-from imgtrainer.run.lifecycle import STOP_SIGNALS, die_with_parent
-from imgtrainer.run.preflight import check_batch_fits, check_device_options
+from imgtrainer.process import STOP_SIGNALS, die_with_parent
 
 log = logging.getLogger(__name__)
 

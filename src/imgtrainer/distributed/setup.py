@@ -13,8 +13,7 @@ import torch.distributed as torch_dist
 
 from imgtrainer.distributed.collectives import host_group
 from imgtrainer.errors import UserError
-from imgtrainer.run.lifecycle import die_with_parent
-from imgtrainer.run.preflight import gpus_may_be_shared
+from imgtrainer.process import TorchrunEnv, die_with_parent, gpus_may_be_shared
 
 
 @dataclass(frozen=True)
@@ -24,6 +23,12 @@ class DistInfo:
     world_size: int
     local_world_size: int
     device: torch.device
+    restart_count: int = 0  # torchrun's restarts so far (TorchrunEnv)
+
+    @property
+    def first_attempt(self) -> bool:
+        """False in workers that torchrun restarted: they continue their own run."""
+        return self.restart_count == 0
 
     @property
     def is_main(self) -> bool:
@@ -99,60 +104,58 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def setup_distributed(requested_device: str = "auto", timeout_minutes: float = 30.0) -> DistInfo:
-    """Read torchrun's environment (or assume one process) and join the process group."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+def setup_distributed(
+    requested_device: str = "auto", timeout_minutes: float = 30.0, env: TorchrunEnv | None = None
+) -> DistInfo:
+    """Join the process group torchrun's environment describes (``env``, read here if not given;
+    one process without torchrun)."""
+    env = env or TorchrunEnv.read()
+    if env.under_torchrun:
         # torchrun starts each rank in its own session: without this, a rank whose agent was
         # killed would train on, an orphan. SIGTERM stops it like any SIGTERM (a checkpoint).
         die_with_parent(signal.SIGTERM)
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = choose_device(requested_device, local_rank)
+    device = choose_device(requested_device, env.local_rank)
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         # torchrun sets OMP_NUM_THREADS=1 for every worker; give each process its share of the
         # cores instead, so 1 process uses them all and N processes do not oversubscribe.
-        torch.set_num_threads(max(1, cpu_cores_available() // local_world_size))
+        torch.set_num_threads(max(1, cpu_cores_available() // env.local_world_size))
 
-    if world_size > 1:
-        backend = process_group_backend(device, local_world_size)
+    if env.world_size > 1:
+        backend = process_group_backend(device, env.local_world_size)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         torch_dist.init_process_group(
             backend,
-            store=_rendezvous_store(world_size),
-            rank=rank,
-            world_size=world_size,
+            store=_rendezvous_store(env),
+            rank=env.rank,
+            world_size=env.world_size,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
         host_group(timeout)  # now, with the job's timeout; later calls reuse it
-    return DistInfo(rank, local_rank, world_size, local_world_size, device)
+    return DistInfo(
+        env.rank, env.local_rank, env.world_size, env.local_world_size, device, env.restart_count
+    )
 
 
-def _rendezvous_store(world_size: int) -> torch_dist.Store:
+def _rendezvous_store(env: TorchrunEnv) -> torch_dist.Store:
     """The TCP store for this attempt, namespaced by torchrun's restart count.
 
     After a torchrun restart, workers that init through env:// read the peer addresses that the
     dead attempt left in the store and fail in gloo's connectFullMesh ("Connection refused").
     Prefixing every key with the attempt number gives each restart a clean namespace.
     """
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_server = int(os.environ.get("RANK", 0)) == 0 and not agent_hosts_store
     store = torch_dist.TCPStore(
-        host,
-        port,
-        world_size=None if agent_hosts_store else world_size,
-        is_master=is_server,
+        env.master_addr,
+        env.master_port,
+        world_size=None if env.agent_store else env.world_size,
+        is_master=env.rank == 0 and not env.agent_store,
         timeout=datetime.timedelta(minutes=5),
         wait_for_workers=False,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return torch_dist.PrefixStore(f"attempt{attempt}", store)
+    return torch_dist.PrefixStore(f"attempt{env.restart_count}", store)
 
 
 def cleanup_distributed() -> None:

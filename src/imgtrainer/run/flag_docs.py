@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from imgtrainer.run import config, launcher
+from imgtrainer import config
+from imgtrainer.run import launcher
 
 DOC_PATH = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
 REGENERATE = "PYTHONPATH=src python -m imgtrainer.run.flag_docs"

@@ -23,8 +23,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from imgtrainer.errors import UserError, exit_on_user_error
-from imgtrainer.run.config import (
+from imgtrainer.config import (
     DEVICE_CHOICES,
     LAUNCHER_FLAGS_ENV,
     LAUNCHER_KEYS,
@@ -33,14 +32,17 @@ from imgtrainer.run.config import (
     read_run_file,
     run_file_parser,
 )
-from imgtrainer.run.lifecycle import (
-    REPORT_DIR_ENV,
+from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.process import (
     STOP_SIGNALS,
+    TorchrunEnv,
     die_with_parent,
     exit_code_for,
-    read_outcomes,
+    gpus_may_be_shared,
+    visible_gpu_count,
 )
-from imgtrainer.run.preflight import gpus_may_be_shared, launcher_checks, visible_gpu_count
+from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_outcomes
+from imgtrainer.run.preflight import launcher_checks
 
 SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
 TRAIN_SCRIPT = SRC / "train_ddp.py"
@@ -255,7 +257,7 @@ def torchrun_command(
 
 
 def print_help(parser: argparse.ArgumentParser) -> None:
-    from imgtrainer.run.config import build_parser as trainer_parser
+    from imgtrainer.config import build_parser as trainer_parser
 
     parser.print_help()
     print("\ntrainer flags (passed through to src/train_ddp.py):")
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     device, nproc = resolve_device_and_nproc(args)
     # Bad input found without torch: one line and exit 2 here, before torchrun starts.
     cfg = parse_config(
-        ["--device", device, *trainer_args], world_size=nproc * node_range(args.nnodes)[0]
+        ["--device", device, *trainer_args],
+        TorchrunEnv(world_size=nproc * node_range(args.nnodes)[0]),
     )
     check_elastic_resume(args.nnodes, cfg.resume)
     if run_flags.print_config:

@@ -6,7 +6,6 @@ file in $TRAIN_DDP_REPORT_DIR), and a rank's exit without the interpreter's tear
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import multiprocessing
@@ -20,38 +19,9 @@ from pathlib import Path
 
 from imgtrainer.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunFailed, UserError
 from imgtrainer.files import atomic_write
-
-# SIGUSR1: SLURM's --signal warning before a time limit or preemption; stops like SIGTERM.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-
+from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, exit_code_for
 
 REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def exit_code_for(signum: int) -> int:
-    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) and SLURM's warning
-    (SIGUSR1) are handled as SIGTERM."""
-    return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-
-
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``signum`` to this process when its parent dies. A no-op elsewhere.
-
-    The request is tied to the parent thread that started this process, and is lost if the parent
-    died before it was made: then the process is signalled at once.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # orphaned already (adopted by init)
-        os.kill(os.getpid(), signum)
 
 
 # ----------------------------------------------------------------------------- rank outcomes
@@ -64,17 +34,16 @@ def report_dir() -> Path | None:
 
 def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> None:
     """This rank's ending, for the launcher: written to a temporary file renamed into place."""
-    rank = int(os.environ.get("RANK", 0))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    env = TorchrunEnv.read()
     record = {
-        "rank": rank,
-        "attempt": attempt,
+        "rank": env.rank,
+        "attempt": env.restart_count,
         "code": code,
         "line": line,
         "traceback": trace,
         "time": time.time(),
     }
-    path = folder / f"rank{rank}.attempt{attempt}.json"
+    path = folder / f"rank{env.rank}.attempt{env.restart_count}.json"
     text = json.dumps(record).encode()
     try:
         atomic_write(path, lambda f: f.write(text), lambda: len(text), tmp=path.with_suffix(".tmp"))
@@ -121,7 +90,7 @@ def run_reporting(main: Callable[[], int]) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop_at_once)
     folder = report_dir()
-    if folder is not None and int(os.environ.get("RANK", 0)) == 0:
+    if folder is not None and TorchrunEnv.read().rank == 0:
         sys.stderr = sys.stdout
     line, trace = "", ""
     try:
@@ -193,22 +162,3 @@ def exit_now(code: int) -> None:
             child.join()
         raise SystemExit(0)
     os._exit(code)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun, the ranks, their loader workers), from /proc;
-    torchrun runs in its own session, so its process group does not reach them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found

@@ -11,12 +11,20 @@ Run it through the launcher, under torchrun directly, or alone (world size 1):
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+from imgtrainer.checkpoints.run_folder import check_new_run, claim_run_folder
+from imgtrainer.config import (
+    TrainConfig,
+    config_yaml,
+    launcher_flags_from_env,
+    parse_config,
+    preset_summary,
+    print_config_requested,
+)
 from imgtrainer.data.demo import prepare_demo_data
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
@@ -29,17 +37,9 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.errors import exit_on_user_error
 from imgtrainer.files import atomic_write
-from imgtrainer.reports.summary import log_run_start, log_summary
-from imgtrainer.run.config import (
-    TrainConfig,
-    config_yaml,
-    launcher_flags_from_env,
-    parse_config,
-    preset_summary,
-    print_config_requested,
-)
-from imgtrainer.run.folder import check_new_run, claim_run_folder
+from imgtrainer.process import TorchrunEnv
 from imgtrainer.run.lifecycle import exit_now, run_reporting
+from imgtrainer.run.summary import log_run_start, log_summary
 from imgtrainer.training.precision import configure_backends
 from imgtrainer.training.trainer import Trainer
 
@@ -64,12 +64,10 @@ def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     """One run per checkpoint folder, never over another run's results: the main process locks
     the folder and checks it; every rank takes part in sharing the verdict."""
     folder = Path(cfg.checkpoint_dir)
-    # Workers restarted by torchrun find their own run's checkpoints, not another's.
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     return claim_run_folder(
         folder,
         partial(check_new_run, folder, Path(cfg.log_dir), cfg.resume, cfg.overwrite)
-        if first_attempt
+        if dist.first_attempt  # restarted workers find their own run's checkpoints
         else None,
         enabled=dist.is_main,
         agree=lambda error: all_gather_objects(error)[0],
@@ -100,11 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Bad input is one line and exit code 2, like every tool's ``main``. The command line runs
     the undecorated function under ``run_reporting``, which also reports the line to the
     launcher."""
-    cfg = parse_config(argv)
+    env = TorchrunEnv.read()
+    cfg = parse_config(argv, env)
     if print_config_requested(argv):
         print(config_yaml(cfg, launcher_flags_from_env()), end="")
         return 0
-    dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes)
+    dist = setup_distributed(cfg.device, cfg.dist_timeout_minutes, env)
     try:
         return run(cfg, dist)
     finally:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from imgtrainer import torch_compat
 from imgtrainer.data.image_files import open_rgb
 from imgtrainer.data.transforms import eval_resize_side, normalize_batch
-from imgtrainer.distributed import torch_compat
 from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.files import atomic_write
 from imgtrainer.models import build_model

@@ -16,6 +16,7 @@ from torch import nn
 from torchvision.transforms import v2
 
 from imgtrainer.checkpoints.files import INFERENCE_KEYS, CheckpointError, load_checkpoint_file
+from imgtrainer.config import DEVICE_CHOICES
 from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
@@ -24,7 +25,6 @@ from imgtrainer.data.transforms import (
 )
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, strip_wrapper_prefixes
-from imgtrainer.run.config import DEVICE_CHOICES
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, precision_rule
 

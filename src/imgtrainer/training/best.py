@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.checkpoints.resume import check_best_metric
-from imgtrainer.run.config import BEST_METRICS, TrainConfig
+from imgtrainer.config import BEST_METRICS, TrainConfig
 from imgtrainer.training.ema import EMA_SUFFIX
 
 

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from imgtrainer.distributed import torch_compat
+from imgtrainer import torch_compat
+from imgtrainer.config import TrainConfig
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, unwrap_model
-from imgtrainer.run.config import TrainConfig
 from imgtrainer.training.loss import build_criterion
 from imgtrainer.training.memory import MemoryPlan, enable_memory_savers
 from imgtrainer.training.optim import build_optimizer, build_scheduler

@@ -17,7 +17,7 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from imgtrainer.training.hooks import Hook
+from imgtrainer.hooks import Hook
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,14 @@ from tqdm import tqdm
 
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.logs import console_is_terminal
-from imgtrainer.distributed.torch_compat import check_ddp_internals
-from imgtrainer.training.hooks import Hook, Hooks
+from imgtrainer.hooks import Hook, Hooks, StepInfo
+from imgtrainer.torch_compat import check_ddp_internals
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.step import (
     CORRECT,
     COUNT,
     LOSS,
     RunParts,
-    StepInfo,
     _ddp,
     train_step,
 )

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from imgtrainer.config import TrainConfig
 from imgtrainer.data.balance import balanced_class_weights
-from imgtrainer.run.config import TrainConfig
 
 
 class ClassWeightedCrossEntropy(nn.Module):

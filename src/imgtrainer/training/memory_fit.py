@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from imgtrainer.checkpoints.files import tensor_bytes
+from imgtrainer.config import TrainConfig, optimizer_batch
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
-from imgtrainer.run.config import TrainConfig, optimizer_batch
 from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
@@ -32,7 +33,6 @@ from imgtrainer.training.memory_probes import (
     cpu_baseline,
     optimizer_state_bytes,
     saved_tensor_bytes,
-    tensor_bytes,
 )
 from imgtrainer.training.step import RunParts
 

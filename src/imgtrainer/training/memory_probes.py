@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
+
+from imgtrainer.checkpoints.files import tensor_bytes
 
 # ----------------------------------------------------------------------------- measuring
 
@@ -34,18 +35,6 @@ class StepCost:
         """A first estimate for another size: the batch part grows linearly with it (the
         inputs of the loaded batch do not: every micro-batch size holds all of them)."""
         return self.state_bytes + self.batch_bytes * size // self.size + self.input_bytes
-
-
-def tensor_bytes(obj: Any) -> int:
-    """The bytes of every tensor in a tensor, or in a nested dict, list, tuple or other iterable
-    of them (other values count 0): a step's memory, about what ``torch.save`` writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

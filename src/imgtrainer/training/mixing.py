@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torchvision.transforms import v2
 
+from imgtrainer.config import TrainConfig, optimizer_batch
 from imgtrainer.data.sources import sample_seed, seeded_cpu_generator
-from imgtrainer.run.config import TrainConfig, optimizer_batch
 
 
 def step_seed(seed: int, epoch: int, step: int, position: int) -> int:

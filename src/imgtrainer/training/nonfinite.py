@@ -8,22 +8,15 @@ when the weights themselves are not finite.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
+from imgtrainer.checkpoints.writer import CAUSES
 from imgtrainer.distributed.collectives import all_reduce, host_group
 from imgtrainer.errors import RunFailed
 
 # Consecutive optimizer steps with a non-finite loss that stop the run: one such step (a float16
 # overflow the GradScaler then skips) can pass; weights that became NaN make every later loss NaN.
 NONFINITE_STEPS = 3
-
-CAUSES = (
-    "Usual causes: a learning rate too high for this batch and optimizer "
-    "(--learning_rate, --warmup_epochs), or float16 overflow under --use_amp (try "
-    "--amp_dtype bfloat16 or --clip_grad_norm)"
-)
 
 
 class NonFiniteLoss:
@@ -67,26 +60,3 @@ class NonFiniteLoss:
             f"{steps_per_epoch}) on rank {rank}; stopped before saving anything from it. "
             f"{CAUSES}; --resume auto continues from the last checkpoint saved before it, if any"
         )
-
-
-def nonfinite_tensors(state_dict: Mapping[str, object]) -> list[str]:
-    """Names of the floating-point tensors of ``state_dict`` holding a NaN or inf (one host
-    synchronisation for all of them)."""
-    named = [
-        (name, t)
-        for name, t in state_dict.items()
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    if not named:
-        return []
-    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()
-    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
-
-
-def nonfinite_weights_error(where: str, names: list[str]) -> RunFailed:
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return RunFailed(
-        f"the {where} hold NaN or inf ({shown}): the training diverged; stopped before "
-        f"saving them. {CAUSES}; --resume auto continues from the last checkpoint saved "
-        "before it, if any"
-    )

@@ -13,10 +13,10 @@ import torch
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
-from imgtrainer.distributed import torch_compat
+from imgtrainer import torch_compat
+from imgtrainer.config import TrainConfig
 from imgtrainer.errors import UserError
 from imgtrainer.models import unwrap_model
-from imgtrainer.run.config import TrainConfig
 
 # Param-group options that choose how the update runs, not what it computes: they belong to
 # the run (its device, its precision), not to the checkpoint.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from imgtrainer.run.config import TrainConfig
+from imgtrainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imgtrainer.distributed import torch_compat
+from imgtrainer import torch_compat
 from imgtrainer.distributed.collectives import any_rank
 from imgtrainer.training.memory import BufferSnapshot, MemoryPlan, is_out_of_memory, release_memory
 from imgtrainer.training.precision import Precision
@@ -49,22 +49,6 @@ class RunParts:
     def __post_init__(self) -> None:
         if self.plain_model is None:
             self.plain_model = self.model
-
-
-@dataclass
-class StepInfo:
-    """What the ``on_step_end`` hooks see after each loaded batch's optimizer step."""
-
-    step: int  # optimizer steps done in this epoch, this one included
-    global_step: int  # since the start of the run
-    sums: torch.Tensor  # this rank's running [loss_sum, correct, count] of the epoch
-    _skipped: torch.Tensor | None = None  # on the device: the GradScaler skipped the step
-
-    @property
-    def taken(self) -> bool:
-        """False when the GradScaler skipped the step (float16 overflow). Reading it waits for
-        the device, so only hooks that care (EMA) should."""
-        return self._skipped is None or not bool(self._skipped.item())
 
 
 def train_step(

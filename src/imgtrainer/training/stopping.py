@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from imgtrainer.distributed.collectives import all_reduce_max, host_group
-from imgtrainer.run.lifecycle import STOP_SIGNALS, exit_code_for
+from imgtrainer.process import STOP_SIGNALS, exit_code_for
 
 log = logging.getLogger(__name__)
 

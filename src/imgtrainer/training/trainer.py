@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import platform
 import time
 from dataclasses import replace
@@ -29,6 +28,13 @@ from imgtrainer.checkpoints.resume import (
     saved_world_size,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.config import (
+    Layout,
+    TrainConfig,
+    choose_layout,
+    effective_batch,
+    parse_duration,
+)
 from imgtrainer.data.balance import class_counts
 from imgtrainer.data.loaders import build_loaders
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -42,16 +48,10 @@ from imgtrainer.distributed.setup import (
     DistInfo,
 )
 from imgtrainer.errors import RunFailed, UserError
+from imgtrainer.hooks import Hook, Hooks, StepInfo
 from imgtrainer.reports.history import HistoryWriter
 from imgtrainer.reports.tensorboard import TensorBoardLogger
 from imgtrainer.reports.trackers import TrackerContext, build_trackers
-from imgtrainer.run.config import (
-    Layout,
-    TrainConfig,
-    choose_layout,
-    effective_batch,
-    parse_duration,
-)
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import (
@@ -61,13 +61,11 @@ from imgtrainer.training.ema import (
     ema_metrics,
 )
 from imgtrainer.training.evaluation import EvalSettings, evaluate
-from imgtrainer.training.hooks import Hook, Hooks
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
-from imgtrainer.training.step import StepInfo
 from imgtrainer.training.stopping import StopRequest, TimeBudget
 
 log = logging.getLogger(__name__)
@@ -102,7 +100,7 @@ class Trainer:
         # --max_time counts from here: loading and caching the data count too.
         self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
         self.override_changes: list[str] = []  # the flags --resume_override applies
-        self.resume_path, self.resume_state = self.find_resume_state(cfg)
+        self.resume_path, self.resume_state = self.find_resume_state(cfg, dist)
         self.cfg = cfg = self.lay_out(cfg)
         self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(
             cfg, dist
@@ -143,12 +141,14 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------------------
     @staticmethod
-    def find_resume_state(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
+    def find_resume_state(
+        cfg: TrainConfig, dist: DistInfo
+    ) -> tuple[Path | None, dict[str, Any] | None]:
         """The checkpoint to resume and its contents. Workers that torchrun restarted (an
         elastic restart, a lost process) continue from the newest checkpoint by themselves,
         as under --resume auto."""
         folder, path = Path(cfg.checkpoint_dir), None
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        if not dist.first_attempt:
             path = find_resume_checkpoint("auto", folder)
         path = path or find_resume_checkpoint(cfg.resume, folder)
         return path, (load_training_checkpoint(path) if path is not None else None)

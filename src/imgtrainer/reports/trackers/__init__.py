@@ -16,32 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from imgtrainer.config import TRACKERS, tracker_names
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
 
-# --log_to's names, and the module (in this package) of each one's Tracker.
-TRACKERS = {"wandb": "wandb_tracker", "mlflow": "mlflow_tracker"}
-
 # Each tracker's run id, so a resumed run continues the same tracked run.
 RUN_IDS_FILE = "tracker_runs.json"
-
-
-def tracker_names(value: str) -> list[str]:
-    """``--log_to``'s comma-separated names, checked; [] for "" or "none"."""
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    if names == ["none"]:
-        return []
-    unknown = [name for name in names if name not in TRACKERS]
-    if unknown:
-        raise UserError(
-            f"--log_to: unknown tracker {unknown[0]!r}; choose from {', '.join(TRACKERS)} "
-            "(comma-separated; metrics.csv is always written)"
-        )
-    if len(set(names)) != len(names):
-        raise UserError(f"--log_to names a tracker twice: {value}")
-    return names
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from imgtrainer.hooks import Hook
 from imgtrainer.reports.trackers import first_line
-from imgtrainer.training.hooks import Hook
 
 log = logging.getLogger(__name__)
 

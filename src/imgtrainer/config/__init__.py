@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.errors import UserError
-from imgtrainer.reports.trackers import tracker_names
+from imgtrainer.process import TorchrunEnv
 
 # --device of the trainer, the launcher and the inference tools (``distributed.setup.choose_device``).
 DEVICE_CHOICES = ["auto", "cuda", "cpu"]
@@ -34,6 +34,26 @@ BEST_METRICS = {
     "val_loss_ema": "lower",
     "val_top5_ema": "higher",
 }
+
+
+# --log_to's names, and the module (in reports/trackers) of each one's Tracker.
+TRACKERS = {"wandb": "wandb_tracker", "mlflow": "mlflow_tracker"}
+
+
+def tracker_names(value: str) -> list[str]:
+    """``--log_to``'s comma-separated names, checked; [] for "" or "none"."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise UserError(
+            f"--log_to: unknown tracker {unknown[0]!r}; choose from {', '.join(TRACKERS)} "
+            "(comma-separated; metrics.csv is always written)"
+        )
+    if len(set(names)) != len(names):
+        raise UserError(f"--log_to names a tracker twice: {value}")
+    return names
 
 
 def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -611,7 +631,7 @@ def _checked_file_value(path: Path, f: dataclasses.Field, value: Any) -> Any:
     return float(value) if kind is float else value
 
 
-def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainConfig:
+def parse_config(argv: Sequence[str] | None = None, env: TorchrunEnv | None = None) -> TrainConfig:
     """Defaults, then the presets switched on, then the run file (``--config``), then what the
     user typed explicitly: the command line wins."""
     run_flags, rest = run_file_parser().parse_known_args(argv)
@@ -633,20 +653,18 @@ def parse_config(argv: Sequence[str] | None = None, world_size: int | None = Non
         values["overwrite"] = False
     cfg = TrainConfig(**values)
     validate(cfg)
-    return with_global_batch_layout(cfg, set(explicit), world_size)
+    return with_global_batch_layout(cfg, set(explicit), env or TorchrunEnv())
 
 
-def with_global_batch_layout(
-    cfg: TrainConfig, given: set[str], world_size: int | None = None
-) -> TrainConfig:
+def with_global_batch_layout(cfg: TrainConfig, given: set[str], env: TorchrunEnv) -> TrainConfig:
     """With --global_batch_size, the --batch_size and --accum_steps that make it at this start's
-    world size (``world_size``, or torchrun's WORLD_SIZE). Flags typed explicitly are kept; at a fresh start (not a
-    resume, not a restarted worker) flags that cannot make it are refused. A resume at another
-    world size lays the run out again (``training.trainer``)."""
+    world size. Flags typed explicitly are kept; at a fresh start (not a resume, not a restarted
+    worker) flags that cannot make it are refused. A resume at another world size lays the run
+    out again (``training.trainer``)."""
     if cfg.global_batch_size is None:
         return cfg
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    fresh = cfg.resume is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    world = env.world_size
+    fresh = cfg.resume is None and env.first_attempt
     fixed = {name: getattr(cfg, name) for name in ("batch_size", "accum_steps") if name in given}
     try:
         layout = choose_layout(cfg.global_batch_size, world, cfg.batch_size, fixed)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from imgtrainer.distributed.setup import (
-    DistInfo,
-)
-from imgtrainer.run.config import (
+from imgtrainer.checkpoints.run_folder import epoch_checkpoints
+from imgtrainer.config import (
     TrainConfig,
     effective_batch_line,
 )
-from imgtrainer.run.folder import epoch_checkpoints
+from imgtrainer.distributed.setup import (
+    DistInfo,
+)
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,26 @@ public ``on_*`` method (a misspelt one) raises, so no hook is silently never cal
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from imgtrainer.training.step import StepInfo
+import torch
+
+
+@dataclass
+class StepInfo:
+    """What the ``on_step_end`` hooks see after each loaded batch's optimizer step."""
+
+    step: int  # optimizer steps done in this epoch, this one included
+    global_step: int  # since the start of the run
+    sums: torch.Tensor  # this rank's running [loss_sum, correct, count] of the epoch
+    _skipped: torch.Tensor | None = None  # on the device: the GradScaler skipped the step
+
+    @property
+    def taken(self) -> bool:
+        """False when the GradScaler skipped the step (float16 overflow). Reading it waits for
+        the device, so only hooks that care (EMA) should."""
+        return self._skipped is None or not bool(self._skipped.item())
 
 
 class Hook:

@@ -1,0 +1,121 @@
+"""Process helpers below every layer, without torch (the launcher imports them): what torchrun tells
+a worker through its environment (read once), the signals that stop a run and their exit codes, the parent-death signal that ends a chain of processes together,
+and the GPUs a process started from here would see.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun tells each worker through its environment, read once per process and passed
+    to whatever needs it; the defaults are a plain ``python`` run: one process, first attempt."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    restart_count: int = 0  # torchrun's restarts of the workers so far (elastic, lost process)
+    under_torchrun: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    agent_store: bool = False  # torchrun's agent hosts the TCP store (the workers are clients)
+
+    @property
+    def first_attempt(self) -> bool:
+        """False in workers that torchrun restarted: they continue their own run."""
+        return self.restart_count == 0
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> TorchrunEnv:
+        def number(name: str, default: int) -> int:
+            return int(environ.get(name, default))
+
+        return cls(
+            rank=number("RANK", 0),
+            local_rank=number("LOCAL_RANK", 0),
+            world_size=number("WORLD_SIZE", 1),
+            local_world_size=number("LOCAL_WORLD_SIZE", 1),
+            restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
+            under_torchrun="TORCHELASTIC_RUN_ID" in environ,
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=number("MASTER_PORT", 29500),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+
+
+# SIGUSR1: SLURM's --signal warning before a time limit or preemption; stops like SIGTERM.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def exit_code_for(signum: int) -> int:
+    """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) and SLURM's warning
+    (SIGUSR1) are handled as SIGTERM."""
+    return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent dies. A no-op elsewhere.
+
+    The request is tied to the parent thread that started this process, and is lost if the parent
+    died before it was made: then the process is signalled at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned already (adopted by init)
+        os.kill(os.getpid(), signum)
+
+
+# Set to 1, lets more processes than visible GPUs run, sharing them over gloo (NCCL refuses two
+# ranks on one device). Only for the self-check (bench/gpu_check.py), so that the multi-process
+# CUDA path runs on one-GPU machines; never faster than one process per GPU, so not a flag.
+SHARE_GPUS_ENV = "IMGTRAINER_SHARE_GPUS"
+
+
+def gpus_may_be_shared() -> bool:
+    return os.environ.get(SHARE_GPUS_ENV) == "1"
+
+
+def visible_gpu_count() -> int:
+    """The CUDA GPUs a process started from here would see, without importing torch.
+
+    The NVIDIA driver creates one /dev/nvidiaN node per GPU, and a container gets the nodes of
+    the GPUs it was given only; CUDA_VISIBLE_DEVICES then narrows the list (CUDA reads it up to
+    the first entry it cannot use; empty or "-1" hides every GPU). This is a count, not a proof
+    that CUDA works: each worker still checks its device with torch and, if it has none, stops
+    with one line through the launcher.
+    """
+    installed = sum(1 for name in _dev_entries() if re.fullmatch(r"nvidia\d+", name))
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return installed
+    entries = 0
+    for item in listed.split(","):
+        item = item.strip()
+        if not item or item.startswith("-"):
+            break
+        entries += 1
+    return min(entries, installed)
+
+
+def _dev_entries() -> list[str]:
+    try:
+        return os.listdir("/dev")
+    except OSError:
+        return []
