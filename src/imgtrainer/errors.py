@@ -56,3 +56,20 @@ def exit_on_user_error(main: F) -> F:
             sys.exit(EXIT_BROKEN_PIPE)
 
     return wrapper  # type: ignore[return-value]
+
+
+def message_line(text: str) -> str:
+    """The first non-blank line of an error message, stripped; "" for a blank message (CUDA
+    errors and torch's loaders add hints on the lines after the first)."""
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def first_line(err: BaseException, *, name: str | None = None, text: str | None = None) -> str:
+    """``Type: first line`` of an error, for a one-line report; the type alone when its message
+    is blank. ``name`` replaces the type's name, ``text`` the message (a cleaned copy of it)."""
+    name = type(err).__name__ if name is None else name
+    line = message_line(str(err) if text is None else text)
+    return f"{name}: {line}" if line else name

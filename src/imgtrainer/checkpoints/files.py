@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from imgtrainer.checkpoints.run_folder import BEST_NAME, LATEST_NAME
-from imgtrainer.errors import UserError
+from imgtrainer.errors import UserError, message_line
 from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -191,8 +191,9 @@ def _load_error(path: Path, err: Exception) -> CheckpointError:
             f"truncated, or another kind of file ({path.stat().st_size} "
             "bytes); give a .pth file written by src/train_ddp.py"
         )
-    first_line = message.splitlines()[0] if message else type(err).__name__
-    return CheckpointError(f"checkpoint {path} is corrupt ({first_line})")
+    return CheckpointError(
+        f"checkpoint {path} is corrupt ({message_line(message) or type(err).__name__})"
+    )
 
 
 def load_training_checkpoint(path: Path) -> dict[str, Any]:

@@ -17,7 +17,13 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from imgtrainer.errors import EXIT_RUN_FAILED, EXIT_USER_ERROR, RunFailed, UserError
+from imgtrainer.errors import (
+    EXIT_RUN_FAILED,
+    EXIT_USER_ERROR,
+    RunFailed,
+    UserError,
+    first_line,
+)
 from imgtrainer.files import atomic_write
 from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, exit_code_for
 
@@ -125,14 +131,14 @@ def bug_line(err: BaseException) -> str:
     """``Type: first line of the message`` (CUDA errors append hints after their first line).
     An error that torch re-raises from a DataLoader worker ("Caught KeyError in DataLoader
     worker process 0. Original Traceback ...") gives the original's own last line instead."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     if "Original Traceback (most recent call last):" in lines:
         return lines[-1]
     kind = type(err)
     name = kind.__qualname__
     if kind.__module__ not in ("builtins", "__main__"):
         name = f"{kind.__module__}.{name}"
-    return f"{name}: {lines[0]}" if lines else name
+    return first_line(err, name=name)
 
 
 def write_line(stream, text: str) -> None:

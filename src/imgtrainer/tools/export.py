@@ -31,7 +31,7 @@ from torch import nn
 from imgtrainer import torch_compat
 from imgtrainer.data.image_files import open_rgb
 from imgtrainer.data.transforms import eval_resize_side, normalize_batch
-from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.errors import UserError, exit_on_user_error, first_line
 from imgtrainer.files import atomic_write
 from imgtrainer.models import build_model
 from imgtrainer.tools.inference import WEIGHTS_CHOICES, Classifier, load_classifier
@@ -330,8 +330,7 @@ def export_failed(fmt: str, model_name: str, stage: str, err: Exception) -> str:
     in a generic "Failed to export" error) and the other formats to try."""
     while err.__cause__ is not None:
         err = err.__cause__  # type: ignore[assignment]
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()  # no terminal colours
-    reason = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    reason = first_line(err, text=re.sub(r"\x1b\[[0-9;]*m", "", str(err)))  # no terminal colours
     if stage == "export":
         what = f"the {fmt} exporter cannot handle the model {model_name}"
     else:

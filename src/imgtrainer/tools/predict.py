@@ -26,7 +26,7 @@ from imgtrainer.data.image_files import (
 from imgtrainer.data.loaders import loader_workers
 from imgtrainer.data.transforms import normalize_batch
 from imgtrainer.distributed.setup import choose_device, cpu_cores_available
-from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.errors import UserError, exit_on_user_error, first_line
 from imgtrainer.tools.inference import (
     Classifier,
     add_inference_arguments,
@@ -101,8 +101,7 @@ class ImageFiles(Dataset):
         try:
             return self.transform(open_rgb(self.paths[index])), ""
         except Exception as err:  # any decoder failure on a user's file: report it, go on
-            text = str(err).splitlines()[0] if str(err) else ""
-            return self.blank, f"{type(err).__name__}: {text}" if text else type(err).__name__
+            return self.blank, first_line(err)
 
 
 @torch.no_grad()

@@ -69,11 +69,6 @@ def import_package(tracker: str, install: str):
         ) from None
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def build_trackers(log_to: str, context: TrackerContext) -> list:
     """The trackers ``log_to`` names, each imported (with its package) only now."""
     trackers = []

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from imgtrainer.errors import first_line
 from imgtrainer.hooks import Hook
-from imgtrainer.reports.trackers import first_line
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from imgtrainer.errors import UserError
-from imgtrainer.reports.trackers import TrackerContext, first_line, import_package, numeric
+from imgtrainer.errors import UserError, first_line
+from imgtrainer.reports.trackers import TrackerContext, import_package, numeric
 from imgtrainer.reports.trackers.base import TrackerHook
 
 
