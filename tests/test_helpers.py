@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from imgtrainer.errors import first_line, message_line
+from imgtrainer.files import format_bytes
 
 
 @pytest.mark.parametrize(
@@ -29,3 +32,20 @@ def test_first_line_takes_another_name_or_a_cleaned_message():
     assert first_line(err, name="pkg.Error", text="red\nmore") == "pkg.Error: red"
     assert first_line(err, text=" ") == "ValueError"
     assert message_line("") == "" and message_line("\n  a  \nb") == "a"
+
+
+@pytest.mark.parametrize(
+    ("n", "unit", "digits", "text"),
+    [
+        (0, None, None, "0 B"),
+        (1023, None, None, "1023 B"),
+        (1024, None, None, "1.0 KiB"),
+        (12 * 2**20, None, None, "12.0 MiB"),
+        (2**40, None, None, "1024.0 GiB"),
+        (2**29, "GiB", 2, "0.50 GiB"),  # as training.memory.gib
+        (512 * 2**20 + 7, "MiB", 0, "512 MiB"),  # as the inline "/ 2**20:.0f MiB"
+    ],
+)
+def test_format_bytes(n, unit, digits, text):
+    assert format_bytes(n, unit, digits) == text
+

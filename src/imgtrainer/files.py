@@ -124,9 +124,15 @@ def disk_full_error(path: Path, needed: int) -> UserError:
     )
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+BYTE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def format_bytes(n: float, unit: str | None = None, digits: int | None = None) -> str:
+    """``n`` bytes for a message: in the largest unit up to GiB that keeps the number under 1024
+    ("12.0 MiB"), or in ``unit``; one decimal (none for bytes) unless ``digits`` says otherwise
+    (``format_bytes(n, "GiB", 2)`` is "0.50 GiB", ``format_bytes(n, "MiB", 0)`` "512 MiB")."""
+    if unit is None:
+        unit = next((u for u in ("B", "KiB", "MiB") if abs(n) < 1024 * BYTE_UNITS[u]), "GiB")
+    if digits is None:
+        digits = 0 if unit == "B" else 1
+    return f"{n / BYTE_UNITS[unit]:.{digits}f} {unit}"
