@@ -8,6 +8,7 @@ import pytest
 
 from imgtrainer.errors import first_line, message_line
 from imgtrainer.files import format_bytes
+from imgtrainer.reports.figures import new_figure, pyplot, save_figure
 
 
 @pytest.mark.parametrize(
@@ -49,3 +50,11 @@ def test_first_line_takes_another_name_or_a_cleaned_message():
 def test_format_bytes(n, unit, digits, text):
     assert format_bytes(n, unit, digits) == text
 
+
+def test_save_figure_writes_a_png_and_closes_the_figure(tmp_path: Path):
+    fig, ax = new_figure(figsize=(2, 2))
+    ax.plot([0, 1], [1, 0])
+    output = tmp_path / "made" / "here.png"
+    save_figure(fig, output, dpi=50)
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not pyplot().fignum_exists(fig.number)

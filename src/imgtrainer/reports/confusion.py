@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from imgtrainer.reports.figures import new_figure, save_figure
+
 # Up to this many classes the full matrix is drawn with every class named; above it a drawing
 # of K x K cells is neither readable nor cheap (1,000 classes need gigabytes and minutes),
 # so the report draws the most-confused pairs and the worst classes instead.
@@ -151,15 +153,10 @@ def plot_confusion_summary(
 ) -> None:
     """For many classes: the most-confused pairs (share of the true class's images) and the
     classes with the lowest accuracy, as two bar charts of fixed size."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
-
     pairs = most_confused_pairs(confusion, PAIRS_SHOWN)
     rows = confusion.sum(axis=1)
     worst = worst_classes(metrics, PAIRS_SHOWN)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 0.28 * PAIRS_SHOWN + 2.5))
+    fig, (left, right) = new_figure(1, 2, figsize=(16, 0.28 * PAIRS_SHOWN + 2.5))
     labels = [f"{class_names[i]} -> {class_names[j]} ({n})" for i, j, n in pairs]
     left.barh(range(len(pairs)), [n / rows[i] for i, _, n in pairs], color="tab:red")
     left.set_yticks(range(len(pairs)), labels=labels, fontsize=8)
@@ -180,10 +177,7 @@ def plot_confusion_summary(
     right.set_xlabel("accuracy")
     right.set_title(f"{len(worst)} worst classes (images)")
     fig.suptitle(f"{title}; {len(class_names)} classes: full matrix in confusion_matrix.csv")
-    fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    save_figure(fig, output, dpi=100)
 
 
 def plot_confusion_matrix(
@@ -192,10 +186,6 @@ def plot_confusion_matrix(
     """Row-normalised (each row sums to 1, so rare and common classes read alike), every class
     named on both axes, the figure grown with the number of classes so 90 labels stay legible;
     counts are written in the cells when there are few enough classes for them to fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
     from matplotlib.colors import PowerNorm
 
     k = len(class_names)
@@ -205,7 +195,7 @@ def plot_confusion_matrix(
     )
     side = max(6.0, 0.24 * k + 3.0)  # inches: about 0.24 in (~24 px) per class
     font = 10 if k <= 20 else 8
-    fig, ax = plt.subplots(figsize=(side + 1.5, side))
+    fig, ax = new_figure(figsize=(side + 1.5, side))
     # A square-root colour scale: one mistake in 12 images (0.08) still shows clearly.
     shown = ax.imshow(
         normalised, cmap="Blues", norm=PowerNorm(0.5, vmin=0.0, vmax=1.0), interpolation="nearest"
@@ -235,7 +225,4 @@ def plot_confusion_matrix(
                     )
     colorbar = fig.colorbar(shown, ax=ax, fraction=0.035, pad=0.02)
     colorbar.set_label("share of the true class's images", fontsize=font + 2)
-    fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    save_figure(fig, output, dpi=100)

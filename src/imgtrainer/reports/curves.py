@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from imgtrainer.errors import UserError  # noqa: E402
-from imgtrainer.reports.history import read_history  # noqa: E402
+from imgtrainer.errors import UserError
+from imgtrainer.reports.figures import new_figure, save_figure
+from imgtrainer.reports.history import read_history
 
 
 def load_history(path: Path) -> dict:
@@ -25,17 +26,12 @@ def load_history(path: Path) -> dict:
 
 
 def plot_curves(history: dict, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
-
     records = history["epochs"]
     epochs = [r["epoch"] for r in records]
     # Epochs without validation (--val_every_epochs) have no val_* points.
     validated = [r for r in records if "val_acc" in r]
     val_epochs = [r["epoch"] for r in validated]
-    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (ax_loss, ax_acc, ax_lr) = new_figure(1, 3, figsize=(15, 4.5))
     ax_loss.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
     ax_loss.plot(val_epochs, [r["val_loss"] for r in validated], "o-", label="val")
     ax_loss.set(title="Loss", xlabel="epoch", ylabel="cross-entropy")
@@ -56,7 +52,4 @@ def plot_curves(history: dict, output: Path) -> None:
         f"{model}, world size {history.get('world_size', '?')}"
         + (f": best val top-1 {best:.4f}" if best is not None else "")
     )
-    fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
-    plt.close(fig)
+    save_figure(fig, output, dpi=120)

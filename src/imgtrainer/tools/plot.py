@@ -6,14 +6,11 @@ python src/utils.py --history logs/training_history.json --output curves.png
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from imgtrainer.errors import exit_on_user_error  # noqa: E402
+from imgtrainer.errors import exit_on_user_error
 from imgtrainer.reports.curves import load_history, plot_curves
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @exit_on_user_error
