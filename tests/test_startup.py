@@ -22,6 +22,7 @@ import imgtrainer.run.preflight as preflight
 import imgtrainer.run.quick_exit as quick_exit
 from conftest import ROOT, SRC, TINY_FLAGS, run_cli, write_image_folder
 from imgtrainer.data.checks import find_classes
+from imgtrainer.data.image_files import class_folders
 from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.errors import UserError
 
@@ -260,7 +261,7 @@ def test_hidden_folders_and_macosx_are_never_classes(tmp_path: Path):
     root = folder_with_junk(tmp_path / "train")
     assert find_classes(root, "training") == ["cat", "dog"]
     assert ReadableImageFolder(root).classes == ["cat", "dog"]
-    assert [p.name for p in prepare_data.visible_subfolders(root)] == ["cat", "dog"]
+    assert [p.name for p in class_folders(root)] == ["cat", "dog"]  # what prepare_data uses
     assert prepare_data.find_class_root(root) == root
     assert all(
         "__MACOSX" not in p.parts and ".thumbnails" not in p.parts

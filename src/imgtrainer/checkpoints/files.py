@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from imgtrainer.checkpoints.run_folder import BEST_NAME, LATEST_NAME
 from imgtrainer.errors import UserError, message_line
 from imgtrainer.files import atomic_write
 
@@ -33,9 +32,6 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
         return sum(tensor_bytes(v) for v in obj)
     return 0
-
-
-LATEST, BEST = LATEST_NAME, BEST_NAME
 
 
 class CheckpointError(UserError):

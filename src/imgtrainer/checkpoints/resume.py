@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from imgtrainer import torch_compat
-from imgtrainer.checkpoints.files import LATEST, CheckpointError, previous_path
+from imgtrainer.checkpoints.files import CheckpointError, previous_path
+from imgtrainer.checkpoints.run_folder import LATEST_NAME
 from imgtrainer.data.checks import class_difference
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,7 @@ def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | N
         if not path.is_file():
             raise CheckpointError(f"--resume {path}: no such file")
         return path
-    latest = checkpoint_dir / LATEST
+    latest = checkpoint_dir / LATEST_NAME
     if latest.is_file() or previous_path(latest).is_file():
         return latest
     log.info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting a new run")

@@ -9,8 +9,13 @@ from typing import Any
 
 import torch
 
-from imgtrainer.checkpoints.files import BEST, LATEST, atomic_save, previous_path
-from imgtrainer.checkpoints.run_folder import epoch_checkpoint_name, epoch_checkpoints
+from imgtrainer.checkpoints.files import atomic_save, previous_path
+from imgtrainer.checkpoints.run_folder import (
+    BEST_NAME,
+    LATEST_NAME,
+    epoch_checkpoint_name,
+    epoch_checkpoints,
+)
 from imgtrainer.errors import RunFailed
 from imgtrainer.files import atomic_link
 
@@ -64,11 +69,11 @@ class CheckpointWriter:
 
     @property
     def latest(self) -> Path:
-        return self.dir / LATEST
+        return self.dir / LATEST_NAME
 
     @property
     def best(self) -> Path:
-        return self.dir / BEST
+        return self.dir / BEST_NAME
 
     def save(
         self, state: dict[str, Any], is_best: bool, keep_epochs: Collection[int] | None = None

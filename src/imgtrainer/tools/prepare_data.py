@@ -80,24 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- finding classes
 
 
-def visible_subfolders(folder: Path) -> list[Path]:
-    """Subfolders that can be classes (the shared rule: not hidden, not __MACOSX)."""
-    return class_folders(folder)
-
-
 def find_class_root(source: Path) -> Path:
     """The folder whose subfolders are the classes: ``source`` itself, or its only subfolder when
     a download nests the classes one level deeper (animals/animals/<class>)."""
     if not source.is_dir():
         raise UserError(f"--source {source} does not exist or is not a folder")
-    subfolders = visible_subfolders(source)
+    subfolders = class_folders(source)
     if any(_has_direct_images(folder) for folder in subfolders):
         return source
     # Only folders holding images count: a zip made on a Mac adds __MACOSX/ full of "._" files.
     with_images = [folder for folder in subfolders if _holds_images(folder)]
-    if len(with_images) == 1 and any(
-        _has_direct_images(f) for f in visible_subfolders(with_images[0])
-    ):
+    if len(with_images) == 1 and any(_has_direct_images(f) for f in class_folders(with_images[0])):
         return with_images[0]
     raise UserError(
         f"--source {source} holds no class folders with images; expected "
@@ -158,7 +151,7 @@ def split_class(name: str, images: list[Path], val_ratio: float, seed: int) -> C
 
 def plan_split(root: Path, val_ratio: float, seed: int) -> list[ClassSplit]:
     plan = []
-    for folder in visible_subfolders(root):
+    for folder in class_folders(root):
         images, others = list_class_files(folder)
         split = split_class(folder.name, images, val_ratio, seed)
         split.not_images = others

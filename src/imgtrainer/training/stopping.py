@@ -25,9 +25,6 @@ from imgtrainer.process import STOP_SIGNALS, exit_code_for
 log = logging.getLogger(__name__)
 
 
-SIGNALS = STOP_SIGNALS
-
-
 # One request can reach a rank twice: a signal sent to every process of a job (SLURM, Kubernetes)
 # arrives directly and again from torchrun's agent, which passes on what it receives.
 SAME_REQUEST_SECONDS = 2.0
@@ -66,7 +63,7 @@ class StopRequest:
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
         self.owner_pid = os.getpid()
-        previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         try:
             yield self
         finally:
