@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from imgtrainer.errors import first_line, message_line
+from imgtrainer.checkpoints.resume import find_resume_checkpoint
+from imgtrainer.checkpoints.run_folder import explicit_resume_file
+from imgtrainer.errors import UserError, first_line, message_line
 from imgtrainer.files import format_bytes
 from imgtrainer.reports.figures import new_figure, pyplot, save_figure
 
@@ -58,3 +60,15 @@ def test_save_figure_writes_a_png_and_closes_the_figure(tmp_path: Path):
     save_figure(fig, output, dpi=50)
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not pyplot().fignum_exists(fig.number)
+
+
+def test_a_missing_resume_file_is_the_same_line_before_and_after_the_launch(tmp_path: Path):
+    missing = str(tmp_path / "missing.pth")
+    lines = []
+    for check in (explicit_resume_file, lambda resume: find_resume_checkpoint(resume, tmp_path)):
+        with pytest.raises(UserError) as err:
+            check(missing)
+        lines.append(str(err.value))
+    assert lines == [f"--resume {missing}: no such file"] * 2
+    (tmp_path / "here.pth").write_bytes(b"")
+    assert find_resume_checkpoint(str(tmp_path / "here.pth"), tmp_path) == tmp_path / "here.pth"

@@ -13,7 +13,7 @@ import torch
 
 from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import CheckpointError, previous_path
-from imgtrainer.checkpoints.run_folder import LATEST_NAME
+from imgtrainer.checkpoints.run_folder import LATEST_NAME, explicit_resume_file
 from imgtrainer.data.checks import class_difference
 
 log = logging.getLogger(__name__)
@@ -268,10 +268,7 @@ def find_resume_checkpoint(resume: str | None, checkpoint_dir: Path) -> Path | N
     if resume is None:
         return None
     if resume != "auto":
-        path = Path(resume)
-        if not path.is_file():
-            raise CheckpointError(f"--resume {path}: no such file")
-        return path
+        return explicit_resume_file(resume)
     latest = checkpoint_dir / LATEST_NAME
     if latest.is_file() or previous_path(latest).is_file():
         return latest

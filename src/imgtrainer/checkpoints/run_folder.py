@@ -163,6 +163,15 @@ def lock_holder(folder: Path) -> str | None:
         return read_holder(folder / LOCK_NAME)
 
 
+def explicit_resume_file(resume: str) -> Path:
+    """The checkpoint ``--resume PATH`` names (not ``auto``); one line if there is no such file.
+    Torch-free, so the launcher checks it before starting the workers, which check it again."""
+    path = Path(resume)
+    if not path.is_file():
+        raise UserError(f"--resume {resume}: no such file")
+    return path
+
+
 def previous_run_files(checkpoint_dir: Path, log_dir: Path) -> list[Path]:
     """The checkpoints and the history an earlier run left in these folders."""
     found = [checkpoint_dir / name for name in CHECKPOINT_FILES]

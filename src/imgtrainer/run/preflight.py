@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from imgtrainer.checkpoints.run_folder import check_checkpoint_dir
+from imgtrainer.checkpoints.run_folder import check_checkpoint_dir, explicit_resume_file
 from imgtrainer.config import TrainConfig
 from imgtrainer.data.checks import (
     check_batch_fits,
@@ -24,8 +24,8 @@ def check_output_folders(cfg: TrainConfig) -> None:
     log_dir = Path(cfg.log_dir)
     if log_dir.exists() and not log_dir.is_dir():
         raise UserError(f"--log_dir {log_dir} is a file, not a folder; choose another --log_dir")
-    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
-        raise UserError(f"--resume {cfg.resume}: no such file")
+    if cfg.resume not in (None, "auto"):
+        explicit_resume_file(cfg.resume)
 
 
 def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None:
