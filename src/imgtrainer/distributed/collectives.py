@@ -1,8 +1,8 @@
-"""All rank logic lives here: process-group setup, device choice, logging per rank, reductions.
+"""What the ranks do together: reductions, gathers, broadcasts, barriers, the host-side (gloo)
+group for small agreements, and the checks built on them (peak memory, replicas in sync).
 
-Training and evaluation code never test ``rank == 0``: they log through the logger set up here
-(console on the main process only, a file per rank) and hand main-process-only work to objects
-built with ``enabled=dist.is_main``.
+Every rank must make each call, at the same point; with one process each is a no-op. The process
+group and the device are set up in ``setup.py``, the logging per rank in ``logs.py``.
 """
 
 from __future__ import annotations
