@@ -84,36 +84,15 @@ def run_reporting(main: Callable[[], int]) -> int:
 
     Until training installs its own handlers (``stopping.StopRequest``), a stop signal ends the
     rank at once. A bad input is one ``error:`` line (exit 2), a diverged run one too (exit 1); a
-    bug keeps its traceback. Under the launcher these go to this rank's stderr (the log folder) and to the report, and the
-    launcher prints them once; the main rank's progress bar goes to the console (its stdout).
+    bug keeps its traceback. Under the launcher these go to this rank's stderr (the log folder)
+    and to the report, and the launcher prints them once; the main rank's progress bar goes to
+    the console (its stdout).
     """
-    owner = os.getpid()
-
-    def stop_at_once(signum: int, frame) -> None:
-        if os.getpid() == owner:  # not in a forked child that inherited the handler
-            raise StoppedEarly(signum)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop_at_once)
+    stop_at_once_until_training()
     folder = report_dir()
     if folder is not None and TorchrunEnv.read().rank == 0:
         sys.stderr = sys.stdout
-    line, trace = "", ""
-    try:
-        code = main()
-    except UserError as err:
-        code, line = EXIT_USER_ERROR, f"error: {err}"
-    except RunFailed as err:
-        code, line = EXIT_RUN_FAILED, f"error: {err}"
-    except (StoppedEarly, KeyboardInterrupt) as stop:
-        signum = getattr(stop, "signum", signal.SIGINT)
-        code = exit_code_for(signum)
-        line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
-    except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
-    except BaseException as err:  # a bug: its traceback, once
-        code, trace = 1, traceback.format_exc()
-        line = f"error: {bug_line(err)}"
+    code, line, trace = ending_of(main)
     if folder is None:
         if trace:
             sys.stderr.write(trace)
@@ -125,6 +104,38 @@ def run_reporting(main: Callable[[], int]) -> int:
         write_line(sys.__stderr__, trace or line)
     write_outcome(folder, code, line, trace)
     return code
+
+
+def stop_at_once_until_training() -> None:
+    """A stop signal raises ``StoppedEarly`` in this process (not in a forked child that
+    inherits the handler) until training installs its own handlers."""
+    owner = os.getpid()
+
+    def stop_at_once(signum: int, frame) -> None:
+        if os.getpid() == owner:
+            raise StoppedEarly(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_at_once)
+
+
+def ending_of(main: Callable[[], int]) -> tuple[int, str, str]:
+    """Run ``main``: its exit code, the one line that says why it ended ("" for none) and, for a
+    bug, its traceback ("" otherwise)."""
+    try:
+        return main(), "", ""
+    except UserError as err:
+        return EXIT_USER_ERROR, f"error: {err}", ""
+    except RunFailed as err:
+        return EXIT_RUN_FAILED, f"error: {err}", ""
+    except (StoppedEarly, KeyboardInterrupt) as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
+        return exit_code_for(signum), line, ""
+    except SystemExit as end:
+        return (end.code if isinstance(end.code, int) else (0 if end.code is None else 1)), "", ""
+    except BaseException as err:  # a bug: its traceback, once
+        return 1, f"error: {bug_line(err)}", traceback.format_exc()
 
 
 def bug_line(err: BaseException) -> str:
