@@ -1,6 +1,6 @@
 """The knobs: every training flag as one field of ``TrainConfig`` (its help group, text, bounds and
 resume rule in the field's metadata), the launcher's flags as ``LauncherConfig``, and the presets.
-Everything else about flags (``--help`` groups, bounds checks, run-file types) is derived here.
+Everything else about a flag (its ``--help`` group, bounds check, resume check) derives from them.
 """
 
 from __future__ import annotations
