@@ -1,7 +1,7 @@
 """Train an image classifier on an ImageFolder dataset with DistributedDataParallel.
 
     python launch_ddp.py --num_gpus 2 --use_amp
-    torchrun --nproc_per_node=2 src/train_ddp.py --use_amp --distributed
+    torchrun --nproc_per_node=2 src/train_ddp.py --use_amp
     python src/train_ddp.py --train_dir data/train --val_dir data/val --use_amp
     python src/train_ddp.py --demo --device cpu
 

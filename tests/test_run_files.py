@@ -111,7 +111,7 @@ def test_the_resolved_configuration_reruns_to_the_same_configuration(tmp_path: P
     )
     resolved = write(tmp_path, config_yaml(cfg, {"nproc": 2}))
     assert parse_config(["--config", str(resolved)]) == cfg
-    assert set(LAUNCHER_KEYS) >= {"nproc"}
+    assert set(LAUNCHER_KEYS) >= {"nproc", "num_gpus", "nnodes", "start_method"}
 
 
 def test_launcher_bad_key_is_one_line_and_exit_2(tmp_path: Path):

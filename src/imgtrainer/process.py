@@ -92,6 +92,12 @@ def gpus_may_be_shared() -> bool:
     return os.environ.get(SHARE_GPUS_ENV) == "1"
 
 
+def cuda_not_visible(advice: str) -> str:
+    """The line for --device cuda without a visible CUDA GPU: the launcher finds it without torch,
+    a worker with torch (``distributed.setup.choose_device``)."""
+    return f"--device cuda was asked for but no CUDA GPU is visible; {advice}"
+
+
 def visible_gpu_count() -> int:
     """The CUDA GPUs a process started from here would see, without importing torch.
 

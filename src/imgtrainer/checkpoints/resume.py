@@ -14,6 +14,7 @@ import torch
 from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import CheckpointError, previous_path
 from imgtrainer.checkpoints.run_folder import LATEST_NAME, explicit_resume_file
+from imgtrainer.config import RESUME_CHECKED_FLAGS
 from imgtrainer.data.checks import class_difference
 
 log = logging.getLogger(__name__)
@@ -68,28 +69,7 @@ def check_resume_fits(
 # change the loss's targets, like label smoothing and --class_weights, and --mix_off_epochs is a
 # schedule; --sampler changes which images an epoch sees; the
 # per-image augmentation (crop, flip, --auto_augment, --random_erasing) is not checked.
-SCHEDULE_FLAGS = (
-    "learning_rate",
-    "lr_scaling",
-    "scheduler",
-    "warmup_epochs",
-    "step_size",
-    "gamma",
-    "weight_decay",
-    "momentum",
-    "label_smoothing",
-    "decay_norm_and_bias",
-    "clip_grad_norm",
-    "head_lr_scale",
-    "freeze_backbone_epochs",
-    "mixup",
-    "cutmix",
-    "mix_switch_prob",
-    "mix_off_epochs",
-    "ema_decay",
-    "class_weights",
-    "sampler",
-)
+SCHEDULE_FLAGS = RESUME_CHECKED_FLAGS  # the fields of TrainConfig marked RESUME_CHECKED
 
 
 # What a checkpoint written before a flag existed ran with: its config lacks the key.

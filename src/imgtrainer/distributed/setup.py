@@ -13,7 +13,7 @@ import torch.distributed as torch_dist
 
 from imgtrainer.distributed.collectives import host_group
 from imgtrainer.errors import UserError
-from imgtrainer.process import TorchrunEnv, die_with_parent, gpus_may_be_shared
+from imgtrainer.process import TorchrunEnv, cuda_not_visible, die_with_parent, gpus_may_be_shared
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ class DistInfo:
 def choose_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError(
-            "--device cuda was asked for but no CUDA GPU is visible; "
-            "use --device cpu or check CUDA_VISIBLE_DEVICES and the driver"
+            cuda_not_visible("use --device cpu or check CUDA_VISIBLE_DEVICES and the driver")
         )
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")

@@ -24,9 +24,11 @@ from functools import partial
 from pathlib import Path
 
 from imgtrainer.config import (
-    DEVICE_CHOICES,
+    LAUNCHER_FIELDS,
     LAUNCHER_FLAGS_ENV,
     LAUNCHER_KEYS,
+    add_launcher_flags,
+    check_bound,
     config_yaml,
     parse_config,
     read_run_file,
@@ -36,6 +38,7 @@ from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.process import (
     STOP_SIGNALS,
     TorchrunEnv,
+    cuda_not_visible,
     die_with_parent,
     exit_code_for,
     gpus_may_be_shared,
@@ -49,10 +52,11 @@ TRAIN_SCRIPT = SRC / "train_ddp.py"
 QUICK_EXIT = SRC / "quick_exit.py"
 TRAINER_MODULE = "imgtrainer.run.train"  # what the agent imports before forking the workers
 TORCHRUN_LOG = "torchrun.log"
-START_METHODS = ("auto", "fork", "spawn")
+START_METHODS = tuple(LAUNCHER_FIELDS["start_method"].metadata["choices"])
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The launcher's flags, one per field of ``config.LauncherConfig``."""
     parser = argparse.ArgumentParser(
         prog="launch_ddp.py",
         add_help=False,
@@ -60,74 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every other flag is passed to the trainer (listed after them).",
     )
     parser.add_argument("-h", "--help", action="store_true", help="show both sets of flags")
-    parser.add_argument(
-        "--num_gpus", default=None, help="GPUs to use on this node: a number or 'all' (default: 1)"
-    )
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="auto",
-        help="auto: CUDA when a GPU is visible, else the CPU (default: auto)",
-    )
-    parser.add_argument(
-        "--nproc", type=int, default=1, help="processes per node on the CPU (default: 1)"
-    )
-    parser.add_argument(
-        "--nnodes",
-        default="1",
-        help="number of nodes, or MIN:MAX for an elastic job (with --resume auto): torchrun "
-        "goes on with the nodes left when one is lost (with --max_restarts), and restarts "
-        "the workers to take in one that joins; they resume from the newest checkpoint "
-        "(default: 1)",
-    )
-    parser.add_argument(
-        "--node_rank",
-        type=int,
-        default=0,
-        help="this node's rank, 0..nnodes-1; node 0 hosts the rendezvous",
-    )
-    parser.add_argument(
-        "--master_addr", default="127.0.0.1", help="address of node 0 (default: 127.0.0.1)"
-    )
-    parser.add_argument(
-        "--master_port",
-        type=int,
-        default=None,
-        help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)",
-    )
-    parser.add_argument(
-        "--rdzv_endpoint",
-        default=None,
-        help="HOST:PORT of torchrun's c10d rendezvous (default: --master_addr:--master_port); "
-        "for an elastic job a node that stays",
-    )
-    parser.add_argument(
-        "--rdzv_conf",
-        default=None,
-        help="torchrun's --rdzv-conf KEY=VALUE,... (e.g. last_call_timeout=5 for the seconds "
-        "an elastic rendezvous waits for more nodes once it has MIN, join_timeout=600)",
-    )
-    parser.add_argument(
-        "--rdzv_id",
-        default="image-trainer",
-        help="rendezvous id, the same on every node of one job",
-    )
-    parser.add_argument(
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="times torchrun restarts the workers after a failure (default: 0)",
-    )
-    parser.add_argument(
-        "--start_method",
-        choices=START_METHODS,
-        default="auto",
-        help="how torchrun starts the workers. fork: as copies of its agent, which imports "
-        "torch, torchvision, timm and the trainer once (seconds quicker to the first step); "
-        "spawn: as fresh processes, each importing them again (torchrun's default). "
-        "auto: fork on the CPU, spawn with CUDA (default: auto)",
-    )
-    parser.add_argument("--dry_run", action="store_true", help="print the command, run nothing")
+    add_launcher_flags(parser)
     return parser
 
 
@@ -143,22 +80,28 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
     visible = visible_gpu_count()
     device = args.device if args.device != "auto" else ("cuda" if visible else "cpu")
     if device == "cuda" and not visible:
-        raise UserError(
-            "--device cuda was asked for but no CUDA GPU is visible; "
-            "use --device cpu (with --nproc N for N processes)"
-        )
+        raise UserError(cuda_not_visible("use --device cpu (with --nproc N for N processes)"))
     if device == "cpu":
-        if args.num_gpus not in (None, "1") and args.device == "auto":
-            raise UserError(
-                f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
-                "visible; use --device cpu --nproc N to train on the CPU"
-            )
-        if args.nproc < 1:
-            raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-        return device, args.nproc
-    requested = args.num_gpus or "1"
+        return device, cpu_processes(args)
+    return device, gpu_processes(args.num_gpus, visible)
+
+
+def cpu_processes(args: argparse.Namespace) -> int:
+    """--nproc, unless --num_gpus asked for GPUs that are not there."""
+    if args.num_gpus not in (None, "1") and args.device == "auto":
+        raise UserError(
+            f"--num_gpus {args.num_gpus} asked for {args.num_gpus} GPUs but 0 are "
+            "visible; use --device cpu --nproc N to train on the CPU"
+        )
+    check_bound("nproc", args.nproc)
+    return args.nproc
+
+
+def gpu_processes(num_gpus: str | None, visible: int) -> int:
+    """The GPUs --num_gpus asks for (default 1, or 'all' of the ``visible`` ones)."""
+    requested = num_gpus or "1"
     if requested == "all":
-        return device, visible
+        return visible
     if not requested.isdigit() or int(requested) < 1:
         raise UserError(f"--num_gpus must be a positive number or 'all', got {requested}")
     if int(requested) > visible and not gpus_may_be_shared():
@@ -166,7 +109,7 @@ def resolve_device_and_nproc(args: argparse.Namespace) -> tuple[str, int]:
             f"--num_gpus {requested} asked for {requested} GPUs but only {visible} "
             f"are visible; use --num_gpus {visible} (or --num_gpus all)"
         )
-    return device, int(requested)
+    return int(requested)
 
 
 def start_method(args: argparse.Namespace, device: str) -> str:
@@ -324,23 +267,10 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
         return 0
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
     if failures:
-        first = failures[0]
-        if first["traceback"]:
-            sys.stderr.write(first["traceback"])
-        reason = first["line"].removeprefix("error: ") or f"exited with code {first['code']}"
-        print(
-            f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
-            f"stderr: {log_file})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return first["code"]
+        return report_failure(failures[0], log_file)
     stops = [o for o in outcomes if o["code"] in (130, 143)]
     if received or stops:
-        early = [o["line"] for o in stops if o["line"]]
-        if early and len(early) == len(stops):
-            print(early[0], file=sys.stderr, flush=True)
-        return exit_code_for(received[0]) if received else stops[0]["code"]
+        return stop_code(stops, received)
     if torchrun_code == 0:
         return 0
     print(
@@ -352,10 +282,33 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
     return torchrun_code
 
 
+def report_failure(first: dict, log_file: Path) -> int:
+    """The first failed rank's traceback (a bug's) and one line naming it; its exit code."""
+    if first["traceback"]:
+        sys.stderr.write(first["traceback"])
+    reason = first["line"].removeprefix("error: ") or f"exited with code {first['code']}"
+    print(
+        f"error: rank {first['rank']}: {reason} (torchrun's report and every rank's "
+        f"stderr: {log_file})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return first["code"]
+
+
+def stop_code(stops: list[dict], received: list[int]) -> int:
+    """The exit code of a stopped run: the signal's that the launcher passed on, else the
+    ranks'; their reason is printed when every stopped rank gave one."""
+    early = [o["line"] for o in stops if o["line"]]
+    if early and len(early) == len(stops):
+        print(early[0], file=sys.stderr, flush=True)
+    return exit_code_for(received[0]) if received else stops[0]["code"]
+
+
 def launcher_defaults(run_file: dict) -> dict:
     """The launcher's own keys of a run file, as its parser's defaults (``device`` is both a
     launcher and a trainer flag)."""
-    defaults = {k: v for k, v in run_file.items() if k in LAUNCHER_KEYS or k == "device"}
+    defaults = {k: v for k, v in run_file.items() if k in LAUNCHER_FIELDS}
     if "num_gpus" in defaults:
         defaults["num_gpus"] = str(defaults["num_gpus"])
     return defaults
@@ -363,19 +316,11 @@ def launcher_defaults(run_file: dict) -> dict:
 
 def resolved_launcher_flags(args: argparse.Namespace, nproc: int) -> dict:
     """The launcher flags that a run file must hold to repeat this run."""
-    flags = {
-        "num_gpus": args.num_gpus,
-        "nproc": nproc if args.num_gpus is None else None,
-        "nnodes": int(args.nnodes) if str(args.nnodes).isdigit() else str(args.nnodes),
-        "node_rank": args.node_rank,
-        "master_addr": args.master_addr,
-        "master_port": args.master_port,
-        "rdzv_id": args.rdzv_id,
-        "rdzv_endpoint": args.rdzv_endpoint,
-        "rdzv_conf": args.rdzv_conf,
-        "max_restarts": args.max_restarts,
-        "start_method": args.start_method if args.start_method != "auto" else None,
-    }
+    flags = {name: getattr(args, name) for name in LAUNCHER_KEYS}
+    flags["nproc"] = nproc if args.num_gpus is None else None
+    flags["nnodes"] = int(args.nnodes) if str(args.nnodes).isdigit() else str(args.nnodes)
+    if args.start_method == "auto":
+        flags["start_method"] = None
     return {k: v for k, v in flags.items() if v is not None}
 
 

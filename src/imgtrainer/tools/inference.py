@@ -16,14 +16,13 @@ from torch import nn
 from torchvision.transforms import v2
 
 from imgtrainer.checkpoints.files import INFERENCE_KEYS, CheckpointError, load_checkpoint_file
-from imgtrainer.config import DEVICE_CHOICES
+from imgtrainer.config import add_device_argument, check_bound
 from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
     IMAGENET_STD,
     eval_transforms,
 )
-from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, strip_wrapper_prefixes
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, precision_rule
@@ -171,12 +170,7 @@ def add_inference_arguments(
     parser.add_argument(
         "--checkpoint", type=Path, required=True, help="checkpoint written by src/train_ddp.py"
     )
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="auto",
-        help="auto: CUDA when visible, else the CPU (default: auto)",
-    )
+    add_device_argument(parser)
     parser.add_argument(
         "--batch_size",
         type=int,
@@ -209,13 +203,9 @@ def add_inference_arguments(
 
 
 def check_inference_arguments(args: argparse.Namespace) -> None:
-    """One error line (exit code 2) for a shared flag out of range."""
-    if args.batch_size < 1:
-        raise UserError(f"--batch_size must be positive, got {args.batch_size}")
-    if args.num_workers is not None and args.num_workers < 0:
-        raise UserError(f"--num_workers must be 0 or more, got {args.num_workers}")
-    if args.eval_resize_ratio is not None and not 0.0 < args.eval_resize_ratio <= 1.0:
-        raise UserError(f"--eval_resize_ratio must be in (0, 1], got {args.eval_resize_ratio}")
+    """One error line (exit code 2) for a shared flag out of range: the training flag's bounds."""
+    for flag in ("batch_size", "num_workers", "eval_resize_ratio"):
+        check_bound(flag, getattr(args, flag))
 
 
 def check_inference_checkpoint(state: dict[str, Any], path: Path) -> None:
