@@ -23,6 +23,7 @@ from imgtrainer.data.image_files import (
     open_rgb,
 )
 from imgtrainer.data.jpeg_device import JpegBytes
+from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class TrainingSamples(Dataset):
         size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
         with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
             params = self.draws(*size)
-        top, left, h, w = params[:4].tolist()
+        top, left, h, w = crop_of(params).tolist()
         if isinstance(image, Image.Image):
             # A crop many times the output size (large photos) is first shrunk by an integer
             # factor, averaging blocks (PIL's reduce): the batch canvas stays small.
@@ -127,8 +128,7 @@ class TrainingSamples(Dataset):
             pixels = v2.functional.pil_to_tensor(image)
         else:
             pixels = image[:, top : top + h, left : left + w]
-        params[:2] = 0  # the pixels handed over are the crop itself
-        params[2:4] = torch.tensor(pixels.shape[-2:])
+        set_whole_crop(params, *pixels.shape[-2:])  # the pixels handed over are the crop itself
         return pixels, params, label
 
 
