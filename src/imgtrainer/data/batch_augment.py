@@ -295,20 +295,21 @@ class DeviceBatches:
 
     def __iter__(self):
         for pixels, params, labels in self.loader:
-            if isinstance(pixels, EncodedBatch):
-                pixels, params, labels = self.jpegs(pixels, params, labels)
-            yield self.apply(pixels, params), labels.to(self.device, non_blocking=True)
+            yield self.apply(pixels, params, labels)
 
-    def apply(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        if isinstance(pixels, EncodedBatch):
-            pixels, params, _ = self.jpegs(pixels, params, torch.zeros(len(params)))
+    def apply(
+        self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One collated batch -> (its augmented images, its labels) on the device."""
+        if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
+            pixels, params, labels = self.jpegs(pixels, params, labels)
         if self.cache is not None:  # indices of images already on the device
             pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
         else:
             pixels = pixels.to(self.device, non_blocking=True)
-        return self.augment(pixels, params)  # the parameters stay on the host until used
+        images = self.augment(pixels, params)  # the parameters stay on the host until used
+        return images, labels.to(self.device, non_blocking=True)
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""
-        pixels, params, _ = collate_samples([self.loader.dataset[key] for key in keys])
-        return self.apply(pixels, params)
+        return self.apply(*collate_samples([self.loader.dataset[key] for key in keys]))[0]
