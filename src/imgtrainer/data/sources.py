@@ -171,7 +171,7 @@ class DecodedImageCache(Dataset):
         threads: int = 4,
         ratio: float = EVAL_RESIZE_RATIO,
     ):
-        side = cache_side(image_size, ratio)
+        side = eval_resize_side(image_size, ratio)
         problems: dict[str, str] = {}  # path -> why it does not decode
 
         def decode(path: str) -> torch.Tensor | None:
@@ -241,10 +241,6 @@ class DecodedImageCache(Dataset):
         return sum(image.numel() for image in self.images)
 
 
-def cache_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
-    return eval_resize_side(image_size, ratio)
-
-
 # --cache_images auto: the share of the free device memory the GPU cache may take (the model,
 # its activations and the batch's float copies need the rest).
 GPU_CACHE_SHARE = 0.25
@@ -258,7 +254,7 @@ def choose_cache(
     ``device_budget_bytes``, else RAM when the packed images fit ``budget_bytes``, else none."""
     if cache != "auto":
         return cache, f"--cache_images {cache}"
-    side = cache_side(image_size)
+    side = eval_resize_side(image_size)
     packed = num_images * 3 * side**2 * 4 // 3
     canvas = num_images * 3 * math.ceil(side * 4 / 3) ** 2
     if 0 < canvas <= device_budget_bytes:
