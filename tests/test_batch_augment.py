@@ -234,14 +234,13 @@ def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset
         cfg = data_config(train, val, image_size=16, seed=3, cache_images=cache)
         dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
         train_set, _, _ = build_datasets(cfg, dist)
-        assert train_set.on_device == (cache == "gpu")
+        assert train_set.source == cache and (train_set.canvas is not None) == (cache == "gpu")
         sampler = EpochSampler(len(train_set), 0, 1, seed=3)
-        canvas = train_set.folder.canvas if train_set.on_device else None
         loader = DeviceBatches(
             make_loader(train_set, sampler, LoaderSpec(8, train=True)),
             train_augmentation(cfg)[1],
             torch.device(device),
-            canvas,
+            train_set.canvas,
         )
         batches[cache] = next(iter(loader))
     images, labels = batches["gpu"]

@@ -210,6 +210,7 @@ def test_loader_workers_rule():
     assert loader_workers(3, 16, "cuda", "gpu") == 0
     assert loader_workers(None, 16, "cuda", "gpu") == 0
     assert loader_workers(None, 16, "cuda", "files") == 15
+    assert loader_workers(None, 16, "cuda", "nvjpeg") == 15  # files too, JPEGs as bytes
     assert loader_workers(None, 16, "cuda", "ram") == 7
     assert loader_workers(None, 64, "cuda", "files") == 16  # each worker holds its batches
     # 8 GPUs on 16 cores: 2 cores per process, one worker whatever the source.
