@@ -179,8 +179,10 @@ def test_the_row_layout_holds_ints_and_float_factors_bit_for_bit(monkeypatch):
     rows = [layout.row_of((0, 0, 5, 5), 0, factors=factors) for _ in range(3)]
     _, params, _ = collate_samples([(torch.zeros(3, 5, 5, dtype=torch.uint8), r, 0) for r in rows])
     assert params.shape == (3, layout.FACTORS + 2)
-    assert layout.factors_of(params).tolist() == [list(factors)] * 3
-    assert layout.factors_of(params[1]).tolist() == list(factors)
+    assert layout.factor_of(params, layout.FACTORS).tolist() == [factors[0]] * 3
+    assert layout.factor_of(params[1], layout.FACTORS + 1).item() == factors[1]
+    with pytest.raises(IndexError):
+        layout.factor_of(params, layout.FLIP)
 
 
 def test_erasing_draws_follow_torchvisions_rule():

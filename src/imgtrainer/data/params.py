@@ -4,7 +4,7 @@ stacked (N, PARAMS) by the collate. Read and write it through these names and he
 
 Integer columns first: crop box, flip, erasing box, the ``--auto_augment`` policy's slots.
 Continuous per-sample factors follow from ``FACTORS`` on, each a float64 kept bit for bit in
-an int64 slot (``factors_of`` reads them as float64, ``row_of`` writes them): the row stays one
+an int64 slot (``row_of`` writes them, ``factor_of`` reads one as float64): the row stays one
 tensor through collate, pinning, the JPEG decoder's fallback and the copy to the device.
 """
 
@@ -27,8 +27,8 @@ OP, BIN, NEGATIVE = range(3)  # a slot's columns
 COLUMNS = 3 * SLOTS
 POLICY_COLUMNS = slice(POLICY, POLICY + COLUMNS)
 
-# Continuous factors (float64 in int64 slots). None yet; a new one is one name here,
-# NAME = FACTORS + k, with FACTOR_COUNT raised to match.
+# Continuous factors (float64 in int64 slots), in the order row_of takes them. None yet; a new
+# one is one name here, NAME = FACTORS + k, with FACTOR_COUNT raised to match.
 FACTORS = POLICY + COLUMNS
 FACTOR_COUNT = 0
 PARAMS = FACTORS + FACTOR_COUNT
@@ -83,6 +83,8 @@ def slot_of(choices: torch.Tensor, slot: int) -> torch.Tensor:
     return choices[..., 3 * slot : 3 * slot + 3]
 
 
-def factors_of(rows: torch.Tensor) -> torch.Tensor:
-    """The continuous factors (..., FACTOR_COUNT) as float64, on the rows' device."""
-    return rows[..., FACTORS:PARAMS].view(torch.float64)
+def factor_of(rows: torch.Tensor, column: int) -> torch.Tensor:
+    """One continuous factor of the row(s) (...,) as float64, on the rows' device."""
+    if not FACTORS <= column < PARAMS:
+        raise IndexError(f"column {column} is not a factor's ({FACTORS} to {PARAMS - 1})")
+    return rows[..., column].view(torch.float64)
