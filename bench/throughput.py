@@ -441,7 +441,6 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int, variant: dict | None = N
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     import torch
 
-    from imgtrainer.data.loaders import data_source
     from imgtrainer.training.trainer import Trainer
 
     setup_started = time.perf_counter()
@@ -466,7 +465,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         "setup_seconds": setup_seconds,
         "loader_workers": trainer.train_loader.num_workers,
         "train_images": len(trainer.train_loader.dataset),
-        "source": data_source(trainer.train_loader.dataset.folder),
+        "source": str(trainer.train_loader.dataset.source),
     }
     if dist.device.type == "cuda":
         per_gpu = result["images_per_sec"] / dist.world_size

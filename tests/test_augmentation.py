@@ -26,7 +26,12 @@ from imgtrainer.data.batch_augment import (
 )
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, TrainingSamples
+from imgtrainer.data.sources import (
+    DecodedImageCache,
+    ReadableImageFolder,
+    Source,
+    TrainingSamples,
+)
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.mixing import BatchMixer, step_seed
@@ -362,8 +367,9 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
     train, _ = tiny_dataset
     draws, augment = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
-    on_gpu = TrainingSamples(DecodedImageCache(ReadableImageFolder(train), 16, "cuda"), draws, 3)
-    assert on_gpu.on_device and on_gpu.folder.canvas.is_cuda
+    cache = DecodedImageCache(ReadableImageFolder(train), 16, "cuda")
+    on_gpu = TrainingSamples(cache, draws, 3, Source.GPU)
+    assert on_gpu.canvas is cache.canvas and on_gpu.canvas.is_cuda
     keys = [(i, 0) for i in range(8)]
     indices, params, _ = collate_samples([on_gpu[key] for key in keys])
     first = augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params)

@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
+from imgtrainer.data import params as layout
 from imgtrainer.data.batch_augment import (
-    FLIP,
-    PARAMS,
     AugmentDraws,
     BatchAugment,
     DeviceBatches,
     collate_samples,
     crop_box,
 )
+from imgtrainer.data.params import CROP, ERASE, FLIP, PARAMS, crop_of, crop_size_of
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -39,7 +39,7 @@ def smooth_image(height: int, width: int, seed: int = 0) -> torch.Tensor:
 
 def box_params(boxes: list[tuple[int, int, int, int]], flips: list[int] | None = None):
     rows = torch.zeros(len(boxes), PARAMS, dtype=torch.int64)
-    rows[:, :4] = torch.tensor(boxes)
+    rows[:, CROP] = torch.tensor(boxes)
     if flips is not None:
         rows[:, FLIP] = torch.tensor(flips)
     return rows
@@ -99,7 +99,7 @@ def test_batched_resample_is_the_per_image_antialiased_resize():
         assert pixels.shape == (3, 3, 90, 70)  # the largest height and width
         batch = BatchAugment(size).resample(pixels, params)
         for n, image in enumerate(images):
-            top, left, h, w = params[n, :4].tolist()
+            top, left, h, w = crop_of(params[n]).tolist()
             reference = F.interpolate(
                 image[None, :, top : top + h, left : left + w].float(),
                 size=(size, size),
@@ -144,8 +144,8 @@ def test_host_sources_hand_over_only_the_crop():
     image = smooth_image(40, 50)
     samples = TrainingSamples([(image, 1)], AugmentDraws(16, scale=(0.1, 0.3)), seed=5)
     pixels, params, label = samples[(0, 0)]
-    assert label == 1 and params[0] == params[1] == 0
-    assert tuple(pixels.shape[-2:]) == tuple(params[2:4].tolist())
+    assert label == 1 and crop_of(params)[:2].tolist() == [0, 0]
+    assert tuple(pixels.shape[-2:]) == tuple(crop_size_of(params).tolist())
     assert pixels.shape[-2] * pixels.shape[-1] <= 0.35 * 40 * 50
     again, params_again, _ = samples[(0, 0)]
     assert torch.equal(again, pixels) and torch.equal(params_again, params)
@@ -156,13 +156,39 @@ def test_host_sources_hand_over_only_the_crop():
     big = TrainingSamples([(photo, 0)], AugmentDraws(16, scale=(0.5, 1.0)), seed=5)
     for epoch in range(5):
         pixels, params, _ = big[(0, epoch)]
-        assert 32 <= min(pixels.shape[-2:]) < 64 and params[2:4].tolist() == [*pixels.shape[-2:]]
+        assert 32 <= min(pixels.shape[-2:]) < 64
+        assert crop_size_of(params).tolist() == [*pixels.shape[-2:]]
+
+
+def test_the_row_layout_holds_ints_and_float_factors_bit_for_bit(monkeypatch):
+    """A row is its int columns then its float factors; a factor survives the collate, the
+    pinning and the copies unchanged (float64 bits in an int64 slot)."""
+    row = layout.row_of((1, 2, 3, 4), 1, (5, 6, 7, 8), tuple(range(10, 10 + layout.COLUMNS)))
+    assert row.dtype == torch.int64 and len(row) == PARAMS == layout.FACTORS
+    assert crop_of(row).tolist() == [1, 2, 3, 4] and row[FLIP] == 1
+    assert layout.erase_of(row).tolist() == [5, 6, 7, 8]
+    assert layout.policy_of(row).tolist() == list(range(10, 10 + layout.COLUMNS))
+    assert layout.slot_of(layout.policy_of(row), 1).tolist() == [13, 14, 15]
+    layout.set_whole_crop(row, 30, 40)
+    assert crop_of(row).tolist() == [0, 0, 30, 40]
+    with pytest.raises(ValueError, match="int columns"):
+        layout.row_of((1, 2, 3, 4), 0, factors=(0.5,))
+    monkeypatch.setattr(layout, "FACTOR_COUNT", 2)
+    monkeypatch.setattr(layout, "PARAMS", layout.FACTORS + 2)
+    factors = (0.1, -1e-300)
+    rows = [layout.row_of((0, 0, 5, 5), 0, factors=factors) for _ in range(3)]
+    _, params, _ = collate_samples([(torch.zeros(3, 5, 5, dtype=torch.uint8), r, 0) for r in rows])
+    assert params.shape == (3, layout.FACTORS + 2)
+    assert layout.factor_of(params, layout.FACTORS).tolist() == [factors[0]] * 3
+    assert layout.factor_of(params[1], layout.FACTORS + 1).item() == factors[1]
+    with pytest.raises(IndexError):
+        layout.factor_of(params, layout.FLIP)
 
 
 def test_erasing_draws_follow_torchvisions_rule():
     draws = AugmentDraws(32, hflip=0.0, random_erasing=1.0)
     torch.manual_seed(0)
-    boxes = torch.stack([draws(40, 40) for _ in range(500)])[:, 5:9]
+    boxes = torch.stack([draws(40, 40) for _ in range(500)])[:, ERASE]
     top, left, h, w = boxes.T
     assert ((h > 0) & (h < 32) & (w > 0) & (w < 32)).float().mean() > 0.9
     erased = h > 0
@@ -210,14 +236,13 @@ def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset
         cfg = data_config(train, val, image_size=16, seed=3, cache_images=cache)
         dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
         train_set, _, _ = build_datasets(cfg, dist)
-        assert train_set.on_device == (cache == "gpu")
+        assert train_set.source == cache and (train_set.canvas is not None) == (cache == "gpu")
         sampler = EpochSampler(len(train_set), 0, 1, seed=3)
-        canvas = train_set.folder.canvas if train_set.on_device else None
         loader = DeviceBatches(
             make_loader(train_set, sampler, LoaderSpec(8, train=True)),
             train_augmentation(cfg)[1],
             torch.device(device),
-            canvas,
+            train_set.canvas,
         )
         batches[cache] = next(iter(loader))
     images, labels = batches["gpu"]

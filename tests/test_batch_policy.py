@@ -12,21 +12,19 @@ from imgtrainer.data.batch_augment import (
     CROP_TRIES,
     IMAGENET_MEAN,
     IMAGENET_STD,
-    POLICY,
     AugmentDraws,
     BatchAugment,
     collate_samples,
     erase,
 )
 from imgtrainer.data.batch_policy import (
-    COLUMNS,
     GEOMETRIC,
     OPS,
-    SLOTS,
     BatchPolicy,
     autocontrast,
     draw_policy,
 )
+from imgtrainer.data.params import COLUMNS, POLICY, SLOTS
 from imgtrainer.data.sources import seeded_cpu_generator
 from imgtrainer.data.transforms import AUTO_AUGMENT
 from test_batch_augment import smooth_image

@@ -15,7 +15,7 @@ from PIL import Image
 from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches, collate_samples
 from imgtrainer.data.image_files import EXIF_ORIENTATION, nvjpeg_size
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, device_decoder
-from imgtrainer.data.sources import ReadableImageFolder, TrainingSamples
+from imgtrainer.data.sources import ReadableImageFolder, Source, TrainingSamples
 
 HAS_CUDA = torch.cuda.is_available()
 SIZE = 16
@@ -80,7 +80,7 @@ def folder(tmp_path: Path) -> Path:
 
 def both_paths(root: Path, keys):
     draws = AugmentDraws(SIZE, scale=(0.08, 1.0))
-    on_device = TrainingSamples(ReadableImageFolder(root), draws, seed=3, jpeg_bytes=True)
+    on_device = TrainingSamples(ReadableImageFolder(root), draws, seed=3, source=Source.NVJPEG)
     on_cpu = TrainingSamples(ReadableImageFolder(root), draws, seed=3)
     return (
         on_device,
@@ -173,12 +173,33 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
     assert sum("decoding on the CPU from here on" in r.message for r in caplog.records) == 1
 
 
+def test_a_batch_is_decoded_once_and_previewed_as_trained(folder):
+    on_device, *_ = both_paths(folder, KEYS[:7])
+    real, calls = device_decoder("cpu"), []
+
+    def decode(data):
+        calls.append(len(data))
+        return real(data)
+
+    loader = torch.utils.data.DataLoader(
+        on_device, sampler=KEYS[:7], batch_size=7, collate_fn=collate_samples
+    )
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
+    batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
+    images, _ = next(iter(batches))
+    assert calls == [5]  # the five JPEGs that come as bytes, in one call
+    assert torch.equal(batches.preview(KEYS[:7]), images) and calls == [5, 5]
+
+
 def test_cache_sources_never_hand_over_bytes(folder):
-    from imgtrainer.data.sources import DecodedImageCache
+    from imgtrainer.data.sources import DecodedImageCache, choose_source
 
     cache = DecodedImageCache(ReadableImageFolder(folder), SIZE)
-    samples = TrainingSamples(cache, AugmentDraws(SIZE), seed=0, jpeg_bytes=True)
-    assert not samples.jpeg_bytes and isinstance(samples[(0, 0)][0], torch.Tensor)
+    with pytest.raises(ValueError, match="images from nvjpeg do not fit a DecodedImageCache"):
+        TrainingSamples(cache, AugmentDraws(SIZE), seed=0, source=Source.NVJPEG)
+    cuda = torch.device("cuda")
+    assert [choose_source(c, cuda) for c in ("gpu", "ram", "none")] == ["gpu", "ram", "nvjpeg"]
+    assert choose_source("none", torch.device("cpu")) is Source.FILES
 
 
 @pytest.mark.cuda
@@ -219,7 +240,7 @@ def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_f
     for device in ("cpu", "cuda"):  # nothing here touches the device itself
         dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
         sets[device] = build_datasets(cfg, dist)[0]
-    assert sets["cuda"].jpeg_bytes and not sets["cpu"].jpeg_bytes
+    assert (sets["cuda"].source, sets["cpu"].source) == (Source.NVJPEG, Source.FILES)
     keys = [(i, 0) for i in range(len(sets["cuda"]))]
     loader = make_loader(sets["cuda"], keys, LoaderSpec(len(keys), train=True, num_workers=1))
     assert isinstance(next(iter(loader))[0], EncodedBatch)

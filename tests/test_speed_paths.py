@@ -15,14 +15,15 @@ from imgtrainer.config import parse_config
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
-from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder, cache_side
+from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder
+from imgtrainer.data.transforms import eval_resize_side
 
 
 def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
     """Random pixels, so no class can be told by its colour, at the size the cache keeps for
     --image_size 16 (shorter side 19), in both orientations: the cache has nothing to resize,
     and must then hand out exactly the pixels of the uncached path."""
-    side = cache_side(16)
+    side = eval_resize_side(16)
     rng = np.random.default_rng(seed)
     for c in ("a", "b", "c"):
         (root / c).mkdir(parents=True)
@@ -209,6 +210,7 @@ def test_loader_workers_rule():
     assert loader_workers(3, 16, "cuda", "gpu") == 0
     assert loader_workers(None, 16, "cuda", "gpu") == 0
     assert loader_workers(None, 16, "cuda", "files") == 15
+    assert loader_workers(None, 16, "cuda", "nvjpeg") == 15  # files too, JPEGs as bytes
     assert loader_workers(None, 16, "cuda", "ram") == 7
     assert loader_workers(None, 64, "cuda", "files") == 16  # each worker holds its batches
     # 8 GPUs on 16 cores: 2 cores per process, one worker whatever the source.

@@ -17,14 +17,21 @@ from dataclasses import dataclass
 import torch
 
 from imgtrainer.config import TrainConfig
-from imgtrainer.data.batch_policy import COLUMNS, BatchPolicy, draw_policy
+from imgtrainer.data.batch_policy import BatchPolicy, draw_policy
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, split_samples
+from imgtrainer.data.params import (
+    FLIP,
+    HEIGHT,
+    LEFT,
+    NO_ERASE,
+    NO_POLICY,
+    TOP,
+    WIDTH,
+    erase_of,
+    policy_of,
+    row_of,
+)
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
-# Columns of a sample's parameters (one int64 row per sample); from POLICY on, the policy's
-# choices (batch_policy.COLUMNS: op, magnitude bin and sign per op slot; zeros: Identity).
-TOP, LEFT, HEIGHT, WIDTH, FLIP, ERASE_TOP, ERASE_LEFT, ERASE_H, ERASE_W, POLICY = range(10)
-PARAMS = POLICY + COLUMNS
 
 CROP_TRIES = 10  # like torchvision's RandomResizedCrop, then a center crop
 ERASE_TRIES = 10  # like torchvision's RandomErasing, then no erasing
@@ -86,7 +93,7 @@ def erase_box(size: int, u: Sequence[float], p: float) -> tuple[int, int, int, i
 @dataclass(frozen=True)
 class AugmentDraws:
     """The host half: one sample's parameters from torch's CPU generator (which the dataset
-    seeds from (seed, epoch, index)), as an int64 row of ``PARAMS`` values. The crop uses the
+    seeds from (seed, epoch, index)), as its row (``data.params``). The crop uses the
     same uniforms, in the same order, as the per-image crop it replaces; then the ``policy``'s
     (``--auto_augment``) ops, with the calls of torchvision's policy."""
 
@@ -98,14 +105,13 @@ class AugmentDraws:
 
     def __call__(self, height: int, width: int) -> torch.Tensor:
         u = torch.rand(2 * CROP_TRIES + 3).tolist()
-        top, left, h, w = crop_box(height, width, u[:-1], self.scale)
-        row = [top, left, h, w, int(u[-1] < self.hflip), 0, 0, 0, 0] + [0] * COLUMNS
-        if self.policy != "none":
-            row[POLICY:] = draw_policy(self.policy)
+        crop = crop_box(height, width, u[:-1], self.scale)
+        policy = draw_policy(self.policy) if self.policy != "none" else NO_POLICY
+        erase = NO_ERASE
         if self.random_erasing > 0:
             e = torch.rand(1 + 2 * ERASE_TRIES + 2).tolist()
-            row[ERASE_TOP : ERASE_W + 1] = erase_box(self.size, e, self.random_erasing)
-        return torch.tensor(row, dtype=torch.int64)
+            erase = erase_box(self.size, e, self.random_erasing)
+        return row_of(crop, int(u[-1] < self.hflip), erase, policy)
 
 
 def resample_taps(start: torch.Tensor, length: torch.Tensor, size: int, taps: int):
@@ -198,7 +204,7 @@ class BatchAugment:
         images = self.resample(pixels, params)
         if self.policy is not None:  # its choices read on the host: no device sync
             images = images.round_().clamp_(0, 255).to(torch.uint8)
-            images = self.policy(images, params[:, POLICY:]).float()
+            images = self.policy(images, policy_of(params)).float()
         params = params.to(pixels.device, non_blocking=True)
         mean, std = self.normaliser(images.device)
         images = images.div_(255).sub_(mean).div_(std)
@@ -210,9 +216,9 @@ def erase(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     torchvision's recipe); samples with an empty rectangle are untouched."""
     size = images.shape[-1]
     at = torch.arange(size, device=images.device)
-    top, left = params[:, ERASE_TOP, None], params[:, ERASE_LEFT, None]
-    rows = (at >= top) & (at < top + params[:, ERASE_H, None])  # (N, size)
-    cols = (at >= left) & (at < left + params[:, ERASE_W, None])
+    top, left, height, width = erase_of(params)[:, :, None].unbind(1)
+    rows = (at >= top) & (at < top + height)  # (N, size)
+    cols = (at >= left) & (at < left + width)
     mask = rows[:, None, :, None] & cols[:, None, None, :]
     return images.masked_fill_(mask, 0.0)
 
@@ -289,20 +295,21 @@ class DeviceBatches:
 
     def __iter__(self):
         for pixels, params, labels in self.loader:
-            if isinstance(pixels, EncodedBatch):
-                pixels, params, labels = self.jpegs(pixels, params, labels)
-            yield self.apply(pixels, params), labels.to(self.device, non_blocking=True)
+            yield self.apply(pixels, params, labels)
 
-    def apply(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        if isinstance(pixels, EncodedBatch):
-            pixels, params, _ = self.jpegs(pixels, params, torch.zeros(len(params)))
+    def apply(
+        self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One collated batch -> (its augmented images, its labels) on the device."""
+        if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
+            pixels, params, labels = self.jpegs(pixels, params, labels)
         if self.cache is not None:  # indices of images already on the device
             pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
         else:
             pixels = pixels.to(self.device, non_blocking=True)
-        return self.augment(pixels, params)  # the parameters stay on the host until used
+        images = self.augment(pixels, params)  # the parameters stay on the host until used
+        return images, labels.to(self.device, non_blocking=True)
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""
-        pixels, params, _ = collate_samples([self.loader.dataset[key] for key in keys])
-        return self.apply(pixels, params)
+        return self.apply(*collate_samples([self.loader.dataset[key] for key in keys]))[0]

@@ -15,6 +15,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
 
+from imgtrainer.data.params import BIN, COLUMNS, NEGATIVE, OP, SLOTS, slot_of
 from imgtrainer.data.transforms import AUTO_AUGMENT
 
 # Two torchvision privates, _get_inverse_affine_matrix and the policies' _AUGMENTATION_SPACE, give
@@ -27,11 +28,9 @@ OPS = (
     *("AutoContrast", "Equalize"),
 )
 GEOMETRIC = range(1, 6)  # ShearX .. Rotate: one batched affine for all of them
-SLOTS = 2  # ops per sample at most: TrivialAugment applies 1, RandAugment (num_ops=2) 2
-OP, BIN, NEGATIVE = range(3)  # a slot's columns: op index, magnitude bin, 1 where negated
-COLUMNS = 3 * SLOTS
 
-# Per-sample values of one slot, as float32 columns moved to the device together.
+# What one slot's ops need per sample, worked out on the host from the row's choices (not
+# drawn: no home in the row), as float32 columns moved to the device together.
 FACTOR, ALPHA, THRESHOLD, MASK = range(4)  # 1 + m and 1 - (1 + m); 255 m; posterize's bits
 THETA = 4  # and six more: the affine ops' inverse matrix
 VALUES = THETA + 6
@@ -110,22 +109,26 @@ def slot_values(ops: list[int], magnitudes: list[float], size: int) -> torch.Ten
     return torch.tensor(rows, dtype=torch.float64).view(-1, VALUES).float()
 
 
-def per_image(values: torch.Tensor, column: int) -> torch.Tensor:
-    """One column of the group's values, shaped (n, 1, 1, 1) to broadcast over its images."""
-    return values[:, column].view(-1, 1, 1, 1)
+def per_image(values: torch.Tensor) -> torch.Tensor:
+    """One value per sample (n,), shaped (n, 1, 1, 1) to broadcast over its images."""
+    return values.view(-1, 1, 1, 1)
 
 
-def blend(images: torch.Tensor, other: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """torchvision's ``_blend`` with per-sample ratios: ``images * r + other * (1 - r)``, where
-    its ``add_(alpha=)`` rounds once (a fused multiply-add): done exactly in float64."""
-    alpha = per_image(values, ALPHA).double()
-    scaled = images.float().mul_(per_image(values, FACTOR)).double()
-    return scaled.add_(other.double().mul_(alpha)).float().clamp_(0, 255).to(torch.uint8)
+def blend(
+    images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
+    """torchvision's ``_blend`` with per-sample ratios (n,) float32: ``images * factor + other *
+    alpha``, alpha = 1 - factor, where its ``add_(alpha=)`` rounds once (a fused multiply-add):
+    done exactly in float64."""
+    scaled = images.float().mul_(per_image(factor)).double()
+    other = other.double().mul_(per_image(alpha).double())
+    return scaled.add_(other).float().clamp_(0, 255).to(torch.uint8)
 
 
-def sharpen(images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def sharpen(images: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """torchvision's ``adjust_sharpness`` with per-sample factors: the inside pixels moved
-    towards the rounded 3x3 blur (13ths, 5 in the middle) by 1 - factor; the border kept."""
+    towards the rounded 3x3 blur (13ths, 5 in the middle) by ``alpha`` (n,) = 1 - factor; the
+    border kept."""
     if images.shape[-1] <= 2:
         return images
     kernel = torch.full((3, 3), 1.0 / 13.0, device=images.device)
@@ -133,7 +136,7 @@ def sharpen(images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     out = images.float()
     blurred = F.conv2d(out, kernel.expand(3, 1, 3, 3), groups=3).round_()
     inside = out[..., 1:-1, 1:-1]
-    alpha = per_image(values, ALPHA).double()  # 1 - factor, fused as in blend
+    alpha = per_image(alpha).double()  # fused as in blend
     moved = blurred.sub_(inside).double().mul_(alpha).add_(inside.double())
     inside.copy_(moved.float())
     return out.clamp_(0, 255).to(torch.uint8)
@@ -163,12 +166,12 @@ class BatchPolicy:
 
     def magnitudes(self, choices: torch.Tensor, slot: int) -> torch.Tensor:
         """(N,) float64: each sample's signed magnitude in ``slot``, as torchvision's float."""
-        ops, bins, negative = choices[:, 3 * slot : 3 * slot + 3].T
+        ops, bins, negative = slot_of(choices, slot).T
         return self.table[ops, bins] * (1 - 2 * negative)
 
     def __call__(self, images: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
         for slot in range(self.num_ops):
-            ops = choices[:, 3 * slot + OP]
+            ops = slot_of(choices, slot)[:, OP]
             values = slot_values(ops.tolist(), self.magnitudes(choices, slot).tolist(), self.size)
             order = torch.argsort(ops, stable=True)
             counts = torch.bincount(ops, minlength=len(OPS)).tolist()
@@ -190,20 +193,21 @@ class BatchPolicy:
         """One op on a group of uint8 images, with their per-sample ``values`` rows."""
         if op == "affine":
             return self.affine(images, values[:, THETA:])
+        factor, alpha = values[:, FACTOR], values[:, ALPHA]
         if op == "Brightness":
-            scaled = images.float().mul_(per_image(values, FACTOR))
+            scaled = images.float().mul_(per_image(factor))
             return scaled.clamp_(0, 255).to(torch.uint8)
-        if op == "Color":
-            return blend(images, TF.rgb_to_grayscale(images).float(), values)  # floored grey
+        if op == "Color":  # towards the floored grey
+            return blend(images, TF.rgb_to_grayscale(images).float(), factor, alpha)
         if op == "Contrast":
             grey = TF.rgb_to_grayscale(images).float()
-            return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), values)
+            return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), factor, alpha)
         if op == "Sharpness":
-            return sharpen(images, values)
+            return sharpen(images, alpha)
         if op == "Posterize":
-            return images.bitwise_and_(per_image(values, MASK).to(torch.uint8))
+            return images.bitwise_and_(per_image(values[:, MASK]).to(torch.uint8))
         if op == "Solarize":  # compared in float32, as uint8 >= a Python float is
-            flip = images.float() >= per_image(values, THRESHOLD)
+            flip = images.float() >= per_image(values[:, THRESHOLD])
             return torch.where(flip, images.bitwise_not(), images)
         if op == "AutoContrast":
             return autocontrast(images)

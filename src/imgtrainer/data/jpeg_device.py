@@ -14,10 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from imgtrainer.data.params import crop_of, crop_size_of, set_whole_crop
 
-# The parameters' crop-box columns (batch_augment's TOP, LEFT, HEIGHT, WIDTH).
-TOP, LEFT, HEIGHT, WIDTH = range(4)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,19 +117,18 @@ class JpegDecoder:
         if batch.canvas is not None:
             canvas = batch.canvas.to(self.device, non_blocking=True)
             for i, row in enumerate(batch.pixel_rows):
-                h, w = params[row, HEIGHT : WIDTH + 1].tolist()
+                h, w = crop_size_of(params[row]).tolist()
                 pieces[row] = canvas[i, :, :h, :w]
         decoded = self.decode_all([jpeg.data for jpeg in batch.jpegs])
         for jpeg, row, image in zip(batch.jpegs, batch.jpeg_rows, decoded, strict=True):
-            top, left, h, w = params[row, : WIDTH + 1].tolist()
+            top, left, h, w = crop_of(params[row]).tolist()
             if image is None or image.shape[-2] < top + h or image.shape[-1] < left + w:
                 pixels, params[row], labels[row] = self.fallback(jpeg.key)
                 pieces[row] = pixels.to(self.device)
                 continue
             crop = image[:, top : top + h, left : left + w]
             pieces[row] = shrink(crop, min(h, w) // (2 * self.size))
-            params[row, TOP : LEFT + 1] = 0
-            params[row, HEIGHT : WIDTH + 1] = torch.tensor(pieces[row].shape[-2:])
+            set_whole_crop(params[row], *pieces[row].shape[-2:])
         return place(pieces, len(labels), self.device), params, labels
 
 

@@ -22,7 +22,12 @@ from imgtrainer.config import (
     optimizer_batch,
 )
 from imgtrainer.data.balance import class_counts, imbalance_note
-from imgtrainer.data.batch_augment import DeviceBatches, collate_samples, train_augmentation
+from imgtrainer.data.batch_augment import (
+    AugmentDraws,
+    DeviceBatches,
+    collate_samples,
+    train_augmentation,
+)
 from imgtrainer.data.checks import check_batch_fits, check_data_folders, check_device_options
 from imgtrainer.data.jpeg_device import JpegDecoder
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
@@ -31,8 +36,10 @@ from imgtrainer.data.sources import (
     DecodedImageCache,
     ReadableImageFolder,
     SeededImageDataset,
+    Source,
     TrainingSamples,
     choose_cache,
+    choose_source,
 )
 from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
@@ -64,37 +71,32 @@ MAX_LOADER_WORKERS = 16
 
 
 def loader_workers(
-    requested: int | None, cores_per_process: int, device_type: str = "cuda", source: str = "files"
+    requested: int | None,
+    cores_per_process: int,
+    device_type: str,
+    source: Source | str = Source.FILES,
 ) -> int:
     """Loader worker processes per training process: ``--num_workers`` when given, else sized to
     this process's share of the cores and to what its ``source`` leaves the workers to do.
 
     "gpu" (images cached on the device): none, the main process makes the batches there (and
     a forked worker must not touch CUDA). With a GPU, one core stays with the main process to
-    drive it and the others decode: "files" gets all of them (JPEG decoding is the costliest
-    per-image work), "ram" (decoded images in memory) half, and either at least one so the
-    data overlaps the step. On the CPU the model's threads already use every core: images in
-    memory are cheapest to augment in the training process itself, files get up to 4."""
-    if source == "gpu":
+    drive it and the others decode: files ("files", "nvjpeg") get all of them (JPEG decoding
+    is the costliest per-image work), "ram" (decoded images in memory) half, and either at
+    least one so the data overlaps the step. On the CPU the model's threads already use every
+    core: images in memory are cheapest to augment in the training process itself, files get
+    up to 4."""
+    source = Source(source)
+    if source is Source.GPU:
         return 0
     if requested is not None:
         return requested
     if cores_per_process < 1:  # more processes than cores: workers would only queue
         return 0
     if device_type == "cpu":
-        return 0 if source == "ram" else min(4, cores_per_process)
+        return min(4, cores_per_process) if source.workers_decode else 0
     spare = max(1, cores_per_process - 1)
-    return min(MAX_LOADER_WORKERS, spare if source == "files" else max(1, spare // 2))
-
-
-def data_source(folder: object) -> str:
-    """Where the training images come from, as ``loader_workers`` reads it: "gpu" or "ram" for
-    a decoded-image cache on that device, "files" otherwise."""
-    if not isinstance(folder, DecodedImageCache):
-        return "files"
-    images = getattr(folder, "images", None)
-    device = getattr(folder, "device", None) or (images[0].device if images else "cpu")
-    return "gpu" if torch.device(device).type == "cuda" else "ram"
+    return min(MAX_LOADER_WORKERS, spare if source.workers_decode else max(1, spare // 2))
 
 
 def quiet_loader_worker(worker_id: int) -> None:
@@ -154,6 +156,7 @@ def build_datasets(
     cfg: TrainConfig,
     dist: DistInfo,
     *,
+    draws: AugmentDraws | None = None,
     cache_budget_bytes: int = 0,
     threads: int = 4,
     device_budget_bytes: int = 0,
@@ -163,7 +166,8 @@ def build_datasets(
     ``--cache_images`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``,
     on ``dist.device`` for "gpu"), which is the check; "auto" means "gpu" when the decoded
     images fit in ``device_budget_bytes``, else "ram" when they fit in ``cache_budget_bytes``.
-    ``threads`` decode the images to cache."""
+    ``threads`` decode the images to cache. Here the training images' ``Source`` is decided,
+    once. ``draws``: the host half of ``train_augmentation(cfg)`` (made here when not given)."""
     train_dir, val_dir, log_dir = Path(cfg.train_dir), Path(cfg.val_dir), Path(cfg.log_dir)
     class_names = check_data_folders(train_dir, val_dir)
     folders = {
@@ -184,6 +188,7 @@ def build_datasets(
     if least != cache:
         cache, why = least, f"{why}, but another rank can only use {least}"
     log.info(f"Image cache: {cache} ({why})")
+    source = choose_source(cache, dist.device)  # where the training images are, decided once
     if cache == "none":
         leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         train_folder, val_folder = folders["training"], folders["validation"]
@@ -191,7 +196,7 @@ def build_datasets(
         # Caching decodes every image anyway: that decoding is the check, instead of a decode
         # check first and a second decoding of every image after it.
         started = time.perf_counter()
-        cache_device = str(dist.device) if cache == "gpu" else "cpu"
+        cache_device = str(dist.device) if source is Source.GPU else "cpu"
         train_folder, val_folder = cache_decoded(
             folders, cfg.image_size, cache_device, threads, log_dir, cfg.eval_resize_ratio
         )
@@ -201,9 +206,9 @@ def build_datasets(
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )
-    # Files on CUDA: JPEGs are decoded on the device (nvjpeg), the rest in the loader workers.
-    jpeg_bytes = cache == "none" and dist.device.type == "cuda"
-    train_set = TrainingSamples(train_folder, train_augmentation(cfg)[0], cfg.seed, jpeg_bytes)
+    if draws is None:
+        draws, _ = train_augmentation(cfg)
+    train_set = TrainingSamples(train_folder, draws, cfg.seed, source)
     val_set = SeededImageDataset(
         val_folder, eval_transforms(cfg.image_size, cfg.eval_resize_ratio), cfg.seed
     )
@@ -265,6 +270,7 @@ def device_cache_budget(cfg: TrainConfig, dist: DistInfo) -> int:
 
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
     check_device_options(cfg, dist.device.type)
+    draws, augment = train_augmentation(cfg)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM,
     # or GPU_CACHE_SHARE of its share of the free device memory.
@@ -272,16 +278,17 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     train_set, val_set, class_names = build_datasets(
         cfg,
         dist,
+        draws=draws,
         cache_budget_bytes=budget,
         threads=cores,
         device_budget_bytes=device_cache_budget(cfg, dist),
     )
     check_batch_fits(len(train_set), cfg, dist.world_size)
     train_sampler = build_train_sampler(cfg, train_set.folder.targets, class_names, dist)
-    source = data_source(train_set.folder)
+    source = train_set.source
     workers = loader_workers(cfg.num_workers, cores, dist.device.type, source)
-    pin = dist.device.type == "cuda" and source != "gpu"
-    chosen = cfg.num_workers is None or source == "gpu"
+    pin = dist.device.type == "cuda" and source.host_batches
+    chosen = cfg.num_workers is None or source is Source.GPU
     log.info(
         f"Loader: {workers} worker(s) per process, images from {source} "
         + (
@@ -294,11 +301,16 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     # engine runs as separate forward/backward passes. Loading them together keeps the sample
     # order and the resume position independent of how a step is split.
     train_spec = LoaderSpec(
-        optimizer_batch(cfg), True, workers, pin, prefetch_factor=cfg.prefetch_factor
+        optimizer_batch(cfg),
+        True,
+        workers,
+        pin,
+        prefetch_factor=cfg.prefetch_factor,
+        mean=augment.mean,
+        std=augment.std,
     )
-    canvas = train_set.folder.canvas if train_set.on_device else None
     jpegs = None
-    if train_set.jpeg_bytes:
+    if source is Source.NVJPEG:
         jpegs = JpegDecoder(dist.device, cfg.image_size, train_set.pixel_sample)
         log.info(
             "JPEG decode on the GPU (nvjpeg); on the CPU in the loader workers for other "
@@ -307,9 +319,9 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         )
     train_loader = DeviceBatches(
         make_loader(train_set, train_sampler, train_spec),
-        train_augmentation(cfg, train_spec.mean, train_spec.std)[1],
+        augment,
         dist.device,
-        canvas,
+        train_set.canvas,
         jpegs,
     )
     val_loader = make_loader(

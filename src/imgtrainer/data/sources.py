@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -23,9 +24,42 @@ from imgtrainer.data.image_files import (
     open_rgb,
 )
 from imgtrainer.data.jpeg_device import JpegBytes
+from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 
 log = logging.getLogger(__name__)
+
+
+class Source(enum.StrEnum):
+    """Where the training images are, decided once (``choose_source``) when the datasets are
+    built and carried by ``TrainingSamples``: what a sample hands over, what the loader
+    workers do, and what ``DeviceBatches`` does with a batch follow from it."""
+
+    GPU = "gpu"  # decoded once into one canvas on the training device: samples are its indices
+    RAM = "ram"  # decoded once into host memory: samples are pixels
+    FILES = "files"  # read and decoded by the loader workers every epoch: samples are pixels
+    # Files on CUDA: a JPEG that nvjpeg_size passes comes as its bytes, decoded on the device
+    # (JpegDecoder); other files as FILES.
+    NVJPEG = "nvjpeg"
+
+    @property
+    def workers_decode(self) -> bool:
+        """Whether the loader workers read (and mostly decode) files."""
+        return self in (Source.FILES, Source.NVJPEG)
+
+    @property
+    def host_batches(self) -> bool:
+        """Whether batches are made in host memory and copied to the device (pinned on CUDA)."""
+        return self is not Source.GPU
+
+
+def choose_source(cache: str, device: torch.device) -> Source:
+    """The source of ``--cache_images`` ``cache`` ("gpu", "ram" or "none") for training on
+    ``device``: a cache on the device, or files with JPEGs decoded there, need CUDA."""
+    cuda = torch.device(device).type == "cuda"
+    if cache == "none":
+        return Source.NVJPEG if cuda else Source.FILES
+    return Source.GPU if cache == "gpu" and cuda else Source.RAM
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -62,12 +96,13 @@ class SeededImageDataset(Dataset):
 
 
 class TrainingSamples(Dataset):
-    """Training samples by ``(index, epoch)`` keys from ``EpochSampler``, for ``BatchAugment``:
-    each item is (uint8 pixels of the sample's crop box, its parameters with the box now the
-    whole of those pixels, label), or, for images cached on the device, (index into the cache,
-    parameters with the box in the cached image, label). With ``jpeg_bytes`` (files, on CUDA),
-    a JPEG that ``nvjpeg_size`` passes comes as (``JpegBytes``, parameters with the box in the
-    whole image, label), decoded and cropped on the device (``JpegDecoder``).
+    """Training samples by ``(index, epoch)`` keys from ``EpochSampler``, for ``BatchAugment``,
+    as its ``source`` hands them over: (uint8 pixels of the sample's crop box, its parameters
+    with the box now the whole of those pixels, label); for ``Source.GPU`` (``folder`` a
+    ``DecodedImageCache`` on the device), (index into its canvas, parameters with the box in
+    the cached image, label); for ``Source.NVJPEG``, a JPEG that ``nvjpeg_size`` passes as
+    (``JpegBytes``, parameters with the box in the whole image, label), decoded and cropped on
+    the device (``JpegDecoder``).
 
     ``draws`` runs with the CPU generator seeded from (seed, epoch, index), so the augmentation
     of a sample is the same in any worker and on any number of ranks; the process's own random
@@ -78,11 +113,17 @@ class TrainingSamples(Dataset):
         folder: datasets.ImageFolder | DecodedImageCache,
         draws,
         seed: int,
-        jpeg_bytes: bool = False,
+        source: Source = Source.FILES,
     ):
-        self.folder, self.draws, self.seed = folder, draws, seed
-        self.on_device = isinstance(folder, DecodedImageCache) and folder.canvas is not None
-        self.jpeg_bytes = jpeg_bytes and not isinstance(folder, DecodedImageCache)
+        cached = isinstance(folder, DecodedImageCache)
+        if (source is Source.GPU and not cached) or (source is Source.NVJPEG and cached):
+            raise ValueError(f"images from {source} do not fit a {type(folder).__name__}")
+        self.folder, self.draws, self.seed, self.source = folder, draws, seed, source
+
+    @property
+    def canvas(self) -> torch.Tensor | None:
+        """For ``Source.GPU``, the device canvas the samples index; else None."""
+        return self.folder.canvas if self.source is Source.GPU else None
 
     def __len__(self) -> int:
         return len(self.folder)
@@ -90,25 +131,39 @@ class TrainingSamples(Dataset):
     def __getitem__(
         self, key: tuple[int, int]
     ) -> tuple[torch.Tensor | int | JpegBytes, torch.Tensor, int]:
-        index, epoch = key
-        if self.on_device:  # only the sizes are read on the host
-            height, width = self.folder.sizes[index]
-            with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
-                return index, self.draws(height, width), self.folder.targets[index]
-        if self.jpeg_bytes:
-            path, label = self.folder.samples[index]
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError:  # gone since the start-up check: the CPU path handles it
-                data = b""
-            size = nvjpeg_size(data)
-            if size is not None:
-                with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
-                    params = self.draws(*size)
-                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return JpegBytes(raw, (index, epoch)), params, label
+        if self.source is Source.GPU:
+            return self.cached_sample(key)
+        if self.source is Source.NVJPEG:
+            sample = self.jpeg_sample(key)
+            if sample is not None:
+                return sample
         return self.pixel_sample(key)
+
+    def cached_sample(self, key: tuple[int, int]) -> tuple[int, torch.Tensor, int]:
+        """A sample on the device: (its index into the canvas, its parameters, label); only its
+        size is read on the host."""
+        index, epoch = key
+        height, width = self.folder.sizes[index]
+        with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+            return index, self.draws(height, width), self.folder.targets[index]
+
+    def jpeg_sample(self, key: tuple[int, int]) -> tuple[JpegBytes, torch.Tensor, int] | None:
+        """A JPEG the device can decode, as its bytes: (``JpegBytes``, its parameters, label);
+        None for any other file."""
+        index, epoch = key
+        path, label = self.folder.samples[index]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:  # gone since the start-up check: the CPU path handles it
+            data = b""
+        size = nvjpeg_size(data)
+        if size is None:
+            return None
+        with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
+            params = self.draws(*size)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return JpegBytes(raw, (index, epoch)), params, label
 
     def pixel_sample(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The sample decoded on the CPU: (uint8 pixels of its crop, its parameters, label)."""
@@ -117,7 +172,7 @@ class TrainingSamples(Dataset):
         size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
         with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
             params = self.draws(*size)
-        top, left, h, w = params[:4].tolist()
+        top, left, h, w = crop_of(params).tolist()
         if isinstance(image, Image.Image):
             # A crop many times the output size (large photos) is first shrunk by an integer
             # factor, averaging blocks (PIL's reduce): the batch canvas stays small.
@@ -127,8 +182,7 @@ class TrainingSamples(Dataset):
             pixels = v2.functional.pil_to_tensor(image)
         else:
             pixels = image[:, top : top + h, left : left + w]
-        params[:2] = 0  # the pixels handed over are the crop itself
-        params[2:4] = torch.tensor(pixels.shape[-2:])
+        set_whole_crop(params, *pixels.shape[-2:])  # the pixels handed over are the crop itself
         return pixels, params, label
 
 
@@ -171,7 +225,7 @@ class DecodedImageCache(Dataset):
         threads: int = 4,
         ratio: float = EVAL_RESIZE_RATIO,
     ):
-        side = cache_side(image_size, ratio)
+        side = eval_resize_side(image_size, ratio)
         problems: dict[str, str] = {}  # path -> why it does not decode
 
         def decode(path: str) -> torch.Tensor | None:
@@ -198,9 +252,8 @@ class DecodedImageCache(Dataset):
         self.targets = [target for _, target in self.samples]
         self.unreadable = problems  # left out here; build_datasets reports them once
         self.sizes = [tuple(image.shape[-2:]) for image in self.images]
-        self.canvas: torch.Tensor | None = None
-        self.on_gpu = torch.device(device).type == "cuda"
-        if self.on_gpu:
+        self.canvas: torch.Tensor | None = None  # on CUDA, pack() puts the images in one
+        if torch.device(device).type == "cuda":
             self.pack()
 
     def pack(self) -> None:
@@ -241,10 +294,6 @@ class DecodedImageCache(Dataset):
         return sum(image.numel() for image in self.images)
 
 
-def cache_side(image_size: int, ratio: float = EVAL_RESIZE_RATIO) -> int:
-    return eval_resize_side(image_size, ratio)
-
-
 # --cache_images auto: the share of the free device memory the GPU cache may take (the model,
 # its activations and the batch's float copies need the rest).
 GPU_CACHE_SHARE = 0.25
@@ -258,7 +307,7 @@ def choose_cache(
     ``device_budget_bytes``, else RAM when the packed images fit ``budget_bytes``, else none."""
     if cache != "auto":
         return cache, f"--cache_images {cache}"
-    side = cache_side(image_size)
+    side = eval_resize_side(image_size)
     packed = num_images * 3 * side**2 * 4 // 3
     canvas = num_images * 3 * math.ceil(side * 4 / 3) ** 2
     if 0 < canvas <= device_budget_bytes:
