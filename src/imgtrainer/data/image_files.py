@@ -14,6 +14,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
@@ -113,8 +114,7 @@ def image_problem(path: str) -> str | None:
     try:
         open_rgb(path, draft=CHECK_DRAFT_SIZE)
     except Exception as err:  # any failure of a decoder on a user's file means "unreadable"
-        text = str(err).splitlines()[0] if str(err) else ""
-        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+        return first_line(err)
     return None
 
 

@@ -58,6 +58,7 @@ from imgtrainer.distributed.setup import (
     cpu_cores_available,
     memory_share,
 )
+from imgtrainer.files import format_bytes
 from imgtrainer.process import STOP_SIGNALS, die_with_parent
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def build_datasets(
         )
         log.info(
             f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
-            f"({(train_folder.nbytes + val_folder.nbytes) / 2**20:.0f} MiB, "
+            f"({format_bytes(train_folder.nbytes + val_folder.nbytes, 'MiB', 0)}, "
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )

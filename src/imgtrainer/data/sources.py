@@ -26,6 +26,8 @@ from imgtrainer.data.image_files import (
 from imgtrainer.data.jpeg_device import JpegBytes
 from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
+from imgtrainer.errors import first_line
+from imgtrainer.files import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +234,7 @@ class DecodedImageCache(Dataset):
             try:
                 image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
             except Exception as err:  # any decoder failure on a user's file: leave it out
-                text = str(err).splitlines()[0] if str(err) else ""  # as image_problem
-                problems[path] = f"{type(err).__name__}: {text}" if text else type(err).__name__
+                problems[path] = first_line(err)
                 return None
             scale = side / min(image.size)
             image = image.resize(
@@ -312,13 +313,13 @@ def choose_cache(
     canvas = num_images * 3 * math.ceil(side * 4 / 3) ** 2
     if 0 < canvas <= device_budget_bytes:
         return "gpu", (
-            f"auto: ~{canvas / 2**20:.0f} MiB fit in {GPU_CACHE_SHARE:.0%} of the free device "
+            f"auto: ~{format_bytes(canvas, 'MiB', 0)} fit in {GPU_CACHE_SHARE:.0%} of the free device "
             "memory"
         )
     if packed <= budget_bytes:
         where = "; too large for the device" if device_budget_bytes else ""
-        return "ram", f"auto: ~{packed / 2**20:.0f} MiB fit in the RAM budget{where}"
-    return "none", f"auto: ~{packed / 2**20:.0f} MiB do not fit in the RAM budget"
+        return "ram", f"auto: ~{format_bytes(packed, 'MiB', 0)} fit in the RAM budget{where}"
+    return "none", f"auto: ~{format_bytes(packed, 'MiB', 0)} do not fit in the RAM budget"
 
 
 # ----------------------------------------------------------------------------- unreadable files
