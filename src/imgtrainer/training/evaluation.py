@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from imgtrainer.config import TrainConfig
 from imgtrainer.distributed.collectives import all_reduce_sum, broadcast_buffers
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.distributed.setup import DistInfo
@@ -93,6 +94,12 @@ def evaluation_sums(
             if on_predictions is not None:
                 on_predictions(logits.float(), top[:, 0], targets)
     return all_reduce_sum(sums)
+
+
+def validated(cfg: TrainConfig, epoch: int) -> bool:
+    """Whether epoch ``epoch`` (1-based) is validated: every --val_every_epochs-th, and the
+    last."""
+    return epoch % cfg.val_every_epochs == 0 or epoch == cfg.epochs
 
 
 def validate(model: nn.Module, loader, parts: RunParts, dist: DistInfo) -> dict[str, float]:

@@ -39,7 +39,7 @@ from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import ModelEma, record_metrics
-from imgtrainer.training.evaluation import validate_run
+from imgtrainer.training.evaluation import validate_run, validated
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.mixing import BatchMixer
@@ -100,6 +100,19 @@ def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerCont
     if error is not None:
         raise UserError(error)
     return trackers
+
+
+def runs_out(budget: TimeBudget, at_epoch_end: bool, validation_batches: int | None) -> bool:
+    """--max_time: whether the work up to the next point to stop at, and a checkpoint, no longer
+    fit: after an epoch's last step its validation (of ``validation_batches``; None: the epoch
+    is not validated), else the next step."""
+    if not budget.enabled:
+        return False
+    if not at_epoch_end:
+        return budget.runs_out(budget.step_estimate())
+    validating = validation_batches is not None
+    validation = budget.validation_estimate(validation_batches) if validating else 0.0
+    return budget.runs_out(validation)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -188,14 +201,9 @@ class Trainer:
         instruments named in $IMGTRAINER_HOOKS come last, or before the checkpoint."""
         if len(self.hooks):
             raise RuntimeError("the trainer's hooks are already registered")
-        checkpoints = CheckpointAndStop(
-            self.stop,
-            self.step_done,
-            self.save_checkpoint,
-            self.steps_per_epoch,
-            self.cfg.save_every_steps,
-        )
-        for hook in (self.ema, PositionKeeper(self.progress), checkpoints, *self.trackers()):
+        steps, every = self.steps_per_epoch, self.cfg.save_every_steps
+        saves = CheckpointAndStop(self.stop, self.step_done, self.save_checkpoint, steps, every)
+        for hook in (self.ema, PositionKeeper(self.progress), saves, *self.trackers()):
             self.hooks.register(hook)
         for hook in declared_hooks(self):
             self.hooks.register(hook, before=CheckpointAndStop if hook.before_checkpoint else None)
@@ -249,7 +257,7 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
-        val = self.validate_epoch() if self.validates(self.epoch + 1) else {}
+        val = self.validate_epoch() if validated(self.cfg, self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
@@ -265,11 +273,6 @@ class Trainer:
         note = best_note(self.best.state, self.ema.enabled) if is_best else ""
         log.info(epoch.line(self.cfg.epochs) + note)
         return True
-
-    def validates(self, epoch: int) -> bool:
-        """Whether epoch ``epoch`` (1-based) is validated: every --val_every_epochs-th, and the
-        last."""
-        return epoch % self.cfg.val_every_epochs == 0 or epoch == self.cfg.epochs
 
     def validate_epoch(self) -> dict[str, float]:
         """The epoch's validation metrics (``validate_run``), timed for --max_time."""
@@ -323,13 +326,5 @@ class Trainer:
     def time_runs_out(self, at_epoch_end: bool) -> bool:
         """--max_time: whether the work up to the next point to stop at, and a checkpoint, no
         longer fit: after an epoch's last step its validation, else the next step."""
-        if not self.budget.enabled:
-            return False
-        if not at_epoch_end:
-            return self.budget.runs_out(self.budget.step_estimate())
-        validation = (
-            self.budget.validation_estimate(len(self.val_loader))
-            if self.validates(self.epoch + 1)
-            else 0.0
-        )
-        return self.budget.runs_out(validation)
+        validation = at_epoch_end and validated(self.cfg, self.epoch + 1)
+        return runs_out(self.budget, at_epoch_end, len(self.val_loader) if validation else None)
