@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgtrainer.config import TRACKERS, tracker_names
+from imgtrainer.config import TRACKERS, TrainConfig, tracker_names
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 
@@ -31,7 +31,7 @@ RUN_IDS_FILE = "tracker_runs.json"
 class TrackerContext:
     """What a tracker needs from the run (the trainer builds it after resuming)."""
 
-    cfg: Any  # run.config.TrainConfig
+    cfg: TrainConfig
     log_dir: Path
     start_step: int  # the run's global step at its start: 0 for a new run
     steps_per_epoch: int
