@@ -159,12 +159,10 @@ def _agreement_worker(rank: int, port: int, out: Path) -> None:
         stop.signum = signal.SIGTERM if rank == 0 else None
         results["signal"] = (stop.agreed(time_up=rank == 1), stop.exit_code)
         # The ranks' metrics differ (they never should): the main process's verdict holds.
-        trainer = Trainer.__new__(Trainer)
-        trainer.best = BestTracker(TrainConfig(early_stopping_patience=1))
-        trainer.dist = type("Dist", (), {"is_distributed": True})()
-        trainer.update_best(record(1, val_acc=0.5))
-        is_best = trainer.update_best(record(2, val_acc=0.4 if rank == 0 else 0.9))
-        results["best"] = (is_best, trainer.best.state.epoch, trainer.best.should_stop)
+        best = BestTracker(TrainConfig(early_stopping_patience=1))
+        best.agree(record(1, val_acc=0.5), distributed=True)
+        is_best = best.agree(record(2, val_acc=0.4 if rank == 0 else 0.9), distributed=True)
+        results["best"] = (is_best, best.state.epoch, best.should_stop)
         (out / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

@@ -17,7 +17,6 @@ import torch
 
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.train as train_ddp
-import imgtrainer.training.trainer as trainer_module
 from conftest import (
     ROOT,
     TINY_FLAGS,
@@ -32,11 +31,14 @@ from imgtrainer.checkpoints.resume import changed_settings
 from imgtrainer.config import TrainConfig, choose_layout, parse_config
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.errors import UserError
+from imgtrainer.hooks import HOOKS_ENV, Hook
 from imgtrainer.process import TorchrunEnv
 
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
-from sitecustomize import RECORD_ENV, install_recorder  # noqa: E402
+from sitecustomize import RECORD_ENV  # noqa: E402
+
+PREEMPT_ENV = "PREEMPT_AT"
 
 # ----------------------------------------------------------------------------- the sampler
 
@@ -213,33 +215,34 @@ def launch(workdir: Path, flags: list, env: dict, *launcher_flags: str):
     )
 
 
+def preempt_hook(trainer):
+    """SIGUSR1 (SLURM's warning) after step STEP of epoch EPOCH (from 0), as $PREEMPT_AT
+    "EPOCH:STEP" says: the preemption a stop saves for."""
+    stop_at = tuple(int(part) for part in os.environ[PREEMPT_ENV].split(":"))
+
+    class Preempt(Hook):
+        before_checkpoint = True
+
+        def on_step_end(self, info) -> bool:
+            if (trainer.epoch, info.step) == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return False
+
+    return Preempt()
+
+
 def run_recorded(
     flags: list, workdir: Path, monkeypatch, stop_at: tuple[int, int] | None = None
 ) -> int:
     """``run_train`` with the index recorder; ``stop_at`` (epoch from 0, step): a SIGTERM
     there, the preemption a stop saves for."""
     with monkeypatch.context() as patch:
-        patch.setattr(
-            trainer_module.Trainer, "register_hooks", trainer_module.Trainer.register_hooks
-        )
-        install_recorder(trainer_module, str(workdir))
+        patch.setenv(RECORD_ENV, str(workdir))
+        hooks = ["sitecustomize:record_indices"]
         if stop_at is not None:
-            register = trainer_module.Trainer.register_hooks
-
-            class Preempt(trainer_module.Hook):
-                def __init__(self, trainer):
-                    self.trainer = trainer
-
-                def on_step_end(self, info) -> bool:
-                    if (self.trainer.epoch, info.step) == stop_at:
-                        os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning
-                    return False
-
-            def with_preempt(self) -> None:
-                register(self)
-                self.hooks.register(Preempt(self), before=trainer_module.CheckpointAndStop)
-
-            patch.setattr(trainer_module.Trainer, "register_hooks", with_preempt)
+            patch.setenv(PREEMPT_ENV, f"{stop_at[0]}:{stop_at[1]}")
+            hooks.append(f"{__name__}:preempt_hook")
+        patch.setenv(HOOKS_ENV, ",".join(hooks))
         return run_train([str(a) for a in flags], workdir)
 
 

@@ -79,8 +79,38 @@ def test_only_enabled_hooks_that_implement_a_point_are_selected():
 
 
 def test_the_trainers_per_step_work_is_made_of_hooks():
+    from imgtrainer.checkpoints.periodic import CheckpointAndStop, PositionKeeper
+    from imgtrainer.reports.trackers.tensorboard_tracker import Tracker as TensorBoard
     from imgtrainer.training.ema import ModelEma
-    from imgtrainer.training.trainer import CheckpointAndStop, PositionKeeper, TensorBoardHook
 
-    for cls in (ModelEma, PositionKeeper, CheckpointAndStop, TensorBoardHook, ProgressBar):
+    for cls in (ModelEma, PositionKeeper, CheckpointAndStop, TensorBoard, ProgressBar):
         assert issubclass(cls, Hook), cls
+
+
+class Marker(Hook):
+    before_checkpoint = True
+
+    def __init__(self, context):
+        self.context = context
+
+
+def marker(context) -> Hook:
+    return Marker(context)
+
+
+def nothing_here(context) -> None:
+    return None
+
+
+def test_declared_hooks_are_made_from_the_environment_in_order(monkeypatch):
+    from imgtrainer.errors import UserError
+    from imgtrainer.hooks import HOOKS_ENV, declared_hooks
+
+    monkeypatch.delenv(HOOKS_ENV, raising=False)
+    assert declared_hooks("trainer") == []
+    monkeypatch.setenv(HOOKS_ENV, f"{__name__}:marker, {__name__}:nothing_here,{__name__}:marker")
+    made = declared_hooks("trainer")
+    assert [type(h) for h in made] == [Marker, Marker] and made[0].context == "trainer"
+    monkeypatch.setenv(HOOKS_ENV, f"{__name__}:missing")
+    with pytest.raises(UserError, match=f"{HOOKS_ENV}: cannot find {__name__}:missing"):
+        declared_hooks("trainer")

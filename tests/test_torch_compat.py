@@ -43,6 +43,18 @@ def test_the_installed_torch_has_the_model_and_optimizer_internals():
     assert scheduler.get_last_lr() == [0.25]
 
 
+def test_the_installed_torch_has_the_batch_norm_and_tensorboard_internals(tmp_path):
+    assert torch_compat.is_batch_norm(nn.BatchNorm2d(2))
+    assert torch_compat.is_batch_norm(nn.SyncBatchNorm(2))
+    assert not torch_compat.is_batch_norm(nn.LayerNorm(2))
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        assert hasattr(torch_compat.summary_file_writer(writer), "add_summary")
+    with pytest.raises(torch_compat.MissingTorchInternal, match="_get_file_writer"):
+        torch_compat.summary_file_writer(object())
+
+
 def test_the_installed_torch_has_the_ddp_internals(tmp_path):
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1

@@ -197,3 +197,50 @@ def test_a_tracker_failing_mid_run_is_switched_off(tmp_path: Path, monkeypatch, 
     assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
         "--log_to mlflow failed (ConnectionError: server gone); it is off from now on"
     ]
+
+
+def test_an_epoch_record_keeps_the_historys_key_order_and_its_log_line():
+    from imgtrainer.reports.history import EpochRecord
+
+    val = {"val_loss": 0.5, "val_acc": 0.75, "val_top5": 1.0}
+    val |= {"val_loss_ema": 0.25, "val_acc_ema": 0.875, "val_top5_ema": 1.0}
+    record = EpochRecord(3, 0.125, 0.5, val, 1e-3, 12.34, 456.7, 89.0, 8)
+    assert list(record.as_dict()) == [
+        *("epoch", "train_loss", "train_acc", *val),
+        *("lr", "epoch_seconds", "train_images_per_sec", "peak_memory_mb", "micro_batch"),
+    ]
+    assert record.line(10) == (
+        "epoch 3/10  train_loss 0.1250  train_acc 0.5000  val_loss 0.5000  val_acc 0.7500  "
+        "val_top5 1.0000  val_loss_ema 0.2500  val_acc_ema 0.8750  val_top5_ema 1.0000  "
+        "lr 1.00e-03  457 img/s  12.3s"
+    )
+    unvalidated = EpochRecord(1, 0.125, 0.5, {}, 1e-3, 1.0, 2.0, 3.0, 8)
+    assert "(not validated)  lr" in unvalidated.line(10)
+    assert "val_loss" not in unvalidated.as_dict()
+    writer = HistoryWriter(Path("unused.json"), {}, enabled=False)
+    assert writer.append(record) == record.as_dict() == writer.records[0]
+
+
+def test_the_best_epoch_reads_the_same_in_every_line():
+    from imgtrainer.reports.history import best_line, best_note
+    from imgtrainer.training.best import BestState
+
+    best = BestState("val_acc", value=0.91234, epoch=7, weights="ema")
+    assert best_line(best) == "best val_acc 0.9123 (epoch 7)"
+    assert best_line(best, ema_enabled=True) == "best val_acc 0.9123 (EMA weights, epoch 7)"
+    assert best_note(best, ema_enabled=False) == "  (best)"
+    assert best_note(best, ema_enabled=True) == "  (best: EMA weights)"
+    assert best_note(BestState("val_loss", weights="raw"), True) == "  (best val_loss: raw weights)"
+    assert best_line(BestState("val_loss")) == "no best val_loss yet"
+
+
+def test_tensorboard_is_built_by_its_flag_before_the_log_to_trackers(tmp_path: Path):
+    from imgtrainer.reports.trackers.tensorboard_tracker import Tracker as TensorBoard
+
+    context = TrackerContext(TrainConfig(), tmp_path, 0, 6)
+    assert build_trackers("none", context) == []
+    (tracker,) = build_trackers("none", context, tensorboard=True)
+    assert isinstance(tracker, TensorBoard) and tracker.enabled
+    tracker.on_epoch_end(1, {"epoch": 1, "val_acc": 0.5})
+    tracker.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

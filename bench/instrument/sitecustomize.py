@@ -1,8 +1,10 @@
 """The start-and-end timeline of bench/startup.py, loaded at interpreter start-up from PYTHONPATH
 (``timeline_env``) by the launcher, torchrun's agent and every rank.
 
-With $TRAIN_DDP_TIMELINE naming a file, the functions whose end closes a phase are wrapped as
-their modules are imported, and each appends "time process event" to that file.
+With $TRAIN_DDP_TIMELINE naming a file, each phase's end appends "time process event" to that
+file. Inside the trainer the marks come from a hook named in $IMGTRAINER_HOOKS
+(``imgtrainer.hooks.declared_hooks``); the launcher's, the agent's and the worker's phases
+outside it come from their functions, wrapped as their modules are imported.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 
 TIMELINE_ENV = "TRAIN_DDP_TIMELINE"
+HOOKS_ENV = "IMGTRAINER_HOOKS"  # imgtrainer.hooks.HOOKS_ENV (not imported: torch at start-up)
 INTERPRETER_STARTED = time.time()  # a spawned rank's start: before it imports anything
 INTERPRETER_PID = os.getpid()
 _marked: set[str] = set()
@@ -93,22 +96,29 @@ def install_loaders(module) -> None:
     wrap(module, "cache_decoded", before="data checked", after="images cached")
 
 
-def install_trainer(module) -> None:
+def timeline_hook(trainer):
+    """Marks "model ready" (the hooks are made once the model is built and resumed) and returns
+    the hook that marks the first step, before its checkpoint."""
     from imgtrainer.hooks import Hook
 
     class FirstStep(Hook):
+        before_checkpoint = True
+
         def on_step_end(self, info) -> bool:
             mark("first step done")
             return False
 
-    wrap(module.Trainer, "resume", after="model ready")
-    register_hooks = module.Trainer.register_hooks
+    mark("model ready")
+    return FirstStep()
 
-    def register_hooks_with_first_step(self) -> None:
-        register_hooks(self)
-        self.hooks.register(FirstStep(), before=module.CheckpointAndStop)
 
-    module.Trainer.register_hooks = register_hooks_with_first_step
+def declare_hooks(environ=os.environ) -> None:
+    """Name ``timeline_hook`` in $IMGTRAINER_HOOKS (once: the processes that this one starts
+    inherit it)."""
+    declared = [e for e in environ.get(HOOKS_ENV, "").split(",") if e]
+    entry = f"{__name__}:timeline_hook"
+    if entry not in declared:
+        environ[HOOKS_ENV] = ",".join([*declared, entry])
 
 
 INSTALLERS = {
@@ -116,7 +126,6 @@ INSTALLERS = {
     "imgtrainer.run.quick_exit": install_agent,
     "imgtrainer.run.train": install_train,
     "imgtrainer.data.loaders": install_loaders,
-    "imgtrainer.training.trainer": install_trainer,
 }
 
 
@@ -142,3 +151,4 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get(TIMELINE_ENV):
     sys.meta_path.insert(0, _AfterImport())
+    declare_hooks()

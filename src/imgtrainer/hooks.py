@@ -1,16 +1,24 @@
 """The training loop's hook points (``Hook``) and the ordered list that calls them (``Hooks``).
 
 A hook subclasses ``Hook`` and overrides the points it needs; registering a hook with any other
-public ``on_*`` method (a misspelt one) raises, so no hook is silently never called.
+public ``on_*`` method (a misspelt one) raises, so no hook is silently never called. Instruments
+from outside the product (tests, benchmarks) are named in $IMGTRAINER_HOOKS (``declared_hooks``).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from imgtrainer.errors import UserError
+
+# "module:factory,...": each factory(trainer) returns a Hook, or None where it has no job.
+HOOKS_ENV = "IMGTRAINER_HOOKS"
 
 
 @dataclass
@@ -34,6 +42,9 @@ class Hook:
     with ``enabled`` False (or simply does nothing)."""
 
     enabled: bool = True
+    # For a declared hook (``declared_hooks``): run after the step's EMA update and position,
+    # before its checkpoint; else after the run's own hooks.
+    before_checkpoint: bool = False
 
     def on_step_end(self, info: StepInfo) -> bool:
         """After every loaded batch's optimizer step. True stops the epoch there."""
@@ -57,6 +68,22 @@ class Hook:
 HOOK_POINTS = frozenset(
     name for name in vars(Hook) if name.startswith("on_") and callable(getattr(Hook, name))
 )
+
+
+def declared_hooks(context: Any) -> list[Hook]:
+    """The hooks $IMGTRAINER_HOOKS names, in its order, each made by its factory from
+    ``context`` (the trainer): the declared seam for test and benchmark instruments."""
+    hooks = []
+    for entry in filter(None, (e.strip() for e in os.environ.get(HOOKS_ENV, "").split(","))):
+        module, _, name = entry.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as err:
+            raise UserError(f"${HOOKS_ENV}: cannot find {entry} ({err})") from None
+        hook = factory(context)
+        if hook is not None:
+            hooks.append(hook)
+    return hooks
 
 
 class Hooks:

@@ -87,6 +87,27 @@ def set_scheduler_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: 
     scheduler._last_lr = lrs
 
 
+# The base class of BatchNorm1d/2d/3d and SyncBatchNorm (private, in every torch 2.x).
+BATCH_NORM_BASE = nn.modules.batchnorm._BatchNorm
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm of any dimension (their private base ``_BatchNorm``;
+    SyncBatchNorm is one too)."""
+    return isinstance(module, BATCH_NORM_BASE)
+
+
+# What SummaryWriter's file writer is needed for, in a missing internal's line.
+SUMMARY_NEED = "TensorBoard's curves are written through; run with --no_tensorboard"
+
+
+def summary_file_writer(writer: Any) -> Any:
+    """The event file writer of a TensorBoard ``SummaryWriter`` (private ``_get_file_writer``,
+    in every torch 2.x): summaries built by hand go through it as one event."""
+    require("SummaryWriter", [(writer, "_get_file_writer", "_get_file_writer")], SUMMARY_NEED)
+    return writer._get_file_writer()
+
+
 def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
     """DDP's own sampled timings (private ``_get_ddp_logging_data``), for the benchmarks."""
     return ddp._get_ddp_logging_data()

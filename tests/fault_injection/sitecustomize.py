@@ -1,38 +1,36 @@
 """Fault injection for the crash-resume tests, loaded at interpreter start-up from PYTHONPATH
-(``conftest.kill_at``) by the launcher, torchrun and every worker.
+(``conftest.kill_at``) by the launcher, torchrun and every worker. Each fault is a hook that
+this module names in $IMGTRAINER_HOOKS (``imgtrainer.hooks.declared_hooks``), inherited by
+every process the run starts.
 
 TRAIN_DDP_KILL_AT="EPOCH:STEP[:RANK]" makes that rank (every rank if RANK is left out) SIGKILL
 itself right after that optimizer step of that epoch (1-based), on the first torchrun attempt
 only, so the restarted workers run on. The kill comes after the EMA update and the position of
-that step, before its checkpoint: the trainer's registration gets one more hook, ahead of
-``CheckpointAndStop``, once ``imgtrainer.training.trainer`` is imported.
+that step, before its checkpoint (``kill_hook``).
 
 TRAIN_DDP_RECORD_INDICES=DIR makes every rank append, after each optimizer step, the training
-indices that step used to DIR/indices.jsonl (``install_recorder``): one JSON line with the run
+indices that step used to DIR/indices.jsonl (``record_indices``): one JSON line with the run
 attempt (its start position, world size and
 torchrun restart), epoch, step, rank, world size and indices. The loader reads the sampler lazily with
 --num_workers 0, so the keys the sampler gave since the last step are that step's batch.
 
 TRAIN_DDP_STEP_DELAY="SECONDS:WORLD" makes every rank of a run on WORLD processes wait up to
 SECONDS after each optimizer step (after its checkpoint), cut short by a stop signal: a run that
-is still training when another node joins (``install_delay``).
+is still training when another node joins (``step_delay``).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import logging
 import os
 import signal
-import sys
 import time
 
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
 RECORD_ENV = "TRAIN_DDP_RECORD_INDICES"
 DELAY_ENV = "TRAIN_DDP_STEP_DELAY"
-TRAINER_MODULE = "imgtrainer.training.trainer"
+HOOKS_ENV = "IMGTRAINER_HOOKS"  # imgtrainer.hooks.HOOKS_ENV (not imported: torch at start-up)
 # A child of the project logger, so the message reaches the rank's log file.
 LOGGER = "imgtrainer.fault_injection"
 
@@ -46,16 +44,18 @@ def kill_point(rank: int) -> tuple[int, int] | None:
     return (kill_epoch, kill_step) if not kill_rank or kill_rank[0] == rank else None
 
 
-def install(trainer_module) -> None:
-    """Wrap ``Trainer.register_hooks`` to register a ``FaultInjection`` hook too."""
+def kill_hook(trainer):
+    """The ``FaultInjection`` hook of $TRAIN_DDP_KILL_AT, or None where this rank survives."""
     from imgtrainer.hooks import Hook
 
     class FaultInjection(Hook):
-        def __init__(self, trainer, point: tuple[int, int]):
-            self.trainer, self.point = trainer, point
+        before_checkpoint = True
+
+        def __init__(self, point: tuple[int, int]):
+            self.point = point
 
         def on_step_end(self, info) -> bool:
-            epoch, rank = self.trainer.epoch + 1, self.trainer.dist.rank
+            epoch, rank = trainer.epoch + 1, trainer.dist.rank
             if self.point == (epoch, info.step):
                 logging.getLogger(LOGGER).warning(
                     f"{KILL_AT_ENV}: killing rank {rank} with SIGKILL at epoch {epoch}, "
@@ -64,27 +64,20 @@ def install(trainer_module) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return False
 
-    trainer_class = trainer_module.Trainer
-    register_hooks = trainer_class.register_hooks
-
-    def register_hooks_with_fault(self) -> None:
-        register_hooks(self)
-        point = kill_point(self.dist.rank)
-        if point is not None:
-            self.hooks.register(
-                FaultInjection(self, point), before=trainer_module.CheckpointAndStop
-            )
-
-    trainer_class.register_hooks = register_hooks_with_fault
+    point = kill_point(trainer.dist.rank)
+    return None if point is None else FaultInjection(point)
 
 
-def install_recorder(trainer_module, folder: str) -> None:
-    """Wrap ``Trainer.register_hooks`` to record each step's training indices (first hook)."""
+def record_indices(trainer):
+    """A hook that records each step's training indices in $TRAIN_DDP_RECORD_INDICES."""
     from imgtrainer.hooks import Hook
 
+    folder = os.environ[RECORD_ENV]
+
     class RecordIndices(Hook):
-        def __init__(self, trainer):
-            self.trainer = trainer
+        before_checkpoint = True
+
+        def __init__(self):
             # The same on every rank of one attempt: where it started, on how many processes.
             self.attempt = (
                 f"{trainer.epoch}:{trainer.step}:{trainer.dist.world_size}:"
@@ -105,7 +98,6 @@ def install_recorder(trainer_module, folder: str) -> None:
             )
 
         def on_step_end(self, info) -> bool:
-            trainer = self.trainer
             record = {
                 "attempt": self.attempt,
                 "epoch": trainer.epoch,
@@ -119,65 +111,42 @@ def install_recorder(trainer_module, folder: str) -> None:
                 out.write(json.dumps(record) + "\n")
             return False
 
-    register_hooks = trainer_module.Trainer.register_hooks
-
-    def register_hooks_with_recorder(self) -> None:
-        register_hooks(self)
-        self.hooks.register(RecordIndices(self), before=type(self.ema))
-
-    trainer_module.Trainer.register_hooks = register_hooks_with_recorder
+    return RecordIndices()
 
 
-def install_delay(trainer_module, spec: str) -> None:
-    """Wrap ``Trainer.register_hooks`` to wait after each step at one world size (last hook)."""
+def step_delay(trainer):
+    """A hook that waits after each step (after its checkpoint) at $TRAIN_DDP_STEP_DELAY's world
+    size, or None at another."""
     from imgtrainer.hooks import Hook
 
-    seconds, world = float(spec.split(":")[0]), int(spec.split(":")[1])
+    seconds, world = os.environ[DELAY_ENV].split(":")
 
     class StepDelay(Hook):
-        def __init__(self, trainer):
-            self.trainer = trainer
-
         def on_step_end(self, info) -> bool:
             # Polled, so a stop signal (the agent stopping its workers) ends the wait at once.
-            end = time.monotonic() + seconds
-            while self.trainer.stop.signum is None and time.monotonic() < end:
+            end = time.monotonic() + float(seconds)
+            while trainer.stop.signum is None and time.monotonic() < end:
                 time.sleep(0.05)
             return False
 
-    register_hooks = trainer_module.Trainer.register_hooks
-
-    def register_hooks_with_delay(self) -> None:
-        register_hooks(self)
-        if self.dist.world_size == world:
-            self.hooks.register(StepDelay(self))
-
-    trainer_module.Trainer.register_hooks = register_hooks_with_delay
+    return StepDelay() if trainer.dist.world_size == int(world) else None
 
 
-class _AfterTrainerImport(importlib.abc.MetaPathFinder):
-    """Finds the trainer module with the usual finders, and installs the hook after it runs."""
-
-    def find_spec(self, name, path, target=None):
-        if name != TRAINER_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_install(module) -> None:
-            exec_module(module)
-            if os.environ.get(KILL_AT_ENV):
-                install(module)
-            if os.environ.get(RECORD_ENV):
-                install_recorder(module, os.environ[RECORD_ENV])
-            if os.environ.get(DELAY_ENV):
-                install_delay(module, os.environ[DELAY_ENV])
-
-        spec.loader.exec_module = exec_and_install
-        return spec
+# Each fault's variable and hook, in the order the hooks run: the recorder sees a step before
+# the kill does.
+FAULTS = {RECORD_ENV: "record_indices", KILL_AT_ENV: "kill_hook", DELAY_ENV: "step_delay"}
 
 
-if any(os.environ.get(name) for name in (KILL_AT_ENV, RECORD_ENV, DELAY_ENV)):
-    sys.meta_path.insert(0, _AfterTrainerImport())
+def declare_hooks(environ=os.environ) -> None:
+    """Name the hooks of the faults asked for in $IMGTRAINER_HOOKS (once: the processes that
+    this one starts inherit them)."""
+    declared = [e for e in environ.get(HOOKS_ENV, "").split(",") if e]
+    for variable, factory in FAULTS.items():
+        entry = f"{__name__}:{factory}"
+        if environ.get(variable) and entry not in declared:
+            declared.append(entry)
+    if declared:
+        environ[HOOKS_ENV] = ",".join(declared)
+
+
+declare_hooks()

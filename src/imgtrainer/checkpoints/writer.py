@@ -16,7 +16,8 @@ from imgtrainer.checkpoints.run_folder import (
     epoch_checkpoint_name,
     epoch_checkpoints,
 )
-from imgtrainer.errors import RunFailed
+from imgtrainer.distributed.collectives import all_gather_objects
+from imgtrainer.errors import RunFailed, UserError
 from imgtrainer.files import atomic_link
 
 CAUSES = (
@@ -105,6 +106,29 @@ class CheckpointWriter:
             atomic_save(state, self.best)
         if keep_epochs is not None:
             self.keep(state, keep_epochs)
+
+    def save_with_history(
+        self,
+        state: dict[str, Any],
+        history: Any,
+        is_best: bool,
+        keep_epochs: Collection[int] | None,
+    ) -> None:
+        """``save``, then ``history`` (``reports.history.HistoryWriter``). Every rank must call
+        this: a failure on the main process (a full disk, non-finite weights) stops every rank
+        with its line, instead of leaving them waiting at the next collective."""
+        error = None
+        try:
+            # The checkpoint first: a resume rebuilds the history from it, so a failure between
+            # the two loses nothing.
+            self.save(state, is_best, keep_epochs)
+            history.save()
+        except (UserError, RunFailed) as err:
+            error = (isinstance(err, RunFailed), str(err))
+        error = all_gather_objects(error)[0]
+        if error is not None:
+            failed, line = error
+            raise RunFailed(line) if failed else UserError(line)
 
     def keep(self, state: dict[str, Any], epochs: Collection[int]) -> None:
         """checkpoint_epoch_NNN.pth for this epoch if it is among ``epochs`` (a second name of

@@ -10,11 +10,86 @@ exactly once. ``metrics.csv`` beside it holds the same records, one row per epoc
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.trackers.csv_file import METRICS_CSV, metrics_csv
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One epoch's line of the history; ``as_dict`` is what the file, the checkpoint and the
+    hooks keep (in this key order)."""
+
+    epoch: int  # 1-based
+    train_loss: float
+    train_acc: float
+    # val_loss, val_acc, val_top5, with EMA their ``_ema`` twins; empty when not validated
+    val: dict[str, float]
+    lr: float
+    epoch_seconds: float
+    train_images_per_sec: float
+    peak_memory_mb: float
+    micro_batch: int
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = dict(vars(self))
+        val = fields.pop("val")
+        head = {key: fields.pop(key) for key in ("epoch", "train_loss", "train_acc")}
+        return {**head, **val, **fields}
+
+    def line(self, epochs: int) -> str:
+        """The epoch's log line (without the best-epoch note)."""
+        v = self.val
+        validated = (
+            f"val_loss {v['val_loss']:.4f}  val_acc {v['val_acc']:.4f}  "
+            f"val_top5 {v['val_top5']:.4f}  "
+            if "val_acc" in v
+            else "(not validated)  "
+        )
+        ema = (
+            f"val_loss_ema {v['val_loss_ema']:.4f}  val_acc_ema {v['val_acc_ema']:.4f}  "
+            f"val_top5_ema {v['val_top5_ema']:.4f}  "
+            if "val_acc_ema" in v
+            else ""
+        )
+        return (
+            f"epoch {self.epoch}/{epochs}  train_loss {self.train_loss:.4f}  "
+            f"train_acc {self.train_acc:.4f}  {validated}{ema}lr {self.lr:.2e}  "
+            f"{self.train_images_per_sec:.0f} img/s  {self.epoch_seconds:.1f}s"
+        )
+
+
+class Best(Protocol):
+    """The best epoch so far (``training.best.BestState``)."""
+
+    metric: str
+    value: float | None
+    epoch: int | None
+    weights: str | None  # "ema" or "raw"
+
+
+def best_note(best: Best, ema_enabled: bool) -> str:
+    """Marks a best epoch on its log line; with EMA, says which weights scored it."""
+    metric = "" if best.metric == "val_acc" else f" {best.metric}"
+    if not ema_enabled:
+        return f"  (best{metric})"
+    return f"  (best{metric}: {_weights(best)} weights)"
+
+
+def best_line(best: Best, ema_enabled: bool = False, none: str = "no best {metric} yet") -> str:
+    """The best so far, as "best val_acc 0.9123 (epoch 7)" (with EMA shown: "(EMA weights,
+    epoch 7)"), or ``none`` when there is none yet."""
+    if best.value is None:
+        return none.format(metric=best.metric)
+    weights = f"{_weights(best)} weights, " if ema_enabled else ""
+    return f"best {best.metric} {best.value:.4f} ({weights}epoch {best.epoch})"
+
+
+def _weights(best: Best) -> str:
+    return "EMA" if best.weights == "ema" else "raw"
 
 
 class HistoryWriter:
@@ -32,9 +107,13 @@ class HistoryWriter:
         self.enabled = enabled
         self.records: list[dict[str, Any]] = list(records or [])
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Add an epoch's record; the file is written by ``save``, with the checkpoint."""
+    def append(self, record: EpochRecord | dict[str, Any]) -> dict[str, Any]:
+        """Add an epoch's record (kept as its dict, returned); the file is written by ``save``,
+        with the checkpoint."""
+        if isinstance(record, EpochRecord):
+            record = record.as_dict()
         self.records.append(record)
+        return record
 
     def save(self) -> None:
         if not self.enabled:

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from imgtrainer import torch_compat
 from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class TensorBoardLogger:
         summary = Summary(
             value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()]
         )
-        self._writer._get_file_writer().add_summary(summary, global_step)
+        torch_compat.summary_file_writer(self._writer).add_summary(summary, global_step)
 
     def _write_hparams(
         self, global_step: int, hparams: dict[str, bool | float | str], metric_tags: list[str]
@@ -174,7 +175,7 @@ class TensorBoardLogger:
             metrics=[summary_v2.Metric(tag) for tag in metric_tags],
         )
         session = summary_v2.hparams_pb(hparams)
-        file_writer = self._writer._get_file_writer()
+        file_writer = torch_compat.summary_file_writer(self._writer)
         file_writer.add_summary(experiment, global_step)
         file_writer.add_summary(session, global_step)
 

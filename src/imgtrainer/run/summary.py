@@ -15,6 +15,7 @@ from imgtrainer.config import (
 from imgtrainer.distributed.setup import (
     DistInfo,
 )
+from imgtrainer.reports.history import best_line
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,5 @@ def ending_line(trainer: Trainer) -> str:
 
 def best_summary(trainer: Trainer) -> str:
     """The best epoch, as "best val_acc 0.9123 (epoch 7)"; with EMA "(EMA weights, epoch 7)"."""
-    state = trainer.best.state
-    if state.value is None:
-        return f"no epoch was validated, so no best {state.metric}"
-    weights = (
-        f"{'EMA' if state.weights == 'ema' else 'raw'} weights, " if trainer.ema.enabled else ""
-    )
-    return f"best {state.metric} {state.value:.4f} ({weights}epoch {state.epoch})"
+    none = "no epoch was validated, so no best {metric}"
+    return best_line(trainer.best.state, trainer.ema.enabled, none=none)

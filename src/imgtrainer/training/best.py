@@ -16,6 +16,7 @@ from typing import Any
 
 from imgtrainer.checkpoints.resume import check_best_metric
 from imgtrainer.config import BEST_METRICS, TrainConfig
+from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.training.ema import EMA_SUFFIX
 
 
@@ -90,6 +91,16 @@ class BestTracker:
             return False
         s.value, s.epoch, s.weights = value, record["epoch"], weights
         return True
+
+    def agree(self, record: Mapping[str, Any], distributed: bool) -> bool:
+        """``update`` on every rank, then the main process's verdict everywhere: the ranks
+        compute the same metrics, yet they stop at the same epoch whatever the floating point
+        does."""
+        is_best = self.update(record)
+        if distributed:
+            main_state, is_best = all_gather_objects((self.to_plain(), is_best))[0]
+            self.from_plain(main_state)
+        return is_best
 
     @property
     def should_stop(self) -> bool:

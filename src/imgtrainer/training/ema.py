@@ -108,6 +108,15 @@ class ModelEma(Hook):
         self.updates = int(checkpoint.get("ema_updates") or 0)
 
 
+def record_metrics(val: Mapping[str, float]) -> dict[str, float]:
+    """The validation metrics a history record keeps: ``VAL_KEYS`` (when validated), then the
+    EMA's."""
+    return {
+        **{key: val[key] for key in VAL_KEYS if key in val},
+        **{key: value for key, value in val.items() if key.endswith(EMA_SUFFIX)},
+    }
+
+
 def ema_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """``engine.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
     return {f"{key}{EMA_SUFFIX}": val[key] for key in VAL_KEYS}

@@ -9,11 +9,22 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from imgtrainer.distributed.collectives import all_reduce_sum
+from imgtrainer.config import TrainConfig
+from imgtrainer.distributed.collectives import all_reduce_sum, broadcast_buffers
 from imgtrainer.distributed.logs import console_is_terminal
+from imgtrainer.distributed.setup import DistInfo
+from imgtrainer.training.ema import ModelEma, ema_metrics
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision
-from imgtrainer.training.step import CORRECT, COUNT, LOSS, TOP5, PredictionHook, to_device
+from imgtrainer.training.step import (
+    CORRECT,
+    COUNT,
+    LOSS,
+    TOP5,
+    PredictionHook,
+    RunParts,
+    to_device,
+)
 
 
 @dataclass(frozen=True)
@@ -83,3 +94,25 @@ def evaluation_sums(
             if on_predictions is not None:
                 on_predictions(logits.float(), top[:, 0], targets)
     return all_reduce_sum(sums)
+
+
+def validated(cfg: TrainConfig, epoch: int) -> bool:
+    """Whether epoch ``epoch`` (1-based) is validated: every --val_every_epochs-th, and the
+    last."""
+    return epoch % cfg.val_every_epochs == 0 or epoch == cfg.epochs
+
+
+def validate(model: nn.Module, loader, parts: RunParts, dist: DistInfo) -> dict[str, float]:
+    """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
+    BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
+    broadcast_buffers(model)
+    settings = EvalSettings(dist.device, parts.precision, parts.plan, dist.is_main)
+    return evaluate(model, loader, settings)
+
+
+def validate_run(parts: RunParts, ema: ModelEma, loader, dist: DistInfo) -> dict[str, float]:
+    """An epoch's validation metrics: the weights', and with EMA the average's."""
+    val = validate(parts.plain_model, loader, parts, dist)
+    if ema.enabled:
+        val.update(ema_metrics(validate(ema.module, loader, parts, dist)))
+    return val

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from imgtrainer import torch_compat
 from imgtrainer.distributed.setup import memory_share
 from imgtrainer.errors import UserError
 
@@ -189,12 +190,7 @@ def _early_checkpointed_features(model: nn.Module, x: torch.Tensor) -> torch.Ten
 
 
 def _batch_norms(*modules: nn.Module) -> list[nn.Module]:
-    return [
-        m
-        for module in modules
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    ]
+    return [m for module in modules for m in module.modules() if torch_compat.is_batch_norm(m)]
 
 
 def _checkpoint(function, norms: list[nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Experiment trackers beyond TensorBoard: ``--log_to wandb,mlflow``.
+"""Experiment trackers: TensorBoard (``--tensorboard``) and ``--log_to wandb,mlflow``.
 
-Each tracker is one module here holding a ``Tracker`` class, a ``training.hooks.Hook`` built
+Each tracker is one module here holding a ``Tracker`` class, a ``hooks.Hook`` built
 with a ``TrackerContext`` on the main process only. Its package is imported when the run asks
 for it, never otherwise; a missing package, or one that refuses to start (no credentials), is
 one ``UserError`` line. ``metrics.csv`` is not a tracker: the history writes it with every
@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgtrainer.config import TRACKERS, tracker_names
+from imgtrainer.config import TRACKERS, TrainConfig, tracker_names
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 
@@ -30,10 +31,13 @@ RUN_IDS_FILE = "tracker_runs.json"
 class TrackerContext:
     """What a tracker needs from the run (the trainer builds it after resuming)."""
 
-    cfg: Any  # run.config.TrainConfig
+    cfg: TrainConfig
     log_dir: Path
     start_step: int  # the run's global step at its start: 0 for a new run
     steps_per_epoch: int
+    global_step: Callable[[], int] | None = None  # the run's global step now
+    # The first training images of epoch 1, augmented as in training: (images, mean, std)
+    augmented_images: Callable[[], tuple[Any, Any, Any]] | None = None
 
     @property
     def resumed(self) -> bool:
@@ -69,14 +73,22 @@ def import_package(tracker: str, install: str):
         ) from None
 
 
-def build_trackers(log_to: str, context: TrackerContext) -> list:
-    """The trackers ``log_to`` names, each imported (with its package) only now."""
-    trackers = []
+# TensorBoard's module: on by --tensorboard, not named in --log_to.
+TENSORBOARD = "tensorboard_tracker"
+
+
+def build_trackers(log_to: str, context: TrackerContext, tensorboard: bool = False) -> list:
+    """TensorBoard if ``tensorboard``, then the trackers ``log_to`` names, each imported (with
+    its package) only now."""
+    trackers = [_tracker(TENSORBOARD, context)] if tensorboard else []
     for name in tracker_names(log_to):
-        module = importlib.import_module(f"{__name__}.{TRACKERS[name]}")
-        trackers.append(module.Tracker(context))
+        trackers.append(_tracker(TRACKERS[name], context))
         log.info(f"--log_to {name}: {trackers[-1].where}")
     return trackers
+
+
+def _tracker(module: str, context: TrackerContext):
+    return importlib.import_module(f"{__name__}.{module}").Tracker(context)
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,48 @@
+"""The per-step hooks of checkpointing: the position a checkpoint records (``PositionKeeper``),
+and when one is written mid-epoch (``CheckpointAndStop``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from imgtrainer.checkpoints.training_state import Progress
+from imgtrainer.hooks import Hook, StepInfo
+
+
+class PositionKeeper(Hook):
+    """Keeps the run's progress (for checkpoints and the stop message) after every step."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        self.progress.step = info.step
+        return False
+
+
+class CheckpointAndStop(Hook):
+    """The agreed stop on a signal or the --max_time budget (with a checkpoint), and the
+    periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only
+    the main process writes."""
+
+    def __init__(
+        self,
+        stop: Any,  # training.stopping.StopRequest
+        time_up: Callable[[bool], bool],  # a step ended (at the epoch's end?): out of time?
+        save: Callable[[torch.Tensor], None],  # the checkpoint, given this rank's sums
+        steps_per_epoch: int,
+        every: int,  # --save_every_steps; 0: only at the epochs' ends
+    ):
+        self.stop, self.time_up, self.save = stop, time_up, save
+        self.steps_per_epoch, self.every = steps_per_epoch, every
+
+    def on_step_end(self, info: StepInfo) -> bool:
+        if self.stop.agreed(self.time_up(info.step == self.steps_per_epoch)):
+            self.save(info.sums)
+            return True
+        if self.every and info.step % self.every == 0 and info.step < self.steps_per_epoch:
+            self.save(info.sums)
+        return False
