@@ -545,7 +545,7 @@ def test_cuda_fitting_meets_a_real_out_of_memory_error():
 
 def test_ddp_is_found_inside_a_compiled_model(tmp_path):
     """--compile wraps DDP in torch.compile: no_sync and the OOM reset must still reach DDP."""
-    from imgtrainer.training.step import _ddp, _no_sync
+    from imgtrainer.training.step import _no_sync, ddp_of
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -553,8 +553,8 @@ def test_ddp_is_found_inside_a_compiled_model(tmp_path):
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
         compiled = torch.compile(ddp)
-        assert _ddp(compiled) is ddp and _ddp(ddp) is ddp
-        assert _ddp(torch.nn.Linear(2, 2)) is None
+        assert ddp_of(compiled) is ddp and ddp_of(ddp) is ddp
+        assert ddp_of(torch.nn.Linear(2, 2)) is None
         with _no_sync(compiled):
             assert not ddp.require_backward_grad_sync
         assert ddp.require_backward_grad_sync

@@ -21,7 +21,7 @@ from imgtrainer.training.step import (
     COUNT,
     LOSS,
     RunParts,
-    _ddp,
+    ddp_of,
     train_step,
 )
 
@@ -149,7 +149,7 @@ def train_one_epoch(
     state.model.train()
     device, plan = state.device, state.plan
     if plan.retry_on_oom:
-        check_ddp_internals(_ddp(state.model))  # before the first step, not at the first OOM
+        check_ddp_internals(ddp_of(state.model))  # before the first step, not at the first OOM
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     progress = progress or ProgressBar(enabled=False)
     hooks = Hooks([progress, *hooks])

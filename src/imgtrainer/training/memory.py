@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from imgtrainer import torch_compat
 from imgtrainer.distributed.setup import memory_share
 from imgtrainer.errors import UserError
+from imgtrainer.files import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ OOM_HELP = (
 
 
 def gib(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.2f} GiB"
+    """The budget's unit in the fitting's log lines: "1.50 GiB"."""
+    return format_bytes(num_bytes, "GiB", 2)
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -72,7 +72,7 @@ def train_step(
         release_memory(state.device)
         failed_size = plan.size_for(len(targets))
         plan.shrink(len(targets))  # every rank: they agreed on the failure
-        ddp = _ddp(model)
+        ddp = ddp_of(model)
         if ddp is not None:
             torch_compat.reset_ddp_after_failed_attempt(ddp)
         log.warning(
@@ -184,7 +184,7 @@ def _synced_backward(
     except RuntimeError as err:
         if not (plan.retry_on_oom and is_out_of_memory(err)):
             raise
-        if _ddp(model) is not None:
+        if ddp_of(model) is not None:
             log.error(
                 "out of memory during the gradient exchange of the last micro-batch, "
                 "which cannot be redone on one rank alone; restart with --resume auto "
@@ -194,7 +194,7 @@ def _synced_backward(
     return False
 
 
-def _ddp(model: nn.Module) -> DistributedDataParallel | None:
+def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper of ``model``, also when torch.compile wrapped it, or None."""
     model = torch_compat.compiled_original(model)
     return model if isinstance(model, DistributedDataParallel) else None
@@ -202,7 +202,7 @@ def _ddp(model: nn.Module) -> DistributedDataParallel | None:
 
 def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` (accumulate locally, exchange nothing), or nothing for a plain model."""
-    ddp = _ddp(model)
+    ddp = ddp_of(model)
     return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
 
 
