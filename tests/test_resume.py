@@ -21,6 +21,7 @@ from conftest import (
     run_cli,
     run_train,
     start_launcher,
+    tiny_run_flags,
     user_error_line,
     write_image_folder,
 )
@@ -289,23 +290,8 @@ def test_malicious_checkpoint_is_refused_and_its_code_never_runs(
 
 def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path, capsys):
     train, val = tiny_dataset
-    assert (
-        run_train(
-            [
-                "--train_dir",
-                train,
-                "--val_dir",
-                val,
-                "--epochs",
-                "1",
-                "--resume",
-                "auto",
-                *TINY_FLAGS,
-            ],
-            cwd=tmp_path,
-        )
-        == 0
-    )
+    flags = [*tiny_run_flags(train, val), "--epochs", "1", "--resume", "auto"]
+    assert run_train(flags, cwd=tmp_path) == 0
     assert "no checkpoint in checkpoints, starting a new run" in capsys.readouterr().out
     assert latest(tmp_path)["epoch"] == 1
 
