@@ -107,7 +107,11 @@ def test_a_pickle_of_python_objects_keeps_the_unsafe_message(tmp_path: Path):
         load_checkpoint_file(path)
 
 
-@pytest.mark.parametrize("tool", [ROOT / "launch_ddp.py", SRC / "evaluate.py"])
+# Both tools stop through the same wrapper (errors.exit_on_user_error); the launcher's new
+# interpreter imports no torch, evaluate.py's does (seconds): slow.
+@pytest.mark.parametrize(
+    "tool", [ROOT / "launch_ddp.py", pytest.param(SRC / "evaluate.py", marks=pytest.mark.slow)]
+)
 def test_help_into_a_closed_pipe_ends_quietly(tool: Path):
     """`tool --help | head` : the reader is gone before the tool writes."""
     process = subprocess.Popen(
