@@ -21,7 +21,7 @@ sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(ROOT / "bench"))  # harness: what the tests share with the benchmarks
 
 import torch  # noqa: E402
-from harness import run_cli, start_launcher, write_image_folder  # noqa: E402, F401
+from harness import run_cli, run_launcher, start_launcher, write_image_folder  # noqa: E402, F401
 
 from imgtrainer.config import TrainConfig  # noqa: E402
 from imgtrainer.distributed.setup import DistInfo  # noqa: E402
@@ -91,6 +91,11 @@ TINY_FLAGS = [
 ]
 
 
+def tiny_run_flags(train: Path, val: Path) -> list[str]:
+    """``--train_dir TRAIN --val_dir VAL`` and ``TINY_FLAGS``: a training run of seconds."""
+    return ["--train_dir", str(train), "--val_dir", str(val), *TINY_FLAGS]
+
+
 # ----------------------------------------------------------------------------- new interpreters
 
 
@@ -99,6 +104,16 @@ def kill_at(spec: str) -> dict[str, str]:
     attempt only): tests/fault_injection/sitecustomize.py, on PYTHONPATH, adds the hook."""
     path = [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH", "")]
     return {"TRAIN_DDP_KILL_AT": spec, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
+def launch_on_cpu(
+    train: Path, val: Path, *flags: object, cwd: Path, nproc: int = 2, **kwargs
+) -> subprocess.CompletedProcess:
+    """``python launch_ddp.py --device cpu --nproc NPROC`` on ``train`` and ``val`` with
+    ``TINY_FLAGS``, then ``flags`` (a flag given again wins), to its end; ``kwargs``:
+    ``run_launcher``'s ``timeout`` and ``env``."""
+    args = ["--device", "cpu", "--nproc", nproc, *tiny_run_flags(train, val), *flags]
+    return run_launcher(args, cwd, **kwargs)
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
@@ -188,7 +203,7 @@ class TrainedRun:
 
     @property
     def flags(self) -> list[str]:
-        return ["--train_dir", str(self.train), "--val_dir", str(self.val), *TINY_FLAGS]
+        return tiny_run_flags(self.train, self.val)
 
     def copy_to(self, workdir: Path) -> Path:
         """The run's checkpoints and logs in ``workdir``, as if it had run there."""

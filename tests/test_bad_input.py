@@ -1,7 +1,8 @@
 """Bad input: one clear error line, exit code 2, no traceback, nothing saved lost.
 
 Most checks run the tools' ``main`` in this process (the same code as the command line, without
-a new interpreter); one per tool goes through the real command line for the exit code."""
+a new interpreter); one per tool goes through the real command line for the exit code (``slow``
+where the tool imports torch)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,21 @@ def test_fresh_clone_without_data_suggests_demo(tmp_path: Path):
     assert_user_error(result, "data/train", "data/val", "--demo")
 
 
+def test_missing_val_folder_in_process(tiny_dataset, tmp_path: Path, capsys):
+    train, val = tiny_dataset
+    shutil.rmtree(val)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", "--train_dir", train, "--val_dir", val],
+        capsys,
+        cwd=tmp_path,
+    )
+    assert str(val) in line and "does not exist" in line
+
+
+@pytest.mark.slow
 def test_missing_val_folder(tiny_dataset, tmp_path: Path):
+    """The same through the command line: exit code 2 from a new interpreter."""
     train, val = tiny_dataset
     shutil.rmtree(val)
     result = run_cli(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import ROOT, TINY_FLAGS, run_cli, start_launcher
+from conftest import launch_on_cpu, start_launcher, tiny_run_flags
 from imgtrainer.models import ResNet18Classifier
 
 
@@ -57,26 +57,14 @@ def test_single_process_run_leaves_checkpoints_history_and_logs(trained_run):
 @pytest.mark.slow
 def test_two_process_run_leaves_checkpoints_history_and_logs(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
-    result = run_cli(
-        [
-            ROOT / "launch_ddp.py",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--train_dir",
-            train,
-            "--val_dir",
-            val,
-            "--epochs",
-            "2",
-            "--check_sync",
-            # Kept epochs and the early-stopping count through the launcher, at no cost: the
-            # run still ends after its last epoch.
-            *("--save_every_epochs", "1", "--keep_checkpoints", "1"),
-            *("--early_stopping_patience", "5"),
-            *TINY_FLAGS,
-        ],
+    result = launch_on_cpu(
+        train,
+        val,
+        *("--epochs", "2", "--check_sync"),
+        # Kept epochs and the early-stopping count through the launcher, at no cost: the run
+        # still ends after its last epoch.
+        *("--save_every_epochs", "1", "--keep_checkpoints", "1"),
+        *("--early_stopping_patience", "5"),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -131,13 +119,9 @@ def test_two_nodes_on_one_machine(tiny_dataset, tmp_path: Path):
                     "127.0.0.1",
                     "--master_port",
                     port,
-                    "--train_dir",
-                    str(train),
-                    "--val_dir",
-                    str(val),
+                    *tiny_run_flags(train, val),
                     "--epochs",
                     "1",
-                    *TINY_FLAGS,
                 ],
                 workdir,
                 stderr=subprocess.STDOUT,

@@ -191,7 +191,27 @@ def test_two_processes_under_torchrun_write_the_report_of_one(tmp_path: Path, ca
     assert (tmp_path / "two" / "evaluate_rank_1.log").exists()
 
 
+def test_missing_checkpoint_is_one_error_line_in_process(tmp_path: Path, capsys):
+    write_image_folder(tmp_path / "val", CLASSES, 1)
+    line = user_error_line(
+        evaluate_main,
+        [
+            "--checkpoint",
+            tmp_path / "nope.pth",
+            "--data_dir",
+            tmp_path / "val",
+            "--output",
+            tmp_path / "eval",
+        ],
+        capsys,
+        cwd=tmp_path,
+    )
+    assert "nope.pth" in line and "does not exist" in line
+
+
+@pytest.mark.slow
 def test_missing_checkpoint_is_one_error_line(tmp_path: Path):
+    """The same from a new interpreter: exit code 2."""
     write_image_folder(tmp_path / "val", CLASSES, 1)
     result = run_cli(
         [

@@ -128,23 +128,12 @@ def test_report_gives_the_val_acc_of_a_float16_channels_last_run_on_cuda(tmp_pat
     """On a GPU training validates under float16 autocast in channels_last: the report runs the
     same way and gives the recorded val_acc."""
     import imgtrainer.run.train as train_ddp
-    from conftest import TINY_FLAGS, run_main, write_tiny_dataset
+    from conftest import run_main, tiny_run_flags, write_tiny_dataset
 
     train, val = write_tiny_dataset(tmp_path)
     code = run_main(
         train_ddp.main,
-        [
-            "--device",
-            "cuda",
-            "--train_dir",
-            train,
-            "--val_dir",
-            val,
-            *TINY_FLAGS,
-            "--epochs",
-            "1",
-            "--use_amp",
-        ],
+        ["--device", "cuda", *tiny_run_flags(train, val), "--epochs", "1", "--use_amp"],
         cwd=tmp_path,
     )
     assert code == 0

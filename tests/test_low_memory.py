@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import imgtrainer.run.train as train_ddp
-from conftest import CPU, FP32, ROOT, TINY_FLAGS, run_cli, user_error_line
+from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
 from imgtrainer.training.evaluation import EvalSettings, evaluate
@@ -435,28 +435,12 @@ def test_two_gloo_processes_agree_on_the_micro_batch_and_redo_steps_together(tmp
 @pytest.mark.slow
 def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path):
     train_dir, val_dir = tiny_dataset
-    result = run_cli(
-        [
-            ROOT / "launch_ddp.py",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--train_dir",
-            train_dir,
-            "--val_dir",
-            val_dir,
-            "--epochs",
-            "1",
-            "--low_memory",
-            "--accum_steps",
-            "2",
-            "--max_memory_gb",
-            "4",
-            *TINY_FLAGS,
-            "--batch_size",
-            "4",  # 2 batches of 4 per step: 8 images, as --batch_size 8 in TINY_FLAGS
-        ],
+    result = launch_on_cpu(
+        train_dir,
+        val_dir,
+        *("--epochs", "1", "--low_memory", "--accum_steps", "2", "--max_memory_gb", "4"),
+        # 2 batches of 4 per step: 8 images, as --batch_size 8 in TINY_FLAGS
+        *("--batch_size", "4"),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -86,7 +86,15 @@ def error_line(argv: list, capsys) -> str:
     return user_error_line(predict_main, argv, capsys)
 
 
+def test_missing_checkpoint_in_process(tmp_path: Path, capsys):
+    photos = write_image_folder(tmp_path / "photos", ["x"], 1)
+    line = error_line(["--checkpoint", tmp_path / "missing.pth", photos], capsys)
+    assert "missing.pth" in line and "does not exist" in line
+
+
+@pytest.mark.slow
 def test_missing_checkpoint(tmp_path: Path):
+    """The same from a new interpreter: exit code 2."""
     photos = write_image_folder(tmp_path / "photos", ["x"], 1)
     result = run_cli(
         [SRC / "predict.py", "--checkpoint", tmp_path / "missing.pth", photos], cwd=tmp_path

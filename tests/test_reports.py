@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SRC, TINY_FLAGS, write_image_folder
+from conftest import ROOT, SRC, tiny_run_flags, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
 from imgtrainer.models import build_model
 from imgtrainer.reports.confusion import FULL_MATRIX_MAX_CLASSES, most_confused_pairs
@@ -107,7 +107,11 @@ def test_a_pickle_of_python_objects_keeps_the_unsafe_message(tmp_path: Path):
         load_checkpoint_file(path)
 
 
-@pytest.mark.parametrize("tool", [ROOT / "launch_ddp.py", SRC / "evaluate.py"])
+# Both tools stop through the same wrapper (errors.exit_on_user_error); the launcher's new
+# interpreter imports no torch, evaluate.py's does (seconds): slow.
+@pytest.mark.parametrize(
+    "tool", [ROOT / "launch_ddp.py", pytest.param(SRC / "evaluate.py", marks=pytest.mark.slow)]
+)
 def test_help_into_a_closed_pipe_ends_quietly(tool: Path):
     """`tool --help | head` : the reader is gone before the tool writes."""
     process = subprocess.Popen(
@@ -160,22 +164,7 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
 
     train, val = tiny_dataset
     monkeypatch.chdir(tmp_path)
-    assert (
-        train_main(
-            [
-                "--device",
-                "cpu",
-                "--train_dir",
-                str(train),
-                "--val_dir",
-                str(val),
-                "--epochs",
-                "1",
-                *TINY_FLAGS,
-            ]
-        )
-        == 0
-    )
+    assert train_main(["--device", "cpu", *tiny_run_flags(train, val), "--epochs", "1"]) == 0
     best = tmp_path / "checkpoints" / "checkpoint_best.pth"
     saved = torch.load(best, map_location="cpu", weights_only=True)
     model = timm.create_model("resnet18", num_classes=3)

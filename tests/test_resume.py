@@ -21,6 +21,7 @@ from conftest import (
     run_cli,
     run_train,
     start_launcher,
+    tiny_run_flags,
     user_error_line,
     write_image_folder,
 )
@@ -245,6 +246,24 @@ def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, caps
     assert latest(workdir)["epoch"] == 2
 
 
+def test_corrupt_checkpoint_without_fallback_is_one_clear_error_in_process(
+    tiny_dataset, tmp_path: Path, capsys
+):
+    """The trainer's line (which the launcher passes on: the slow test below), and the
+    launcher's own check of a missing file."""
+    train, val = tiny_dataset
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint at all")
+    data = ["--device", "cpu", "--train_dir", train, "--val_dir", val]
+    line = user_error_line(train_ddp.main, [*data, "--resume", bad], capsys, cwd=tmp_path)
+    assert "corrupt" in line
+    line = user_error_line(
+        launch_ddp.main, [*data, "--resume", tmp_path / "missing.pth"], capsys, cwd=tmp_path
+    )
+    assert "missing.pth" in line and "no such file" in line
+
+
+@pytest.mark.slow
 def test_corrupt_checkpoint_without_fallback_is_one_clear_error(
     tiny_dataset, tmp_path: Path, capsys
 ):
@@ -289,27 +308,27 @@ def test_malicious_checkpoint_is_refused_and_its_code_never_runs(
 
 def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Path, capsys):
     train, val = tiny_dataset
-    assert (
-        run_train(
-            [
-                "--train_dir",
-                train,
-                "--val_dir",
-                val,
-                "--epochs",
-                "1",
-                "--resume",
-                "auto",
-                *TINY_FLAGS,
-            ],
-            cwd=tmp_path,
-        )
-        == 0
-    )
+    flags = [*tiny_run_flags(train, val), "--epochs", "1", "--resume", "auto"]
+    assert run_train(flags, cwd=tmp_path) == 0
     assert "no checkpoint in checkpoints, starting a new run" in capsys.readouterr().out
     assert latest(tmp_path)["epoch"] == 1
 
 
+def test_resume_on_other_classes_is_one_clear_error_in_process(trained_run, tmp_path: Path, capsys):
+    """The trainer's line, which the launcher passes on (the slow test below)."""
+    workdir = trained_run.copy_to(tmp_path)
+    other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
+    other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
+    line = user_error_line(
+        train_ddp.main,
+        ["--device", "cpu", *tiny_run_flags(other_train, other_val), "--resume", "auto"],
+        capsys,
+        cwd=workdir,
+    )
+    assert "other classes" in line and "only in the data: ['ant', 'bee']" in line
+
+
+@pytest.mark.slow
 def test_resume_on_other_classes_is_one_clear_error(trained_run, tmp_path: Path, capsys):
     workdir = trained_run.copy_to(tmp_path)
     other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)

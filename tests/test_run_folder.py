@@ -20,7 +20,7 @@ import torch
 import imgtrainer.checkpoints.files as checkpoint
 import imgtrainer.files as run_folder
 import imgtrainer.reports.history as history
-from conftest import SRC, TINY_FLAGS, run_cli
+from conftest import SRC, run_cli, tiny_run_flags
 from imgtrainer.checkpoints.files import atomic_save, previous_path
 from imgtrainer.checkpoints.resume import (
     apply_optimisation_settings,
@@ -423,13 +423,7 @@ def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(
     train, val = tiny_dataset
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     flags = [
-        "--device",
-        "cpu",
-        "--train_dir",
-        train,
-        "--val_dir",
-        val,
-        *TINY_FLAGS,
+        *("--device", "cpu", *tiny_run_flags(train, val)),
         "--batch_size",
         "16",
         "--scheduler",
@@ -497,19 +491,8 @@ def test_a_locked_folder_is_one_line_naming_the_holder(tiny_dataset, tmp_path, c
     train, val = tiny_dataset
     ckpt = tmp_path / "ckpt"
     flags = [
-        "--device",
-        "cpu",
-        "--train_dir",
-        train,
-        "--val_dir",
-        val,
-        *TINY_FLAGS,
-        "--epochs",
-        "1",
-        "--checkpoint_dir",
-        ckpt,
-        "--log_dir",
-        tmp_path / "logs",
+        *("--device", "cpu", *tiny_run_flags(train, val), "--epochs", "1"),
+        *("--checkpoint_dir", ckpt, "--log_dir", tmp_path / "logs"),
     ]
     with FolderLock(ckpt):  # in this process, through another open file: still refused
         code, err = train_main(flags, capsys)
@@ -533,13 +516,7 @@ def test_a_locked_folder_stops_every_rank_with_the_same_line(tiny_dataset, tmp_p
                 "--standalone",
                 "--nproc-per-node=2",
                 SRC / "train_ddp.py",
-                "--device",
-                "cpu",
-                "--train_dir",
-                train,
-                "--val_dir",
-                val,
-                *TINY_FLAGS,
+                *("--device", "cpu", *tiny_run_flags(train, val)),
                 "--checkpoint_dir",
                 ckpt,
             ],

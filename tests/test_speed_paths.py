@@ -10,7 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ONE_CPU_PROCESS, ROOT, TINY_FLAGS, data_config, run_cli, user_error_line
+from conftest import (
+    ONE_CPU_PROCESS,
+    ROOT,
+    data_config,
+    launch_on_cpu,
+    run_cli,
+    user_error_line,
+)
 from imgtrainer.config import parse_config
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
@@ -101,24 +108,10 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
     train, val = tiny_dataset
     # TORCH_LOGS=dynamo: torch.compile says when it traced a frame and compiled its graph (with
     # DDP, through DDP's graph-splitting wrapper around inductor, so no backend name is checked).
-    result = run_cli(
-        [
-            ROOT / "launch_ddp.py",
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--train_dir",
-            train,
-            "--val_dir",
-            val,
-            "--epochs",
-            "1",
-            "--cache_images",
-            "ram",
-            "--compile",
-            *TINY_FLAGS,
-        ],
+    result = launch_on_cpu(
+        train,
+        val,
+        *("--epochs", "1", "--cache_images", "ram", "--compile"),
         cwd=tmp_path,
         timeout=600,
         env={"TORCH_LOGS": "dynamo"},

@@ -384,7 +384,33 @@ def test_read_outcomes_keeps_the_last_torchrun_attempt(tmp_path: Path):
     assert [o["code"] for o in lifecycle.read_outcomes(tmp_path)] == [0, 0]
 
 
+def test_loader_workers_ignore_stop_signals_in_a_forked_worker():
+    """As the DataLoader starts a worker: forked from a process that imported torch already."""
+    from imgtrainer.data.loaders import quiet_loader_worker
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: exit code 1 unless it gets past the three signals
+        code = 1
+        try:
+            os.close(read)
+            quiet_loader_worker(0)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                os.kill(os.getpid(), sig)
+            os.write(write, b"still here")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and said == b"still here", status
+
+
+@pytest.mark.slow
 def test_loader_workers_ignore_stop_signals(tmp_path: Path):
+    """The same in a new interpreter (seconds: it imports torch)."""
     code = (
         "import os, signal, sys\n"
         f"sys.path.insert(0, {str(SRC)!r})\n"
