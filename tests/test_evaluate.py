@@ -191,18 +191,23 @@ def test_two_processes_under_torchrun_write_the_report_of_one(tmp_path: Path, ca
     assert (tmp_path / "two" / "evaluate_rank_1.log").exists()
 
 
-def test_missing_checkpoint_is_one_error_line_in_process(tmp_path: Path, capsys):
+def missing_checkpoint_args(tmp_path: Path) -> list:
+    """evaluate.py's flags for a checkpoint that does not exist, on a real validation folder."""
     write_image_folder(tmp_path / "val", CLASSES, 1)
+    return [
+        "--checkpoint",
+        tmp_path / "nope.pth",
+        "--data_dir",
+        tmp_path / "val",
+        "--output",
+        tmp_path / "eval",
+    ]
+
+
+def test_missing_checkpoint_is_one_error_line_in_process(tmp_path: Path, capsys):
     line = user_error_line(
         evaluate_main,
-        [
-            "--checkpoint",
-            tmp_path / "nope.pth",
-            "--data_dir",
-            tmp_path / "val",
-            "--output",
-            tmp_path / "eval",
-        ],
+        missing_checkpoint_args(tmp_path),
         capsys,
         cwd=tmp_path,
     )
@@ -212,16 +217,10 @@ def test_missing_checkpoint_is_one_error_line_in_process(tmp_path: Path, capsys)
 @pytest.mark.slow
 def test_missing_checkpoint_is_one_error_line(tmp_path: Path):
     """The same from a new interpreter: exit code 2."""
-    write_image_folder(tmp_path / "val", CLASSES, 1)
     result = run_cli(
         [
             SRC / "evaluate.py",
-            "--checkpoint",
-            tmp_path / "nope.pth",
-            "--data_dir",
-            tmp_path / "val",
-            "--output",
-            tmp_path / "eval",
+            *missing_checkpoint_args(tmp_path),
         ],
         cwd=tmp_path,
     )
