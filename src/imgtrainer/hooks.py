@@ -98,7 +98,7 @@ class Hooks:
     def register(self, hook: Hook, *, before: type[Hook] | None = None) -> Hook:
         """Add ``hook`` last, or ahead of the first hook of type ``before``."""
         if not isinstance(hook, Hook):
-            raise TypeError(f"{type(hook).__name__} is not a training.hooks.Hook")
+            raise TypeError(f"{type(hook).__name__} is not an imgtrainer.hooks.Hook")
         unknown = sorted(
             name
             for name in dir(type(hook))

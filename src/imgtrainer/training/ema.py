@@ -38,7 +38,7 @@ def ema_decay(update: int, cap: float) -> float:
 
 
 class ModelEma(Hook):
-    """The EMA of ``model``'s weights and buffers as a step hook (``training.hooks.Hook``): updated
+    """The EMA of ``model``'s weights and buffers as a step hook (``imgtrainer.hooks.Hook``): updated
     after every optimizer step that was taken. Built with ``model=None`` it is disabled and
     does nothing.
 

@@ -1,4 +1,4 @@
-"""One training epoch: the loop over the loader, calling its hooks (``training.hooks``) after
+"""One training epoch: the loop over the loader, calling its hooks (``imgtrainer.hooks``) after
 each step and at logging steps; the progress bar is its first hook."""
 
 from __future__ import annotations
