@@ -120,7 +120,7 @@ def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
     assert gap.abs().max() <= 1.01 * LEVEL  # the shrink's rounding at most
 
 
-def test_a_jpeg_the_device_fails_on_is_retried_alone_then_made_by_the_cpu_path(folder):
+def test_a_jpeg_the_device_fails_on_is_found_by_halves_then_made_by_the_cpu_path(folder, caplog):
     data = (folder / "a" / "0.jpg").read_bytes()
     cut = data.index(b"\xff\xda") + 300  # the header whole, the pixels cut short
     (folder / "a" / "0.jpg").write_bytes(data[:cut])
@@ -140,14 +140,21 @@ def test_a_jpeg_the_device_fails_on_is_retried_alone_then_made_by_the_cpu_path(f
         [on_device[k] for k in keys], batch_size=4, collate_fn=collate_samples
     )
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
-    images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)))
-    assert calls == [4, 1, 1, 1, 1]  # the batch, then each JPEG alone
-    # The CPU path's handling: the unreadable file is replaced by the next image (class a).
-    assert labels.tolist() == [s[2] for s in cpu_samples]
+    batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
     expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
-    assert (images - expected).abs().max() <= 1.01 * LEVEL
-    assert torch.equal(images[0], expected[0])  # made by the CPU path itself
+    for _ in range(2):  # two epochs
+        images, labels = next(iter(batches))
+        # The CPU path's handling: the unreadable file is replaced by the next image (class a).
+        assert labels.tolist() == [s[2] for s in cpu_samples]
+        assert (images - expected).abs().max() <= 1.01 * LEVEL
+        assert torch.equal(images[0], expected[0])  # made by the CPU path itself
+    # The batch, its halves down to the bad file; then, remembered, it never reaches the device.
+    assert calls == [4, 2, 1, 1, 2] + [3]
+    assert decoder.failures.bad == {0}
+    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    assert len(warned) == 1 and "failed on 1 more file(s), 1 so far" in warned[0]
+    assert "bad bitstream" in warned[0] and "decoded on the CPU" in warned[0]
 
 
 def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, caplog):
@@ -169,8 +176,102 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
     for _ in range(2):
         images, labels = next(iter(batches))
         assert labels.tolist() == [s[2] for s in cpu_samples]
-    assert calls == [4, 1, 1, 1, 1]  # the second batch never reached the device decoder
-    assert sum("decoding on the CPU from here on" in r.message for r in caplog.records) == 1
+    assert calls == [4, 2, 1, 1, 2, 1, 1]  # the second batch never reached the device decoder
+    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    assert len(warned) == 1 and "decoding every JPEG on the CPU from here on" in warned[0]
+    assert "nvjpeg: not available" in warned[0] and "slower" in warned[0]
+    assert not decoder.failures.bad  # not the files' fault
+
+
+def fake_decoder(bad: set[int], calls: list[list[int]]):
+    """A device decoder over 1-byte "files" holding their number: fails for any call with a
+    number of ``bad`` in it, records each call's numbers."""
+
+    def decode(data):
+        numbers = [int(d[0]) for d in data]
+        calls.append(numbers)
+        if bad.intersection(numbers):
+            raise RuntimeError(f"nvjpeg: bad bitstream in {sorted(bad.intersection(numbers))}")
+        return [torch.full((3, 2, 2), n, dtype=torch.uint8) for n in numbers]
+
+    return decode
+
+
+def decode_numbers(decoder: JpegDecoder, numbers: list[int]) -> list[int | None]:
+    data = [torch.tensor([n], dtype=torch.uint8) for n in numbers]
+    return [
+        None if image is None else int(image[0, 0, 0])
+        for image in decoder.decode_all(data, numbers)
+    ]
+
+
+def test_a_failing_call_is_split_in_halves_and_bad_files_are_skipped_after(caplog):
+    calls: list[list[int]] = []
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, None, fake_decoder({5}, calls))
+    assert decode_numbers(decoder, list(range(8))) == [0, 1, 2, 3, 4, None, 6, 7]
+    # 1 + 2 log2(8) calls, not 1 + 8.
+    assert calls == [list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7], [4, 5], [4], [5], [6, 7]]
+    assert decoder.failures.bad == {5} and decoder.enabled
+    calls.clear()  # two bad files in one call
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, None, fake_decoder({1, 6}, calls))
+    assert decode_numbers(decoder, list(range(8))) == [0, None, 2, 3, 4, 5, None, 7]
+    assert len(calls) == 11 and decoder.failures.bad == {1, 6}
+
+
+def test_decoding_goes_in_chunks_and_warns_once_per_new_count_of_bad_files(folder, caplog):
+    keys = [(i, e) for e in range(2) for i in (0, 1, 2, 3, 6)]
+    on_device, (batch, params, labels), _, cpu_samples = both_paths(folder, keys)
+    real, calls = device_decoder("cpu"), []
+
+    def decode(data):
+        calls.append(len(data))
+        if any(len(d) == len(batch.jpegs[1].data) for d in data):
+            raise RuntimeError("nvjpeg: bad bitstream")
+        return real(data)
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode, chunk=4)
+    canvas, out_params, out_labels = decoder(batch, params, labels)
+    # Chunks of 4, 4 and 2; the two samples (two epochs) of file 1 are found in their chunks.
+    assert calls == [4, 2, 1, 1, 2, 4, 2, 2, 1, 1, 2]
+    assert decoder.failures.bad == {1}
+    cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
+    assert canvas.shape == cpu_canvas.shape
+    for row in (1, 6):  # made by the CPU path: the same pixels
+        assert torch.equal(canvas[row], cpu_canvas[row])
+    calls.clear()
+    decoder(batch, params, labels)
+    assert calls == [4, 4]  # file 1 never reaches the device again
+    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    assert len(warned) == 1  # one warning for the new count, none for the batch that followed
+
+
+class Recorder:
+    """Stands for host pixels: records what is done to it."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def pin_memory(self):
+        self.calls.append("pin_memory")
+        return self
+
+    def to(self, device, non_blocking=False):
+        self.calls.append(("to", str(device), non_blocking))
+        return self
+
+
+def test_cpu_pixels_go_to_cuda_pinned_and_without_blocking_and_stay_put_elsewhere():
+    from imgtrainer.data.jpeg_device import upload
+
+    for device, expected in (
+        ("cuda", ["pin_memory", ("to", "cuda", True)]),
+        ("cuda:1", ["pin_memory", ("to", "cuda:1", True)]),
+        ("cpu", [("to", "cpu", False)]),
+    ):
+        calls: list = []
+        upload(Recorder(calls), torch.device(device))
+        assert calls == expected
 
 
 def test_a_batch_is_decoded_once_and_previewed_as_trained(folder):
@@ -251,3 +352,56 @@ def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_f
     cpu_canvas, cpu_params, cpu_labels = collate_samples([sets["cpu"][k] for k in keys])
     assert torch.equal(labels, cpu_labels)
     assert (images - BatchAugment(SIZE)(cpu_canvas, cpu_params)).abs().max() <= 1.01 * LEVEL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_nvjpeg_never_writes_blocks_that_queued_work_still_uses(folder):
+    """pytorch/vision#9606's race: kernels queued on the current stream use tensors that are
+    then freed, so the caching allocator may hand their blocks to decode_jpeg's outputs, which
+    nvjpeg writes on its own stream without waiting. Blocks of exactly the decoded images'
+    sizes are freed behind a long sleep; the queued work and the batch must both come out
+    right."""
+    on_device, (batch, params, labels), _, _ = both_paths(folder, KEYS)
+    cpu = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, device_decoder("cpu"))
+    expected, expected_params, expected_labels = cpu(batch, params, labels)
+    sizes = [device_decoder("cpu")([jpeg.data])[0].shape for jpeg in batch.jpegs]
+    cuda = torch.device("cuda")
+    decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)
+    decoder(batch, params, labels)  # nvjpeg and the streams set up
+    torch.cuda.synchronize()
+    for _ in range(5):
+        bait = [torch.full(size, 1, dtype=torch.uint8, device=cuda) for size in sizes * 2]
+        torch.cuda._sleep(200_000_000)  # the stream stays busy for a while (~0.1 s)
+        for t in bait:
+            t.add_(100)  # queued writes into the blocks freed below
+        sums = torch.stack([t.sum(dtype=torch.int64) for t in bait])  # queued reads of them
+        del bait, t
+        canvas, out_params, out_labels = decoder(batch, params, labels)
+        images = canvas.cpu()  # waits for everything queued on the current stream
+        assert torch.equal(sums.cpu(), torch.tensor([101 * s.numel() for s in sizes * 2]))
+        assert torch.equal(out_params, expected_params) and torch.equal(out_labels, expected_labels)
+        assert images.shape == expected.shape
+        # nvjpeg's IDCT and chroma upsampling differ from libjpeg's by a few levels; a write
+        # of the bait's +100 into an image would not.
+        gap = (images.int() - expected.int()).abs()
+        assert gap.max() <= 16 and gap.float().mean() < 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_nvjpeg_decoding_in_another_thread_for_the_training_stream(folder):
+    """Decode-ahead: the decoder called from a worker thread, handed the training thread's
+    stream, gives the same canvas as a call from the training thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    on_device, (batch, params, labels), _, _ = both_paths(folder, KEYS)
+    cuda = torch.device("cuda")
+    decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)
+    here = decoder(batch, params, labels)[0].cpu()
+    training = torch.cuda.Stream(cuda)
+    with torch.cuda.stream(training), ThreadPoolExecutor(1) as pool:
+        canvas = pool.submit(decoder, batch, params, labels, training).result()[0]
+        doubled = canvas.int() * 2  # queued on the training stream, after the decode
+    training.synchronize()  # .cpu() below copies on the default stream
+    assert torch.equal(doubled.cpu(), here.int() * 2)

@@ -1,20 +1,22 @@
 """JPEG files decoded on the training device: loader workers hand over a JPEG's raw bytes
 (``JpegBytes``) with the parameters drawn for its header size; ``JpegDecoder`` decodes a batch's
-JPEGs in one ``decode_jpeg`` call on the device, crops each to its box (shrunk like the CPU path's
-PIL ``reduce``) and places them with the batch's CPU-decoded samples on one canvas. What the
-device decoder fails on is decoded on the CPU exactly as the CPU path does it.
+JPEGs on the device in a few ``decode_jpeg`` calls (chunks), crops each to its box (shrunk like
+the CPU path's PIL ``reduce``) and places them with the batch's CPU-decoded samples on one
+canvas. What the device decoder fails on is decoded on the CPU exactly as the CPU path does it,
+and a file it failed on is sent there directly from then on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from imgtrainer.data.params import crop_of, crop_size_of, set_whole_crop
+from imgtrainer.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,26 @@ class EncodedBatch:
 
 
 def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """torchvision's batched JPEG decoding on ``device`` (nvjpeg on CUDA), to RGB."""
+    """torchvision's batched JPEG decoding on ``device`` (nvjpeg on CUDA), to RGB. On CUDA its
+    outputs are allocated on the calling thread's current stream (``JpegDecoder`` makes that
+    its own decode stream) and are complete when it returns."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
     return decode
+
+
+# JPEGs per decoder call: bounds the full-resolution outputs alive at once (a 12 MP photo
+# decodes to 36 MB), each chunk cropped and shrunk before the next is decoded.
+DECODE_CHUNK = 64
+
+
+def shrink_factor(height: int, width: int, size: int) -> int:
+    """The integer factor a crop of ``height`` x ``width`` is shrunk by before the resample to
+    ``size``, on the device and on the CPU alike (PIL's ``reduce``)."""
+    return min(height, width) // (2 * size)
 
 
 def shrink(crop: torch.Tensor, factor: int) -> torch.Tensor:
@@ -64,15 +79,39 @@ def shrink(crop: torch.Tensor, factor: int) -> torch.Tensor:
     return mean.round_().clamp_(0, 255).to(torch.uint8)
 
 
+def upload(pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host pixels onto ``device``; to CUDA from pinned memory without blocking the host (the
+    pinned block is kept until the copy is done by the caching host allocator)."""
+    if device.type != "cuda":
+        return pixels.to(device)
+    return pixels.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class DecodeFailures:
+    """What the device decoder failed on: the dataset indices of the files it failed on alone
+    (decoded on the CPU from then on), and the error last seen."""
+
+    bad: set[int] = field(default_factory=set)
+    reported: int = 0  # len(bad) when last warned
+    error: str = ""
+
+
 class JpegDecoder:
     """(EncodedBatch, params, labels) -> (uint8 canvas on ``device``, params, labels), the
     params' boxes then spanning each sample's pixels as on the CPU path.
 
     ``decode`` maps a list of JPEG byte tensors to RGB uint8 images on the device (default:
-    ``decode_jpeg`` there); when it fails for the batch, each JPEG is tried alone, and one that
-    still fails is made by ``fallback(key)`` -> (pixels, params, label), the CPU path with its
-    handling of unreadable files. ``size`` is the output size (crops over twice it are shrunk
-    by an integer factor first, as the loader workers do)."""
+    ``decode_jpeg`` there), called with at most ``chunk`` JPEGs. A failing call is split in
+    halves until the files it fails on alone are found; those are remembered (by dataset
+    index) and made by ``fallback(key)`` -> (pixels, params, label), the CPU path with its
+    handling of unreadable files, from then on without trying the device. ``size`` is the
+    output size (large crops are shrunk by ``shrink_factor`` first, as the loader workers do).
+
+    On CUDA all of a call's device work runs on the decoder's own stream and only the canvas
+    is handed to the consumer stream, so a call may run in a thread other than the one
+    training (one call at a time per decoder): pass the training thread's stream as
+    ``stream``; the default is the calling thread's current stream."""
 
     def __init__(
         self,
@@ -80,66 +119,201 @@ class JpegDecoder:
         size: int,
         fallback: Callable[[tuple[int, int]], tuple[torch.Tensor, torch.Tensor, int]],
         decode: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+        chunk: int = DECODE_CHUNK,
     ):
         self.device, self.size, self.fallback = torch.device(device), size, fallback
         self.decode = decode or device_decoder(self.device)
-        self.enabled = True  # off once the device decoder fails on every image of a batch
-
-    def decode_all(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        if not self.enabled:
-            return [None] * len(data)
-        try:
-            return list(self.decode(data))
-        except Exception:  # one bad file fails the whole call: find it alone
-            decoded: list[torch.Tensor | None] = []
-            error = None
-            for one in data:
-                try:
-                    decoded.append(self.decode([one])[0])
-                except Exception as err:  # any decoder failure: the CPU path decides
-                    log.debug(f"device JPEG decoding failed ({type(err).__name__}: {err})")
-                    decoded.append(None)
-                    error = err
-            if len(data) > 1 and all(image is None for image in decoded):
-                # Not one bad file: the device decoder does not work here (no nvjpeg).
-                self.enabled = False
-                log.warning(
-                    f"JPEG decoding on {self.device} failed for every image of a batch "
-                    f"({type(error).__name__}: {error}); decoding on the CPU from here on"
-                )
-            return decoded
+        self.chunk = chunk
+        self.failures = DecodeFailures()
+        self.decoded = 0  # images the device decoder made
+        self.enabled = True  # off once the device decoder fails on every image it is given
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
 
     def __call__(
-        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+        self,
+        batch: EncodedBatch,
+        params: torch.Tensor,
+        labels: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         params, labels = params.clone(), labels.clone()
-        pieces: dict[int, torch.Tensor] = {}
+        if self.stream is None:  # not CUDA: no streams
+            return self.assemble(batch, params, labels), params, labels
+        consumer = stream or torch.cuda.current_stream(self.device)
+        # Ordering of the nvjpeg decode (torchvision's decode_jpegs_cuda, read for 0.29):
+        # - it allocates its outputs on the current stream, here self.stream, and decodes
+        #   on a private stream that waits on no other: so it only ever writes blocks of
+        #   self.stream's pool;
+        # - such a block was last used either on self.stream, which call_decoder drains on
+        #   the host before every decode, or on another stream through record_stream, which
+        #   the caching allocator waits out before handing the block out again;
+        # - the outputs are complete when it returns (it synchronises its stream), and all
+        #   cropping, shrinking and placing below runs on self.stream, after them;
+        # - only the canvas leaves: the consumer waits for self.stream, and record_stream
+        #   keeps its block from reuse until the consumer's queued work is done.
+        # self.stream never waits on the consumer, so draining it never waits for a step.
+        with torch.cuda.stream(self.stream):
+            canvas = self.assemble(batch, params, labels)
+        consumer.wait_stream(self.stream)
+        canvas.record_stream(consumer)
+        return canvas, params, labels
+
+    def assemble(
+        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """The batch's canvas on the device (rows the CPU path makes get its params, label)."""
+        on_device = [
+            (row, jpeg)
+            for row, jpeg in zip(batch.jpeg_rows, batch.jpegs, strict=True)
+            if self.enabled and jpeg.key[0] not in self.failures.bad
+        ]
+        sizes = {row: tuple(crop_size_of(params[row]).tolist()) for row in batch.pixel_rows}
+        for row, _ in on_device:
+            sizes[row] = shrunk_size(*crop_size_of(params[row]).tolist(), self.size)
+        canvas = torch.zeros(
+            len(labels), 3, *canvas_size(sizes.values()), dtype=torch.uint8, device=self.device
+        )
         if batch.canvas is not None:
-            canvas = batch.canvas.to(self.device, non_blocking=True)
-            for i, row in enumerate(batch.pixel_rows):
-                h, w = crop_size_of(params[row]).tolist()
-                pieces[row] = canvas[i, :, :h, :w]
-        decoded = self.decode_all([jpeg.data for jpeg in batch.jpegs])
-        for jpeg, row, image in zip(batch.jpegs, batch.jpeg_rows, decoded, strict=True):
+            pixels = batch.canvas.to(self.device, non_blocking=True)
+            place(canvas, batch.pixel_rows, list(pixels.unbind()), sizes)
+        made: set[int] = set()
+        for start in range(0, len(on_device), self.chunk):
+            made |= self.decode_chunk(canvas, on_device[start : start + self.chunk], params)
+        self.report_failures()
+        for jpeg, row in zip(batch.jpegs, batch.jpeg_rows, strict=True):
+            if row not in made:  # the CPU path: its pixels, params and label
+                pixels, params[row], labels[row] = self.fallback(jpeg.key)
+                sizes[row] = tuple(pixels.shape[-2:])
+                canvas = grown(canvas, *sizes[row])
+                place(canvas, [row], [upload(pixels, self.device)], sizes)
+        height, width = canvas_size(sizes.values())  # as large as the largest piece
+        return canvas[:, :, :height, :width]
+
+    def decode_chunk(
+        self, canvas: torch.Tensor, chunk: list[tuple[int, JpegBytes]], params: torch.Tensor
+    ) -> set[int]:
+        """Decode ``chunk``'s JPEGs, crop, shrink and place them; the rows made."""
+        images = self.decode_all([jpeg.data for _, jpeg in chunk], [j.key[0] for _, j in chunk])
+        rows, crops, factors = [], [], []
+        for (row, _), image in zip(chunk, images, strict=True):
             top, left, h, w = crop_of(params[row]).tolist()
             if image is None or image.shape[-2] < top + h or image.shape[-1] < left + w:
-                pixels, params[row], labels[row] = self.fallback(jpeg.key)
-                pieces[row] = pixels.to(self.device)
-                continue
-            crop = image[:, top : top + h, left : left + w]
-            pieces[row] = shrink(crop, min(h, w) // (2 * self.size))
-            set_whole_crop(params[row], *pieces[row].shape[-2:])
-        return place(pieces, len(labels), self.device), params, labels
+                continue  # the CPU path makes it (and reports an unreadable file)
+            rows.append(row)
+            crops.append(image[:, top : top + h, left : left + w])
+            factors.append(shrink_factor(h, w, self.size))
+        pieces = shrink_all(crops, factors)
+        place(
+            canvas, rows, pieces, {row: p.shape[-2:] for row, p in zip(rows, pieces, strict=True)}
+        )
+        for row, piece in zip(rows, pieces, strict=True):
+            set_whole_crop(params[row], *piece.shape[-2:])
+        return set(rows)  # the full-resolution images are freed before the next chunk
+
+    def call_decoder(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.stream is not None:
+            self.stream.synchronize()  # nothing queued on self.stream reads a block nvjpeg gets
+        return list(self.decode(data))
+
+    def decode_all(self, data: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor | None]:
+        """The images decoded on the device, None for those the CPU path must make."""
+        if not self.enabled or not data:
+            return [None] * len(data)
+        decoded = self.decode_split(data, indices)
+        self.decoded += sum(image is not None for image in decoded)
+        if len(data) > 1 and not self.decoded:
+            # Not one bad file: the device decoder does not work here (no nvjpeg).
+            self.enabled = False
+            self.failures.bad.difference_update(indices)
+            log.warning(
+                f"JPEG decoding on {self.device} failed for every image of a batch "
+                f"({self.failures.error}); decoding every JPEG on the CPU from here on, in "
+                "the main process and one image at a time: expect training to be many times "
+                "slower (--cache_images ram, or fixing nvjpeg, avoids it)"
+            )
+        return decoded
+
+    def decode_split(
+        self, data: list[torch.Tensor], indices: list[int]
+    ) -> list[torch.Tensor | None]:
+        """``decode`` on ``data``; when it fails, on each half, down to single files, which
+        are remembered as bad (at most 2 log2(n) calls more per bad file)."""
+        try:
+            return self.call_decoder(data)
+        except Exception as err:  # any decoder failure: split, then the CPU path decides
+            self.failures.error = first_line(err)
+            if len(data) == 1:
+                self.failures.bad.add(indices[0])
+                return [None]
+        half = len(data) // 2
+        return self.decode_split(data[:half], indices[:half]) + self.decode_split(
+            data[half:], indices[half:]
+        )
+
+    def report_failures(self) -> None:
+        """One warning each time the count of files the device decoder failed on grows."""
+        failures = self.failures
+        if not self.enabled or len(failures.bad) == failures.reported:
+            return
+        log.warning(
+            f"the JPEG decoder on {self.device} failed on {len(failures.bad) - failures.reported}"
+            f" more file(s), {len(failures.bad)} so far (last: {failures.error}); they are "
+            "decoded on the CPU, one at a time in the main process, from now on"
+        )
+        failures.reported = len(failures.bad)
 
 
-def place(pieces: dict[int, torch.Tensor], count: int, device: torch.device) -> torch.Tensor:
-    """Each row's pixels at the top left of one zero canvas as large as the largest."""
-    height = max(p.shape[-2] for p in pieces.values())
-    width = max(p.shape[-1] for p in pieces.values())
-    canvas = torch.zeros(count, 3, height, width, dtype=torch.uint8, device=device)
-    for row, p in pieces.items():
-        canvas[row, :, : p.shape[-2], : p.shape[-1]] = p
-    return canvas
+def shrunk_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """The size of a ``height`` x ``width`` crop after ``shrink``."""
+    factor = shrink_factor(height, width, size)
+    if factor < 2:
+        return height, width
+    return -(-height // factor), -(-width // factor)
+
+
+def shrink_all(crops: list[torch.Tensor], factors: list[int]) -> list[torch.Tensor]:
+    """``shrink`` of each crop by its factor, the rounding of all of them in one go."""
+    pieces = list(crops)
+    means = [n for n, factor in enumerate(factors) if factor >= 2]
+    if not means:
+        return pieces
+    pooled = [F.avg_pool2d(crops[n][None].float(), factors[n], ceil_mode=True)[0] for n in means]
+    torch._foreach_round_(pooled)
+    torch._foreach_clamp_min_(pooled, 0)
+    torch._foreach_clamp_max_(pooled, 255)
+    for n, mean in zip(means, pooled, strict=True):
+        pieces[n] = mean  # whole numbers in [0, 255]: place() copies them to uint8 exactly
+    return pieces
+
+
+def canvas_size(sizes) -> tuple[int, int]:
+    """The (height, width) of a canvas that holds pieces of these (height, width)s."""
+    heights, widths = zip(*sizes, strict=True) if sizes else ((1,), (1,))
+    return max(heights), max(widths)
+
+
+def grown(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``canvas``, or a larger copy of it when a piece of this size does not fit."""
+    if height <= canvas.shape[-2] and width <= canvas.shape[-1]:
+        return canvas
+    larger = canvas.new_zeros(
+        *canvas.shape[:2], max(height, canvas.shape[-2]), max(width, canvas.shape[-1])
+    )
+    larger[:, :, : canvas.shape[-2], : canvas.shape[-1]] = canvas
+    return larger
+
+
+def place(canvas: torch.Tensor, rows: list[int], pieces: list[torch.Tensor], sizes) -> None:
+    """Each row's piece (cut to ``sizes[row]``) at its top left in ``canvas``, in one call."""
+    if not rows:
+        return
+    views, sources = [], []
+    for row, piece in zip(rows, pieces, strict=True):
+        h, w = sizes[row]
+        views.append(canvas[row, :, :h, :w])
+        sources.append(piece[:, :h, :w])
+    torch._foreach_copy_(views, sources)
 
 
 def split_samples(pixels: Sequence[torch.Tensor | JpegBytes]) -> tuple[list[int], list[int]]:
