@@ -405,3 +405,19 @@ def test_nvjpeg_decoding_in_another_thread_for_the_training_stream(folder):
         doubled = canvas.int() * 2  # queued on the training stream, after the decode
     training.synchronize()  # .cpu() below copies on the default stream
     assert torch.equal(doubled.cpu(), here.int() * 2)
+
+
+def test_large_crops_shrink_to_a_short_side_between_the_output_size_and_one_and_a_half_times():
+    """Both paths use shrink_factor; the device's shrink, the canvas's planned size and PIL's
+    reduce agree on the size."""
+    from imgtrainer.data.jpeg_device import shrink, shrink_factor, shrunk_size
+
+    for h, w in [(31, 40), (32, 40), (47, 100), (48, 48), (200, 33), (1000, 700), (63, 64)]:
+        factor = shrink_factor(h, w, SIZE)
+        size = shrunk_size(h, w, SIZE)
+        if min(h, w) < 2 * SIZE:
+            assert factor < 2 and size == (h, w)
+            continue
+        assert SIZE <= min(size) <= 1.5 * SIZE
+        assert Image.new("RGB", (w, h)).reduce(factor).size == size[::-1]
+        assert shrink(torch.zeros(3, h, w, dtype=torch.uint8), factor).shape[-2:] == size

@@ -66,8 +66,10 @@ DECODE_CHUNK = 64
 
 def shrink_factor(height: int, width: int, size: int) -> int:
     """The integer factor a crop of ``height`` x ``width`` is shrunk by before the resample to
-    ``size``, on the device and on the CPU alike (PIL's ``reduce``)."""
-    return min(height, width) // (2 * size)
+    ``size``, on the device and on the CPU path alike (PIL's ``reduce``; under 2: none): the
+    largest that keeps its short side at least ``size``, so the canvas and the resample's taps
+    stay small (the shrunk side, rounded up, is at least min(height, width) / factor)."""
+    return min(height, width) // size
 
 
 def shrink(crop: torch.Tensor, factor: int) -> torch.Tensor:

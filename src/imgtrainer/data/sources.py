@@ -23,7 +23,7 @@ from imgtrainer.data.image_files import (
     nvjpeg_size,
     open_rgb,
 )
-from imgtrainer.data.jpeg_device import JpegBytes
+from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 from imgtrainer.errors import first_line
@@ -176,9 +176,9 @@ class TrainingSamples(Dataset):
             params = self.draws(*size)
         top, left, h, w = crop_of(params).tolist()
         if isinstance(image, Image.Image):
-            # A crop many times the output size (large photos) is first shrunk by an integer
-            # factor, averaging blocks (PIL's reduce): the batch canvas stays small.
-            factor = min(h, w) // (2 * self.draws.size)
+            # A crop twice the output size or more (large photos) is first shrunk by an
+            # integer factor, averaging blocks (PIL's reduce): the batch canvas stays small.
+            factor = shrink_factor(h, w, self.draws.size)
             box = (left, top, left + w, top + h)
             image = image.reduce(factor, box=box) if factor >= 2 else image.crop(box)
             pixels = v2.functional.pil_to_tensor(image)
