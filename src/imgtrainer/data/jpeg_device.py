@@ -123,7 +123,11 @@ class JpegDecoder:
         decode: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
         chunk: int = DECODE_CHUNK,
     ):
-        self.device, self.size, self.fallback = torch.device(device), size, fallback
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # Fixed now: in a call from another thread, "cuda" would be that thread's device.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self.size, self.fallback = device, size, fallback
         self.decode = decode or device_decoder(self.device)
         self.chunk = chunk
         self.failures = DecodeFailures()
@@ -147,7 +151,7 @@ class JpegDecoder:
         # - it allocates its outputs on the current stream, here self.stream, and decodes
         #   on a private stream that waits on no other: so it only ever writes blocks of
         #   self.stream's pool;
-        # - such a block was last used either on self.stream, which call_decoder drains on
+        # - such a block was last used either on self.stream, which decode_split drains on
         #   the host before every decode, or on another stream through record_stream, which
         #   the caching allocator waits out before handing the block out again;
         # - the outputs are complete when it returns (it synchronises its stream), and all
@@ -213,11 +217,6 @@ class JpegDecoder:
             set_whole_crop(params[row], *piece.shape[-2:])
         return set(rows)  # the full-resolution images are freed before the next chunk
 
-    def call_decoder(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.stream is not None:
-            self.stream.synchronize()  # nothing queued on self.stream reads a block nvjpeg gets
-        return list(self.decode(data))
-
     def decode_all(self, data: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor | None]:
         """The images decoded on the device, None for those the CPU path must make."""
         if not self.enabled or not data:
@@ -241,8 +240,10 @@ class JpegDecoder:
     ) -> list[torch.Tensor | None]:
         """``decode`` on ``data``; when it fails, on each half, down to single files, which
         are remembered as bad (at most 2 log2(n) calls more per bad file)."""
+        if self.stream is not None:
+            self.stream.synchronize()  # nothing queued on self.stream uses a block nvjpeg gets
         try:
-            return self.call_decoder(data)
+            return list(self.decode(data))
         except Exception as err:  # any decoder failure: split, then the CPU path decides
             self.failures.error = first_line(err)
             if len(data) == 1:
