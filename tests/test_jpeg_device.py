@@ -421,3 +421,30 @@ def test_large_crops_shrink_to_a_short_side_between_the_output_size_and_one_and_
         assert SIZE <= min(size) <= 1.5 * SIZE
         assert Image.new("RGB", (w, h)).reduce(factor).size == size[::-1]
         assert shrink(torch.zeros(3, h, w, dtype=torch.uint8), factor).shape[-2:] == size
+
+
+def test_an_image_smaller_than_its_header_said_is_made_by_the_cpu_path_and_remembered(
+    folder, caplog
+):
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, (batch, params, labels), _, cpu_samples = both_paths(folder, keys)
+    real, calls = device_decoder("cpu"), []
+    short = len(batch.jpegs[2].data)
+
+    def decode(data):
+        calls.append(len(data))
+        return [
+            image[:, :1, :1] if len(d) == short else image
+            for d, image in zip(data, real(data), strict=True)
+        ]
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
+    canvas, out_params, out_labels = decoder(batch, params, labels)
+    cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
+    assert torch.equal(canvas[2], cpu_canvas[2])  # the CPU path's own pixels
+    assert decoder.failures.bad == {2}
+    decoder(batch, params, labels)
+    assert calls == [4, 3]
+    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    assert len(warned) == 1 and "decoded (1, 1), box" in warned[0]

@@ -200,15 +200,20 @@ class JpegDecoder:
         self, canvas: torch.Tensor, chunk: list[tuple[int, JpegBytes]], params: torch.Tensor
     ) -> set[int]:
         """Decode ``chunk``'s JPEGs, crop, shrink and place them; the rows made."""
-        images = self.decode_all([jpeg.data for _, jpeg in chunk], [j.key[0] for _, j in chunk])
+        indices = [jpeg.key[0] for _, jpeg in chunk]
+        images = self.decode_all([jpeg.data for _, jpeg in chunk], indices)
+        boxes = crop_of(params[[row for row, _ in chunk]]).tolist()
         rows, crops, factors = [], [], []
-        for (row, _), image in zip(chunk, images, strict=True):
-            top, left, h, w = crop_of(params[row]).tolist()
-            if image is None or image.shape[-2] < top + h or image.shape[-1] < left + w:
-                continue  # the CPU path makes it (and reports an unreadable file)
-            rows.append(row)
-            crops.append(image[:, top : top + h, left : left + w])
-            factors.append(shrink_factor(h, w, self.size))
+        for (row, _), index, image, box in zip(chunk, indices, images, boxes, strict=True):
+            top, left, h, w = box
+            if image is not None and (image.shape[-2] < top + h or image.shape[-1] < left + w):
+                # Smaller than its header said: not this file's device decoding again.
+                self.failures.bad.add(index)
+                self.failures.error = f"decoded {tuple(image.shape[-2:])}, box {box}"
+            elif image is not None:
+                rows.append(row)
+                crops.append(image[:, top : top + h, left : left + w])
+                factors.append(shrink_factor(h, w, self.size))
         pieces = shrink_all(crops, factors)
         place(
             canvas, rows, pieces, {row: p.shape[-2:] for row, p in zip(rows, pieces, strict=True)}
