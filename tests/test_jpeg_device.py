@@ -448,3 +448,23 @@ def test_an_image_smaller_than_its_header_said_is_made_by_the_cpu_path_and_remem
     assert calls == [4, 3]
     warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
     assert len(warned) == 1 and "decoded (1, 1), box" in warned[0]
+
+
+def test_a_call_too_large_for_the_decoder_makes_the_chunks_smaller(caplog):
+    """A failure no single file causes (out of memory): halves decode, and later calls are
+    no larger than what worked, with one warning."""
+    calls: list[list[int]] = []
+    fake = fake_decoder(set(), calls)
+
+    def decode(data):
+        if len(data) > 4:
+            calls.append([int(d[0]) for d in data])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return fake(data)
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, None, decode, chunk=8)
+    assert decode_numbers(decoder, list(range(8))) == list(range(8))
+    assert [len(c) for c in calls] == [8, 4, 4] and decoder.chunk == 4
+    assert not decoder.failures.bad
+    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    assert len(warned) == 1 and "4 at a time" in warned[0] and "out of memory" in warned[0]

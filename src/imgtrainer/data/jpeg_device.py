@@ -97,6 +97,8 @@ class DecodeFailures:
     bad: set[int] = field(default_factory=set)
     reported: int = 0  # len(bad) when last warned
     error: str = ""
+    calls: int = 0  # decoder calls that failed
+    alone: int = 0  # of them, calls with one file
 
 
 class JpegDecoder:
@@ -226,8 +228,11 @@ class JpegDecoder:
         """The images decoded on the device, None for those the CPU path must make."""
         if not self.enabled or not data:
             return [None] * len(data)
+        failed, alone = self.failures.calls, self.failures.alone
         decoded = self.decode_split(data, indices)
         self.decoded += sum(image is not None for image in decoded)
+        if self.failures.calls > failed and self.failures.alone == alone:
+            self.smaller_chunks(len(data))  # no file's fault: the call's size (memory)
         if len(data) > 1 and not self.decoded:
             # Not one bad file: the device decoder does not work here (no nvjpeg).
             self.enabled = False
@@ -251,12 +256,23 @@ class JpegDecoder:
             return list(self.decode(data))
         except Exception as err:  # any decoder failure: split, then the CPU path decides
             self.failures.error = first_line(err)
+            self.failures.calls += 1
             if len(data) == 1:
+                self.failures.alone += 1
                 self.failures.bad.add(indices[0])
                 return [None]
         half = len(data) // 2
         return self.decode_split(data[:half], indices[:half]) + self.decode_split(
             data[half:], indices[half:]
+        )
+
+    def smaller_chunks(self, failed: int) -> None:
+        """Decode at most half of ``failed`` JPEGs per call from now on, and say so."""
+        self.chunk = min(self.chunk, max(1, failed // 2))
+        log.warning(
+            f"the JPEG decoder on {self.device} failed on {failed} images at once "
+            f"({self.failures.error}) but not on any alone; decoding {self.chunk} at a time "
+            "from now on"
         )
 
     def report_failures(self) -> None:
