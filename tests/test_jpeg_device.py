@@ -468,3 +468,62 @@ def test_a_call_too_large_for_the_decoder_makes_the_chunks_smaller(caplog):
     assert not decoder.failures.bad
     warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
     assert len(warned) == 1 and "4 at a time" in warned[0] and "out of memory" in warned[0]
+
+
+def test_on_cuda_the_decoder_works_on_its_own_stream_and_hands_over_only_the_canvas(
+    folder, monkeypatch
+):
+    """The ordering protocol of JpegDecoder.__call__ on CUDA, with streams faked on the CPU:
+    its stream drained before every decoder call, the decoder called (so its outputs
+    allocated) with that stream current, then the consumer waits for it and the canvas is
+    recorded on the consumer, which never waits the other way."""
+    import contextlib
+
+    events: list[tuple] = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            events.append(("synchronize", self.name))
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    current = [FakeStream("training")]
+
+    @contextlib.contextmanager
+    def stream(s):
+        previous, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda t, s: events.append(("record", s.name, t.shape))
+    )
+    on_device, (batch, params, labels), _, _ = both_paths(folder, KEYS[:7])
+    real = device_decoder("cpu")
+
+    def decode(data):
+        events.append(("decode", current[0].name, len(data)))
+        return real(data)
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode, chunk=3)
+    decoder.stream = FakeStream("decode")  # what __init__ makes on CUDA
+    canvas, *_ = decoder(batch, params, labels)
+    assert events == [
+        ("synchronize", "decode"),
+        ("decode", "decode", 3),
+        ("synchronize", "decode"),
+        ("decode", "decode", 2),
+        ("wait", "training", "decode"),
+        ("record", "training", canvas.shape),
+    ]
+    events.clear()  # a decode-ahead thread names the training stream
+    decoder(batch, params, labels, FakeStream("given"))
+    assert events[-2:] == [("wait", "given", "decode"), ("record", "given", canvas.shape)]
