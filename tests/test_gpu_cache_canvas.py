@@ -156,3 +156,31 @@ def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed)
     keys = [(int(i), 1) for i in batches[0][0][0]]
     main = [samples[key] for key in keys]
     assert torch.equal(torch.stack([m[1] for m in main]), batches[0][0][1])
+
+
+def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estimate(tmp_path):
+    """bench/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
+    them, one 4:1 panorama, the same files for the same arguments; that panorama
+    and the 9:16 portraits make the whole canvas ~4x the estimate, the stored windows 1x."""
+    from harness import write_photo_folder
+
+    root = write_photo_folder(tmp_path / "a", 2, 8, threads=2)
+    again = write_photo_folder(tmp_path / "b", 2, 8, threads=2)
+    files = sorted(root.rglob("*.jpg"))
+    assert len(files) == 16
+    assert all(
+        f.read_bytes() == (again / f.relative_to(root)).read_bytes() for f in files
+    )  # deterministic
+    sizes = []
+    for f in files:
+        with Image.open(f) as image:
+            assert image.format == "JPEG" and min(image.size) >= 500
+            sizes.append(image.size)
+    assert any(w > h for w, h in sizes) and any(h > w for w, h in sizes)
+    assert any(abs(w / h - 16 / 9) < 0.01 for w, h in sizes)
+    assert any(abs(h / w - 16 / 9) < 0.01 for w, h in sizes)
+    assert sum(w == 4 * h for w, h in sizes) == 1
+    cache = DecodedImageCache(ReadableImageFolder(root), 224, threads=2)
+    estimate = estimated_canvas_bytes(len(cache), 224)
+    assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
+    assert canvas_bytes(cache.sizes, 224) == estimate
