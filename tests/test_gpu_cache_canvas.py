@@ -184,3 +184,27 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
     assert canvas_bytes(cache.sizes, 224) == estimate
+
+
+def test_the_throughput_bench_writes_photos_when_asked(tmp_path):
+    """bench/throughput.py --dataset: patches on the CPU by default, photos when asked (the
+    default on CUDA), the panorama among the training images only."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_throughput", Path(__file__).parents[1] / "bench" / "throughput.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_args([]).dataset == "auto"
+    assert not bench.wants_photos(argparse.Namespace(dataset="auto", device="cpu"))
+    assert bench.wants_photos(argparse.Namespace(dataset="photos", device="cpu"))
+    data = bench.make_dataset(tmp_path / "data", 20, classes=2, side=40, photos=True)
+    shapes = {}
+    for split in ("train", "val"):
+        shapes[split] = [Image.open(f).size for f in sorted((data / split).rglob("*.jpg"))]
+        assert min(map(min, shapes[split])) >= 500
+    assert len(shapes["train"]) == 20 and len(shapes["val"]) == 2
+    assert [w == 4 * h for w, h in shapes["train"]].count(True) == 1
+    assert not any(w == 4 * h for w, h in shapes["val"])

@@ -169,6 +169,7 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
     assert "efficiency" in result.stdout
     report = json.loads(output.read_text())
     assert [row["world_size"] for row in report["results"]] == [2]
+    assert report["settings"]["dataset"] == "patches"  # the quick default on the CPU
     for row in report["results"]:
         assert row["efficiency"] == pytest.approx(
             row["trainer"]["images_per_sec"] / row["ceiling"]["images_per_sec"]
