@@ -23,7 +23,9 @@ GradScaler and with bfloat16; channels_last on and off; --cache_images gpu, ram 
 tests marked ``cuda`` and the test_cuda_* ones); throughput at 224 px with bfloat16 AMP and
 channels_last (bench/throughput.py's workers, batch 256): images/s, achieved TFLOP/s (ResNet18:
 3.64 GFLOPs (1.82 G multiply-adds) forward per image, x3 for forward and backward) and the fraction of the device's
-dense bf16 peak, trainer/ceiling efficiency for each cache mode, time to first step.
+dense bf16 peak, trainer/ceiling efficiency for each cache mode (and the source auto chose),
+time to first step, on photo-like JPEGs of mixed aspect (500 px and more, both orientations, 16:9
+among them, one 4:1 panorama; bench/harness.py's write_photo_folder, written once per call).
 
 Without CUDA it prints one line saying nothing was checked and exits 0. Exit code 1 when a check
 failed.
@@ -219,27 +221,45 @@ def versions() -> dict[str, str]:
 
 
 def write_dataset(
-    root: Path, classes: int, train_per_class: int, val_per_class: int, side: int
+    root: Path,
+    classes: int,
+    train_per_class: int,
+    val_per_class: int,
+    side: int,
+    photos: bool = False,
 ) -> Path:
-    """root/{train,val}/class_NN/*.jpg: noisy patches, one colour per class (learnable)."""
+    """root/{train,val}/class_NN/*.jpg: noisy square patches of ``side`` px, one colour per
+    class (learnable), or with ``photos`` photo-like JPEGs of mixed aspect, short side ``side``
+    px or more, one 4:1 panorama among the training images (``harness.write_photo_folder``)."""
     threads = min(16, os.cpu_count() or 1)
     for split, per_class, seed in (("train", train_per_class, 0), ("val", val_per_class, 1)):
+        if photos:
+            panorama = split == "train"
+            harness.write_photo_folder(
+                root / split, classes, per_class, side, seed, panorama=panorama, threads=threads
+            )
+            continue
         harness.write_image_folder(
             root / split, classes, per_class, side, seed, noise=30, quality=90, threads=threads
         )
     return root
 
 
+DATASETS = {  # kind: (classes, training and validation images per class, side, photos)
+    "tiny": (3, 32, 8, 40, False),  # 96 training images of 40 px
+    "mid": (3, 160, 16, 128, False),  # 480 images of 128 px: 30 steps of 16 per epoch
+    # 5400 mixed-aspect photos, short side 500-625 px (16:9 both ways, one 4:1 panorama), for
+    # 224 px crops: the measurements (memory, throughput, decoding), as real photos load
+    "photos": (10, 540, 54, 500, True),
+}
+
+
 def dataset(ctx: Context, kind: str) -> Path:
-    """The generated data set ``kind``, written once (checks running at once share it)."""
-    specs = {
-        "tiny": (3, 32, 8, 40),  # 96 training images of 40 px
-        "mid": (3, 160, 16, 128),  # 480 images of 128 px: 30 steps of 16 per epoch
-        "224": (10, 540, 54, 280),
-    }  # 5400 images of 280 px, for 224 px crops
+    """The generated data set ``kind`` (DATASETS), written once per call of this script and
+    reused by every check that asks for it (checks running at once share it)."""
     with ctx.lock:
         if kind not in ctx.data:
-            ctx.data[kind] = write_dataset(ctx.work / f"data_{kind}", *specs[kind])
+            ctx.data[kind] = write_dataset(ctx.work / f"data_{kind}", *DATASETS[kind])
         return ctx.data[kind]
 
 
@@ -627,7 +647,7 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 def check_low_memory(ctx: Context) -> dict[str, Any]:
     """--low_memory --max_memory_gb 2 at 224 px, batch 64, against the same run without it:
     peak allocated memory (must stay within the budget) and speed (epoch 2 of 2)."""
-    data = dataset(ctx, "224")
+    data = dataset(ctx, "photos")  # the measurements' one data set, written once
     flags = ["--image_size", "224", "--batch_size", "64", "--epochs", "2", "--cache_images", "ram"]
     normal = launch(ctx, "low_memory_off", data, flags)
     normal_fig = expect_finished(normal, 2)
@@ -719,12 +739,13 @@ THROUGHPUT_FLAGS = [
 
 def throughput(cache: str) -> Callable[[Context], dict]:
     """bench/throughput.py's trainer measurement for one cache mode, against its ceiling (the
-    bare loop on tensors in memory, measured once and shared by the cache modes)."""
+    bare loop on tensors in memory, measured once and shared by the cache modes), on the
+    mixed-aspect photos; ``source``: where the images came from (what auto chose)."""
 
     def check(ctx: Context) -> dict[str, Any]:
         bench = load_bench_module("throughput")
 
-        data = dataset(ctx, "224")
+        data = dataset(ctx, "photos")
         args = bench.parse_args(
             [
                 *THROUGHPUT_FLAGS,
@@ -752,6 +773,7 @@ def throughput(cache: str) -> Callable[[Context], dict]:
             "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
             "data wait": trainer["step_shares"].get("data_wait", 0.0),
             "loader workers": trainer["loader_workers"],
+            "source": trainer["source"],
             "first step s": trainer["seconds_to_first_step"],
         }
         ctx.shared[f"trainer_{cache}"] = trainer
@@ -762,9 +784,9 @@ def throughput(cache: str) -> Callable[[Context], dict]:
 
 def check_jpeg_decode(ctx: Context) -> dict[str, Any]:
     """JPEG decoding alone, images/s: batched nvJPEG on the GPU against the loader workers the
-    trainer would start on the CPU (and one CPU process), on the 224 px data set's files."""
+    trainer would start on the CPU (and one CPU process), on the mixed-aspect photos."""
     bench = load_bench_module("throughput")
-    rates = bench.decode_rates(dataset(ctx, "224") / "train", "cuda")
+    rates = bench.decode_rates(dataset(ctx, "photos") / "train", "cuda")
     figures = {name: r["images_per_sec"] for name, r in rates["rates"].items()}
     if not any(name.startswith("cuda") for name in figures):
         raise CheckFailed("no GPU decoding was measured", figures)
@@ -789,7 +811,7 @@ def check_step_variants(ctx: Context) -> dict[str, Any]:
     seconds (compilation included). Long (compiling takes minutes): run it on its own,
     ``--only step_variants``."""
     bench = load_bench_module("throughput")
-    data = dataset(ctx, "224")
+    data = dataset(ctx, "photos")  # the ceiling reads no images; the data set already written
     args = bench.parse_args([*THROUGHPUT_FLAGS, "--", "--use_amp", "--amp_dtype", "bfloat16"])
     folder = ctx.work / "step_variants"
     folder.mkdir()
@@ -878,7 +900,7 @@ def all_checks() -> list[Check]:
         Check("low_memory_224", check_low_memory, measurement=True),
         *[
             Check(f"throughput_224_cache_{cache}", throughput(cache), measurement=True)
-            for cache in ("gpu", "ram", "none")
+            for cache in ("gpu", "ram", "none", "auto")
         ],
         Check("jpeg_decode", check_jpeg_decode, measurement=True),
         Check("step_variants", check_step_variants, measurement=True, default=False),

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch_ddp.py"
@@ -71,6 +71,112 @@ def write_image_folder(
                     pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
                 jobs.append((folder / f"img_{i:03d}.{ext}", pixels))
             list(pool.map(save, jobs))
+    return root
+
+
+# Photo shapes as width / height, cycled over each class's images: both orientations, 16:9 too.
+PHOTO_ASPECTS = (4 / 3, 3 / 4, 16 / 9, 9 / 16, 3 / 2, 2 / 3, 1.0)
+PANORAMA_ASPECT = 4.0
+TEXTURE_SIDE = 1024  # the side of the few textures every photo is cut from
+SHAPES_PER_TEXTURE = 60
+
+
+def photo_textures(rng: np.random.Generator, count: int = 4) -> list[Image.Image]:
+    """``count`` photo-like RGB textures: smooth shapes at several scales (each octave a small
+    random array upscaled bicubically) plus fine grain, so JPEG files and their decoding cost
+    what camera photos do, unlike flat or pure-noise patches."""
+    textures = []
+    for _ in range(count):
+        total = np.zeros((TEXTURE_SIDE, TEXTURE_SIDE, 3), dtype=np.float32)
+        for cells, amplitude in ((3, 70.0), (12, 40.0), (48, 22.0), (192, 12.0)):
+            small = rng.integers(0, 256, (cells, cells, 3), dtype=np.uint8)
+            big = Image.fromarray(small).resize((TEXTURE_SIDE, TEXTURE_SIDE), Image.BICUBIC)
+            total += (np.asarray(big, dtype=np.float32) - 128) * (amplitude / 128)
+        smooth = Image.fromarray(np.clip(total + 128, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(smooth)
+        for _ in range(SHAPES_PER_TEXTURE):  # objects: hard edges, as in real scenes
+            x, y = rng.integers(0, TEXTURE_SIDE, 2)
+            w, h = rng.integers(20, TEXTURE_SIDE // 4, 2)
+            colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+            shape = draw.ellipse if rng.integers(0, 2) else draw.rectangle
+            shape((int(x), int(y), int(x + w), int(y + h)), fill=colour)
+        grain = rng.normal(0, 5, total.shape).astype(np.float32)
+        pixels = np.asarray(smooth, dtype=np.float32) + grain
+        textures.append(Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)))
+    return textures
+
+
+def photo_size(index: int, short_side: int, rng: np.random.Generator) -> tuple[int, int]:
+    """(width, height) of a class's ``index``-th photo: a PHOTO_ASPECTS shape in turn, its short
+    side ``short_side`` to 1.25 x that."""
+    aspect = PHOTO_ASPECTS[index % len(PHOTO_ASPECTS)]
+    short = short_side + int(rng.integers(0, short_side // 4 + 1))
+    if aspect >= 1:
+        return round(short * aspect), short
+    return short, round(short / aspect)
+
+
+def cut_photo(
+    texture: Image.Image, size: tuple[int, int], lut: list[int], rng: np.random.Generator
+) -> Image.Image:
+    """A ``size`` photo from a random part of ``texture`` (upscaled when larger than it), toned
+    with ``lut`` (the class's colour cast)."""
+    width, height = size
+    scale = max(width / TEXTURE_SIDE, height / TEXTURE_SIDE, 1.0)
+    w, h = min(TEXTURE_SIDE, round(width / scale)), min(TEXTURE_SIDE, round(height / scale))
+    left = int(rng.integers(0, TEXTURE_SIDE - w + 1))
+    top = int(rng.integers(0, TEXTURE_SIDE - h + 1))
+    photo = texture.crop((left, top, left + w, top + h))
+    if (w, h) != size:
+        photo = photo.resize(size, Image.BICUBIC)
+    if rng.integers(0, 2):
+        photo = photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return photo.point(lut)
+
+
+def class_lut(index: int) -> list[int]:
+    """A colour cast toward the class's colour (a third of the way): learnable, photo-like."""
+    return [round(v * 2 / 3 + c / 3) for c in class_colour(index) for v in range(256)]
+
+
+def write_photo_folder(
+    root: Path,
+    classes: Sequence[str] | int,
+    per_class: int,
+    short_side: int = 500,
+    seed: int = 0,
+    *,
+    panorama: bool = True,
+    quality: int = 85,
+    threads: int = 1,
+) -> Path:
+    """``root/<class>/img_<i>.jpg``: ``per_class`` photo-like JPEGs per class of mixed aspect
+    (PHOTO_ASPECTS: 4:3, 3:2, 16:9 and square, both orientations; short side ``short_side`` to
+    1.25 x that) and, with ``panorama``, the first class's first image a 4:1 panorama: the
+    shapes that make image caches and crops larger than square bench patches do. Cut from a few
+    textures drawn once per call (``photo_textures``), toned per class; ``threads`` cut and
+    encode in parallel. The same arguments write the same files."""
+    rng = np.random.default_rng(seed)
+    textures = photo_textures(rng)
+    names = class_names(classes) if isinstance(classes, int) else list(classes)
+    jobs = []
+    for c, name in enumerate(names):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            size = photo_size(i, short_side, rng)
+            if panorama and c == 0 and i == 0:
+                size = (round(short_side * PANORAMA_ASPECT), short_side)
+            path = root / name / f"img_{i:03d}.jpg"
+            jobs.append(
+                (path, textures[int(rng.integers(len(textures)))], size, c, rng.spawn(1)[0])
+            )
+
+    def save(job) -> None:
+        path, texture, size, c, job_rng = job
+        cut_photo(texture, size, class_lut(c), job_rng).save(path, quality=quality)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        list(pool.map(save, jobs))
     return root
 
 

@@ -4,6 +4,7 @@
     python bench/throughput.py --image_size 224 --batch_size 32
     python bench/throughput.py -- --cache_images ram             # trainer flags after "--"
     python bench/throughput.py --sources gpu ram none --decode   # each source; JPEG decode rates
+    python bench/throughput.py --dataset photos --image_size 224 # mixed-aspect photos >= 500 px
     python bench/throughput.py --world_sizes 1 --policy          # the policies, looped vs grouped
     python bench/throughput.py --world_sizes 1 --step_variants eager compile batch_x2
 
@@ -12,7 +13,8 @@ For each world size it runs, as separate torchrun jobs with the same threads per
 1. ceiling: a bare loop of forward, backward and optimizer step of the same model, batch, image
    size and precision on tensors already in memory (DDP at world size > 1, no loader);
 2. trainer: the real training path (the trainer's loader, transforms, sampler, AMP setting, DDP
-   wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files.
+   wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files
+   (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA).
 
 With ``--sources``, the trainer runs once per image source (``--cache_images`` gpu, ram, none)
 against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
@@ -49,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from harness import write_image_folder  # noqa: E402
+from harness import write_image_folder, write_photo_folder  # noqa: E402
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
 PEAK_FLOPS = {
@@ -105,6 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the trainer once per --cache_images source (default: once, as the trainer "
         "flags say)",
     )
+    parser.add_argument(
+        "--dataset",
+        choices=["auto", "patches", "photos"],
+        default="auto",
+        help="generated images: square noise patches of 1.25 x --image_size (quick), or "
+        "photo-like JPEGs of mixed aspect, at least 500 px, one panorama (what real photos "
+        "cost the caches and decoders); auto: photos when the run uses CUDA",
+    )
     parser.add_argument("--decode", action="store_true", help="also measure JPEG decode rates")
     parser.add_argument(
         "--policy", action="store_true", help="also time the policies: per image vs grouped"
@@ -126,16 +136,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_dataset(root: Path, images: int, classes: int, side: int) -> Path:
+def make_dataset(root: Path, images: int, classes: int, side: int, photos: bool = False) -> Path:
     """A generated ImageFolder of at least ``images`` training JPEGs (and a tenth of that for
-    validation): noisy colour patches, one colour per class."""
+    validation): noisy colour patches of ``side`` px, one colour per class, or with ``photos``
+    photo-like JPEGs of mixed aspect with a short side of at least max(500, ``side``) px and one
+    panorama among the training images (``harness.write_photo_folder``)."""
     threads = os.cpu_count() or 1
     for split, count, seed in (("train", images, 0), ("val", max(classes, images // 10), 1)):
         per_class = math.ceil(count / classes)
+        if photos:
+            short = max(500, side)
+            panorama = split == "train"
+            write_photo_folder(
+                root / split, classes, per_class, short, seed, panorama=panorama, threads=threads
+            )
+            continue
         write_image_folder(
             root / split, classes, per_class, side, seed, noise=40, quality=90, threads=threads
         )
     return root
+
+
+def wants_photos(args: argparse.Namespace) -> bool:
+    """``--dataset``: photos when asked, or (auto) when the run uses CUDA."""
+    if args.dataset != "auto":
+        return args.dataset == "photos"
+    if args.device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_worker(
@@ -192,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
+        photos = wants_photos(args)
         data = make_dataset(
             Path(tmp) / "data",
             max(per_run, args.startup_images),
             classes=10,
             side=int(math.ceil(args.image_size * 1.25)),
+            photos=photos,
         )
+        report["settings"]["dataset"] = "photos" if photos else "patches"
         print(
-            f"Generated {sum(1 for _ in (data / 'train').rglob('*.jpg'))} training JPEGs in "
-            f"{time.perf_counter() - started:.1f}s",
+            f"Generated {sum(1 for _ in (data / 'train').rglob('*.jpg'))} training JPEGs "
+            f"({'photos' if photos else 'patches'}) in {time.perf_counter() - started:.1f}s",
             flush=True,
         )
         report["results"] = measure_sources(args, data, Path(tmp))

@@ -697,6 +697,7 @@ def test_gpu_check_covers_the_cuda_paths():
         "throughput_224_cache_gpu",
         "throughput_224_cache_ram",
         "throughput_224_cache_none",
+        "throughput_224_cache_auto",  # on photos: auto must pick a source that fits
         "shared_gpu_ws2_cache_gpu",
         "shared_gpu_ws2_kill_resume",
         "jpeg_decode",
@@ -709,6 +710,7 @@ def test_gpu_check_covers_the_cuda_paths():
         "throughput_224_cache_gpu",
         "throughput_224_cache_ram",
         "throughput_224_cache_none",
+        "throughput_224_cache_auto",
         "jpeg_decode",
         "step_variants",
     }

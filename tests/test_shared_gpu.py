@@ -127,7 +127,8 @@ def test_memory_share_splits_the_device_and_caps_at_max_memory_gb():
 
 def test_budget_and_gpu_cache_count_the_processes_sharing_the_gpu(monkeypatch):
     """The CUDA call sites, with the device's figures faked: --auto_micro_batch's budget (of the
-    total) and --cache_images auto's GPU budget (a quarter of the free memory), per process."""
+    total) and --cache_images auto's GPU budget (a quarter of the free memory), per process;
+    an explicit gpu's limit (all of its share)."""
     from imgtrainer.config import TrainConfig
     from imgtrainer.data.loaders import device_cache_budget
     from imgtrainer.training.memory import memory_budget
@@ -147,4 +148,6 @@ def test_budget_and_gpu_cache_count_the_processes_sharing_the_gpu(monkeypatch):
     assert device_cache_budget(cfg, alone) == 16 * GIB and device_cache_budget(cfg, pair) == 8 * GIB
     assert device_cache_budget(TrainConfig(max_memory_gb=12), pair) == 3 * GIB
     assert device_cache_budget(TrainConfig(cache_images="ram"), pair) == 0
+    # An explicit gpu cache may take this process's whole share: over it, it cannot be allocated.
+    assert device_cache_budget(TrainConfig(cache_images="gpu"), pair) == 32 * GIB
     assert device_cache_budget(cfg, dist_setup.DistInfo(0, 0, 1, 1, torch.device("cpu"))) == 0

@@ -169,6 +169,7 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
     assert "efficiency" in result.stdout
     report = json.loads(output.read_text())
     assert [row["world_size"] for row in report["results"]] == [2]
+    assert report["settings"]["dataset"] == "patches"  # the quick default on the CPU
     for row in report["results"]:
         assert row["efficiency"] == pytest.approx(
             row["trainer"]["images_per_sec"] / row["ceiling"]["images_per_sec"]
@@ -196,12 +197,14 @@ def test_auto_cache_picks_the_device_then_ram_then_files():
 
 
 def test_loader_workers_rule():
-    """--num_workers wins (except on the GPU cache: batches are made on the device); else sized
-    to the cores per process and to the source: with a GPU, one core drives it and the others
-    decode files (half of them for images in RAM); on the CPU the model takes the cores."""
+    """--num_workers wins; else sized to the cores per process and to the source: with a GPU,
+    one core drives it and the others decode files (half of them for images in RAM, half and
+    at most 4 to draw the GPU cache's parameters); on the CPU the model takes the cores."""
     assert loader_workers(3, 16, "cpu", "ram") == 3
-    assert loader_workers(3, 16, "cuda", "gpu") == 0
-    assert loader_workers(None, 16, "cuda", "gpu") == 0
+    assert loader_workers(3, 16, "cuda", "gpu") == 3
+    assert loader_workers(None, 16, "cuda", "gpu") == 4
+    assert loader_workers(None, 6, "cuda", "gpu") == 2
+    assert loader_workers(None, 2, "cuda", "gpu") == 1  # the draws still overlap the step
     assert loader_workers(None, 16, "cuda", "files") == 15
     assert loader_workers(None, 16, "cuda", "nvjpeg") == 15  # files too, JPEGs as bytes
     assert loader_workers(None, 16, "cuda", "ram") == 7

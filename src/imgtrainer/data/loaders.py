@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -38,8 +39,11 @@ from imgtrainer.data.sources import (
     SeededImageDataset,
     Source,
     TrainingSamples,
+    canvas_bytes,
     choose_cache,
     choose_source,
+    estimated_canvas_bytes,
+    fit_device_cache,
 )
 from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
@@ -58,6 +62,7 @@ from imgtrainer.distributed.setup import (
     cpu_cores_available,
     memory_share,
 )
+from imgtrainer.errors import UserError
 from imgtrainer.files import format_bytes
 from imgtrainer.process import STOP_SIGNALS, die_with_parent
 
@@ -69,6 +74,9 @@ log = logging.getLogger(__name__)
 
 # Loader workers per process at most: each is a process holding its own prefetched batches.
 MAX_LOADER_WORKERS = 16
+# With the GPU cache a sample is a few draws (about 50-130 us with a policy): a few workers
+# keep up with any step.
+GPU_CACHE_WORKERS = 4
 
 
 def loader_workers(
@@ -80,16 +88,14 @@ def loader_workers(
     """Loader worker processes per training process: ``--num_workers`` when given, else sized to
     this process's share of the cores and to what its ``source`` leaves the workers to do.
 
-    "gpu" (images cached on the device): none, the main process makes the batches there (and
-    a forked worker must not touch CUDA). With a GPU, one core stays with the main process to
-    drive it and the others decode: files ("files", "nvjpeg") get all of them (JPEG decoding
-    is the costliest per-image work), "ram" (decoded images in memory) half, and either at
-    least one so the data overlaps the step. On the CPU the model's threads already use every
-    core: images in memory are cheapest to augment in the training process itself, files get
-    up to 4."""
+    With a GPU, one core stays with the main process to drive it and the others decode: files
+    ("files", "nvjpeg") get all of them (JPEG decoding is the costliest per-image work), "ram"
+    (decoded images in memory) half, "gpu" (images cached on the device: the workers only draw
+    each sample's parameters and policy, from its size, never touching CUDA) half and at most
+    GPU_CACHE_WORKERS, and each at least one so the draws overlap the step. On the CPU the
+    model's threads already use every core: images in memory are cheapest to augment in the
+    training process itself, files get up to 4."""
     source = Source(source)
-    if source is Source.GPU:
-        return 0
     if requested is not None:
         return requested
     if cores_per_process < 1:  # more processes than cores: workers would only queue
@@ -97,6 +103,8 @@ def loader_workers(
     if device_type == "cpu":
         return min(4, cores_per_process) if source.workers_decode else 0
     spare = max(1, cores_per_process - 1)
+    if source is Source.GPU:
+        return min(GPU_CACHE_WORKERS, max(1, spare // 2))
     return min(MAX_LOADER_WORKERS, spare if source.workers_decode else max(1, spare // 2))
 
 
@@ -132,6 +140,7 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
     evaluation images are normalised as they are collated."""
     if isinstance(dataset, TrainingSamples):
         collate = collate_samples
+        dataset = dataset.for_loader()  # for the GPU cache: sizes and labels, not the canvas
     else:
         collate = partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std))
     return DataLoader(
@@ -167,6 +176,8 @@ def build_datasets(
     ``--cache_images`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``,
     on ``dist.device`` for "gpu"), which is the check; "auto" means "gpu" when the decoded
     images fit in ``device_budget_bytes``, else "ram" when they fit in ``cache_budget_bytes``.
+    The device canvas is checked again from the decoded sizes before it is allocated
+    (``settle_device_cache``): auto falls back to "ram", an explicit "gpu" is an error.
     ``threads`` decode the images to cache. Here the training images' ``Source`` is decided,
     once. ``draws``: the host half of ``train_augmentation(cfg)`` (made here when not given)."""
     train_dir, val_dir, log_dir = Path(cfg.train_dir), Path(cfg.val_dir), Path(cfg.log_dir)
@@ -182,31 +193,35 @@ def build_datasets(
         cache_budget_bytes,
         device_budget_bytes,
     )
-    # Free memory differs between nodes; every rank must read the same images the same way:
-    # the least any rank can hold.
-    choices = all_gather_objects(cache)
-    least = min(choices, key=CACHE_ORDER.index)
-    if least != cache:
-        cache, why = least, f"{why}, but another rank can only use {least}"
-    log.info(f"Image cache: {cache} ({why})")
-    source = choose_source(cache, dist.device)  # where the training images are, decided once
+    cache, why = least_cache(cache, why)
     if cache == "none":
+        log.info(f"Image cache: {cache} ({why})")
         leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         train_folder, val_folder = folders["training"], folders["validation"]
     else:
         # Caching decodes every image anyway: that decoding is the check, instead of a decode
-        # check first and a second decoding of every image after it.
+        # check first and a second decoding of every image after it. The images are decoded
+        # into host memory first: the device canvas is sized and checked from their real sizes
+        # before anything is allocated there.
         started = time.perf_counter()
-        cache_device = str(dist.device) if source is Source.GPU else "cpu"
         train_folder, val_folder = cache_decoded(
-            folders, cfg.image_size, cache_device, threads, log_dir, cfg.eval_resize_ratio
+            folders, cfg.image_size, "cpu", threads, log_dir, cfg.eval_resize_ratio
         )
+        if choose_source(cache, dist.device) is Source.GPU:
+            cache, why = settle_device_cache(
+                cfg, (train_folder, val_folder), device_budget_bytes, why
+            )
+        log.info(f"Image cache: {cache} ({why})")
+        if choose_source(cache, dist.device) is Source.GPU:
+            train_folder.pack(dist.device)
+            val_folder.pack(dist.device)
         log.info(
             f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
             f"({format_bytes(train_folder.nbytes + val_folder.nbytes, 'MiB', 0)}, "
             f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
             "every epoch instead"
         )
+    source = choose_source(cache, dist.device)  # where the training images are, decided once
     if draws is None:
         draws, _ = train_augmentation(cfg)
     train_set = TrainingSamples(train_folder, draws, cfg.seed, source)
@@ -217,6 +232,39 @@ def build_datasets(
 
 
 CACHE_ORDER = ["none", "ram", "gpu"]  # from the least memory needed to the most
+
+
+def least_cache(cache: str, why: str) -> tuple[str, str]:
+    """The cache every rank can use: the least memory-hungry of the ranks' choices. Free memory
+    differs between nodes; every rank must read the same images the same way. Every rank must
+    call this."""
+    least = min(all_gather_objects(cache), key=CACHE_ORDER.index)
+    if least != cache:
+        return least, f"{why}, but another rank can only use {least}"
+    return cache, why
+
+
+def settle_device_cache(
+    cfg: TrainConfig, cached: Sequence[DecodedImageCache], budget_bytes: int, why: str
+) -> tuple[str, str]:
+    """ "gpu" or "ram" for images decoded into host memory and meant for the device, from the
+    real size of their canvas (``canvas_bytes``) against ``budget_bytes`` (``fit_device_cache``),
+    the same on every rank: one rank over its budget sends all to RAM (auto), or all stop with
+    its error (explicit gpu). Every rank must call this, before packing."""
+    real = sum(canvas_bytes(c.sizes, cfg.image_size) for c in cached)
+    estimate = estimated_canvas_bytes(sum(map(len, cached)), cfg.image_size)
+    try:
+        verdict = fit_device_cache(cfg.cache_images, real, estimate, budget_bytes)
+    except UserError as err:
+        verdict = f"error: {err}"
+    verdicts = all_gather_objects(verdict)
+    for problem in verdicts:
+        if problem.startswith("error: "):
+            raise UserError(problem.removeprefix("error: "))
+    for problem in verdicts:
+        if problem != "gpu":
+            return "ram", problem if problem == verdict else f"{problem} (on another rank)"
+    return "gpu", f"{why}; {format_bytes(real, 'MiB', 0)} once decoded"
 
 
 def cache_decoded(
@@ -260,13 +308,15 @@ def cache_decoded(
 
 
 def device_cache_budget(cfg: TrainConfig, dist: DistInfo) -> int:
-    """Bytes of device memory the image cache may take with --cache_images auto (0: none):
-    GPU_CACHE_SHARE of this process's share of what is free (every process on the device
-    caches the images), capped by --max_memory_gb."""
-    if dist.device.type != "cuda" or cfg.cache_images != "auto":
+    """Bytes of device memory the image cache may take (0: none, or not known): with
+    --cache_images auto, GPU_CACHE_SHARE of this process's share of what is free (every process
+    on the device caches the images), capped by --max_memory_gb; with gpu, asked for explicitly,
+    all of that share (a larger cache could not be allocated at all)."""
+    if dist.device.type != "cuda" or cfg.cache_images not in ("auto", "gpu"):
         return 0
     free = torch.cuda.mem_get_info(dist.device)[0]
-    return int(memory_share(free, dist.processes_on_device, cfg.max_memory_gb) * GPU_CACHE_SHARE)
+    share = memory_share(free, dist.processes_on_device, cfg.max_memory_gb)
+    return int(share * GPU_CACHE_SHARE) if cfg.cache_images == "auto" else int(share)
 
 
 def build_loaders(cfg: TrainConfig, dist: DistInfo):
@@ -289,7 +339,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     source = train_set.source
     workers = loader_workers(cfg.num_workers, cores, dist.device.type, source)
     pin = dist.device.type == "cuda" and source.host_batches
-    chosen = cfg.num_workers is None or source is Source.GPU
+    chosen = cfg.num_workers is None
     log.info(
         f"Loader: {workers} worker(s) per process, images from {source} "
         + (
@@ -328,7 +378,14 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     val_loader = make_loader(
         val_set,
         ShardSampler(len(val_set), dist.rank, dist.world_size),
-        replace(train_spec, batch_size=cfg.batch_size, train=False),
+        # Evaluation transforms the cached images themselves: on the device for the GPU cache,
+        # which forked workers must not touch.
+        replace(
+            train_spec,
+            batch_size=cfg.batch_size,
+            train=False,
+            num_workers=0 if source is Source.GPU else workers,
+        ),
     )
     return train_loader, val_loader, train_sampler, class_names
 

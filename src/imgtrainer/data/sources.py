@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from imgtrainer.data.image_files import (
 from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
-from imgtrainer.errors import first_line
+from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import format_bytes
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,30 @@ class TrainingSamples(Dataset):
         seed: int,
         source: Source = Source.FILES,
     ):
-        cached = isinstance(folder, DecodedImageCache)
-        if (source is Source.GPU and not cached) or (source is Source.NVJPEG and cached):
+        sizes_only = isinstance(folder, CachedImageSizes)
+        cached = sizes_only or isinstance(folder, DecodedImageCache)
+        if (
+            (source is Source.GPU and not cached)
+            or (source is Source.NVJPEG and cached)
+            or (source is not Source.GPU and sizes_only)
+        ):
             raise ValueError(f"images from {source} do not fit a {type(folder).__name__}")
         self.folder, self.draws, self.seed, self.source = folder, draws, seed, source
 
     @property
     def canvas(self) -> torch.Tensor | None:
-        """For ``Source.GPU``, the device canvas the samples index; else None."""
-        return self.folder.canvas if self.source is Source.GPU else None
+        """For ``Source.GPU``, the device canvas the samples index (None in ``for_loader``'s
+        copy); else None."""
+        return getattr(self.folder, "canvas", None) if self.source is Source.GPU else None
+
+    def for_loader(self) -> TrainingSamples:
+        """What the DataLoader and its workers get: for ``Source.GPU``, these samples over
+        ``CachedImageSizes`` (the same draws and labels, no reference to the device canvas:
+        forked workers must not touch CUDA); otherwise these samples themselves."""
+        if self.source is not Source.GPU or isinstance(self.folder, CachedImageSizes):
+            return self
+        sizes = CachedImageSizes(list(self.folder.sizes), list(self.folder.targets))
+        return TrainingSamples(sizes, self.draws, self.seed, self.source)
 
     def __len__(self) -> int:
         return len(self.folder)
@@ -204,6 +220,61 @@ def seeded_cpu_generator(seed: int) -> Iterator[None]:
         generator.set_state(saved)
 
 
+@dataclass(frozen=True)
+class CachedImageSizes:
+    """What the loader workers need of a device cache (``TrainingSamples.for_loader``): each
+    image's (height, width) as stored on the canvas, and its label; no pixels."""
+
+    sizes: list[tuple[int, int]]
+    targets: list[int]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+# The longest side a device-cached image keeps, as a multiple of its short side: 4:3, the
+# widest crop RandomResizedCrop draws (and the canvas the auto estimate assumes).
+CANVAS_ASPECT = 4 / 3
+
+
+def stored_window(height: int, width: int, image_size: int) -> tuple[int, int, int, int]:
+    """The part (top, left, h, w) of a decoded image the device canvas keeps: its long side cut
+    to ceil(CANVAS_ASPECT x its short side) around the centre (FFCV's max_res idea, by cropping:
+    no second resample), so the canvas is at most L x L, L that bound, whatever the aspects.
+
+    The window is placed so that evaluation's centre crop of ``image_size`` is the same pixels
+    in it as in the whole image. For training, on an image longer than 4:3 (16:9, panoramas)
+    the random-resized crop is drawn in this centre window: the same scales and aspects relative
+    to it, so smaller crops in pixels, never the cut ends (16:9 loses 1/4 of its long side, a
+    4:1 panorama 2/3), and fewer tries fail into the fallback (the centre 4:3, as before to a
+    pixel). Images up to 4:3 are kept whole: their crops do not change."""
+    limit = math.ceil(min(height, width) * CANVAS_ASPECT)
+    h, w = min(height, limit), min(width, limit)
+
+    def offset(full: int, kept: int) -> int:
+        # torchvision's centre-crop anchor, int(round((n - size) / 2)), in the whole and in the kept
+        start = int(round((full - image_size) / 2.0)) - int(round((kept - image_size) / 2.0))
+        return min(max(0, start), full - kept)
+
+    return offset(height, h), offset(width, w), h, w
+
+
+def canvas_bytes(sizes: Sequence[tuple[int, int]], image_size: int) -> int:
+    """Bytes of the device canvas (num, 3, H, W) for decoded images of ``sizes``, each cut to
+    its ``stored_window``: H and W the largest kept height and width."""
+    kept = [stored_window(h, w, image_size)[2:] for h, w in sizes]
+    if not kept:
+        return 0
+    return len(kept) * 3 * max(h for h, _ in kept) * max(w for _, w in kept)
+
+
+def padded_bytes(sizes: Sequence[tuple[int, int]]) -> int:
+    """Bytes of a canvas of the whole images: num x 3 x the tallest x the widest."""
+    if not sizes:
+        return 0
+    return len(sizes) * 3 * max(h for h, _ in sizes) * max(w for _, w in sizes)
+
+
 class DecodedImageCache(Dataset):
     """Every image of a folder decoded once and kept in memory as a uint8 tensor (3, S, W).
 
@@ -213,10 +284,11 @@ class DecodedImageCache(Dataset):
     the resized picture instead of the full-resolution file: the same framing, less detail in
     the smallest crops. Items are ``(image, label)`` like ImageFolder's.
 
-    With ``device`` "cuda" the images live on the GPU in one padded ``canvas`` (num, 3, H, W),
-    H and W the largest height and width (a batch is one ``index_select`` of it): it costs
-    num x 3 x H x W bytes, 4/3 of the pixels for 4:3 photos of both orientations, more when a
-    few images are much longer than the rest (``canvas_bytes``).
+    The images are decoded into host memory. ``pack(device)`` (done here when ``device`` is
+    "cuda") then puts them in one padded ``canvas`` (num, 3, H, W) on the device (a batch is
+    one ``index_select`` of it), each cut to its ``stored_window`` first: at most L x L,
+    L = ceil(4/3 S), whatever the aspects (``canvas_bytes``); ``sizes`` are then the kept ones.
+    Check ``canvas_bytes(cache.sizes, image_size)`` against the device's memory before packing.
     """
 
     def __init__(
@@ -241,11 +313,12 @@ class DecodedImageCache(Dataset):
                 (max(side, round(image.width * scale)), max(side, round(image.height * scale))),
                 Image.BILINEAR,
             )
-            return v2.functional.pil_to_tensor(image).to(device)
+            return v2.functional.pil_to_tensor(image)
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
+        self.image_size = image_size
         self.images = [image for image in decoded if image is not None]
         self.samples = [
             s for s, image in zip(folder.samples, decoded, strict=True) if image is not None
@@ -253,20 +326,23 @@ class DecodedImageCache(Dataset):
         self.targets = [target for _, target in self.samples]
         self.unreadable = problems  # left out here; build_datasets reports them once
         self.sizes = [tuple(image.shape[-2:]) for image in self.images]
-        self.canvas: torch.Tensor | None = None  # on CUDA, pack() puts the images in one
+        self.canvas: torch.Tensor | None = None  # pack() puts the images in one
         if torch.device(device).type == "cuda":
-            self.pack()
+            self.pack(device)
 
-    def pack(self) -> None:
-        """Copy the images into one padded device canvas; the images become views of it."""
+    def pack(self, device: str | torch.device) -> None:
+        """Copy each image's ``stored_window`` into one padded canvas on ``device``, image by
+        image from host memory (no second copy of the images on the device); the images
+        become views of it and ``sizes`` the kept sizes."""
         if not self.images:
             return
-        height = max(h for h, _ in self.sizes)
-        width = max(w for _, w in self.sizes)
-        device = self.images[0].device
+        windows = [stored_window(h, w, self.image_size) for h, w in self.sizes]
+        height = max(h for _, _, h, _ in windows)
+        width = max(w for _, _, _, w in windows)
         canvas = torch.zeros(len(self.images), 3, height, width, dtype=torch.uint8, device=device)
-        for n, image in enumerate(self.images):
-            canvas[n, :, : image.shape[-2], : image.shape[-1]] = image
+        for n, (image, (top, left, h, w)) in enumerate(zip(self.images, windows, strict=True)):
+            canvas[n, :, :h, :w] = image[:, top : top + h, left : left + w]
+        self.sizes = [(h, w) for _, _, h, w in windows]
         self.images = [canvas[n, :, :h, :w] for n, (h, w) in enumerate(self.sizes)]
         self.canvas = canvas
 
@@ -278,9 +354,10 @@ class DecodedImageCache(Dataset):
         self.samples = [self.samples[i] for i in keep]
         self.targets = [target for _, target in self.samples]
         self.sizes = [self.sizes[i] for i in keep]
-        if self.canvas is not None:
+        if self.canvas is not None:  # the kept images are whole windows already: pack again
+            device = self.canvas.device
             self.canvas = None
-            self.pack()
+            self.pack(device)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -310,7 +387,7 @@ def choose_cache(
         return cache, f"--cache_images {cache}"
     side = eval_resize_side(image_size)
     packed = num_images * 3 * side**2 * 4 // 3
-    canvas = num_images * 3 * math.ceil(side * 4 / 3) ** 2
+    canvas = estimated_canvas_bytes(num_images, image_size)
     if 0 < canvas <= device_budget_bytes:
         return "gpu", (
             f"auto: ~{format_bytes(canvas, 'MiB', 0)} fit in {GPU_CACHE_SHARE:.0%} of the free device "
@@ -320,6 +397,32 @@ def choose_cache(
         where = "; too large for the device" if device_budget_bytes else ""
         return "ram", f"auto: ~{format_bytes(packed, 'MiB', 0)} fit in the RAM budget{where}"
     return "none", f"auto: ~{format_bytes(packed, 'MiB', 0)} do not fit in the RAM budget"
+
+
+def estimated_canvas_bytes(num_images: int, image_size: int) -> int:
+    """The device canvas ``choose_cache`` assumes before decoding: every image at the training
+    cache's side S, a square of ceil(4/3 S) (4:3 photos of both orientations)."""
+    return num_images * 3 * math.ceil(eval_resize_side(image_size) * CANVAS_ASPECT) ** 2
+
+
+def fit_device_cache(cache: str, real_bytes: int, estimate_bytes: int, budget_bytes: int) -> str:
+    """After decoding, before packing: "gpu" when the canvas of ``real_bytes`` fits
+    ``budget_bytes`` (0: not known, not checked), else why not. ``cache`` "auto" then falls back
+    to RAM (the images are decoded there already): the reason, for the log; an explicit "gpu"
+    raises ``UserError``, before a device allocation that would fail or starve training."""
+    if budget_bytes <= 0 or real_bytes <= budget_bytes:
+        return "gpu"
+    size, over = format_bytes(real_bytes, "MiB", 0), format_bytes(budget_bytes, "MiB", 0)
+    if cache == "auto":
+        times = real_bytes / max(1, estimate_bytes)
+        return (
+            f"auto: the GPU cache would take {size} ({times:.1f}x the estimate), over {over}; "
+            "using ram"
+        )
+    raise UserError(
+        f"--cache_images gpu: the decoded images need {size} on the device, over the {over} "
+        "this process can use there; use --cache_images ram (or auto), or a smaller --image_size"
+    )
 
 
 # ----------------------------------------------------------------------------- unreadable files
