@@ -120,7 +120,7 @@ class TrainConfig:
     )
     num_workers: int | None = _data(None, ZERO_OR_MORE).help(
         "loader worker processes per training process (default: from the CPU cores per process and "
-        "the image source: none for the GPU cache, more for files than for RAM)"
+        "the image source: more for files than for RAM, at most 4 for the GPU cache)"
     )
     cache_images: str = _data("auto", choices=["auto", "none", "ram", "gpu"]).help(
         "decode every image once and keep it in memory: ram, gpu (on the device), none (read the "
