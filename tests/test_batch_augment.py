@@ -113,6 +113,36 @@ def test_batched_resample_is_the_per_image_antialiased_resize():
     assert errors.mean() < 1e-4 and errors.max() < 1e-3, (errors.mean(), errors.max())
 
 
+def test_the_banded_matrix_resample_is_the_gathered_one_within_float_rounding():
+    """The CUDA form (two bmm, normalisation folded into the weights) run on the CPU against
+    the gathered taps, the CPU's reference: the same filter, flips and clamping, within
+    float32 summation order; and against each crop's interpolate(antialias=True) within the
+    reference's own tolerance (1e-3 of 0..255)."""
+    torch.manual_seed(1)
+    size = 24
+    shapes = [(90, 70), (40, 64), (17, 30), (200, 31)]  # downscales, upscales, a tall strip
+    images = [smooth_image(h, w, seed) for seed, (h, w) in enumerate(shapes)]
+    draws = AugmentDraws(size, hflip=0.5)
+    gathered, banded = BatchAugment(size), BatchAugment(size, banded=True)
+    for _ in range(5):
+        pixels, params, _ = collate_samples([(im, draws(*im.shape[-2:]), 0) for im in images])
+        ours = banded.resample(pixels, params)
+        assert ours.is_contiguous() and ours.dtype == torch.float32
+        assert (ours - gathered.resample(pixels, params)).abs().max() < 1e-4
+        assert (banded(pixels, params) - gathered(pixels, params)).abs().max() < 1e-5
+        for n, image in enumerate(images):
+            top, left, h, w = crop_of(params[n]).tolist()
+            reference = F.interpolate(
+                image[None, :, top : top + h, left : left + w].float(),
+                size=(size, size),
+                mode="bilinear",
+                antialias=True,
+            )[0]
+            if params[n, FLIP]:
+                reference = reference.flip(-1)
+            assert (ours[n] - reference).abs().max() < 1e-3
+
+
 def test_flips_are_per_sample_and_padding_is_never_read():
     image = smooth_image(30, 40)
     boxes = [(3, 5, 20, 30)] * 4
@@ -122,8 +152,11 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     assert torch.allclose(out[0], out[1].flip(-1), atol=1e-4)
     assert torch.allclose(out[3], out[2].flip(-1), atol=1e-4)
     assert not torch.allclose(out[0], out[1], atol=1)
-    # Channels last in memory, as the model's layout wants it (no copy in the engine).
-    assert augment(pixels, box_params(boxes)).is_contiguous(memory_format=torch.channels_last)
+    # The model's layout (no copy in the engine): contiguous NCHW on the CPU, where the model
+    # ignores --channels_last, whatever the flag says.
+    assert augment(pixels, box_params(boxes)).is_contiguous()
+    flagged = BatchAugment(16, channels_last=True)
+    assert flagged(pixels, box_params(boxes)).is_contiguous()
     # On a larger canvas with garbage around the image: the same result.
     canvas = torch.full((4, 3, 50, 60), 255, dtype=torch.uint8)
     canvas[:, :, :30, :40] = pixels
@@ -216,6 +249,21 @@ def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
     # TF32 matmuls, where the trainer enables them, round to ~1e-3 relative.
     assert (on_cuda[0][0].cpu() - on_cpu[0][0]).abs().max() < 0.05
     assert torch.equal(on_cuda[0][1].cpu(), on_cpu[0][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_on_cuda_the_batch_comes_in_the_layout_the_flag_asks_for():
+    """--channels_last: channels_last in memory, as the model is; --no_channels_last:
+    contiguous NCHW, so that the model really trains NCHW. Values agree with the CPU."""
+    image = smooth_image(30, 40).cuda()
+    pixels = image[None].repeat(4, 1, 1, 1)
+    params = box_params([(3, 5, 20, 30)] * 4, flips=[1, 0, 0, 1])
+    on_cpu = BatchAugment(16)(pixels.cpu(), params)
+    for flag, layout_ in ((True, torch.channels_last), (False, torch.contiguous_format)):
+        out = BatchAugment(16, channels_last=flag)(pixels, params)
+        assert out.is_contiguous(memory_format=layout_)
+        assert (out.cpu() - on_cpu).abs().max() < 0.01  # TF32 bmm where enabled
 
 
 @pytest.mark.cuda
