@@ -18,6 +18,7 @@ from imgtrainer.data.batch_augment import (
     DeviceBatches,
     collate_samples,
     crop_box,
+    one_ahead,
 )
 from imgtrainer.data.params import CROP, ERASE, FLIP, PARAMS, crop_of, crop_size_of
 
@@ -231,6 +232,61 @@ def test_erasing_draws_follow_torchvisions_rule():
     aspect = (h / w)[erased]
     assert 0.25 <= aspect.min() and aspect.max() <= 4  # ratio (0.3, 3.3), rounding
     assert math.isclose(float(area.mean()), (0.02 + 0.33) / 2, rel_tol=0.15)
+
+
+def test_the_next_batch_is_started_before_the_current_one_is_finished():
+    calls = []
+
+    def start(batch):
+        calls.append(("start", batch))
+        return batch
+
+    def finish(batch):
+        calls.append(("finish", batch))
+        return batch * 10
+
+    assert list(one_ahead(range(3), start, finish)) == [0, 10, 20]
+    assert calls == [
+        *[("start", 0), ("start", 1), ("finish", 0)],
+        *[("start", 2), ("finish", 1), ("finish", 2)],
+    ]
+    assert list(one_ahead([], start, finish)) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_prefetched_batches_on_cuda_are_the_batches_made_one_at_a_time():
+    """Copies on the copy stream and JPEG decoding in the background thread, one batch ahead:
+    the same batches, in the same order, with the same values as made one by one."""
+    import threading
+
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    from imgtrainer.data.jpeg_device import JpegBytes, JpegDecoder
+
+    draws, cuda = AugmentDraws(16), torch.device("cuda")
+    torch.manual_seed(0)
+    images = [smooth_image(30 + 4 * n, 40 - 3 * n, n) for n in range(6)]
+    samples = [(image, draws(*image.shape[-2:]), n) for n, image in enumerate(images)]
+    jpegs = [(JpegBytes(encode_jpeg(image, quality=95), (n, 0)), p, n) for image, p, n in samples]
+    threads = set()
+
+    def decode(data):
+        threads.add(threading.current_thread().name)
+        return [decode_jpeg(d).to(cuda) for d in data]
+
+    decoder = JpegDecoder(cuda, 16, lambda key: samples[key[0]], decode)
+    for batch in (samples, jpegs):
+        loader = torch.utils.data.DataLoader(
+            batch, batch_size=2, collate_fn=collate_samples, pin_memory=True
+        )
+        batches = DeviceBatches(loader, BatchAugment(16), cuda, jpegs=decoder)
+        one_by_one = [batches.apply(*b) for b in loader]
+        prefetched = list(batches)
+        assert len(prefetched) == len(one_by_one) == 3
+        for (images_a, labels_a), (images_b, labels_b) in zip(prefetched, one_by_one, strict=True):
+            assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+    assert any(name.startswith("jpeg-decode") for name in threads)
 
 
 @pytest.mark.cuda

@@ -11,7 +11,8 @@ policy grouped by op (``data.batch_policy``), normalises and erases, on the batc
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -365,11 +366,45 @@ def pad_canvas(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
     return canvas
 
 
+def one_ahead(batches: Iterable, start: Callable, finish: Callable) -> Iterator:
+    """``finish(start(batch))`` for each batch, in order, with the next batch started before
+    the current one is finished: its copy and decoding then overlap the current step."""
+    ahead = _NOTHING
+    for batch in batches:
+        started = start(batch)
+        if ahead is not _NOTHING:
+            yield finish(ahead)
+        ahead = started
+    if ahead is not _NOTHING:
+        yield finish(ahead)
+
+
+_NOTHING = object()
+
+
+@dataclass
+class Staged:
+    """A batch on its way to the device: its tensors (or the decoding thread's future of
+    them) and the event the compute stream waits on before it reads them."""
+
+    pixels: torch.Tensor | None
+    params: torch.Tensor
+    labels: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+    decoding: Future | None = None
+
+
 class DeviceBatches:
     """The training loader as the loop sees it: each loaded batch moved to ``device``
     (non-blocking from pinned memory) and augmented there as a whole; batches with JPEG
     bytes are first decoded there by ``jpegs`` (a ``JpegDecoder``). Anything else
-    (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's."""
+    (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's.
+
+    On CUDA the next batch is prepared while the current one trains: its host-to-device copy
+    on a copy stream of its own, its JPEG decoding in one background thread (on a decoding
+    stream); the compute stream waits for their events, and the tensors are recorded on it
+    so that the allocator does not hand their memory out early. Elsewhere each batch is made
+    as it comes: nothing to overlap."""
 
     def __init__(
         self,
@@ -390,21 +425,75 @@ class DeviceBatches:
         return getattr(self.__dict__["loader"], name)
 
     def __iter__(self):
-        for pixels, params, labels in self.loader:
-            yield self.apply(pixels, params, labels)
+        if self.device.type != "cuda":
+            for pixels, params, labels in self.loader:
+                yield self.apply(pixels, params, labels)
+            return
+        copies, decodes = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        with ThreadPoolExecutor(1, thread_name_prefix="jpeg-decode") as thread:
+
+            def start(batch) -> Staged:
+                pixels, params, labels = batch
+                if isinstance(pixels, EncodedBatch):  # decoded off the main thread
+                    future = thread.submit(self.decode_on, decodes, pixels, params, labels)
+                    return Staged(None, params, None, decoding=future)
+                with torch.cuda.stream(copies):
+                    staged = Staged(*self.moved(pixels, params, labels), torch.cuda.Event())
+                    staged.ready.record(copies)
+                return staged
+
+            yield from one_ahead(self.loader, start, self.finish)
+
+    def decode(
+        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one call of the JPEG decoder: (canvas on the device, params, labels)."""
+        return self.jpegs(batch, params, labels)
+
+    def decode_on(
+        self, stream: torch.cuda.Stream, batch: EncodedBatch, params, labels
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """``decode`` on ``stream`` (in the decoding thread), with the event of its end."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            pixels, params, labels = self.decode(batch, params, labels)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return pixels, params, labels, ready
+
+    def moved(
+        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
+        the loader); the parameters stay on the host until used."""
+        on_device = pixels.to(self.device, non_blocking=True)
+        return on_device, params, labels.to(self.device, non_blocking=True)
+
+    def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staged batch, once its copy or decoding is done, augmented on the compute stream."""
+        if staged.decoding is not None:
+            pixels, params, labels, ready = staged.decoding.result()
+            staged = Staged(pixels, params, labels.to(self.device, non_blocking=True), ready)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(staged.ready)
+        for tensor in (staged.pixels, staged.labels):
+            tensor.record_stream(compute)  # made on another stream, read (and freed) on this
+        return self.augmented(staged.pixels, staged.params, staged.labels)
+
+    def augmented(
+        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixels (or cache indices) and labels on the device -> (augmented images, labels)."""
+        if self.cache is not None:  # indices of images already on the device
+            pixels = self.cache.index_select(0, pixels)
+        return self.augment(pixels, params), labels
 
     def apply(
         self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One collated batch -> (its augmented images, its labels) on the device."""
+        """One collated batch -> (its augmented images, its labels) on the device, at once."""
         if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
-            pixels, params, labels = self.jpegs(pixels, params, labels)
-        if self.cache is not None:  # indices of images already on the device
-            pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
-        else:
-            pixels = pixels.to(self.device, non_blocking=True)
-        images = self.augment(pixels, params)  # the parameters stay on the host until used
-        return images, labels.to(self.device, non_blocking=True)
+            pixels, params, labels = self.decode(pixels, params, labels)
+        return self.augmented(*self.moved(pixels, params, labels))
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""
