@@ -14,14 +14,17 @@ bytes through ``JpegDecoder`` with a decoder that returns meta images) and per
     real CPU work; in the loader workers for ram and nvjpeg, in the main thread for gpu
     (the loader runs no workers there);
   * augment: ``DeviceBatches.apply`` on meta tensors, with CUDA's resample (the banded bmm):
-    the main thread's launches for the batch's decoding, placing and augmentation;
+    the main thread's launches for the batch's decoding, placing and augmentation; ops: the
+    aten ops it dispatches (views included), a count that a busy machine does not blur;
   * step: forward, loss, backward and AdamW (foreach) of ``--model`` on meta tensors, eager;
   * main thread: what the training process's main thread spends per step, against the GPU
     budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits for the host.
 
-Meta tensors skip the kernels, so this is a floor of the host's launch cost (a CUDA launch
-adds a few microseconds each); the GPU's own time is not here. Not measured: the pin thread,
-the loader workers' decoding, and torch.compile (which would shrink the step's launches).
+Meta tensors skip the kernels and their CUDA launches (a few microseconds each), but many ops'
+meta functions are Python (torch._meta_registrations, the refs), dearer than the C++ CUDA
+dispatch: an estimate of the host's share, for comparing sources and policies; confirm on a GPU
+with the profiler. The GPU's own time is not here. Not measured: the pin thread, the loader
+workers' decoding, and torch.compile (which would shrink the step's launches).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from imgtrainer.data.batch_augment import (  # noqa: E402
     AugmentDraws,
@@ -71,6 +75,18 @@ def image_sizes(count: int, short: int) -> list[tuple[int, int]]:
     """4:3 pictures in both orientations, as a photo folder has them."""
     long = short * 4 // 3
     return [(short, long) if n % 2 else (long, short) for n in range(count)]
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def median_ms(work: Callable[[], object], repeats: int) -> float:
@@ -152,18 +168,29 @@ def measure(args: argparse.Namespace, source: str, policy: str) -> dict:
     draw_ms = median_ms(lambda: host_batch(source, draws, sizes), args.repeats)
     pixels, params, labels = host_batch(source, draws, sizes)
     augment_ms = median_ms(lambda: batches.apply(pixels, params, labels), args.repeats)
-    return {"source": source, "policy": policy, "draws": draw_ms, "augment": augment_ms}
+    with OpCount() as ops:
+        batches.apply(pixels, params, labels)
+    return {
+        "source": source,
+        "policy": policy,
+        "draws": draw_ms,
+        "augment": augment_ms,
+        "ops": ops.count,
+    }
 
 
 def print_table(rows: list[dict], budget_ms: float, header: str) -> None:
     print(header)
-    print(f"{'source':<8}{'policy':<16}{'draws':>8}{'augment':>9}{'step':>8}{'main thread':>13}")
+    print(
+        f"{'source':<8}{'policy':<16}{'draws':>8}{'augment':>9}{'ops':>6}{'step':>8}"
+        f"{'main thread':>13}"
+    )
     for row in rows:
         main = row["augment"] + row["step"] + (row["draws"] if row["source"] == "gpu" else 0)
         share = f"{100 * main / budget_ms:.0f}%"
         print(
             f"{row['source']:<8}{row['policy']:<16}{row['draws']:>8.2f}{row['augment']:>9.2f}"
-            f"{row['step']:>8.2f}{main:>8.2f} ({share} of {budget_ms:g} ms)"
+            f"{row['ops']:>6}{row['step']:>8.2f}{main:>8.2f} ({share} of {budget_ms:g} ms)"
         )
     print("draws: in the loader workers, except for gpu (main thread); milliseconds per step")
 

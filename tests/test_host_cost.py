@@ -32,6 +32,6 @@ def test_host_cost_prints_a_row_per_source_and_policy(capsys):
         (source, policy) for source in bench.SOURCES for policy in bench.POLICIES
     ]
     for row in rows:
-        draws, augment, step, main = map(float, row[2:6])
-        assert augment > 0 and step > 0 and main >= augment + step - 0.02  # rounding
+        draws, augment, ops, step, main = map(float, row[2:7])
+        assert augment > 0 and ops > 10 and step > 0 and main >= augment + step - 0.02  # rounding
         assert row[-1] == "ms)" and row[-3] == "of"  # "(N% of 19 ms)"
