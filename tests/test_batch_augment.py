@@ -156,8 +156,9 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     # The model's layout (no copy in the engine): contiguous NCHW on the CPU, where the model
     # ignores --channels_last, whatever the flag says.
     assert augment(pixels, box_params(boxes)).is_contiguous()
-    flagged = BatchAugment(16, channels_last=True)
+    flagged = BatchAugment(16, channels_last=True, bfloat16=True)
     assert flagged(pixels, box_params(boxes)).is_contiguous()
+    assert torch.equal(flagged(pixels, box_params(boxes)), augment(pixels, box_params(boxes)))
     # On a larger canvas with garbage around the image: the same result.
     canvas = torch.full((4, 3, 50, 60), 255, dtype=torch.uint8)
     canvas[:, :, :30, :40] = pixels
@@ -169,6 +170,27 @@ def test_flips_are_per_sample_and_padding_is_never_read():
         image[None, :, 10:30, 20:40].float(), (16, 16), mode="bilinear", antialias=True
     )
     assert (edge - alone).abs().max() < 1e-3
+
+
+def test_the_config_chooses_the_batchs_layout_and_dtype():
+    """--no_channels_last reaches the augmentation (defect 8); bfloat16 batches only under
+    --use_amp --amp_dtype bfloat16 (float16 autocast keeps float32 inputs)."""
+    from imgtrainer.config import TrainConfig
+    from imgtrainer.data.batch_augment import train_augmentation
+
+    def augment(**flags) -> BatchAugment:
+        return train_augmentation(TrainConfig(image_size=16, **flags))[1]
+
+    assert augment(channels_last=True).channels_last
+    assert not augment(channels_last=False).channels_last
+    assert augment(use_amp=True, amp_dtype="bfloat16").bfloat16
+    assert not augment(use_amp=True, amp_dtype="float16").bfloat16
+    assert not augment(use_amp=False, amp_dtype="bfloat16").bfloat16
+    cuda = torch.device("cuda")  # only compared, never used
+    assert augment(use_amp=True, amp_dtype="bfloat16").dtype(cuda) == torch.bfloat16
+    assert augment(use_amp=True, amp_dtype="bfloat16").dtype(torch.device("cpu")) == torch.float32
+    assert augment(channels_last=False).layout(cuda) == torch.contiguous_format
+    assert augment(channels_last=True).layout(cuda) == torch.channels_last
 
 
 def test_host_sources_hand_over_only_the_crop():
@@ -311,15 +333,20 @@ def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_on_cuda_the_batch_comes_in_the_layout_the_flag_asks_for():
     """--channels_last: channels_last in memory, as the model is; --no_channels_last:
-    contiguous NCHW, so that the model really trains NCHW. Values agree with the CPU."""
+    contiguous NCHW, so that the model really trains NCHW; bfloat16 where training is.
+    Values agree with the CPU."""
     image = smooth_image(30, 40).cuda()
     pixels = image[None].repeat(4, 1, 1, 1)
     params = box_params([(3, 5, 20, 30)] * 4, flips=[1, 0, 0, 1])
     on_cpu = BatchAugment(16)(pixels.cpu(), params)
     for flag, layout_ in ((True, torch.channels_last), (False, torch.contiguous_format)):
         out = BatchAugment(16, channels_last=flag)(pixels, params)
-        assert out.is_contiguous(memory_format=layout_)
+        assert out.is_contiguous(memory_format=layout_) and out.dtype == torch.float32
         assert (out.cpu() - on_cpu).abs().max() < 0.01  # TF32 bmm where enabled
+        # Training under bfloat16 autocast: bfloat16 batches, in the same layout.
+        half = BatchAugment(16, channels_last=flag, bfloat16=True)(pixels, params)
+        assert half.dtype == torch.bfloat16 and half.is_contiguous(memory_format=layout_)
+        assert (half.float().cpu() - on_cpu).abs().max() < 0.02  # bfloat16: 8 bits
 
 
 @pytest.mark.cuda

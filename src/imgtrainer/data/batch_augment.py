@@ -212,7 +212,8 @@ def banded_resample(
 
 class BatchAugment:
     """The device half: (uint8 pixels (N, 3, H, W), int64 parameters (N, PARAMS)) -> the
-    normalised float32 batch (N, 3, size, size), on the pixels' device, in the model's layout:
+    normalised float32 batch (N, 3, size, size) (bfloat16 on CUDA where ``bfloat16``: the run
+    trains under bfloat16 autocast), on the pixels' device, in the model's layout:
     channels_last in memory only where ``channels_last`` (--channels_last) and on CUDA, as the
     model is; contiguous NCHW otherwise.
 
@@ -228,10 +229,11 @@ class BatchAugment:
         std: Sequence[float] = IMAGENET_STD,
         channels_last: bool = False,
         banded: bool | None = None,
+        bfloat16: bool = False,
     ):
         self.size, self.policy = size, policy
         self.mean, self.std = tuple(mean), tuple(std)
-        self.channels_last, self.banded = channels_last, banded
+        self.channels_last, self.banded, self.bfloat16 = channels_last, banded, bfloat16
         self._normalisers: dict = {}  # per device: (mean, std); per ("folded", device) too
 
     def normaliser(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +260,12 @@ class BatchAugment:
         the gathered taps elsewhere: the CPU's outputs, bit for bit the reference's."""
         return device.type == "cuda" if self.banded is None else self.banded
 
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The output's dtype on ``device``: bfloat16 on CUDA where the run trains under
+        bfloat16 autocast (``bfloat16``), whose first layer would cast it so anyway: half the
+        bytes written and read; float32 otherwise."""
+        return torch.bfloat16 if self.bfloat16 and device.type == "cuda" else torch.float32
+
     def layout(self, device: torch.device) -> torch.memory_format:
         """The output's memory layout on ``device``: the one the model is in (``build``)."""
         if self.channels_last and device.type == "cuda":
@@ -278,7 +286,9 @@ class BatchAugment:
         if self.use_bmm(pixels.device):
             folded = self.folded_normaliser(pixels.device) if normalise else (None, None)
             images = banded_resample(pixels, params, size, (height_taps, width_taps), *folded)
-            return images.contiguous(memory_format=self.layout(pixels.device))
+            # Normalised: in the output's dtype and layout, one pass; 0..255 stays float32.
+            dtype = self.dtype(pixels.device) if normalise else torch.float32
+            return images.to(dtype, memory_format=self.layout(pixels.device))
         index, weights = resample_taps(params[:, LEFT], params[:, WIDTH], size, width_taps)
         flip = params[:, FLIP].bool()[:, None, None]
         index = torch.where(flip, index.flip(1), index)
@@ -291,7 +301,7 @@ class BatchAugment:
         rows = weighted_taps(down, index, weights)  # (N, size, size, 3)
         # (N, 3, size, size): channels_last in memory as computed, else one copy to NCHW.
         images = rows.permute(0, 3, 1, 2).contiguous(memory_format=self.layout(pixels.device))
-        return self.normalise(images) if normalise else images
+        return self.normalise(images).to(self.dtype(pixels.device)) if normalise else images
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         """0..255 floats to the normalised ones, in place, as torchvision's Normalize does."""
@@ -305,6 +315,7 @@ class BatchAugment:
         else:  # its choices read on the host: no device sync
             images = self.resample(pixels, params).round_().clamp_(0, 255).to(torch.uint8)
             images = self.normalise(self.policy(images, policy_of(params)).float())
+            images = images.to(self.dtype(pixels.device))
         return erase(images, params.to(pixels.device, non_blocking=True))
 
 
@@ -334,7 +345,11 @@ def train_augmentation(
         policy=cfg.auto_augment,
     )
     policy = BatchPolicy(cfg.auto_augment, cfg.image_size) if cfg.auto_augment != "none" else None
-    return draws, BatchAugment(cfg.image_size, policy, mean, std, cfg.channels_last)
+    # bfloat16 batches where CUDA trains under bfloat16 autocast (training.precision's rule there:
+    # --use_amp with --amp_dtype bfloat16); BatchAugment applies it on CUDA only.
+    bfloat16 = cfg.use_amp and cfg.amp_dtype == "bfloat16"
+    augment = BatchAugment(cfg.image_size, policy, mean, std, cfg.channels_last, bfloat16=bfloat16)
+    return draws, augment
 
 
 def collate_samples(
@@ -497,4 +512,5 @@ class DeviceBatches:
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""
-        return self.apply(*collate_samples([self.loader.dataset[key] for key in keys]))[0]
+        batch = collate_samples([self.loader.dataset[key] for key in keys])
+        return self.apply(*batch)[0].float()  # float32 for image writers, whatever trains
