@@ -8,23 +8,23 @@
 
 Per source (ram: a padded canvas of crops; gpu: indices into a device cache; nvjpeg: JPEG
 bytes through ``JpegDecoder`` with a decoder that returns meta images) and per
-``--auto_augment`` policy, in milliseconds per step (medians over ``--repeats``):
+``--auto_augment`` policy, per step (times: medians over ``--repeats``):
 
   * draws: the host draws and the collate of one batch (``AugmentDraws``, ``collate_samples``),
-    real CPU work; in the loader workers for ram and nvjpeg, in the main thread for gpu
+    real CPU work, in ms; in the loader workers for ram and nvjpeg, in the main thread for gpu
     (the loader runs no workers there);
-  * augment: ``DeviceBatches.apply`` on meta tensors, with CUDA's resample (the banded bmm):
-    the main thread's launches for the batch's decoding, placing and augmentation; ops: the
-    aten ops it dispatches (views included), a count that a busy machine does not blur;
-  * step: forward, loss, backward and AdamW (foreach) of ``--model`` on meta tensors, eager;
-  * main thread: what the training process's main thread spends per step, against the GPU
-    budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits for the host.
+  * augment, ops: ``DeviceBatches.apply`` on meta tensors with CUDA's resample (the banded
+    bmm): ms, and the aten ops it dispatches (views included), the batch's decoding, placing
+    and augmentation;
+  * step, ops: forward, loss, backward and AdamW (foreach) of ``--model``, eager, the same way;
+  * estimate: the main thread's time per step on CUDA, (augment ops + step ops) x
+    ``--launch_us`` (one eager op's dispatch and launch there), plus the draws for gpu,
+    against the GPU's budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits.
 
-Meta tensors skip the kernels and their CUDA launches (a few microseconds each), but many ops'
-meta functions are Python (torch._meta_registrations, the refs), dearer than the C++ CUDA
-dispatch: an estimate of the host's share, for comparing sources and policies; confirm on a GPU
-with the profiler. The GPU's own time is not here. Not measured: the pin thread, the loader
-workers' decoding, and torch.compile (which would shrink the step's launches).
+The meta times are not CUDA's: many ops' meta functions are Python (torch._meta_registrations,
+the refs), about 10x dearer than CUDA's C++ dispatch and launch, so the estimate counts ops
+instead; a busy machine blurs times, not counts. Confirm on a GPU with the profiler. Not
+here: the GPU's own time, the pin thread, the workers' decoding, torch.compile (fewer ops).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ META = torch.device("meta")
 SOURCES = ("ram", "gpu", "nvjpeg")
 POLICIES = ("none", "trivialaugment", "randaugment")
 GPU_BUDGET_MS = 19.0  # 256 images at 13,500 img/s
+LAUNCH_US = 8.0  # an eager op on CUDA: Python, dispatch and launch (views cost less)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="resnet18", help="a timm model, or none")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget_ms", type=float, default=GPU_BUDGET_MS)
+    parser.add_argument("--launch_us", type=float, default=LAUNCH_US, help="per eager op")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     return parser.parse_args(argv)
@@ -157,6 +159,14 @@ def model_step(name: str, batch: int, size: int) -> Callable[[], None] | None:
     return step
 
 
+def timed_and_counted(work: Callable[[], object], repeats: int) -> tuple[float, int]:
+    """(median ms, aten ops dispatched) of ``work``."""
+    ms = median_ms(work, repeats)
+    with OpCount() as ops:
+        work()
+    return ms, ops.count
+
+
 def measure(args: argparse.Namespace, source: str, policy: str) -> dict:
     size = args.image_size
     draws = AugmentDraws(size, random_erasing=0.25, policy=policy)
@@ -167,49 +177,46 @@ def measure(args: argparse.Namespace, source: str, policy: str) -> dict:
     batches = meta_batches(source, augment, sizes)
     draw_ms = median_ms(lambda: host_batch(source, draws, sizes), args.repeats)
     pixels, params, labels = host_batch(source, draws, sizes)
-    augment_ms = median_ms(lambda: batches.apply(pixels, params, labels), args.repeats)
-    with OpCount() as ops:
-        batches.apply(pixels, params, labels)
-    return {
-        "source": source,
-        "policy": policy,
-        "draws": draw_ms,
-        "augment": augment_ms,
-        "ops": ops.count,
-    }
+    ms, ops = timed_and_counted(lambda: batches.apply(pixels, params, labels), args.repeats)
+    return {"source": source, "policy": policy, "draws": draw_ms, "augment": ms, "ops": ops}
 
 
-def print_table(rows: list[dict], budget_ms: float, header: str) -> None:
+def print_table(rows: list[dict], args: argparse.Namespace, header: str) -> None:
     print(header)
     print(
-        f"{'source':<8}{'policy':<16}{'draws':>8}{'augment':>9}{'ops':>6}{'step':>8}"
-        f"{'main thread':>13}"
+        f"{'source':<8}{'policy':<16}{'draws':>8}{'augment':>9}{'ops':>6}{'step':>8}{'ops':>6}"
+        f"{'estimate':>10}"
     )
     for row in rows:
-        main = row["augment"] + row["step"] + (row["draws"] if row["source"] == "gpu" else 0)
-        share = f"{100 * main / budget_ms:.0f}%"
+        launches = (row["ops"] + row["step_ops"]) * args.launch_us / 1000
+        main = launches + (row["draws"] if row["source"] == "gpu" else 0)
+        share = f"{100 * main / args.budget_ms:.0f}%"
         print(
             f"{row['source']:<8}{row['policy']:<16}{row['draws']:>8.2f}{row['augment']:>9.2f}"
-            f"{row['ops']:>6}{row['step']:>8.2f}{main:>8.2f} ({share} of {budget_ms:g} ms)"
+            f"{row['ops']:>6}{row['step']:>8.2f}{row['step_ops']:>6}{main:>10.2f}"
+            f" ({share} of {args.budget_ms:g} ms)"
         )
-    print("draws: in the loader workers, except for gpu (main thread); milliseconds per step")
+    print(
+        f"ms per step; estimate: ops x {args.launch_us:g} us, plus the draws for gpu (main "
+        "thread there; in the loader workers otherwise)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     step = model_step(args.model, args.batch_size, args.image_size)
-    step_ms = median_ms(step, args.repeats) if step is not None else 0.0
+    step_ms, step_ops = timed_and_counted(step, args.repeats) if step is not None else (0.0, 0)
     rows = []
     for source in args.sources:
         for policy in args.policies:
-            rows.append({**measure(args, source, policy), "step": step_ms})
+            rows.append({**measure(args, source, policy), "step": step_ms, "step_ops": step_ops})
     header = (
-        f"Host time per step on meta tensors (Python and dispatch, no kernels): batch "
-        f"{args.batch_size} at {args.image_size} px, {args.short_side} px short sides (4:3), "
-        f"model {args.model}, median of {args.repeats}, torch {torch.__version__}"
+        f"Host cost per step on meta tensors (no kernels): batch {args.batch_size} at "
+        f"{args.image_size} px, {args.short_side} px short sides (4:3), model {args.model}, "
+        f"median of {args.repeats}, torch {torch.__version__}"
     )
-    print_table(rows, args.budget_ms, header)
+    print_table(rows, args, header)
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -22,7 +24,7 @@ def test_host_cost_prints_a_row_per_source_and_policy(capsys):
     flags = ["--batch_size", "8", "--image_size", "32", "--short_side", "40", "--repeats", "1"]
     assert bench.main(flags) == 0
     out = capsys.readouterr().out
-    assert "Host time per step on meta tensors" in out and "batch 8 at 32 px" in out
+    assert "Host cost per step on meta tensors" in out and "batch 8 at 32 px" in out
     rows = [
         line.split()
         for line in out.splitlines()
@@ -32,6 +34,8 @@ def test_host_cost_prints_a_row_per_source_and_policy(capsys):
         (source, policy) for source in bench.SOURCES for policy in bench.POLICIES
     ]
     for row in rows:
-        draws, augment, ops, step, main = map(float, row[2:7])
-        assert augment > 0 and ops > 10 and step > 0 and main >= augment + step - 0.02  # rounding
+        draws, augment, ops, step, step_ops, estimate = map(float, row[2:8])
+        assert augment > 0 and ops > 10 and step > 0 and step_ops > 100
+        launches = (ops + step_ops) * bench.LAUNCH_US / 1000
+        assert estimate == pytest.approx(launches + (draws if row[0] == "gpu" else 0), abs=0.02)
         assert row[-1] == "ms)" and row[-3] == "of"  # "(N% of 19 ms)"
