@@ -442,7 +442,8 @@ class DeviceBatches:
     on a copy stream of its own, its JPEG decoding in one background thread (on a decoding
     stream); the compute stream waits for their events, and the tensors are recorded on it
     so that the allocator does not hand their memory out early. Elsewhere each batch is made
-    as it comes: nothing to overlap."""
+    as it comes: nothing to overlap. The decoder then runs beside the main thread: it must be
+    thread-safe, its CPU fallback included (which seeds the process's CPU generator)."""
 
     def __init__(
         self,
