@@ -172,7 +172,8 @@ def measure(args: argparse.Namespace, source: str, policy: str) -> dict:
     draws = AugmentDraws(size, random_erasing=0.25, policy=policy)
     # The CUDA resample (banded bmm) and the policy, as the trainer runs them there.
     batch_policy = BatchPolicy(policy, size) if policy != "none" else None
-    augment = BatchAugment(size, batch_policy, banded=True)
+    augment = BatchAugment(size, batch_policy)
+    augment.banded = True
     sizes = image_sizes(args.batch_size, args.short_side)
     batches = meta_batches(source, augment, sizes)
     draw_ms = median_ms(lambda: host_batch(source, draws, sizes), args.repeats)
