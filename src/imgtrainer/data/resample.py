@@ -9,7 +9,7 @@ import torch
 
 from imgtrainer.data.params import FLIP, HEIGHT, LEFT, TOP, WIDTH
 
-CHUNK_BYTES = 2**28  # the banded resample's float canvas per group of samples at most
+CHUNK_BYTES = 2**30  # the banded resample's float canvas per group of samples at most (1 GiB)
 
 
 def resample_taps(start: torch.Tensor, length: torch.Tensor, size: int, taps: int):
