@@ -18,6 +18,7 @@ from imgtrainer.data.batch_augment import (
     DeviceBatches,
     collate_samples,
     crop_box,
+    one_ahead,
 )
 from imgtrainer.data.params import CROP, ERASE, FLIP, PARAMS, crop_of, crop_size_of
 
@@ -113,6 +114,42 @@ def test_batched_resample_is_the_per_image_antialiased_resize():
     assert errors.mean() < 1e-4 and errors.max() < 1e-3, (errors.mean(), errors.max())
 
 
+def test_the_banded_matrix_resample_is_the_gathered_one_within_float_rounding(monkeypatch):
+    """The CUDA form (two bmm, normalisation folded into the weights) run on the CPU against
+    the gathered taps, the CPU's reference: the same filter, flips and clamping, within
+    float32 summation order; and against each crop's interpolate(antialias=True) within the
+    reference's own tolerance (1e-3 of 0..255)."""
+    torch.manual_seed(1)
+    size = 24
+    shapes = [(90, 70), (40, 64), (17, 30), (200, 31)]  # downscales, upscales, a tall strip
+    images = [smooth_image(h, w, seed) for seed, (h, w) in enumerate(shapes)]
+    draws = AugmentDraws(size, hflip=0.5)
+    gathered, banded = BatchAugment(size), BatchAugment(size)
+    banded.banded = True  # CUDA's form, here on the CPU
+    for _ in range(5):
+        pixels, params, _ = collate_samples([(im, draws(*im.shape[-2:]), 0) for im in images])
+        ours = banded.resample(pixels, params)
+        assert ours.is_contiguous() and ours.dtype == torch.float32
+        assert (ours - gathered.resample(pixels, params)).abs().max() < 1e-4
+        assert (banded(pixels, params) - gathered(pixels, params)).abs().max() < 1e-5
+        for n, image in enumerate(images):
+            top, left, h, w = crop_of(params[n]).tolist()
+            reference = F.interpolate(
+                image[None, :, top : top + h, left : left + w].float(),
+                size=(size, size),
+                mode="bilinear",
+                antialias=True,
+            )[0]
+            if params[n, FLIP]:
+                reference = reference.flip(-1)
+            assert (ours[n] - reference).abs().max() < 1e-3
+    # Large canvases go in groups of samples (here one at a time): the same images.
+    from imgtrainer.data import resample
+
+    monkeypatch.setattr(resample, "CHUNK_BYTES", 1)
+    assert (banded.resample(pixels, params) - ours).abs().max() < 1e-5
+
+
 def test_flips_are_per_sample_and_padding_is_never_read():
     image = smooth_image(30, 40)
     boxes = [(3, 5, 20, 30)] * 4
@@ -122,8 +159,12 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     assert torch.allclose(out[0], out[1].flip(-1), atol=1e-4)
     assert torch.allclose(out[3], out[2].flip(-1), atol=1e-4)
     assert not torch.allclose(out[0], out[1], atol=1)
-    # Channels last in memory, as the model's layout wants it (no copy in the engine).
-    assert augment(pixels, box_params(boxes)).is_contiguous(memory_format=torch.channels_last)
+    # The model's layout (no copy in the engine): contiguous NCHW on the CPU, where the model
+    # ignores --channels_last, whatever the flag says.
+    assert augment(pixels, box_params(boxes)).is_contiguous()
+    flagged = BatchAugment(16, channels_last=True, bfloat16=True)
+    assert flagged(pixels, box_params(boxes)).is_contiguous()
+    assert torch.equal(flagged(pixels, box_params(boxes)), augment(pixels, box_params(boxes)))
     # On a larger canvas with garbage around the image: the same result.
     canvas = torch.full((4, 3, 50, 60), 255, dtype=torch.uint8)
     canvas[:, :, :30, :40] = pixels
@@ -135,6 +176,27 @@ def test_flips_are_per_sample_and_padding_is_never_read():
         image[None, :, 10:30, 20:40].float(), (16, 16), mode="bilinear", antialias=True
     )
     assert (edge - alone).abs().max() < 1e-3
+
+
+def test_the_config_chooses_the_batchs_layout_and_dtype():
+    """--no_channels_last reaches the augmentation (defect 8); bfloat16 batches only under
+    --use_amp --amp_dtype bfloat16 (float16 autocast keeps float32 inputs)."""
+    from imgtrainer.config import TrainConfig
+    from imgtrainer.data.batch_augment import train_augmentation
+
+    def augment(**flags) -> BatchAugment:
+        return train_augmentation(TrainConfig(image_size=16, **flags))[1]
+
+    assert augment(channels_last=True).channels_last
+    assert not augment(channels_last=False).channels_last
+    assert augment(use_amp=True, amp_dtype="bfloat16").bfloat16
+    assert not augment(use_amp=True, amp_dtype="float16").bfloat16
+    assert not augment(use_amp=False, amp_dtype="bfloat16").bfloat16
+    cuda = torch.device("cuda")  # only compared, never used
+    assert augment(use_amp=True, amp_dtype="bfloat16").dtype(cuda) == torch.bfloat16
+    assert augment(use_amp=True, amp_dtype="bfloat16").dtype(torch.device("cpu")) == torch.float32
+    assert augment(channels_last=False).layout(cuda) == torch.contiguous_format
+    assert augment(channels_last=True).layout(cuda) == torch.channels_last
 
 
 def test_host_sources_hand_over_only_the_crop():
@@ -201,6 +263,61 @@ def test_erasing_draws_follow_torchvisions_rule():
     assert math.isclose(float(area.mean()), (0.02 + 0.33) / 2, rel_tol=0.15)
 
 
+def test_the_next_batch_is_started_before_the_current_one_is_finished():
+    calls = []
+
+    def start(batch):
+        calls.append(("start", batch))
+        return batch
+
+    def finish(batch):
+        calls.append(("finish", batch))
+        return batch * 10
+
+    assert list(one_ahead(range(3), start, finish)) == [0, 10, 20]
+    assert calls == [
+        *[("start", 0), ("start", 1), ("finish", 0)],
+        *[("start", 2), ("finish", 1), ("finish", 2)],
+    ]
+    assert list(one_ahead([], start, finish)) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_prefetched_batches_on_cuda_are_the_batches_made_one_at_a_time():
+    """Copies on the copy stream and JPEG decoding in the background thread, one batch ahead:
+    the same batches, in the same order, with the same values as made one by one."""
+    import threading
+
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    from imgtrainer.data.jpeg_device import JpegBytes, JpegDecoder
+
+    draws, cuda = AugmentDraws(16), torch.device("cuda")
+    torch.manual_seed(0)
+    images = [smooth_image(30 + 4 * n, 40 - 3 * n, n) for n in range(6)]
+    samples = [(image, draws(*image.shape[-2:]), n) for n, image in enumerate(images)]
+    jpegs = [(JpegBytes(encode_jpeg(image, quality=95), (n, 0)), p, n) for image, p, n in samples]
+    threads = set()
+
+    def decode(data):
+        threads.add(threading.current_thread().name)
+        return [decode_jpeg(d).to(cuda) for d in data]
+
+    decoder = JpegDecoder(cuda, 16, lambda key: samples[key[0]], decode)
+    for batch in (samples, jpegs):
+        loader = torch.utils.data.DataLoader(
+            batch, batch_size=2, collate_fn=collate_samples, pin_memory=True
+        )
+        batches = DeviceBatches(loader, BatchAugment(16), cuda, jpegs=decoder)
+        one_by_one = [batches.apply(*b) for b in loader]
+        prefetched = list(batches)
+        assert len(prefetched) == len(one_by_one) == 3
+        for (images_a, labels_a), (images_b, labels_b) in zip(prefetched, one_by_one, strict=True):
+            assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+    assert any(name.startswith("jpeg-decode") for name in threads)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
@@ -217,6 +334,26 @@ def test_device_batches_on_cuda_agree_with_the_cpu_from_pinned_memory():
     # TF32 matmuls, where the trainer enables them, round to ~1e-3 relative.
     assert (on_cuda[0][0].cpu() - on_cpu[0][0]).abs().max() < 0.05
     assert torch.equal(on_cuda[0][1].cpu(), on_cpu[0][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_on_cuda_the_batch_comes_in_the_layout_the_flag_asks_for():
+    """--channels_last: channels_last in memory, as the model is; --no_channels_last:
+    contiguous NCHW, so that the model really trains NCHW; bfloat16 where training is.
+    Values agree with the CPU."""
+    image = smooth_image(30, 40).cuda()
+    pixels = image[None].repeat(4, 1, 1, 1)
+    params = box_params([(3, 5, 20, 30)] * 4, flips=[1, 0, 0, 1])
+    on_cpu = BatchAugment(16)(pixels.cpu(), params)
+    for flag, layout_ in ((True, torch.channels_last), (False, torch.contiguous_format)):
+        out = BatchAugment(16, channels_last=flag)(pixels, params)
+        assert out.is_contiguous(memory_format=layout_) and out.dtype == torch.float32
+        assert (out.cpu() - on_cpu).abs().max() < 0.01  # TF32 bmm where enabled
+        # Training under bfloat16 autocast: bfloat16 batches, in the same layout.
+        half = BatchAugment(16, channels_last=flag, bfloat16=True)(pixels, params)
+        assert half.dtype == torch.bfloat16 and half.is_contiguous(memory_format=layout_)
+        assert (half.float().cpu() - on_cpu).abs().max() < 0.02  # bfloat16: 8 bits
 
 
 @pytest.mark.cuda

@@ -168,7 +168,7 @@ def test_a_batch_is_torchvisions_policy_on_each_resampled_image(name):
     assert params[:, POLICY].unique().numel() > 5  # many ops in one batch
     augment = BatchAugment(size, BatchPolicy(name, size))
     batch = augment(pixels, params)
-    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert batch.is_contiguous()  # the model's layout on the CPU
 
     resampled = augment.resample(pixels, params).round_().clamp_(0, 255).to(torch.uint8)
     tv = AUTO_AUGMENT[name]()

@@ -11,7 +11,8 @@ policy grouped by op (``data.batch_policy``), normalises and erases, on the batc
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from imgtrainer.data.params import (
     policy_of,
     row_of,
 )
+from imgtrainer.data.resample import banded_resample, resample_taps, tap_count, weighted_taps
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 CROP_TRIES = 10  # like torchvision's RandomResizedCrop, then a center crop
@@ -114,47 +116,12 @@ class AugmentDraws:
         return row_of(crop, int(u[-1] < self.hflip), erase, policy)
 
 
-def resample_taps(start: torch.Tensor, length: torch.Tensor, size: int, taps: int):
-    """Where and how much each output pixel reads, for the antialiased bilinear resize of each
-    sample's span [start, start + length) of a canvas axis to ``size`` pixels: (N, size, taps)
-    canvas indices and float32 weights, the weights of ``interpolate(crop, mode="bilinear",
-    antialias=True, align_corners=False)`` (clamped to the crop as it is; 0 past its taps)."""
-    start = start.to(torch.float64)[:, None, None]
-    length = length.to(torch.float64)[:, None, None]
-    scale = length / size
-    support = scale.clamp(min=1.0)  # the triangle widens with the downscale factor
-    at = torch.arange(size, dtype=torch.float64, device=start.device)[None, :, None]
-    center = scale * (at + 0.5)
-    low = torch.trunc(center - support + 0.5).clamp(min=0)
-    high = torch.minimum(torch.trunc(center + support + 0.5), length)
-    x = low + torch.arange(taps, dtype=torch.float64, device=start.device)
-    weights = (1 - ((x - center + 0.5) / support).abs()).clamp(min=0) * (x < high)
-    weights = weights / weights.sum(-1, keepdim=True)
-    return (torch.minimum(x, length - 1) + start).long(), weights.float()
-
-
-def tap_count(lengths: torch.Tensor, size: int) -> int:
-    """Taps enough for every sample: a span of 2 * support + 1 pixels at most."""
-    return int(2 * max(float(lengths.max()) / size, 1.0)) + 2
-
-
-def weighted_taps(images: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Resample dim 1 of the contiguous ``images`` (N, L, M, C): output j of sample n is the sum
-    over taps k of weights[n, j, k] * images[n, index[n, j, k]], as float32 (N, size, M, C)."""
-    n, length = images.shape[:2]
-    size, taps = index.shape[1:]
-    flat = images.view(n * length, -1)
-    rows = index + length * torch.arange(n, device=index.device)[:, None, None]
-    out = torch.zeros(n, size, *images.shape[2:], device=images.device)
-    for k in range(taps):  # one tap at a time: whole rows of M x C values, one index_select
-        gathered = flat.index_select(0, rows[:, :, k].reshape(-1)).view(out.shape)
-        out.addcmul_(gathered, weights[:, :, k, None, None])
-    return out
-
-
 class BatchAugment:
     """The device half: (uint8 pixels (N, 3, H, W), int64 parameters (N, PARAMS)) -> the
-    normalised float32 batch (N, 3, size, size), on the pixels' device.
+    normalised float32 batch (N, 3, size, size) (bfloat16 on CUDA where ``bfloat16``: the run
+    trains under bfloat16 autocast), on the pixels' device, in the model's layout:
+    channels_last in memory only where ``channels_last`` (--channels_last) and on CUDA, as the
+    model is; contiguous NCHW otherwise.
 
     Each sample's crop box indexes its own image on the canvas (the padding is never read:
     its weights are zero). ``policy`` (TrivialAugment/RandAugment) applies the ops each sample
@@ -166,10 +133,14 @@ class BatchAugment:
         policy: BatchPolicy | None = None,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        channels_last: bool = False,
+        bfloat16: bool = False,
     ):
         self.size, self.policy = size, policy
         self.mean, self.std = tuple(mean), tuple(std)
-        self._normalisers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.channels_last, self.bfloat16 = channels_last, bfloat16
+        self.banded: bool | None = None  # the resample's form: None, by device (use_bmm)
+        self._normalisers: dict = {}  # per device: (mean, std); per ("folded", device) too
 
     def normaliser(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and std as (1, 3, 1, 1) tensors on ``device``, copied there once."""
@@ -179,14 +150,51 @@ class BatchAugment:
             )
         return self._normalisers[device]
 
-    def resample(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        """Every crop resized to size x size and flipped where drawn: float, 0..255. Each
-        output pixel is a weighted sum of a few gathered source pixels, rows then columns.
-        ``params`` on the host: the number of taps is read from it without a device sync."""
+    def folded_normaliser(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x / 255 - mean) / std as x * scale + shift: (3,) float32 on ``device``, made once
+        (from float64: within an ulp or two of the three float32 passes it replaces)."""
+        key = ("folded", device)
+        if key not in self._normalisers:
+            mean = torch.tensor(self.mean, dtype=torch.float64)
+            std = torch.tensor(self.std, dtype=torch.float64)
+            self._normalisers[key] = ((1 / (255 * std)).float(), (-mean / std).float())
+            self._normalisers[key] = tuple(v.to(device) for v in self._normalisers[key])
+        return self._normalisers[key]
+
+    def use_bmm(self, device: torch.device) -> bool:
+        """The banded-matrix resample (``banded_resample``) on CUDA, unless ``banded`` says;
+        the gathered taps elsewhere: the CPU's outputs, bit for bit the reference's."""
+        return device.type == "cuda" if self.banded is None else self.banded
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The output's dtype on ``device``: bfloat16 on CUDA where the run trains under
+        bfloat16 autocast (``bfloat16``), whose first layer would cast it so anyway: half the
+        bytes written and read; float32 otherwise."""
+        return torch.bfloat16 if self.bfloat16 and device.type == "cuda" else torch.float32
+
+    def layout(self, device: torch.device) -> torch.memory_format:
+        """The output's memory layout on ``device``: the one the model is in (``build``)."""
+        if self.channels_last and device.type == "cuda":
+            return torch.channels_last
+        return torch.contiguous_format
+
+    def resample(
+        self, pixels: torch.Tensor, params: torch.Tensor, normalise: bool = False
+    ) -> torch.Tensor:
+        """Every crop resized to size x size and flipped where drawn: float, 0..255 (or
+        normalised, where ``normalise`` and the banded form fold it into its weights). Each
+        output pixel is a weighted sum of a few source pixels, columns then rows. ``params``
+        on the host: the number of taps is read from it without a device sync."""
         size = self.size
         height_taps = tap_count(params[:, HEIGHT], size)
         width_taps = tap_count(params[:, WIDTH], size)
         params = params.to(pixels.device, non_blocking=True)
+        if self.use_bmm(pixels.device):
+            folded = self.folded_normaliser(pixels.device) if normalise else (None, None)
+            images = banded_resample(pixels, params, size, (height_taps, width_taps), *folded)
+            # Normalised: in the output's dtype and layout, one pass; 0..255 stays float32.
+            dtype = self.dtype(pixels.device) if normalise else torch.float32
+            return images.to(dtype, memory_format=self.layout(pixels.device))
         index, weights = resample_taps(params[:, LEFT], params[:, WIDTH], size, width_taps)
         flip = params[:, FLIP].bool()[:, None, None]
         index = torch.where(flip, index.flip(1), index)
@@ -197,18 +205,24 @@ class BatchAugment:
         index, weights = resample_taps(params[:, TOP], params[:, HEIGHT], size, height_taps)
         down = columns.transpose(1, 2).contiguous()  # (N, H, size, 3)
         rows = weighted_taps(down, index, weights)  # (N, size, size, 3)
-        return rows.permute(0, 3, 1, 2)  # (N, 3, size, size), channels_last in memory
+        # (N, 3, size, size): channels_last in memory as computed, else one copy to NCHW.
+        images = rows.permute(0, 3, 1, 2).contiguous(memory_format=self.layout(pixels.device))
+        return self.normalise(images).to(self.dtype(pixels.device)) if normalise else images
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """0..255 floats to the normalised ones, in place, as torchvision's Normalize does."""
+        mean, std = self.normaliser(images.device)
+        return images.div_(255).sub_(mean).div_(std)
 
     def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """The batch's pixels on the training device, its parameters still on the host."""
-        images = self.resample(pixels, params)
-        if self.policy is not None:  # its choices read on the host: no device sync
-            images = images.round_().clamp_(0, 255).to(torch.uint8)
-            images = self.policy(images, policy_of(params)).float()
-        params = params.to(pixels.device, non_blocking=True)
-        mean, std = self.normaliser(images.device)
-        images = images.div_(255).sub_(mean).div_(std)
-        return erase(images, params)
+        if self.policy is None:
+            images = self.resample(pixels, params, normalise=True)
+        else:  # its choices read on the host: no device sync
+            images = self.resample(pixels, params).round_().clamp_(0, 255).to(torch.uint8)
+            images = self.normalise(self.policy(images, policy_of(params)).float())
+            images = images.to(self.dtype(pixels.device))
+        return erase(images, params.to(pixels.device, non_blocking=True))
 
 
 def erase(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -237,7 +251,11 @@ def train_augmentation(
         policy=cfg.auto_augment,
     )
     policy = BatchPolicy(cfg.auto_augment, cfg.image_size) if cfg.auto_augment != "none" else None
-    return draws, BatchAugment(cfg.image_size, policy, mean, std)
+    # bfloat16 batches where CUDA trains under bfloat16 autocast (training.precision's rule there:
+    # --use_amp with --amp_dtype bfloat16); BatchAugment applies it on CUDA only.
+    bfloat16 = cfg.use_amp and cfg.amp_dtype == "bfloat16"
+    augment = BatchAugment(cfg.image_size, policy, mean, std, cfg.channels_last, bfloat16=bfloat16)
+    return draws, augment
 
 
 def collate_samples(
@@ -269,11 +287,46 @@ def pad_canvas(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
     return canvas
 
 
+def one_ahead(batches: Iterable, start: Callable, finish: Callable) -> Iterator:
+    """``finish(start(batch))`` for each batch, in order, with the next batch started before
+    the current one is finished: its copy and decoding then overlap the current step."""
+    ahead = _NOTHING
+    for batch in batches:
+        started = start(batch)
+        if ahead is not _NOTHING:
+            yield finish(ahead)
+        ahead = started
+    if ahead is not _NOTHING:
+        yield finish(ahead)
+
+
+_NOTHING = object()
+
+
+@dataclass
+class Staged:
+    """A batch on its way to the device: its tensors (or the decoding thread's future of
+    them) and the event the compute stream waits on before it reads them."""
+
+    pixels: torch.Tensor | None
+    params: torch.Tensor
+    labels: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+    decoding: Future | None = None
+
+
 class DeviceBatches:
     """The training loader as the loop sees it: each loaded batch moved to ``device``
     (non-blocking from pinned memory) and augmented there as a whole; batches with JPEG
     bytes are first decoded there by ``jpegs`` (a ``JpegDecoder``). Anything else
-    (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's."""
+    (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's.
+
+    On CUDA the next batch is prepared while the current one trains: its host-to-device copy
+    on a copy stream of its own, its JPEG decoding in one background thread (on a decoding
+    stream); the compute stream waits for their events, and the tensors are recorded on it
+    so that the allocator does not hand their memory out early. Elsewhere each batch is made
+    as it comes: nothing to overlap. The decoder then runs beside the main thread: it must be
+    thread-safe, its CPU fallback included (which seeds the process's CPU generator)."""
 
     def __init__(
         self,
@@ -294,22 +347,77 @@ class DeviceBatches:
         return getattr(self.__dict__["loader"], name)
 
     def __iter__(self):
-        for pixels, params, labels in self.loader:
-            yield self.apply(pixels, params, labels)
+        if self.device.type != "cuda":
+            for pixels, params, labels in self.loader:
+                yield self.apply(pixels, params, labels)
+            return
+        copies, decodes = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        with ThreadPoolExecutor(1, thread_name_prefix="jpeg-decode") as thread:
+
+            def start(batch) -> Staged:
+                pixels, params, labels = batch
+                if isinstance(pixels, EncodedBatch):  # decoded off the main thread
+                    future = thread.submit(self.decode_on, decodes, pixels, params, labels)
+                    return Staged(None, params, None, decoding=future)
+                with torch.cuda.stream(copies):
+                    staged = Staged(*self.moved(pixels, params, labels), torch.cuda.Event())
+                    staged.ready.record(copies)
+                return staged
+
+            yield from one_ahead(self.loader, start, self.finish)
+
+    def decode(
+        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one call of the JPEG decoder: (canvas on the device, params, labels)."""
+        return self.jpegs(batch, params, labels)
+
+    def decode_on(
+        self, stream: torch.cuda.Stream, batch: EncodedBatch, params, labels
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """``decode`` on ``stream`` (in the decoding thread), with the event of its end."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            pixels, params, labels = self.decode(batch, params, labels)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return pixels, params, labels, ready
+
+    def moved(
+        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
+        the loader); the parameters stay on the host until used."""
+        on_device = pixels.to(self.device, non_blocking=True)
+        return on_device, params, labels.to(self.device, non_blocking=True)
+
+    def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staged batch, once its copy or decoding is done, augmented on the compute stream."""
+        if staged.decoding is not None:
+            pixels, params, labels, ready = staged.decoding.result()
+            staged = Staged(pixels, params, labels.to(self.device, non_blocking=True), ready)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(staged.ready)
+        for tensor in (staged.pixels, staged.labels):
+            tensor.record_stream(compute)  # made on another stream, read (and freed) on this
+        return self.augmented(staged.pixels, staged.params, staged.labels)
+
+    def augmented(
+        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixels (or cache indices) and labels on the device -> (augmented images, labels)."""
+        if self.cache is not None:  # indices of images already on the device
+            pixels = self.cache.index_select(0, pixels)
+        return self.augment(pixels, params), labels
 
     def apply(
         self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One collated batch -> (its augmented images, its labels) on the device."""
+        """One collated batch -> (its augmented images, its labels) on the device, at once."""
         if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
-            pixels, params, labels = self.jpegs(pixels, params, labels)
-        if self.cache is not None:  # indices of images already on the device
-            pixels = self.cache.index_select(0, pixels.to(self.device, non_blocking=True))
-        else:
-            pixels = pixels.to(self.device, non_blocking=True)
-        images = self.augment(pixels, params)  # the parameters stay on the host until used
-        return images, labels.to(self.device, non_blocking=True)
+            pixels, params, labels = self.decode(pixels, params, labels)
+        return self.augmented(*self.moved(pixels, params, labels))
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""
-        return self.apply(*collate_samples([self.loader.dataset[key] for key in keys]))[0]
+        batch = collate_samples([self.loader.dataset[key] for key in keys])
+        return self.apply(*batch)[0].float()  # float32 for image writers, whatever trains

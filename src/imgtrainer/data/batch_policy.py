@@ -125,16 +125,24 @@ def blend(
     return scaled.add_(other).float().clamp_(0, 255).to(torch.uint8)
 
 
-def sharpen(images: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def sharpen_kernel(device: torch.device) -> torch.Tensor:
+    """torchvision's sharpness blur: 3x3 13ths, 5 in the middle, per channel (3, 1, 3, 3)."""
+    kernel = torch.full((3, 3), 1.0 / 13.0, device=device)
+    kernel[1, 1] = 5.0 / 13.0
+    return kernel.expand(3, 1, 3, 3)
+
+
+def sharpen(
+    images: torch.Tensor, alpha: torch.Tensor, kernel: torch.Tensor | None = None
+) -> torch.Tensor:
     """torchvision's ``adjust_sharpness`` with per-sample factors: the inside pixels moved
-    towards the rounded 3x3 blur (13ths, 5 in the middle) by ``alpha`` (n,) = 1 - factor; the
-    border kept."""
+    towards the rounded 3x3 blur (``sharpen_kernel``, made here when not given) by ``alpha``
+    (n,) = 1 - factor; the border kept."""
     if images.shape[-1] <= 2:
         return images
-    kernel = torch.full((3, 3), 1.0 / 13.0, device=images.device)
-    kernel[1, 1] = 5.0 / 13.0
+    kernel = sharpen_kernel(images.device) if kernel is None else kernel
     out = images.float()
-    blurred = F.conv2d(out, kernel.expand(3, 1, 3, 3), groups=3).round_()
+    blurred = F.conv2d(out, kernel, groups=3).round_()
     inside = out[..., 1:-1, 1:-1]
     alpha = per_image(alpha).double()  # fused as in blend
     moved = blurred.sub_(inside).double().mul_(alpha).add_(inside.double())
@@ -163,6 +171,13 @@ class BatchPolicy:
         self.num_ops = getattr(self.transform, "num_ops", 1)
         self.table = magnitude_table(name, size)
         self._grids: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def constant(self, name: str, device: torch.device, make) -> torch.Tensor:
+        """``make(device)``, made once per device: no rebuilding and copying every batch."""
+        if (name, device) not in self._constants:
+            self._constants[name, device] = make(device)
+        return self._constants[name, device]
 
     def magnitudes(self, choices: torch.Tensor, slot: int) -> torch.Tensor:
         """(N,) float64: each sample's signed magnitude in ``slot``, as torchvision's float."""
@@ -203,7 +218,7 @@ class BatchPolicy:
             grey = TF.rgb_to_grayscale(images).float()
             return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), factor, alpha)
         if op == "Sharpness":
-            return sharpen(images, alpha)
+            return sharpen(images, alpha, self.constant("sharpen", images.device, sharpen_kernel))
         if op == "Posterize":
             return images.bitwise_and_(per_image(values[:, MASK]).to(torch.uint8))
         if op == "Solarize":  # compared in float32, as uint8 >= a Python float is

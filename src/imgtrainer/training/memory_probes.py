@@ -58,11 +58,12 @@ def batch_input_bytes(
     The engine copies every micro-batch of a step to the device before the first forward (so
     that an out-of-memory error there is agreed on before any collective), so the whole batch
     is on the device, not one micro-batch. On the CPU that is the loaded batch itself. On CUDA
-    every source's batch is augmented on the device (``data.batch_augment``), channels_last in
-    memory: without channels_last the engine's contiguous copy of it is a second one. (The
-    augmentation's own buffers are freed before the step's forward.)"""
-    copies = 2 if device.type == "cuda" and not channels_last else 1
-    return copies * batch_size * 3 * image_size * image_size * 4
+    every source's batch is augmented on the device (``data.batch_augment``) straight into the
+    model's layout (channels_last or not), so the engine's move to its layout copies nothing:
+    one copy either way. (The augmentation's own buffers are freed before the step's forward.)
+    ``device`` and ``channels_last`` are kept for the callers: neither changes the count."""
+    del device, channels_last
+    return batch_size * 3 * image_size * image_size * 4
 
 
 class ResidentMemory:
