@@ -6,6 +6,7 @@ is the CPU here (torchvision's decode_jpeg on the CPU injected); one test runs n
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -527,3 +528,34 @@ def test_on_cuda_the_decoder_works_on_its_own_stream_and_hands_over_only_the_can
     events.clear()  # a decode-ahead thread names the training stream
     decoder(batch, params, labels, FakeStream("given"))
     assert events[-2:] == [("wait", "given", "decode"), ("record", "given", canvas.shape)]
+
+
+def test_seeded_draws_in_two_threads_are_each_seeds_own():
+    """The decode-ahead thread's CPU fallback and the main thread's mixing both seed torch's CPU
+    generator: each seeded block draws what its seed draws, however the threads interleave."""
+    import threading
+
+    from imgtrainer.data.sources import seeded_cpu_generator
+
+    def draw(seed: int) -> torch.Tensor:
+        with seeded_cpu_generator(seed):
+            first = torch.rand(64)
+            time.sleep(0)  # let the other thread run in the middle of the block
+            return torch.cat([first, torch.rand(64)])
+
+    expected = {seed: draw(seed) for seed in range(40)}
+    results: dict[int, torch.Tensor] = {}
+
+    def worker(seeds: range) -> None:
+        for _ in range(5):
+            for seed in seeds:
+                got = draw(seed)
+                if not torch.equal(got, expected[seed]):
+                    results[seed] = got
+
+    threads = [threading.Thread(target=worker, args=(range(k, 40, 2),)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not results, f"seeds drawn differently under two threads: {sorted(results)}"

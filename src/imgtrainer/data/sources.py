@@ -6,6 +6,8 @@ import contextlib
 import enum
 import logging
 import math
+import os
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -204,6 +206,19 @@ class TrainingSamples(Dataset):
         return pixels, params, label
 
 
+# One seeded block at a time per process: on CUDA the JPEG decoder's CPU fallback draws samples
+# in the decode-ahead thread while the main thread draws the batch's mixing.
+_GENERATOR_LOCK = threading.RLock()
+
+
+def _new_generator_lock() -> None:
+    global _GENERATOR_LOCK
+    _GENERATOR_LOCK = threading.RLock()  # a forked worker must not inherit a held lock
+
+
+os.register_at_fork(after_in_child=_new_generator_lock)
+
+
 @contextlib.contextmanager
 def seeded_cpu_generator(seed: int) -> Iterator[None]:
     """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
@@ -211,13 +226,14 @@ def seeded_cpu_generator(seed: int) -> Iterator[None]:
     random stream (dropout, for instance) is untouched. (torch.manual_seed and fork_rng would
     also touch every accelerator's generator, at a cost per sample above the augmentation's
     own at small image sizes.)"""
-    generator = torch.default_generator
-    saved = generator.get_state()
-    generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        generator.set_state(saved)
+    with _GENERATOR_LOCK:
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            generator.set_state(saved)
 
 
 @dataclass(frozen=True)
