@@ -20,17 +20,25 @@ step's window holds its log work; "end" is the epoch's end (which may synchronis
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import sys
+import tempfile
+import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from imgtrainer.hooks import Hook, StepInfo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from imgtrainer.hooks import Hook, StepInfo  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -82,6 +90,7 @@ class SyncAudit(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.paused = False
         self.host = WeakIdKeyDictionary()  # host tensors (the loaded batch and its derivations)
+        self.cuda_warnings: list[tuple[str, str]] = []  # set_sync_debug_mode's, per window
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -241,8 +250,14 @@ def audited_epoch(
     check = NonFiniteLoss(parts.device, distributed=False) if nonfinite else None
     plan = EpochPlan(log_interval=log_interval, nonfinite=check)
     debug = torch.cuda.set_sync_debug_mode if parts.device.type == "cuda" else lambda mode: None
+
+    def caught(message, category, *args, **kwargs) -> None:
+        audit.cuda_warnings.append((audit.label, str(message)[:200]))
+
     try:
-        with audit.reading_host():
+        with audit.reading_host(), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = caught
             debug("warn")
             epoch = train_one_epoch(
                 parts, loader, hooks=[*hooks, reader, StepWindows(audit)], epoch=plan
@@ -252,3 +267,125 @@ def audited_epoch(
         debug(0)
         loader.loader = loader.loader.loader
     return AuditResult(audit, log_interval, epoch["steps"], reader.logged, epoch)
+
+
+# ----------------------------------------------------------------------------- a run to audit
+
+CLASSES = ["cat", "dog", "fox"]
+
+
+def audit_run(
+    train: Path,
+    val: Path,
+    source: str,
+    batch: int,
+    precision: str = "fp32",
+    *,
+    device: str = "cpu",
+    log_interval: int = 4,
+    ema: bool = True,
+    extra_flags: Sequence[str] = (),
+) -> AuditResult:
+    """One audited epoch of a tiny run (test_resnet, SGD) on ``device`` with --cache_images
+    ``source`` and ``precision`` (fp32, fp16: float16 autocast and GradScaler, bf16), the EMA
+    and the stop agreement as the trainer registers them."""
+    import torch
+
+    import imgtrainer.data.loaders as loaders
+    from imgtrainer.checkpoints.periodic import CheckpointAndStop
+    from imgtrainer.config import parse_config
+    from imgtrainer.distributed.setup import DistInfo
+    from imgtrainer.training.build import build_run_parts
+    from imgtrainer.training.ema import ModelEma
+    from imgtrainer.training.precision import Precision
+    from imgtrainer.training.stopping import StopRequest
+
+    dist = DistInfo(0, 0, 1, 1, torch.device(device))
+    flags = ["--train_dir", str(train), "--val_dir", str(val), "--image_size", "16"]
+    flags += ["--num_workers", "0", "--learning_rate", "0.01", "--model", "test_resnet"]
+    flags += ["--batch_size", str(batch), "--cache_images", source, "--optimizer", "sgd"]
+    flags += ["--log_dir", str(train.parent / "logs"), *extra_flags]
+    cfg = parse_config(flags)
+    train_loader, _, sampler, class_names = loaders.build_loaders(cfg, dist)
+    parts = build_run_parts(cfg, dist, len(class_names), len(train_loader))
+    if precision != "fp32":
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        parts.precision = Precision(True, dtype)
+        parts.scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
+    hooks: list[Hook] = [ModelEma(parts.plain_model)] if ema else []
+    stop = StopRequest(distributed=False)
+    hooks.append(CheckpointAndStop(stop, lambda *_: False, lambda sums: None, 10**6, 0))
+    sampler.set_epoch(0)
+    # float16 autocast on the CPU makes this tiny model's loss NaN after a few steps (the
+    # GradScaler then skips them all, which the EMA path needs anyway): no loss check there.
+    check = not (precision == "fp16" and device == "cpu")
+    return audited_epoch(
+        parts, train_loader, log_interval=log_interval, hooks=hooks, nonfinite=check
+    )
+
+
+def summary(result: AuditResult) -> dict:
+    return {
+        "steps": result.steps,
+        "log_interval": result.log_interval,
+        "syncs_per_window": dict(result.audit.per_window()),
+        "unexpected_syncs": result.unexpected_syncs(),
+        "cuda_sync_warnings": result.audit.cuda_warnings,
+        "unexpected_cuda_warnings": [
+            w for w in result.audit.cuda_warnings
+            if w[0].startswith("step ") and not result.is_log_step(w[0])
+            and int(w[0][5:]) <= result.steps
+        ],
+        "ops_per_plain_step": result.ops_per_plain_step(),
+    }  # fmt: skip
+
+
+def profile_steps(train: Path, val: Path, source: str, precision: str, trace: Path) -> None:
+    """A torch.profiler trace (Chrome format) of one more epoch of the same run."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+        audit_run(train, val, source, 4, precision, device="cuda", log_interval=5)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="sync audit of 10 training steps on CUDA")
+    parser.add_argument("--source", choices=["gpu", "ram", "none"], required=True)
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16")
+    parser.add_argument("--output", type=Path, required=True, help="JSON summary")
+    parser.add_argument("--trace", type=Path, default=None, help="also a profiler trace here")
+    return parser.parse_args(argv)
+
+
+def command(source: str, precision: str, output: Path, trace: Path | None = None) -> list[str]:
+    """This script's command line (bench/gpu_check.py runs it in a fresh interpreter)."""
+    line = [sys.executable, str(Path(__file__).resolve()), "--source", source]
+    line += ["--precision", precision, "--output", str(output)]
+    return line + (["--trace", str(trace)] if trace is not None else [])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """10 steps (batch 4, 40 images) audited on CUDA; exit 1 on a sync between log steps."""
+    args = parse_args(argv)
+    from harness import write_image_folder
+
+    with tempfile.TemporaryDirectory(prefix="sync_audit_") as tmp:
+        root = Path(tmp)
+        train = write_image_folder(root / "train", CLASSES, 14, size=20, seed=1)
+        val = write_image_folder(root / "val", CLASSES, 2, size=20, seed=2)
+        result = summary(audit_run(train, val, args.source, 4, args.precision, device="cuda"))
+        if args.trace is not None:
+            profile_steps(train, val, args.source, args.precision, args.trace)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    bad = result["unexpected_syncs"] or result["unexpected_cuda_warnings"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,18 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from harness import write_image_folder
-from sync_audit import audited_epoch
+from sync_audit import audit_run
 
 import imgtrainer.data.loaders as loaders
-from conftest import CPU, TINY_FLAGS
-from imgtrainer.checkpoints.periodic import CheckpointAndStop
-from imgtrainer.config import parse_config
+from conftest import CPU
 from imgtrainer.data.sources import Source
 from imgtrainer.distributed.setup import DistInfo
-from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.ema import ModelEma
 from imgtrainer.training.memory import BufferSnapshot
-from imgtrainer.training.precision import Precision
 from imgtrainer.training.stopping import AGREE_EVERY, StopRequest
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
@@ -71,29 +66,10 @@ def gpu_cache_on_the_cpu(monkeypatch) -> None:
     monkeypatch.setattr(loaders, "cache_decoded", packed)
 
 
-def audit(data, monkeypatch, source: str, batch: int, precision: str = "fp32", ema=True):
-    train, val = data
+def audit(data, monkeypatch, source: str, batch: int, precision: str = "fp32"):
     if source == "gpu":
         gpu_cache_on_the_cpu(monkeypatch)
-    flags = ["--train_dir", str(train), "--val_dir", str(val), *TINY_FLAGS]
-    flags += ["--model", "test_resnet", "--batch_size", str(batch), "--cache_images", source]
-    flags += ["--log_dir", str(train.parent / "logs"), "--optimizer", "sgd"]
-    cfg = parse_config(flags)
-    train_loader, _, sampler, class_names = loaders.build_loaders(cfg, ONE_PROCESS)
-    parts = build_run_parts(cfg, ONE_PROCESS, len(class_names), len(train_loader))
-    if precision != "fp32":
-        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        parts.precision = Precision(True, dtype)
-        parts.scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
-    hooks = [ModelEma(parts.plain_model)] if ema else []
-    stop = StopRequest(distributed=False)
-    hooks.append(CheckpointAndStop(stop, lambda *_: False, lambda sums: None, 99, 0))
-    sampler.set_epoch(0)
-    # float16 autocast on the CPU makes this tiny model's loss NaN after a few steps (the
-    # GradScaler then skips them all, which the EMA path needs anyway): no loss check there.
-    return audited_epoch(
-        parts, train_loader, log_interval=LOG_INTERVAL, hooks=hooks, nonfinite=precision != "fp16"
-    )
+    return audit_run(*data, source, batch, precision, log_interval=LOG_INTERVAL)
 
 
 @pytest.mark.parametrize(
