@@ -362,13 +362,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def command(source: str, precision: str, output: Path, trace: Path | None = None) -> list[str]:
-    """This script's command line (bench/gpu_check.py runs it in a fresh interpreter)."""
-    line = [sys.executable, str(Path(__file__).resolve()), "--source", source]
-    line += ["--precision", precision, "--output", str(output)]
-    return line + (["--trace", str(trace)] if trace is not None else [])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """10 steps (batch 4, 40 images) audited on CUDA; exit 1 on a sync between log steps."""
     args = parse_args(argv)

@@ -130,3 +130,35 @@ def test_buffer_snapshot_is_taken_into_the_same_tensors():
     model(torch.randn(4, 2))
     snapshot.restore()
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
+
+
+# ----------------------------------------------------------------------------- gpu_check
+
+
+def test_gpu_check_runs_the_sync_audit_and_the_decode_race(tmp_path):
+    from test_gpu_path import gpu_check_module
+
+    gc = gpu_check_module()
+    names = [c.name for c in gc.all_checks()]
+    assert len(names) == len(set(names))
+    for source in ("gpu", "ram", "none"):
+        assert f"sync_audit_cache_{source}" in names
+    assert "decode_race" in names
+    ctx = gc.Context(tmp_path / "work", 1, "x", deadline=0.0, outputs=tmp_path / "out")
+    runs = gc.sync_audit_commands(ctx, "ram")
+    assert [precision for precision, _, _ in runs] == ["fp16", "bf16"]
+    fp16 = runs[0][1]
+    assert fp16[1].endswith("bench/sync_audit.py") and fp16[fp16.index("--source") + 1] == "ram"
+    assert fp16[fp16.index("--trace") + 1] == str(
+        tmp_path / "out" / "gpu_check_traces" / "steps_ram_fp16.json"
+    )
+    assert "--trace" not in runs[1][1]
+    # The command parses as the script reads it.
+    import sync_audit
+
+    args = sync_audit.parse_args(fp16[2:])
+    assert (args.source, args.precision, args.output) == ("ram", "fp16", runs[0][2])
+    race = gc.decode_race_command()
+    assert race[1:5] == ["-m", "pytest", "-m", "cuda"] and race[5].endswith(
+        "tests/test_jpeg_device.py"
+    )
