@@ -5,12 +5,6 @@ buffers copied). ``ModelEma`` counts the updates, which the warm-up
 ``decay(n) = min(ema_decay, 1 - n ** -0.75)`` reads and a checkpoint stores (``ema_updates``), so a
 resumed run continues the same average bitwise. Only steps the optimizer took update it
 (docs/training.md: EMA of the weights).
-
-Whether a float16 step was taken is known only on the device, so it is decided there, without a
-host synchronisation: the update count lives in a device tensor, each update's weight
-``1 - decay(n)`` is read from a device table (the same Python numbers timm computes), and a
-skipped step lerps with weight 0 (the average is unchanged: a zero weight leaves every value, up
-to the sign of an exact zero) and does not advance the count.
 """
 
 from __future__ import annotations
@@ -95,7 +89,11 @@ class ModelEma(Hook):
     @torch.no_grad()
     def update(self, skipped: torch.Tensor | None = None) -> None:
         """One more step into the average, unless the device flag ``skipped`` is set (the
-        GradScaler skipped the optimizer step): decided on the device, never read here."""
+        GradScaler skipped the optimizer step): decided on the device, never read here (no
+        host synchronisation). The update count lives in a device tensor; each update's weight
+        ``1 - decay(n)`` comes from a device table of the Python numbers timm computes; a
+        skipped step lerps with weight 0 (every value unchanged, up to the sign of an exact
+        zero) and copies no integer buffer, and does not advance the count."""
         ema_values, model_values, counters = [], [], []
         for ema_v, model_v in zip(
             self._ema.module.state_dict().values(), self.source.state_dict().values(), strict=True
