@@ -27,7 +27,8 @@ class CheckpointAndStop(Hook):
     """The agreed stop on a signal or the --max_time budget (with a checkpoint), and the
     periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only
     the main process writes. Under torch.distributed the ranks agree on a stop only every few
-    steps (``StopRequest.agrees_at``), so --max_time looks that far ahead."""
+    steps (``StopRequest.agrees_at``) and at each periodic checkpoint, so --max_time looks that
+    far ahead."""
 
     def __init__(
         self,
@@ -45,9 +46,12 @@ class CheckpointAndStop(Hook):
         at_end = info.step == self.steps_per_epoch
         ahead = self.stop.steps_to_next_agreement(info.step, self.steps_per_epoch)
         time_up = self.time_up(at_end, ahead)  # every step: it times the steps
-        if self.stop.agrees_at(info.step, at_end) and self.stop.agreed(time_up):
+        saving = bool(self.every) and info.step % self.every == 0 and not at_end
+        # A periodic checkpoint is a collective anyway: the ranks agree there too.
+        agree = saving or self.stop.agrees_at(info.step, at_end)
+        if agree and self.stop.agreed(time_up):
             self.save(info.sums)
             return True
-        if self.every and info.step % self.every == 0 and info.step < self.steps_per_epoch:
+        if saving:
             self.save(info.sums)
         return False

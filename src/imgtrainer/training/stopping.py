@@ -60,7 +60,7 @@ class StopRequest:
             self.signum, self.received_at = signum, now
             log.warning(
                 f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
-                "step and stopping (send it again to exit at once)"
+                "step the processes agree on and stopping (send it again to exit at once)"
             )
         elif now - self.received_at > SAME_REQUEST_SECONDS:
             log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
