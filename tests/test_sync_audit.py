@@ -25,10 +25,12 @@ ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 CLASSES = ["cat", "dog", "fox"]
 LOG_INTERVAL = 4
 
-# Ops dispatched per batch by the device half of the data path and the step (test_resnet,
-# fp32, EMA on, SGD): measured 1,0xx at batch 4 and 32 alike (see the test); the figure
-# leaves room for small changes, not for per-sample work.
-OPS_PER_BATCH_LIMIT = 1_500
+# Ops dispatched (aten, main thread) per batch by the device half of the data path, the step and
+# its hooks (test_resnet, fused SGD, EMA, no augmentation policy, float32): measured 669 (RAM,
+# files) and 670 (GPU cache) at batch 4 and at batch 32 alike; float16 + GradScaler 709/710.
+# The limit leaves room for small changes, not for per-sample work (4 ops per sample at batch
+# 32 would add 128).
+OPS_PER_BATCH_LIMIT = 760
 
 
 def image_folders(root: Path, per_class: int) -> tuple[Path, Path]:
@@ -88,19 +90,14 @@ def test_no_sync_between_logging_steps(data, monkeypatch, source, precision):
     assert precision == "fp16" or result.logged[0][1]["train_loss"] > 0
 
 
-def test_the_launches_per_batch_do_not_grow_with_the_batch(more_data, monkeypatch):
-    small = audit(more_data, monkeypatch, "ram", batch=4).ops_per_plain_step()
-    large = audit(more_data, monkeypatch, "ram", batch=32).ops_per_plain_step()
+@pytest.mark.parametrize("source", ["ram", "gpu", "none"])
+def test_the_launches_per_batch_do_not_grow_with_the_batch(more_data, monkeypatch, source):
+    small = audit(more_data, monkeypatch, source, batch=4).ops_per_plain_step()
+    large = audit(more_data, monkeypatch, source, batch=32).ops_per_plain_step()
     assert len(small) >= 2 and len(large) >= 2
-    assert max(small) == min(small) and max(large) == min(large), (small, large)
-    assert small[0] == large[0], (small, large)
+    # the same count at every step and at both batch sizes
+    assert set(small) == set(large) == {small[0]}, (small, large)
     assert small[0] < OPS_PER_BATCH_LIMIT, small
-
-
-def test_gpu_cache_launches_per_batch_do_not_grow_with_the_batch(more_data, monkeypatch):
-    small = audit(more_data, monkeypatch, "gpu", batch=4).ops_per_plain_step()
-    large = audit(more_data, monkeypatch, "gpu", batch=32).ops_per_plain_step()
-    assert small[0] == large[0] < OPS_PER_BATCH_LIMIT, (small, large)
 
 
 # ----------------------------------------------------------------------------- the pieces

@@ -138,8 +138,10 @@ class ModelEma(Hook):
     def _weight_table(self, dtype: torch.dtype) -> torch.Tensor:
         """``1 - get_decay(n + 1)`` at index n, in ``dtype`` (what the lerp kernel makes of
         timm's Python float), until the decay reaches its cap or past the count's bound."""
+        # At once up to the cap where that is at most 2^18 entries (--ema_decay up to 0.9999),
+        # else doubled as the count grows: each new table is one host-to-device copy.
         length = 1024
-        while length <= self._bound and not self._capped(length):
+        while not self._capped(length) and (length <= self._bound or length < 2**18):
             length *= 2
         values = [1.0 - self._ema.get_decay(n + 1) for n in range(length)]
         return torch.tensor(values, dtype=dtype).to(self._count.device, non_blocking=True)
