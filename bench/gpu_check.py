@@ -109,6 +109,7 @@ class Context:
     data: dict[str, Path] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    outputs: Path | None = None  # where files to keep go (profiler traces): --output's folder
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -904,6 +905,90 @@ def all_checks() -> list[Check]:
         ],
         Check("jpeg_decode", check_jpeg_decode, measurement=True),
         Check("step_variants", check_step_variants, measurement=True, default=False),
+        *sync_checks(),
+    ]
+
+
+# ----------------------------------------------------------------------------- syncs, decode race
+
+SYNC_SOURCES = ("gpu", "ram", "none")
+
+
+def sync_audit_commands(ctx: Context, source: str) -> list[tuple[str, list[str], Path]]:
+    """bench/sync_audit.py's runs for one --cache_images source: float16 + EMA (with a
+    torch.profiler trace of its 10 steps in the output folder) and bfloat16 + EMA; each
+    (precision, command, its JSON summary)."""
+    traces = (ctx.outputs or ctx.work) / "gpu_check_traces"
+    runs = []
+    for precision in ("fp16", "bf16"):
+        summary = ctx.work / f"sync_audit_{source}_{precision}.json"
+        command = [sys.executable, str(ROOT / "bench" / "sync_audit.py"), "--source", source]
+        command += ["--precision", precision, "--output", str(summary)]
+        if precision == "fp16":
+            command += ["--trace", str(traces / f"steps_{source}_{precision}.json")]
+        runs.append((precision, command, summary))
+    return runs
+
+
+def sync_audit(source: str) -> Callable[[Context], dict]:
+    """No host-device synchronisation between logging steps over 10 steps of --cache_images
+    ``source``, by the dispatch-mode audit and torch.cuda.set_sync_debug_mode("warn")."""
+
+    def check(ctx: Context) -> dict[str, Any]:
+        figures: dict[str, Any] = {}
+        problems = []
+        for precision, command, summary in sync_audit_commands(ctx, source):
+            try:
+                done = subprocess.run(
+                    command, cwd=ROOT, capture_output=True, text=True,
+                    timeout=max(1.0, min(RUN_SECONDS, ctx.seconds_left())),
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                raise CheckFailed(f"{precision}: sync audit ran out of time", figures) from None
+            (ctx.work / f"sync_audit_{source}_{precision}.txt").write_text(
+                done.stdout + done.stderr
+            )
+            if not summary.exists():
+                raise CheckFailed(f"{precision}: exit {done.returncode}: {done.stderr[-300:]}")
+            result = json.loads(summary.read_text())
+            figures[f"{precision} ops/step"] = max(result["ops_per_plain_step"], default=0)
+            figures[f"{precision} syncs"] = sum(result["syncs_per_window"].values())
+            bad = result["unexpected_syncs"] + result["unexpected_cuda_warnings"]
+            if bad or done.returncode != 0:
+                problems.append(f"{precision}: {bad[:3] or done.stderr[-200:]}")
+        if problems:
+            raise CheckFailed("; ".join(problems), figures)
+        return figures
+
+    return check
+
+
+def decode_race_command() -> list[str]:
+    """The nvjpeg decode-race test (review C4): decoding while the previous step's work is
+    queued and its blocks freed."""
+    test = str(ROOT / "tests" / "test_jpeg_device.py")
+    return [sys.executable, "-m", "pytest", "-m", "cuda", test, "-q", "-p", "no:cacheprovider"]
+
+
+def check_decode_race(ctx: Context) -> dict[str, Any]:
+    try:
+        done = subprocess.run(
+            decode_race_command(), cwd=ROOT, capture_output=True, text=True,
+            timeout=max(1.0, min(RUN_SECONDS, ctx.seconds_left())),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise CheckFailed("pytest ran out of time") from None
+    (ctx.work / "decode_race.txt").write_text(done.stdout + done.stderr)
+    summary = (done.stdout.strip().splitlines() or [""])[-1].strip("= ")
+    if done.returncode != 0:
+        raise CheckFailed(f"pytest exit {done.returncode}: {summary}", {"summary": summary})
+    return {"summary": summary}
+
+
+def sync_checks() -> list[Check]:
+    return [
+        *[Check(f"sync_audit_cache_{source}", sync_audit(source)) for source in SYNC_SOURCES],
+        Check("decode_race", check_decode_race),
     ]
 
 
@@ -971,7 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        ctx = Context(work, gpus, name, deadline=started + args.seconds)
+        ctx = Context(work, gpus, name, deadline=started + args.seconds, outputs=args.output.parent)
         results = run_checks(
             checks,
             ctx,

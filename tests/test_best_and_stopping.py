@@ -286,7 +286,9 @@ def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(
     assert load_checkpoint_file(tmp_path / "checkpoints" / "checkpoint_latest.pth")["step"] == 1
     # Out of time after an epoch's last step: saved there, the epoch finished on resume.
     monkeypatch.setattr(
-        Trainer, "time_runs_out", lambda trainer, at_epoch_end: at_epoch_end and trainer.epoch == 0
+        Trainer,
+        "time_runs_out",
+        lambda trainer, at_epoch_end, *_: at_epoch_end and trainer.epoch == 0,
     )
     assert run_train([*flags, "--max_time", "1h", "--resume", "auto"], cwd=tmp_path) == 0
     assert "Stopped at epoch 1, step 2 (the --max_time budget 1h" in capsys.readouterr().out

@@ -353,3 +353,47 @@ def test_resume_with_another_decay_of_a_kept_average_is_refused():
     assert changed_settings(saved, TrainConfig(ema_decay=0.99).to_dict(), 1) == []
     before_ema = {"config": {k: v for k, v in saved["config"].items() if k != "ema_decay"}}
     assert changed_settings(before_ema, other, 1) == []  # written before the flag existed
+
+
+def bits(module: nn.Module) -> list[torch.Tensor]:
+    """Every state value as integers: equal bits, not just equal values (-0.0, NaN)."""
+    return [
+        v.view(torch.int64 if v.dtype == torch.int64 else torch.int32).clone()
+        for v in module.state_dict().values()
+    ]
+
+
+def test_device_update_matches_timm_bitwise_and_a_skip_changes_nothing():
+    """The update decided on the device (no host read of the skip flag) gives timm's numbers
+    bit for bit when steps are taken; a skipped step leaves every bit and the count as they
+    were. Past the first weight table (1,024 updates) too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ema = ModelEma(model, decay=0.9999)
+    reference = timm.utils.ModelEmaV3(model, decay=0.9999, use_warmup=True, warmup_power=0.75)
+    steps = [*range(1, 6), 1023, 1024, 1025, 3000]
+    for n in steps:
+        if n > 5:  # jump ahead: both count the same updates done
+            ema.updates, taken = n - 1, n
+        else:
+            taken = n
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model.train()
+        model(torch.randn(8, 4))
+        before = bits(ema.module)
+        ema.on_step_end(StepInfo(n, n, SUMS, _skipped=torch.tensor(True)))
+        assert all(torch.equal(a, b) for a, b in zip(before, bits(ema.module), strict=True))
+        assert ema.updates == taken - 1
+        ema.on_step_end(StepInfo(n, n, SUMS, _skipped=torch.tensor(False)))
+        if n > 5:
+            reference.module.load_state_dict(
+                {k: v.view(t.dtype) for (k, t), v in
+                 zip(ema.module.state_dict().items(), before, strict=True)}
+            )  # fmt: skip
+        reference.update(model, step=taken)
+        assert ema.updates == taken
+        assert all(
+            torch.equal(a, b) for a, b in zip(bits(reference.module), bits(ema.module), strict=True)
+        ), n

@@ -33,7 +33,8 @@ class StepInfo:
     @property
     def taken(self) -> bool:
         """False when the GradScaler skipped the step (float16 overflow). Reading it waits for
-        the device, so only hooks that care (EMA) should."""
+        the device (a host synchronisation every step): a hook should use ``_skipped`` on the
+        device instead, as the EMA does."""
         return self._skipped is None or not bool(self._skipped.item())
 
 
@@ -52,7 +53,8 @@ class Hook:
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
         """Every ``log_interval`` steps, with train_loss, train_acc, lr, images_per_sec and
-        data_wait_share as Python floats (one host synchronisation for all hooks)."""
+        data_wait_share as Python floats. They are that step's, but reported one logging step
+        later (or at the epoch's end): the loop copies them from the device without waiting."""
 
     def on_epoch_end(self, epoch: int, record: dict[str, Any]) -> None:
         """After an epoch's evaluation and checkpoint: the epoch number (1-based) and its

@@ -26,12 +26,15 @@ class PositionKeeper(Hook):
 class CheckpointAndStop(Hook):
     """The agreed stop on a signal or the --max_time budget (with a checkpoint), and the
     periodic checkpoint of --save_every_steps. Every rank runs it: both are collectives; only
-    the main process writes."""
+    the main process writes. Under torch.distributed the ranks agree on a stop only every few
+    steps (``StopRequest.agrees_at``) and at each periodic checkpoint, so --max_time looks that
+    far ahead."""
 
     def __init__(
         self,
         stop: Any,  # training.stopping.StopRequest
-        time_up: Callable[[bool], bool],  # a step ended (at the epoch's end?): out of time?
+        # a step ended (at the epoch's end?, steps to the next agreement): out of time?
+        time_up: Callable[[bool, int], bool],
         save: Callable[[torch.Tensor], None],  # the checkpoint, given this rank's sums
         steps_per_epoch: int,
         every: int,  # --save_every_steps; 0: only at the epochs' ends
@@ -40,9 +43,15 @@ class CheckpointAndStop(Hook):
         self.steps_per_epoch, self.every = steps_per_epoch, every
 
     def on_step_end(self, info: StepInfo) -> bool:
-        if self.stop.agreed(self.time_up(info.step == self.steps_per_epoch)):
+        at_end = info.step == self.steps_per_epoch
+        ahead = self.stop.steps_to_next_agreement(info.step, self.steps_per_epoch)
+        time_up = self.time_up(at_end, ahead)  # every step: it times the steps
+        saving = bool(self.every) and info.step % self.every == 0 and not at_end
+        # A periodic checkpoint is a collective anyway: the ranks agree there too.
+        agree = saving or self.stop.agrees_at(info.step, at_end)
+        if agree and self.stop.agreed(time_up):
             self.save(info.sums)
             return True
-        if self.every and info.step % self.every == 0 and info.step < self.steps_per_epoch:
+        if saving:
             self.save(info.sums)
         return False

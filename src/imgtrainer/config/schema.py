@@ -275,7 +275,8 @@ class TrainConfig:
     log_dir: str = _logging("logs").help("where training_history.json and per-rank logs go")
     log_interval: int = _logging(20, POSITIVE).help(
         "steps between progress-bar metric updates, or plain lines where the console is not a "
-        "terminal (each one syncs)"
+        "terminal; their metrics are copied from the GPU without waiting and shown at the next "
+        "one (or the epoch's end), so the console lags one interval; the epoch's line is exact"
     )
     resume: str | None = _logging(None).help(
         "continue from this checkpoint, or 'auto': the newest one in --checkpoint_dir if any, else "

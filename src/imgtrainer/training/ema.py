@@ -52,13 +52,28 @@ class ModelEma(Hook):
     def __init__(self, model: nn.Module | None, decay: float = 0.999):
         self.source = model  # the plain (unwrapped) model whose weights are averaged
         self.decay = decay
-        self.updates = 0  # updates done: the warm-up's position
         self._ema: ModelEmaV3 | None = None
+        # Updates done (the warm-up's position), on the device; ``updates`` reads it.
+        self._count = torch.zeros((), dtype=torch.int64)
+        self._bound = 0  # known on the host: the count is at most this
+        self._tables: dict[torch.dtype, torch.Tensor] = {}
         if model is not None:
             # A copy of the model as it is now (device, dtype, memory layout); its weights are
             # replaced by the first update.
             self._ema = ModelEmaV3(model, decay=decay, use_warmup=True, warmup_power=WARMUP_POWER)
             self._ema.module.requires_grad_(False)  # never trained: no autograd bookkeeping
+            device = next(iter(self._ema.module.state_dict().values()), self._count).device
+            self._count = self._count.to(device)
+
+    @property
+    def updates(self) -> int:
+        """Updates done: the warm-up's position (reading it waits for the device)."""
+        return int(self._count.item())
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self._count.fill_(value)
+        self._bound = value
 
     @property
     def enabled(self) -> bool:
@@ -72,17 +87,69 @@ class ModelEma(Hook):
         return self._ema.module
 
     @torch.no_grad()
-    def update(self) -> None:
-        """One more step into the average (after an optimizer step that was taken)."""
-        self.updates += 1
-        # timm's decay of this update (``get_decay``): ``ema_decay(self.updates, self.decay)``.
-        self._ema.update(self.source, step=self.updates)
+    def update(self, skipped: torch.Tensor | None = None) -> None:
+        """One more step into the average, unless the device flag ``skipped`` is set (the
+        GradScaler skipped the optimizer step): decided on the device, never read here (no
+        host synchronisation). The update count lives in a device tensor; each update's weight
+        ``1 - decay(n)`` comes from a device table of the Python numbers timm computes; a
+        skipped step lerps with weight 0 (every value unchanged, up to the sign of an exact
+        zero) and copies no integer buffer, and does not advance the count."""
+        ema_values, model_values, counters = [], [], []
+        for ema_v, model_v in zip(
+            self._ema.module.state_dict().values(), self.source.state_dict().values(), strict=True
+        ):
+            if ema_v.is_floating_point():
+                ema_values.append(ema_v)
+                model_values.append(model_v)
+            else:
+                counters.append((ema_v, model_v))
+        taken = None if skipped is None else ~skipped.to(self._count.device)
+        # timm's weight of this update, ``1 - get_decay(count + 1)``, for each dtype; 0 if skipped.
+        weights = {dtype: self._weight(dtype, taken) for dtype in {v.dtype for v in ema_values}}
+        if ema_values:
+            # Weights as tensors (the List overload): a 0-d tensor passed as timm's Scalar
+            # weight would be read on the host.
+            torch._foreach_lerp_(ema_values, model_values, [weights[v.dtype] for v in ema_values])
+        if counters:  # integer buffers (BatchNorm's batch counter): copied when taken
+            ema_ints, model_ints = (list(c) for c in zip(*counters, strict=True))
+            if taken is None:
+                torch._foreach_copy_(ema_ints, model_ints)
+            else:
+                change = torch._foreach_sub(model_ints, ema_ints)
+                torch._foreach_mul_(change, taken.long())
+                torch._foreach_add_(ema_ints, change)
+        self._count += 1 if taken is None else taken.long()
+        self._bound += 1
+
+    def _weight(self, dtype: torch.dtype, taken: torch.Tensor | None) -> torch.Tensor:
+        """This update's weight, a 0-d ``dtype`` tensor on the device: the table's entry at the
+        count (its last entry once the decay reached its cap), times ``taken``."""
+        table = self._tables.get(dtype)
+        if table is None or (len(table) <= self._bound and not self._capped(len(table))):
+            table = self._tables[dtype] = self._weight_table(dtype)
+        index = self._count.clamp(max=len(table) - 1).view(1)
+        weight = table.index_select(0, index).view(())
+        return weight if taken is None else weight * taken
+
+    def _capped(self, length: int) -> bool:
+        """Whether the decay of update ``length`` (and every later one) is the cap."""
+        return self._ema.get_decay(length) == self.decay
+
+    def _weight_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """``1 - get_decay(n + 1)`` at index n, in ``dtype`` (what the lerp kernel makes of
+        timm's Python float), until the decay reaches its cap or past the count's bound."""
+        # At once up to the cap where that is at most 2^18 entries (--ema_decay up to 0.9999),
+        # else doubled as the count grows: each new table is one host-to-device copy.
+        length = 1024
+        while not self._capped(length) and (length <= self._bound or length < 2**18):
+            length *= 2
+        values = [1.0 - self._ema.get_decay(n + 1) for n in range(length)]
+        return torch.tensor(values, dtype=dtype).to(self._count.device, non_blocking=True)
 
     def on_step_end(self, info: Any) -> bool:
-        """Update when the step was taken (reading ``info.taken`` waits
-        for the device only under float16 loss scaling)."""
-        if self._ema is not None and info.taken:
-            self.update()
+        """Update, on the device, unless the GradScaler skipped the step (no host wait)."""
+        if self._ema is not None:
+            self.update(info._skipped)
         return False
 
     # -- checkpoints ----------------------------------------------------------------------

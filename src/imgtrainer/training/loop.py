@@ -15,6 +15,7 @@ from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.hooks import Hook, Hooks, StepInfo
 from imgtrainer.torch_compat import check_ddp_internals
+from imgtrainer.training.host_copy import HostCopy
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.step import (
     CORRECT,
@@ -40,9 +41,12 @@ class ProgressBar(Hook):
         self.terminal = console_is_terminal() if terminal is None else terminal
         self.bar: tqdm | None = None
         self.done, self.total = 0, 0
+        self.step_offset: int | None = None  # epoch step - global step, where known
 
-    def wrap(self, loader, start_step: int) -> Iterable:
+    def wrap(self, loader, start_step: int, first_global_step: int | None = None) -> Iterable:
         self.done, self.total = start_step, start_step + len(loader)
+        if first_global_step is not None:
+            self.step_offset = start_step - first_global_step
         if not self.terminal:
             return self._counted(loader)
         self.bar = tqdm(
@@ -71,8 +75,11 @@ class ProgressBar(Hook):
                 lr=f"{metrics['lr']:.2e}",
             )
         elif not self.terminal:
+            # The metrics are those of that step (one logging step late): name it, not the
+            # step the loop is at.
+            step = self.done if self.step_offset is None else global_step + self.step_offset
             log.info(
-                f"{self.description} step {self.done}/{self.total}  "
+                f"{self.description} step {step}/{self.total}  "
                 f"loss {metrics['train_loss']:.4f}  acc {metrics['train_acc']:.4f}  "
                 f"lr {metrics['lr']:.2e}  {metrics['images_per_sec']:.0f} img/s"
             )
@@ -84,9 +91,9 @@ class ProgressBar(Hook):
 
 class LogWindow:
     """Host clocks over the steps since the last logging step: images per second (all ranks)
-    and the share of the wall time spent waiting for the next batch. Reading the metrics at a
-    logging step synchronises with the device, so each window's wall time is the real one; no
-    other synchronisation is added."""
+    and the share of the wall time spent waiting for the next batch. The metrics are read one
+    logging step late (``HostCopy``), so the host may run up to one window ahead of the device;
+    over many windows the rates are the device's."""
 
     def __init__(self):
         self.started = time.perf_counter()
@@ -113,6 +120,35 @@ class LogWindow:
         }
         self.started, self.waited, self.images = now, 0.0, 0
         return figures
+
+
+class LaggedLog:
+    """The logging step's metrics, one logging step late: at each logging step the running
+    sums are copied to the host without waiting, and the previous logging step's copy is
+    reported, with the step, learning rate and clocks of that step. ``flush`` at the epoch's
+    end reports the last one (the epoch's end synchronises anyway)."""
+
+    def __init__(self, sums: torch.Tensor, hooks: Hooks):
+        self.copy, self.hooks = HostCopy(sums), hooks
+        self.pending: tuple[int, dict[str, float]] | None = None
+
+    def log_step(self, global_step: int, sums: torch.Tensor, host_figures: dict) -> None:
+        self.flush()
+        self.copy.start(sums)
+        self.pending = (global_step, host_figures)
+
+    def flush(self) -> None:
+        values = self.copy.read()
+        if values is None or self.pending is None:
+            return
+        (global_step, figures), self.pending = self.pending, None
+        count = values[COUNT]
+        metrics = {
+            "train_loss": values[LOSS] / count,
+            "train_acc": values[CORRECT] / count,
+            **figures,
+        }
+        self.hooks.call("on_log_step", global_step, metrics)
 
 
 @dataclass
@@ -153,13 +189,15 @@ def train_one_epoch(
     sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
     progress = progress or ProgressBar(enabled=False)
     hooks = Hooks([progress, *hooks])
-    # Only hooks that want the logging step make it read the metrics (a host synchronisation).
+    # Only hooks that want the logging step make it copy the metrics to the host; they see
+    # each logging step's metrics at the next one (or the epoch's end): no host wait per step.
     log_hooks = hooks.implementing("on_log_step")
+    lagged = LaggedLog(sums, log_hooks) if log_hooks else None
     nonfinite = epoch.nonfinite
     steps_per_epoch = start_step + len(loader)
     step = start_step
     window = LogWindow()
-    for images, targets in window.timed(progress.wrap(loader, start_step)):
+    for images, targets in window.timed(progress.wrap(loader, start_step, first_global_step)):
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
             images, targets = mixer(images, targets, step)
         step_sums, skipped = train_step(state, images, targets)
@@ -170,19 +208,15 @@ def train_one_epoch(
         global_step = first_global_step + step - start_step
         if nonfinite is not None:
             nonfinite.update(step_sums[LOSS], global_step)
-            if step % epoch.log_interval == 0:  # where the main process reads the sums anyway
-                nonfinite.check(steps_per_epoch)
-        if log_hooks and step % epoch.log_interval == 0:
-            count = sums[COUNT].item()
-            metrics = {
-                "train_loss": sums[LOSS].item() / count,
-                "train_acc": sums[CORRECT].item() / count,
-                "lr": state.optimizer.param_groups[0]["lr"],
-                **window.read(),
-            }
-            log_hooks.call("on_log_step", global_step, metrics)
+            if step % epoch.log_interval == 0:  # read one logging step late
+                nonfinite.check(steps_per_epoch, lagged=True)
+        if lagged is not None and step % epoch.log_interval == 0:
+            lr = state.optimizer.param_groups[0]["lr"]
+            lagged.log_step(global_step, sums, {"lr": lr, **window.read()})
         if any(hooks.call("on_step_end", StepInfo(step, global_step, sums, skipped))):
             break
+    if lagged is not None:
+        lagged.flush()
     progress.close()
     if nonfinite is not None:
         nonfinite.check(steps_per_epoch)

@@ -121,6 +121,21 @@ class BufferSnapshot:
     def __init__(self, model: nn.Module):
         self.pairs = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
 
+    def take(self, model: nn.Module) -> BufferSnapshot:
+        """Snapshot ``model``'s buffers again into the same copies (no allocation: one
+        ``_foreach_copy_``), or into new ones if its buffers changed."""
+        buffers = list(model.buffers())
+        same = len(buffers) == len(self.pairs) and all(
+            b is old and b.shape == saved.shape and b.dtype == saved.dtype
+            for b, (old, saved) in zip(buffers, self.pairs, strict=True)
+        )
+        if not same:
+            self.__init__(model)
+        elif buffers:
+            with torch.no_grad():
+                torch._foreach_copy_([saved for _, saved in self.pairs], buffers)
+        return self
+
     def restore(self) -> None:
         with torch.no_grad():
             for buffer, saved in self.pairs:

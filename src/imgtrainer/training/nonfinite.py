@@ -1,7 +1,8 @@
 """Stopping a run whose loss is no longer finite, before it saves non-finite weights.
 
-Consecutive non-finite losses are counted on the device; the host reads the count where the
-loop already synchronises and before every checkpoint, and all ranks agree on it. A step the
+Consecutive non-finite losses are counted on the device; the host reads the count at the
+logging steps (one logging step late, copied without waiting), at the epoch's end and before
+every checkpoint, and all ranks agree on it. A step the
 float16 GradScaler skips has a finite loss and does not count. Checkpoints are also refused
 when the weights themselves are not finite.
 """
@@ -13,6 +14,7 @@ import torch
 from imgtrainer.checkpoints.writer import CAUSES
 from imgtrainer.distributed.collectives import all_reduce, host_group
 from imgtrainer.errors import RunFailed
+from imgtrainer.training.host_copy import HostCopy
 
 # Consecutive optimizer steps with a non-finite loss that stop the run: one such step (a float16
 # overflow the GradScaler then skips) can pass; weights that became NaN make every later loss NaN.
@@ -27,6 +29,7 @@ class NonFiniteLoss:
         self.steps, self.distributed = steps, distributed
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+        self._late: HostCopy | None = None  # first_bad, copied for the lagged checks
 
     def update(self, loss_sum: torch.Tensor, global_step: int) -> None:
         """After optimizer step ``global_step`` (1-based) with this loss (any scale): device
@@ -36,10 +39,18 @@ class NonFiniteLoss:
         tripped = (self.streak == self.steps) & (self.first_bad < 0)
         self.first_bad.copy_(torch.where(tripped, global_step - self.steps + 1, self.first_bad))
 
-    def check(self, steps_per_epoch: int) -> None:
+    def check(self, steps_per_epoch: int, lagged: bool = False) -> None:
         """Every rank must call this at the same points: it reads the device and, under
-        torch.distributed, agrees over the host group."""
-        first = int(self.first_bad.item())
+        torch.distributed, agrees over the host group. ``lagged``: read the value copied at
+        the previous lagged check (none yet: nothing found) and start copying this one, so
+        the host does not wait for the device."""
+        if lagged:
+            self._late = self._late or HostCopy(self.first_bad)
+            previous = self._late.read()
+            self._late.start(self.first_bad)
+            first = -1 if previous is None else int(previous)
+        else:
+            first = int(self.first_bad.item())
         rank = torch.distributed.get_rank() if self.distributed else 0
         if self.distributed:
             world = torch.distributed.get_world_size()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ class RunParts:
     device: torch.device
     clip_grad_norm: float = 0.0  # max total gradient norm per optimizer step; 0: off
     plain_model: nn.Module | None = None  # the same weights unwrapped (what checkpoints save)
+    # With ``plan.retry_on_oom``: the copies of the buffers each step snapshots into.
+    buffer_snapshot: BufferSnapshot | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.plain_model is None:
@@ -62,7 +64,7 @@ def train_step(
     from its start with half the micro-batch: no sample is skipped or counted twice.
     """
     model, plan, scaler = state.model, state.plan, state.scaler
-    snapshot = BufferSnapshot(model) if plan.retry_on_oom else None
+    snapshot = _buffer_snapshot(state) if plan.retry_on_oom else None
     while True:
         state.optimizer.zero_grad(set_to_none=True)
         step_sums = accumulate_gradients(state, images, targets)
@@ -93,6 +95,15 @@ def train_step(
         None if scale_before is None else torch_compat.grad_scale_on_device(scaler) < scale_before
     )
     return step_sums, skipped
+
+
+def _buffer_snapshot(state: RunParts) -> BufferSnapshot:
+    """The step's copy of the model's buffers, taken into the copies the previous step made
+    (no allocation per step)."""
+    if state.buffer_snapshot is None:
+        state.buffer_snapshot = BufferSnapshot(state.model)
+        return state.buffer_snapshot
+    return state.buffer_snapshot.take(state.model)
 
 
 def clip_gradients(state: RunParts) -> None:

@@ -2,8 +2,9 @@
 ``--signal`` warning before a time limit), or when the --max_time budget runs out, at a step
 that every rank agrees on.
 
-A signal (or a ``TimeBudget`` that runs out) sets a flag; after each step all ranks agree on it
-with a one-number all-reduce (MAX), save a checkpoint together and leave the loop. A second
+A signal (or a ``TimeBudget`` that runs out) sets a flag; all ranks agree on it with a
+one-number all-reduce (MAX) every ``AGREE_EVERY`` steps and after an epoch's last step (one
+process, with no collective, after every step), save a checkpoint together and leave the loop. A second
 signal, later than one Ctrl-C's burst, exits at once.
 """
 
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 SAME_REQUEST_SECONDS = 2.0
 
 
+# Under torch.distributed, the steps between two agreements on a stop: a host collective every
+# step holds the ranks' main threads in lockstep; a stop comes at most this many steps later.
+AGREE_EVERY = 10
+
+
 # The values of the agreed flag: the highest any rank raised wins.
 NO_STOP, TIME_STOP, SIGNAL_STOP = 0, 1, 2
 
@@ -54,7 +60,7 @@ class StopRequest:
             self.signum, self.received_at = signum, now
             log.warning(
                 f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
-                "step and stopping (send it again to exit at once)"
+                "step the processes agree on and stopping (send it again to exit at once)"
             )
         elif now - self.received_at > SAME_REQUEST_SECONDS:
             log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
@@ -69,6 +75,16 @@ class StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def agrees_at(self, step: int, at_epoch_end: bool) -> bool:
+        """Whether the ranks agree after this step of the epoch (the same steps on every rank)."""
+        return not self.distributed or at_epoch_end or step % AGREE_EVERY == 0
+
+    def steps_to_next_agreement(self, step: int, steps_per_epoch: int) -> int:
+        """The steps from after ``step`` until the next agreement, its step included."""
+        if not self.distributed:
+            return 1
+        return min(AGREE_EVERY - step % AGREE_EVERY, max(steps_per_epoch - step, 1))
 
     def agreed(self, time_up: bool = False) -> bool:
         """True on every rank once any rank was signalled or found its ``time_up``. Every rank

@@ -102,14 +102,16 @@ def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerCont
     return trackers
 
 
-def runs_out(budget: TimeBudget, at_epoch_end: bool, validation_batches: int | None) -> bool:
+def runs_out(
+    budget: TimeBudget, at_epoch_end: bool, validation_batches: int | None, steps_ahead: int = 1
+) -> bool:
     """--max_time: whether the work up to the next point to stop at, and a checkpoint, no longer
     fit: after an epoch's last step its validation (of ``validation_batches``; None: the epoch
-    is not validated), else the next step."""
+    is not validated), else the next ``steps_ahead`` steps (to the ranks' next agreement)."""
     if not budget.enabled:
         return False
     if not at_epoch_end:
-        return budget.runs_out(budget.step_estimate())
+        return budget.runs_out(budget.step_estimate() * steps_ahead)
     validating = validation_batches is not None
     validation = budget.validation_estimate(validation_batches) if validating else 0.0
     return budget.runs_out(validation)
@@ -318,13 +320,16 @@ class Trainer:
         """Early stopping ended the run before its last epoch."""
         return self.best.should_stop and self.epoch < self.cfg.epochs
 
-    def step_done(self, at_epoch_end: bool) -> bool:
-        """A step ended: it counts for --max_time; whether the budget runs out now."""
+    def step_done(self, at_epoch_end: bool, steps_ahead: int = 1) -> bool:
+        """A step ended: it counts for --max_time; whether the budget runs out now, before the
+        ranks' next agreement ``steps_ahead`` steps on."""
         self.budget.step_done()
-        return self.time_runs_out(at_epoch_end)
+        return self.time_runs_out(at_epoch_end, steps_ahead)
 
-    def time_runs_out(self, at_epoch_end: bool) -> bool:
+    def time_runs_out(self, at_epoch_end: bool, steps_ahead: int = 1) -> bool:
         """--max_time: whether the work up to the next point to stop at, and a checkpoint, no
-        longer fit: after an epoch's last step its validation, else the next step."""
+        longer fit: after an epoch's last step its validation, else the next ``steps_ahead``
+        steps."""
         validation = at_epoch_end and validated(self.cfg, self.epoch + 1)
-        return runs_out(self.budget, at_epoch_end, len(self.val_loader) if validation else None)
+        batches = len(self.val_loader) if validation else None
+        return runs_out(self.budget, at_epoch_end, batches, steps_ahead)
