@@ -58,14 +58,10 @@ def gpu_cache_on_the_cpu(monkeypatch) -> None:
         loaders, "choose_source", lambda cache, device: Source.GPU if cache == "gpu" else (
             Source.RAM if cache == "ram" else Source.FILES)
     )  # fmt: skip
-    cache_decoded = loaders.cache_decoded
-
-    def packed(*args, **kwargs):
-        train, val = cache_decoded(*args, **kwargs)
-        train.pack()  # as on CUDA: one padded canvas
-        return train, val
-
-    monkeypatch.setattr(loaders, "cache_decoded", packed)
+    # The canvas fits: build_datasets packs it on the (CPU) device, as on CUDA.
+    monkeypatch.setattr(
+        loaders, "settle_device_cache", lambda cfg, folders, budget, why: ("gpu", why)
+    )
 
 
 def audit(data, monkeypatch, source: str, batch: int, precision: str = "fp32"):
