@@ -346,7 +346,9 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
         *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", "last_call_timeout=8"),
     ]
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
-    env = recording_env(workdir)
+    # Held 20 s after each step at world size 2, so the kill lands after the mid-epoch
+    # checkpoint and before the epoch's end whatever the machine's speed (an epoch is 2 steps).
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2")
     first = start_launcher(flags, workdir, env=env)
     time.sleep(1)  # the first agent hosts the rendezvous store; both join the first round
     second = start_launcher(flags, workdir, env=env, stdout=subprocess.DEVNULL)
