@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,9 @@ class StepInfo:
     global_step: int  # since the start of the run
     sums: torch.Tensor  # this rank's running [loss_sum, correct, count] of the epoch
     _skipped: torch.Tensor | None = None  # on the device: the GradScaler skipped the step
+    # Reports the logging step still pending (``on_log_step`` is one logging step late): a
+    # checkpoint calls it first, so a crash after it loses no logged step it covers.
+    flush_logs: Callable[[], None] = lambda: None
 
     @property
     def taken(self) -> bool:

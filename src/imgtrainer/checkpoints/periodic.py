@@ -50,8 +50,10 @@ class CheckpointAndStop(Hook):
         # A periodic checkpoint is a collective anyway: the ranks agree there too.
         agree = saving or self.stop.agrees_at(info.step, at_end)
         if agree and self.stop.agreed(time_up):
+            info.flush_logs()
             self.save(info.sums)
             return True
         if saving:
+            info.flush_logs()
             self.save(info.sums)
         return False

@@ -26,7 +26,7 @@ SUBDIR = "tensorboard"
 
 
 # The background writer flushes at least this often, so a run killed without warning loses at
-# most these seconds of curves (epoch ends, checkpoints and close() flush at once).
+# most these seconds of curves (logging steps, epoch ends and close() flush at once).
 FLUSH_SECS = 10
 
 

@@ -213,7 +213,10 @@ def train_one_epoch(
         if lagged is not None and step % epoch.log_interval == 0:
             lr = state.optimizer.param_groups[0]["lr"]
             lagged.log_step(global_step, sums, {"lr": lr, **window.read()})
-        if any(hooks.call("on_step_end", StepInfo(step, global_step, sums, skipped))):
+        info = StepInfo(step, global_step, sums, skipped)
+        if lagged is not None:
+            info.flush_logs = lagged.flush
+        if any(hooks.call("on_step_end", info)):
             break
     if lagged is not None:
         lagged.flush()

@@ -42,6 +42,9 @@ class Tracker(TrackerHook):
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
         series = {name: metrics[key] for name, key in STEP_SERIES.items()}
         self.logger.add_step_metrics(global_step, series)
+        # On disk now (a file flush per logging step): the loop reports a step one logging step
+        # late, or just before a checkpoint, so a crash after that checkpoint keeps its steps.
+        self.logger.flush()
 
     def on_epoch_end(self, epoch: int, record: dict[str, Any]) -> None:
         # At the global step where the epoch ended: one step axis for every series.
