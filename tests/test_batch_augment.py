@@ -80,6 +80,14 @@ def test_crop_boxes_follow_torchvisions_distribution_and_fallback():
         assert crop_box(*shape, torch.rand(22).tolist(), (0.9, 1.0), ratio) == tuple(expected)
 
 
+def interpolated_crop(image: torch.Tensor, row: torch.Tensor, size: int) -> torch.Tensor:
+    """The reference of one sample: its crop box (``row``) resized by torch's antialiased
+    bilinear interpolate, unflipped, as float32 (3, size, size)."""
+    top, left, h, w = crop_of(row).tolist()
+    crop = image[None, :, top : top + h, left : left + w].float()
+    return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)[0]
+
+
 def test_batched_resample_is_the_per_image_antialiased_resize():
     """Downscales and upscales of natural-like pictures of different sizes, on one padded
     canvas, against interpolate(crop, bilinear, antialias=True) of each crop alone: mean abs
@@ -100,15 +108,7 @@ def test_batched_resample_is_the_per_image_antialiased_resize():
         assert pixels.shape == (3, 3, 90, 70)  # the largest height and width
         batch = BatchAugment(size).resample(pixels, params)
         for n, image in enumerate(images):
-            top, left, h, w = crop_of(params[n]).tolist()
-            reference = F.interpolate(
-                image[None, :, top : top + h, left : left + w].float(),
-                size=(size, size),
-                mode="bilinear",
-                antialias=True,
-                align_corners=False,
-            )[0]
-            errors.append((batch[n] - reference).abs())
+            errors.append((batch[n] - interpolated_crop(image, params[n], size)).abs())
     errors = torch.stack(errors)
     print(f"mean abs error {errors.mean():.2e}, max {errors.max():.2e}")
     assert errors.mean() < 1e-4 and errors.max() < 1e-3, (errors.mean(), errors.max())
@@ -133,13 +133,7 @@ def test_the_banded_matrix_resample_is_the_gathered_one_within_float_rounding(mo
         assert (ours - gathered.resample(pixels, params)).abs().max() < 1e-4
         assert (banded(pixels, params) - gathered(pixels, params)).abs().max() < 1e-5
         for n, image in enumerate(images):
-            top, left, h, w = crop_of(params[n]).tolist()
-            reference = F.interpolate(
-                image[None, :, top : top + h, left : left + w].float(),
-                size=(size, size),
-                mode="bilinear",
-                antialias=True,
-            )[0]
+            reference = interpolated_crop(image, params[n], size)
             if params[n, FLIP]:
                 reference = reference.flip(-1)
             assert (ours[n] - reference).abs().max() < 1e-3

@@ -314,11 +314,17 @@ def test_resume_auto_without_checkpoint_starts_fresh(tiny_dataset, tmp_path: Pat
     assert latest(tmp_path)["epoch"] == 1
 
 
-def test_resume_on_other_classes_is_one_clear_error_in_process(trained_run, tmp_path: Path, capsys):
-    """The trainer's line, which the launcher passes on (the slow test below)."""
+def run_and_other_classes(trained_run, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the trained run, and train/val folders of two classes it has never seen."""
     workdir = trained_run.copy_to(tmp_path)
     other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
     other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
+    return workdir, other_train, other_val
+
+
+def test_resume_on_other_classes_is_one_clear_error_in_process(trained_run, tmp_path: Path, capsys):
+    """The trainer's line, which the launcher passes on (the slow test below)."""
+    workdir, other_train, other_val = run_and_other_classes(trained_run, tmp_path)
     line = user_error_line(
         train_ddp.main,
         ["--device", "cpu", *tiny_run_flags(other_train, other_val), "--resume", "auto"],
@@ -330,9 +336,7 @@ def test_resume_on_other_classes_is_one_clear_error_in_process(trained_run, tmp_
 
 @pytest.mark.slow
 def test_resume_on_other_classes_is_one_clear_error(trained_run, tmp_path: Path, capsys):
-    workdir = trained_run.copy_to(tmp_path)
-    other_train = write_image_folder(tmp_path / "other" / "train", ["ant", "bee"], 8)
-    other_val = write_image_folder(tmp_path / "other" / "val", ["ant", "bee"], 2)
+    workdir, other_train, other_val = run_and_other_classes(trained_run, tmp_path)
     line = user_error_line(
         launch_ddp.main,
         [

@@ -49,11 +49,8 @@ class CheckpointAndStop(Hook):
         saving = bool(self.every) and info.step % self.every == 0 and not at_end
         # A periodic checkpoint is a collective anyway: the ranks agree there too.
         agree = saving or self.stop.agrees_at(info.step, at_end)
-        if agree and self.stop.agreed(time_up):
+        stop = agree and self.stop.agreed(time_up)
+        if stop or saving:
             info.flush_logs()
             self.save(info.sums)
-            return True
-        if saving:
-            info.flush_logs()
-            self.save(info.sums)
-        return False
+        return stop

@@ -27,7 +27,7 @@ from imgtrainer.config.schema import (
     TrainConfig,
     tracker_names,
 )
-from imgtrainer.errors import UserError
+from imgtrainer.errors import UserError, message_line
 from imgtrainer.process import TorchrunEnv
 
 # ----------------------------------------------------------------------------- parsers
@@ -182,7 +182,7 @@ def read_run_file(path: Path) -> dict[str, Any]:
         data = yaml.load(path.read_text(), _run_file_loader()) if path.is_file() else None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise UserError(
-            f"--config {path}: not a readable YAML file ({str(err).splitlines()[0]})"
+            f"--config {path}: not a readable YAML file ({message_line(str(err))})"
         ) from None
     if not path.is_file():
         raise UserError(f"--config {path}: no such file")
@@ -281,7 +281,7 @@ def parse_config(argv: Sequence[str] | None = None, env: TorchrunEnv | None = No
         values["overwrite"] = False
     cfg = TrainConfig(**values)
     validate(cfg)
-    return with_global_batch_layout(cfg, set(explicit), env or TorchrunEnv())
+    return with_global_batch_layout(cfg, set(explicit), env or TorchrunEnv.read())
 
 
 # The launcher hands its resolved flags to the workers here (JSON), so the configuration a run

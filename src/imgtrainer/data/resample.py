@@ -80,14 +80,11 @@ def banded_resample(
     large canvases (JPEG crops of 1,000 px and more) then need no multi-GB transient copy."""
     n, _, height, width = pixels.shape
     step = max(1, CHUNK_BYTES // (3 * height * width * 4))
-    if n <= step:
-        return banded_chunk(pixels, params, size, taps, scale, shift)
-    chunks = range(0, n, step)
     parts = [
         banded_chunk(pixels[i : i + step], params[i : i + step], size, taps, scale, shift)
-        for i in chunks
+        for i in range(0, n, step)
     ]
-    return torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def banded_chunk(

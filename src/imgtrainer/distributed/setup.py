@@ -25,10 +25,7 @@ class DistInfo:
     device: torch.device
     restart_count: int = 0  # torchrun's restarts so far (TorchrunEnv)
 
-    @property
-    def first_attempt(self) -> bool:
-        """False in workers that torchrun restarted: they continue their own run."""
-        return self.restart_count == 0
+    first_attempt = TorchrunEnv.first_attempt  # from restart_count, as there
 
     @property
     def is_main(self) -> bool:

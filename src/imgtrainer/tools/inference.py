@@ -23,6 +23,7 @@ from imgtrainer.data.transforms import (
     IMAGENET_STD,
     eval_transforms,
 )
+from imgtrainer.errors import message_line
 from imgtrainer.models import build_model, strip_wrapper_prefixes
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.precision import Precision, precision_rule
@@ -120,7 +121,7 @@ def load_classifier(
     except RuntimeError as err:
         raise CheckpointError(
             f"the weights in {path} do not fit {state['model_name']} with "
-            f"{len(class_names)} classes ({str(err).splitlines()[0]})"
+            f"{len(class_names)} classes ({message_line(str(err))})"
         ) from None
     image_size = int(state["image_size"])
     config = state.get("config") or {}

@@ -53,6 +53,7 @@ class ModelEma(Hook):
         self.source = model  # the plain (unwrapped) model whose weights are averaged
         self.decay = decay
         self._ema: ModelEmaV3 | None = None
+        self._state: tuple[list, list, list] | None = None  # ``_paired_state``, made once
         # Updates done (the warm-up's position), on the device; ``updates`` reads it.
         self._count = torch.zeros((), dtype=torch.int64)
         self._bound = 0  # known on the host: the count is at most this
@@ -94,15 +95,9 @@ class ModelEma(Hook):
         ``1 - decay(n)`` comes from a device table of the Python numbers timm computes; a
         skipped step lerps with weight 0 (every value unchanged, up to the sign of an exact
         zero) and copies no integer buffer, and does not advance the count."""
-        ema_values, model_values, counters = [], [], []
-        for ema_v, model_v in zip(
-            self._ema.module.state_dict().values(), self.source.state_dict().values(), strict=True
-        ):
-            if ema_v.is_floating_point():
-                ema_values.append(ema_v)
-                model_values.append(model_v)
-            else:
-                counters.append((ema_v, model_v))
+        if self._state is None:  # the same tensors every step: loads copy into them in place
+            self._state = self._paired_state()
+        ema_values, model_values, counters = self._state
         taken = None if skipped is None else ~skipped.to(self._count.device)
         # timm's weight of this update, ``1 - get_decay(count + 1)``, for each dtype; 0 if skipped.
         weights = {dtype: self._weight(dtype, taken) for dtype in {v.dtype for v in ema_values}}
@@ -120,6 +115,20 @@ class ModelEma(Hook):
                 torch._foreach_add_(ema_ints, change)
         self._count += 1 if taken is None else taken.long()
         self._bound += 1
+
+    def _paired_state(self) -> tuple[list, list, list]:
+        """The EMA's and the model's floating-point state tensors, side by side, and the pairs of
+        integer buffers."""
+        ema_values, model_values, counters = [], [], []
+        for ema_v, model_v in zip(
+            self._ema.module.state_dict().values(), self.source.state_dict().values(), strict=True
+        ):
+            if ema_v.is_floating_point():
+                ema_values.append(ema_v)
+                model_values.append(model_v)
+            else:
+                counters.append((ema_v, model_v))
+        return ema_values, model_values, counters
 
     def _weight(self, dtype: torch.dtype, taken: torch.Tensor | None) -> torch.Tensor:
         """This update's weight, a 0-d ``dtype`` tensor on the device: the table's entry at the

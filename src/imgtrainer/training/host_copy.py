@@ -13,13 +13,12 @@ class HostCopy:
     def __init__(self, like: torch.Tensor):
         self.cuda = like.device.type == "cuda"
         self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda)
-        self.event: torch.cuda.Event | None = None
+        self.event = torch.cuda.Event() if self.cuda else None
         self.pending = False
 
     def start(self, value: torch.Tensor) -> None:
         self.host.copy_(value, non_blocking=True)
-        if self.cuda:
-            self.event = torch.cuda.Event()
+        if self.event is not None:
             self.event.record()
         self.pending = True
 

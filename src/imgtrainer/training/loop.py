@@ -193,6 +193,7 @@ def train_one_epoch(
     # each logging step's metrics at the next one (or the epoch's end): no host wait per step.
     log_hooks = hooks.implementing("on_log_step")
     lagged = LaggedLog(sums, log_hooks) if log_hooks else None
+    flush_logs = lagged.flush if lagged is not None else (lambda: None)
     nonfinite = epoch.nonfinite
     steps_per_epoch = start_step + len(loader)
     step = start_step
@@ -213,9 +214,7 @@ def train_one_epoch(
         if lagged is not None and step % epoch.log_interval == 0:
             lr = state.optimizer.param_groups[0]["lr"]
             lagged.log_step(global_step, sums, {"lr": lr, **window.read()})
-        info = StepInfo(step, global_step, sums, skipped)
-        if lagged is not None:
-            info.flush_logs = lagged.flush
+        info = StepInfo(step, global_step, sums, skipped, flush_logs=flush_logs)
         if any(hooks.call("on_step_end", info)):
             break
     if lagged is not None:

@@ -23,7 +23,7 @@ from imgtrainer.checkpoints.training_state import (
     restore,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
-from imgtrainer.config import Layout, TrainConfig, parse_duration
+from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
 from imgtrainer.data.balance import class_counts
 from imgtrainer.data.loaders import build_loaders
 from imgtrainer.distributed.collectives import (
@@ -54,7 +54,7 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
     return {
         "config": cfg.to_dict(),
         "world_size": dist.world_size,
-        "effective_batch_size": layout_of(cfg, dist).global_batch,
+        "effective_batch_size": effective_batch(cfg, dist.world_size),
         "device": str(dist.device.type),
         "class_names": class_names,
         "versions": {
@@ -64,11 +64,6 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
             "timm": timm.__version__,
         },
     }
-
-
-def layout_of(cfg: TrainConfig, dist: DistInfo) -> Layout:
-    """How ``cfg`` makes the global batch on this run's processes."""
-    return Layout(cfg.batch_size, cfg.accum_steps, dist.world_size)
 
 
 def load_optimisation(parts, ckpt: dict[str, Any], regroup: bool) -> None:
@@ -168,7 +163,7 @@ class Trainer:
 
     @property
     def layout(self) -> Layout:
-        return layout_of(self.cfg, self.dist)
+        return Layout(self.cfg.batch_size, self.cfg.accum_steps, self.dist.world_size)
 
     @property
     def epoch(self) -> int:
