@@ -63,6 +63,7 @@ def augmentation(image_size: int, crop_scale_min: float, hflip: float, **flags):
 def augment_keys(dataset: TrainingSamples, augment: BatchAugment, keys) -> torch.Tensor:
     """The augmented batch of these (index, epoch) keys, as the training loader makes it."""
     pixels, params, _ = collate_samples([dataset[key] for key in keys])
+    pixels = pixels.canvas()  # packed as the loader sends it
     return augment(pixels, params)
 
 

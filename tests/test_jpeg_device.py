@@ -116,6 +116,7 @@ def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
         shrunk += int(max(h, w) < max(on_device.folder[KEYS[row][0]][0].size) // 2)
     assert shrunk > 0  # some crops went through the block shrink
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     augment = BatchAugment(SIZE)
     gap = augment(canvas, params) - augment(cpu_canvas, cpu_params)
     assert gap.abs().max() <= 1.01 * LEVEL  # the shrink's rounding at most
@@ -143,6 +144,7 @@ def test_a_jpeg_the_device_fails_on_is_found_by_halves_then_made_by_the_cpu_path
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
     batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
     for _ in range(2):  # two epochs
         images, labels = next(iter(batches))
@@ -236,6 +238,7 @@ def test_decoding_goes_in_chunks_and_warns_once_per_new_count_of_bad_files(folde
     assert calls == [4, 2, 1, 1, 2, 4, 2, 2, 1, 1, 2]
     assert decoder.failures.bad == {1}
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
     assert canvas.shape == cpu_canvas.shape
     for row in (1, 6):  # made by the CPU path: the same pixels
@@ -318,6 +321,7 @@ def test_nvjpeg_batches_match_the_cpu_path(folder):
     decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)  # nvjpeg
     images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), cuda, jpegs=decoder)))
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
     assert images.is_cuda and torch.equal(labels.cpu(), cpu_labels)
     # nvjpeg's IDCT and chroma upsampling differ from libjpeg's by a few levels.
@@ -351,6 +355,7 @@ def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_f
     )
     images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)))
     cpu_canvas, cpu_params, cpu_labels = collate_samples([sets["cpu"][k] for k in keys])
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(labels, cpu_labels)
     assert (images - BatchAugment(SIZE)(cpu_canvas, cpu_params)).abs().max() <= 1.01 * LEVEL
 
@@ -442,6 +447,7 @@ def test_an_image_smaller_than_its_header_said_is_made_by_the_cpu_path_and_remem
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
     canvas, out_params, out_labels = decoder(batch, params, labels)
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
     assert torch.equal(canvas[2], cpu_canvas[2])  # the CPU path's own pixels
     assert decoder.failures.bad == {2}

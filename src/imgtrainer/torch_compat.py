@@ -29,6 +29,16 @@ DDP_INTERNALS = (
 )
 
 
+# torch's multi-tensor ("foreach") kernels: one call for a list of tensors, a few launches in all.
+# Private by name only: torch's optimizers, its AMP and timm's EMA are built on them; every
+# torch that requirements.txt allows has these.
+foreach_copy_ = torch._foreach_copy_
+foreach_lerp_ = torch._foreach_lerp_
+foreach_sub = torch._foreach_sub
+foreach_mul_ = torch._foreach_mul_
+foreach_add_ = torch._foreach_add_
+
+
 class MissingTorchInternal(RuntimeError):
     """This torch lacks a private internal the project relies on."""
 

@@ -32,6 +32,7 @@ from imgtrainer.data.params import (
     policy_of,
     row_of,
 )
+from imgtrainer.data.ragged import Ragged, as_canvas
 from imgtrainer.data.resample import banded_resample, resample_taps, tap_count, weighted_taps
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
@@ -214,8 +215,9 @@ class BatchAugment:
         mean, std = self.normaliser(images.device)
         return images.div_(255).sub_(mean).div_(std)
 
-    def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor | Ragged, params: torch.Tensor) -> torch.Tensor:
         """The batch's pixels on the training device, its parameters still on the host."""
+        pixels = as_canvas(pixels)
         if self.policy is None:
             images = self.resample(pixels, params, normalise=True)
         else:  # its choices read on the host: no device sync
@@ -261,10 +263,10 @@ def train_augmentation(
 def collate_samples(
     batch: list[tuple[torch.Tensor | int | JpegBytes, torch.Tensor, int]],
 ) -> tuple[torch.Tensor | EncodedBatch, torch.Tensor, torch.Tensor]:
-    """Samples -> (pixels, params, labels): each sample's uint8 pixels at the top left of a
-    canvas as large as the batch's largest (zeros elsewhere), or, for images cached on the
-    device, their indices into the cache; a batch with JPEG bytes in it (decoded on the
-    device) is an ``EncodedBatch`` holding the canvas of its other samples and the bytes."""
+    """Samples -> (pixels, params, labels): the samples' uint8 pixels packed as ``Ragged`` (only
+    their bytes cross to the device, where ``as_canvas`` lays them on a canvas), or, for images
+    cached on the device, their indices into the cache; a batch with JPEG bytes in it (decoded
+    on the device) is an ``EncodedBatch`` holding its other samples packed and the bytes."""
     pixels, params, labels = zip(*batch, strict=True)
     labels_t = torch.tensor(labels, dtype=torch.int64)
     params_t = torch.stack(params)
@@ -272,19 +274,10 @@ def collate_samples(
         return torch.tensor(pixels, dtype=torch.int64), params_t, labels_t
     pixel_rows, jpeg_rows = split_samples(pixels)
     if jpeg_rows:
-        canvas = pad_canvas([pixels[n] for n in pixel_rows]) if pixel_rows else None
+        packed = Ragged.of([pixels[n] for n in pixel_rows]) if pixel_rows else None
         jpegs = [pixels[n] for n in jpeg_rows]
-        return EncodedBatch(canvas, pixel_rows, jpegs, jpeg_rows), params_t, labels_t
-    return pad_canvas(pixels), params_t, labels_t
-
-
-def pad_canvas(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
-    height = max(p.shape[-2] for p in pixels)
-    width = max(p.shape[-1] for p in pixels)
-    canvas = torch.zeros(len(pixels), 3, height, width, dtype=torch.uint8)
-    for n, p in enumerate(pixels):
-        canvas[n, :, : p.shape[-2], : p.shape[-1]] = p
-    return canvas
+        return EncodedBatch(packed, pixel_rows, jpegs, jpeg_rows), params_t, labels_t
+    return Ragged.of(pixels), params_t, labels_t
 
 
 def one_ahead(batches: Iterable, start: Callable, finish: Callable) -> Iterator:
@@ -387,7 +380,7 @@ class DeviceBatches:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
         the loader); the parameters stay on the host until used."""
-        on_device = pixels.to(self.device, non_blocking=True)
+        on_device = as_canvas(pixels.to(self.device, non_blocking=True))
         return on_device, params, labels.to(self.device, non_blocking=True)
 
     def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:

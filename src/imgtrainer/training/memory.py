@@ -133,7 +133,7 @@ class BufferSnapshot:
             self.__init__(model)
         elif buffers:
             with torch.no_grad():
-                torch._foreach_copy_([saved for _, saved in self.pairs], buffers)
+                torch_compat.foreach_copy_([saved for _, saved in self.pairs], buffers)
         return self
 
     def restore(self) -> None:
