@@ -186,6 +186,38 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
     assert not decoder.failures.bad  # not the files' fault
 
 
+def test_after_the_decoder_switched_itself_off_the_next_epoch_loads_decoded_images(folder):
+    """The rest of the epoch is made in this process; from the next one the loader that
+    ``without_jpegs`` builds (whose workers decode) takes over, with the same images."""
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, _, on_cpu, cpu_samples = both_paths(folder, keys)
+    loaded = []
+
+    def loader_of(dataset):
+        def collate(samples):
+            loaded.append(collate_samples(samples)[0])
+            return collate_samples(samples)
+
+        return torch.utils.data.DataLoader(dataset, sampler=keys, batch_size=4, collate_fn=collate)
+
+    def fail(data):
+        raise RuntimeError("nvjpeg: not available")
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, fail)
+    batches = DeviceBatches(
+        loader_of(on_device),
+        BatchAugment(SIZE),
+        "cpu",
+        jpegs=decoder,
+        without_jpegs=lambda: loader_of(on_cpu),
+    )
+    first, _ = next(iter(batches))
+    assert isinstance(loaded[-1], EncodedBatch) and not decoder.enabled
+    second, labels = next(iter(batches))
+    assert batches.jpegs is None and not isinstance(loaded[-1], EncodedBatch)
+    assert torch.equal(first, second) and labels.tolist() == [s[2] for s in cpu_samples]
+
+
 def fake_decoder(bad: set[int], calls: list[list[int]]):
     """A device decoder over 1-byte "files" holding their number: fails for any call with a
     number of ``bad`` in it, records each call's numbers."""

@@ -10,6 +10,7 @@ policy grouped by op (``data.batch_policy``), normalises and erases, on the batc
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ from imgtrainer.data.params import (
 from imgtrainer.data.ragged import Ragged, as_canvas
 from imgtrainer.data.resample import banded_resample, resample_taps, tap_count, weighted_taps
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+log = logging.getLogger(__name__)
 
 CROP_TRIES = 10  # like torchvision's RandomResizedCrop, then a center crop
 ERASE_TRIES = 10  # like torchvision's RandomErasing, then no erasing
@@ -319,7 +322,10 @@ class DeviceBatches:
     stream); the compute stream waits for their events, and the tensors are recorded on it
     so that the allocator does not hand their memory out early. Elsewhere each batch is made
     as it comes: nothing to overlap. The decoder then runs beside the main thread: it must be
-    thread-safe, its CPU fallback included (which seeds the process's CPU generator)."""
+    thread-safe, its CPU fallback included (which seeds the process's CPU generator).
+
+    Once the decoder has switched itself off (no JPEG decodes on the device), the next epoch
+    takes its batches from ``without_jpegs()``: a loader whose workers decode every image."""
 
     def __init__(
         self,
@@ -328,10 +334,11 @@ class DeviceBatches:
         device: torch.device,
         cache=None,
         jpegs: JpegDecoder | None = None,
+        without_jpegs: Callable[[], Iterable] | None = None,
     ):
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
-        self.jpegs = jpegs
+        self.jpegs, self.without_jpegs = jpegs, without_jpegs
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -340,6 +347,9 @@ class DeviceBatches:
         return getattr(self.__dict__["loader"], name)
 
     def __iter__(self):
+        if self.jpegs is not None and not self.jpegs.enabled and self.without_jpegs is not None:
+            self.loader, self.jpegs = self.without_jpegs(), None
+            log.info("The loader workers decode every JPEG from this epoch on")
         if self.device.type != "cuda":
             for pixels, params, labels in self.loader:
                 yield self.apply(pixels, params, labels)

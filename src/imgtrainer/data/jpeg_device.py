@@ -255,9 +255,10 @@ class JpegDecoder:
             self.failures.bad.difference_update(indices)
             log.warning(
                 f"JPEG decoding on {self.device} failed for every image of a batch "
-                f"({self.failures.error}); decoding every JPEG on the CPU from here on, in "
-                "the main process and one image at a time: expect training to be many times "
-                "slower (--cache_images ram, or fixing nvjpeg, avoids it)"
+                f"({self.failures.error}); decoding every JPEG on the CPU from here on: in "
+                "this process, one image at a time, until this epoch ends (expect it to be "
+                "many times slower), then in the loader workers (--cache_images ram, or "
+                "fixing nvjpeg, is faster)"
             )
         return decoded
 

@@ -374,6 +374,12 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         dist.device,
         train_set.canvas,
         jpegs,
+        # Once the device decoder has switched itself off: the workers decode the JPEGs too.
+        lambda: make_loader(
+            TrainingSamples(train_set.folder, draws, cfg.seed, Source.FILES),
+            train_sampler,
+            train_spec,
+        ),
     )
     val_loader = make_loader(
         val_set,
