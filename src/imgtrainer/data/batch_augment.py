@@ -36,6 +36,8 @@ from imgtrainer.data.params import (
 from imgtrainer.data.ragged import Ragged, as_canvas
 from imgtrainer.data.resample import banded_resample, resample_taps, tap_count, weighted_taps
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from imgtrainer.errors import UserError
+from imgtrainer.torch_compat import is_out_of_memory, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -339,6 +341,8 @@ class DeviceBatches:
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
         self.jpegs, self.without_jpegs = jpegs, without_jpegs
+        self.chunk: int | None = None  # images augmented at a time (the memory plan's)
+        self.retry_on_oom = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -407,10 +411,39 @@ class DeviceBatches:
     def augmented(
         self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pixels (or cache indices) and labels on the device -> (augmented images, labels)."""
-        if self.cache is not None:  # indices of images already on the device
-            pixels = self.cache.index_select(0, pixels)
-        return self.augment(pixels, params), labels
+        """Pixels (or cache indices) and labels on the device -> (augmented images, labels),
+        ``chunk`` images at a time (all when None); with ``retry_on_oom`` an out-of-memory
+        error halves ``chunk`` and augments the batch again (its draws are on the host: the
+        same images)."""
+        while True:
+            try:
+                return self.augmented_in_chunks(pixels, params), labels
+            except Exception as err:  # only memory exhaustion is retried
+                if not (self.retry_on_oom and is_out_of_memory(err)):
+                    raise
+            release_memory(self.device)  # outside the except block: the traceback is gone
+            self.smaller_chunk(len(params))
+
+    def augmented_in_chunks(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        count = len(params)
+        step = min(count, self.chunk or count)
+        parts = []
+        for start in range(0, count, step):
+            part = pixels[start : start + step]
+            if self.cache is not None:  # indices of images already on the device
+                part = self.cache.index_select(0, part)
+            parts.append(self.augment(part, params[start : start + step]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def smaller_chunk(self, count: int) -> None:
+        current = min(count, self.chunk or count)
+        if current == 1:
+            raise UserError(
+                "out of memory augmenting a single image; use a smaller --image_size or "
+                "--max_memory_gb, or free the device"
+            )
+        self.chunk = current // 2
+        log.warning(f"out of memory in the augmentation; {self.chunk} images at a time from now on")
 
     def apply(
         self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
