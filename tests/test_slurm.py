@@ -135,9 +135,10 @@ def follow(
         while time.monotonic() - job.submitted < JOB_TIMEOUT_S:
             info = cluster.job(job.id)
             state, restarts = info.get("JobState", "?"), int(info.get("Restarts", "0"))
+            reason = info.get("Reason", "")
             now = round(time.monotonic() - job.submitted, 1)
-            if not job.seen or job.seen[-1][:3] != (state, restarts, info.get("Reason")):
-                job.seen.append((state, restarts, info.get("Reason", ""), now))
+            if not job.seen or job.seen[-1][:3] != (state, restarts, reason):
+                job.seen.append((state, restarts, reason, now))
             if (job.folder / "held").exists() and "held" not in job.events:
                 job.at("held")
                 on_hold(job)
