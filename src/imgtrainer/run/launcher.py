@@ -251,7 +251,12 @@ def run_forwarding_signals(
 
 
 def _die_with(parent: int) -> None:
-    """In torchrun, before it starts: SIGTERM when the launcher dies."""
+    """In torchrun, before it starts: SIGTERM when the launcher dies, and SIGUSR1 ignored.
+    SLURM sends its time-limit warning (``--signal=USR1``) to every process of a job step:
+    torchrun's agent does not handle it and would die at once, taking the rendezvous store it
+    may host with it. The launcher passes it on as SIGTERM; the workers install their own
+    handler for it (ignored dispositions survive exec, handlers replace them)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the launcher died before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
