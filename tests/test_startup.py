@@ -5,6 +5,7 @@ folders, and how the launcher reads the ranks' endings."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -436,3 +437,28 @@ def test_sighup_stops_like_sigterm():
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.agreed()
     assert stop.exit_code == 143
+
+
+def test_a_stop_signal_after_training_lets_the_run_finish_its_files(caplog):
+    """Training has ended: the signal is noted, nothing is raised (the last files are written
+    and a finished run ends 0); the launcher then reports 0, though it passed a signal on."""
+    from imgtrainer.training.stopping import StopRequest
+
+    stop = StopRequest(distributed=False)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    try:
+        with stop.installed():
+            pass
+        stop.installed_for_wrap_up()
+        with caplog.at_level(logging.WARNING):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert "training has ended; writing the run's last files" in caplog.text
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    log = Path("unused.log")
+    finished = [outcome(0, 0, 1.0), outcome(1, 0, 1.1)]
+    assert launch_ddp.exit_code(0, finished, [signal.SIGTERM], log) == 0
+    stopped = [outcome(0, 143, 1.0), outcome(1, 143, 1.1)]
+    assert launch_ddp.exit_code(0, stopped, [signal.SIGTERM], log) == 143
+    assert launch_ddp.exit_code(0, [], [signal.SIGTERM], log) == 143

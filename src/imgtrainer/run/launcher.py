@@ -266,8 +266,11 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
     traceback."""
-    if torchrun_code == 0 and not received:
-        # Every rank of torchrun's last round ended 0. An earlier round's 143 under the same
+    if torchrun_code == 0 and (
+        not received or (outcomes and all(o["code"] == 0 for o in outcomes))
+    ):
+        # Every rank of torchrun's last round ended 0 (finished; a stop signal that came as the
+        # run was ending, passed on, changed nothing). An earlier round's 143 under the same
         # restart count is a rank its agent stopped to take in a joining node.
         return 0
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
