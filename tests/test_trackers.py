@@ -1,6 +1,6 @@
-"""metrics.csv beside the history, and the --log_to trackers (W&B, MLflow) through fake packages
-injected into sys.modules: the calls each adapter makes, and one line when a package is missing
-or refuses to start."""
+"""metrics.csv beside the history, and the --log_to trackers with the real W&B and MLflow
+packages, offline, read back through their own readers; one line when a package is missing or a
+tracker refuses to start."""
 
 from __future__ import annotations
 
@@ -139,11 +139,11 @@ def offline_env(home: Path) -> dict[str, str]:
 
 
 def network_traced(command: list[str], log: Path) -> list[str]:
-    """``command`` under strace, recording every connect() into ``log``; as it is without
-    strace."""
-    if shutil.which("strace") is None:
-        return command
+    """``command`` under strace, recording every connect() into ``log``; as it is where strace
+    is missing or may not trace."""
     trace = ["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=connect", "-e", "signal=none"]
+    if shutil.which("strace") is None or subprocess.call([*trace, "-o", os.devnull, "true"]):
+        return command
     return [*trace, "-o", str(log), *command]
 
 
@@ -204,6 +204,10 @@ def test_a_run_tracked_by_wandb_and_mlflow_offline_reads_back_as_its_history(
         texts.append((tmp_path / "train.log").read_text())
         assert code == 0, texts[-1]
         assert "\r" not in texts[-1]
+        assert len(re.findall(r"^epoch \d/\d  train_loss", texts[-1], re.MULTILINE)) == 1
+        assert re.search(
+            r"--log_to wandb: W&B run \w+, offline in logs/wandb/offline-run-", texts[-1]
+        )
         assert network_connections(tmp_path / "connect.trace") == []
         configs.append(json.loads((logs / "training_history.json").read_text())["config"])
     # Every file in the run's folders, but W&B's service logs in its cache folder (before W&B's
