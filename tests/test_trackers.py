@@ -215,7 +215,7 @@ def test_a_run_tracked_by_wandb_and_mlflow_offline_reads_back_as_its_history(
     assert sorted(p.name for p in work.iterdir()) == ["checkpoints", "logs"]
     outside = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
     wandb_logs = r"\.cache/wandb/logs/(core|symon)-debug-[0-9_]+\.log"
-    assert outside and [p for p in outside if not re.fullmatch(wandb_logs, p)] == []
+    assert [p for p in outside if not re.fullmatch(wandb_logs, p)] == []
     history = json.loads((logs / "training_history.json").read_text())["epochs"]
     ids = json.loads((logs / "tracker_runs.json").read_text())
     steps = step_lines("".join(texts), steps_per_epoch=6)  # 48 images, batches of 8
