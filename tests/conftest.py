@@ -49,6 +49,23 @@ def folder_images(root: Path, class_names: Sequence[str] | None = None) -> Table
     return TableImages(folder_table(Path(root), "training", names))
 
 
+def entries_of(folder: Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    """(image path, label) of a class folder in the trainer's order, and its classes."""
+    table = folder_images(folder).table
+    return [(Path(table.location(i)), table.label(i)) for i in range(len(table))], table.classes
+
+
+def pack_folder(folder: Path, out: Path, fmt: str, shard_size: int = 7) -> str:
+    """``folder``'s images as Parquet files or tar shards (``fmt``) in ``out``, as prepare_data
+    writes them (several files, a short last one); returns the --train_data value."""
+    from imgtrainer.tools.pack_data import write_parquet, write_shards
+
+    entries, classes = entries_of(folder)
+    write = write_parquet if fmt == "parquet" else write_shards
+    spec = write(entries, classes, out, shard_size, 1)
+    return str(out / spec) if spec else str(out)
+
+
 def cpu_run_parts(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

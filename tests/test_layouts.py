@@ -17,7 +17,9 @@ from conftest import (
     ONE_CPU_PROCESS,
     TINY_FLAGS,
     data_config,
+    entries_of,
     folder_images,
+    pack_folder,
     run_train,
     user_error_line,
     write_image_folder,
@@ -27,12 +29,6 @@ from imgtrainer.data.layouts import open_datasets
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.errors import UserError
 from imgtrainer.run.preflight import launcher_checks
-from imgtrainer.tools.pack_data import write_parquet, write_shards
-
-
-def entries_of(folder: Path) -> tuple[list[tuple[Path, int]], list[str]]:
-    table = folder_images(folder).table
-    return [(Path(table.location(i)), table.label(i)) for i in range(len(table))], table.classes
 
 
 def write_list(folder: Path, path: Path) -> str:
@@ -49,13 +45,6 @@ def write_list(folder: Path, path: Path) -> str:
     return str(path)
 
 
-def write_packed(folder: Path, out: Path, fmt: str) -> str:
-    entries, classes = entries_of(folder)
-    write = write_parquet if fmt == "parquet" else write_shards
-    spec = write(entries, classes, out, 7, 1)  # several files, a short last one
-    return str(out / spec) if spec else str(out)
-
-
 def write_layouts(root: Path, per_class: int = 6) -> dict[str, tuple[str, str]]:
     """The same train and val images as a folder, a list file, Parquet and tar shards."""
     train = write_image_folder(root / "data" / "train", CLASSES, per_class, seed=1)
@@ -67,12 +56,12 @@ def write_layouts(root: Path, per_class: int = 6) -> dict[str, tuple[str, str]]:
             write_list(val, root / "lists" / "val.tsv"),
         ),
         "parquet": (
-            write_packed(train, root / "pq" / "train", "parquet"),
-            write_packed(val, root / "pq" / "val", "parquet"),
+            pack_folder(train, root / "pq" / "train", "parquet"),
+            pack_folder(val, root / "pq" / "val", "parquet"),
         ),
         "shards": (
-            write_packed(train, root / "tar" / "train", "shards"),
-            write_packed(val, root / "tar" / "val", "shards"),
+            pack_folder(train, root / "tar" / "train", "shards"),
+            pack_folder(val, root / "tar" / "val", "shards"),
         ),
     }
 
