@@ -258,3 +258,12 @@ def test_every_layout_trains_to_the_same_weights(tmp_path: Path):
     for name, state in weights.items():
         assert state.keys() == folder.keys()
         assert all(torch.equal(state[k], folder[k]) for k in folder), name
+
+
+def test_train_data_and_train_dir_are_one_flag_on_the_command_line_and_in_run_files(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("train_data: shards/{0..3}.tar\nval_dir: v.csv\n")
+    assert parse_config(["--train_data", "a.csv", "--val_dir", "b"]).train_dir == "a.csv"
+    assert parse_config(["--train_dir", "a", "--val_data", "b.csv"]).val_dir == "b.csv"
+    cfg = parse_config(["--config", str(run_file)])
+    assert (cfg.train_dir, cfg.val_dir) == ("shards/{0..3}.tar", "v.csv")

@@ -111,7 +111,7 @@ class TrainConfig:
         "train_data",
     )
     val_dir: str = _data("data/val").help("validation data with the same classes", "val_data")
-    class_names: str = _data("").help(
+    class_names: str | None = _data(None).help(
         "file of class names, one a line, for labels given as class indices (lists, Parquet, shards)"
     )
     demo: bool = _data(False).help("write the bundled digits demo data to data/demo, train on it")
