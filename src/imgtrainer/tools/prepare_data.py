@@ -1,13 +1,11 @@
-"""Split a folder of class folders into train/val ImageFolders, stratified per class, or into
-Parquet files or WebDataset tar shards (--format).
+"""Split a folder of class folders into train/val, stratified per class: class folders, or
+Parquet files or tar shards (--format, unreadable images left out).
 
     python src/prepare_data.py --source ~/Downloads/animals --output data --val_ratio 0.2
-    python src/prepare_data.py --source ~/Downloads/animals --output data --format shards
 
-SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/<class>/ (or
-OUTPUT/{train,val}/ of Parquet files or tar shards, images that do not decode left out). Each class is
-split on its own, in an order drawn from (--seed, class name): the same seed gives the same split,
-and adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
+SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/. Each class is split on
+its own, in an order drawn from (--seed, class name): the same seed gives the same split, and
+adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
 """
 
 from __future__ import annotations
