@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from imgtrainer.data.checks import class_difference, find_classes
 from imgtrainer.data.image_files import is_image_file
 from imgtrainer.data.table import FILES, PARQUET, TAR, ImageTable
@@ -125,23 +127,27 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
     class folder walked in its own thread."""
     names = names or find_classes(root, role)
 
-    def walk(name: str) -> list[tuple[str, str]]:
-        found = []
-        for where, _, files in sorted(os.walk(root / name, followlinks=True)):
-            found += [(where, f) for f in sorted(files) if is_image_file(f)]
-        return found
+    def walk(name: str) -> list[tuple[str, list[str]]]:
+        return [
+            (where, [f for f in sorted(files) if is_image_file(f)])
+            for where, _, files in sorted(os.walk(root / name, followlinks=True))
+        ]
 
     wanted = sorted(range(len(names)), key=lambda i: names[i])
     with ThreadPoolExecutor(max(1, threads)) as pool:
         walked = list(pool.map(walk, [names[i] for i in wanted]))
-    rows: dict[str, list] = {"containers": [], "container": [], "members": [], "labels": []}
-    seen: dict[str, int] = {}
-    for label, files in zip(wanted, walked, strict=True):
-        for where, name in files:
-            rows["container"].append(seen.setdefault(where, len(seen)))
-            rows["members"].append(name)
-            rows["labels"].append(label)
-    rows["containers"] = list(seen)
+    folders = [
+        (label, where, files)
+        for label, found in zip(wanted, walked, strict=True)
+        for where, files in found
+    ]
+    counts = [len(files) for _, _, files in folders]
+    rows = {
+        "containers": [where for _, where, _ in folders],
+        "container": np.repeat(np.arange(len(folders), dtype=np.int32), counts),
+        "members": [name for _, _, files in folders for name in files],
+        "labels": np.repeat(np.array([label for label, _, _ in folders], dtype=np.int64), counts),
+    }
     present = {i for i, name in enumerate(names) if (root / name).is_dir()}
     return ImageTable.build(FILES, str(root), names, rows, present=present)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,9 +34,12 @@ class Strings:
 
     @classmethod
     def of(cls, strings: Sequence[str]) -> Strings:
-        encoded = [s.encode() for s in strings]
-        ends = np.cumsum([len(b) for b in encoded], dtype=np.int64)
-        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), ends)
+        data = "".join(strings).encode()
+        if len(data) == sum(map(len, strings)):  # ASCII: one byte a character
+            lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
+        else:
+            lengths = np.fromiter((len(s.encode()) for s in strings), np.int64, len(strings))
+        return cls(np.frombuffer(data, dtype=np.uint8).copy(), np.cumsum(lengths))
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -81,14 +85,15 @@ class ImageTable:
         ``sizes`` as the kind needs), ``containers`` the container names."""
         n = len(rows["labels"])
         labels = np.asarray(rows["labels"], dtype=np.int64)
+        unused = np.broadcast_to(np.int64(0), (n,))  # a column this kind does not use: no memory
         return cls(
             kind=kind,
             classes=list(classes),
             containers=list(rows["containers"]),
             container=np.asarray(rows["container"], dtype=np.int32),
             members=Strings.of(rows.get("members", [""] * n)),
-            offsets=np.asarray(rows.get("offsets", np.zeros(n)), dtype=np.int64),
-            sizes=np.asarray(rows.get("sizes", np.zeros(n)), dtype=np.int64),
+            offsets=np.asarray(rows.get("offsets", unused), dtype=np.int64),
+            sizes=np.asarray(rows.get("sizes", unused), dtype=np.int64),
             labels=labels,
             present=frozenset(extra.pop("present", set(labels.tolist()))),
             source=source,
@@ -178,20 +183,26 @@ class ImageTable:
 
 class ParquetRows:
     """Parquet images read a row group at a time, on demand, the last few groups kept per
-    process (each loader worker has its own): never the whole file per worker."""
+    process (each loader worker has its own): never the whole file per worker. Threads (the
+    decode check, the image cache) share it under a lock; they decode outside it."""
 
     KEPT_GROUPS = 4
 
     def __init__(self) -> None:
-        self.pid = -1
+        self.pid = os.getpid()
+        self.lock = threading.Lock()  # a new one in a forked worker: never one held at the fork
         self.files: dict[str, Any] = {}
         self.starts: dict[str, np.ndarray] = {}
-        self.groups: dict[tuple[str, str, int], list] = {}
+        self.groups: dict[tuple[str, str, int], Any] = {}
 
     def read(self, path: str, column: str, row: int) -> bytes:
-        if self.pid != os.getpid():  # a forked worker: open its own files
+        if self.pid != os.getpid():  # a forked worker: its own files and groups
             self.__init__()
-            self.pid = os.getpid()
+        with self.lock:
+            value = self._cell(path, column, row)
+        return image_bytes(value, f"{path}[row {row}]")
+
+    def _cell(self, path: str, column: str, row: int) -> Any:
         if path not in self.files:
             import pyarrow.parquet as pq
 
@@ -206,10 +217,8 @@ class ParquetRows:
         if key not in self.groups:
             if len(self.groups) >= self.KEPT_GROUPS:
                 self.groups.pop(next(iter(self.groups)))
-            values = self.files[path].read_row_group(group, columns=[column]).column(0)
-            self.groups[key] = values.to_pylist()
-        value = self.groups[key][row - int(starts[group])]
-        return image_bytes(value, f"{path}[row {row}]")
+            self.groups[key] = self.files[path].read_row_group(group, columns=[column]).column(0)
+        return self.groups[key][row - int(starts[group])].as_py()
 
 
 def image_bytes(value: Any, where: str) -> bytes:
