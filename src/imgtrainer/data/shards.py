@@ -34,26 +34,61 @@ def split_key(name: str) -> tuple[str, str]:
     return os.path.join(folder, stem) if folder else stem, ext.lower()
 
 
+Member = tuple[str, int, int]  # (name, data offset, size)
+
+
+def ustar_members(fd: int) -> list[Member] | None:
+    """The regular files of a plain ustar/GNU tar (what tarfile and webdataset's writers make),
+    from their 512-byte headers alone, several times faster than ``tarfile``. None for anything
+    else (long names, pax headers, a damaged header): ``tarfile`` reads those."""
+    members, offset = [], 0
+    while True:
+        block = os.pread(fd, 512, offset)
+        if len(block) < 512 or block == bytes(512):
+            return members if block == bytes(512) or not block else None
+        stored = block[148:156].strip(b"\0 ")
+        checksum = sum(block[:148]) + 8 * 32 + sum(block[156:])
+        if not stored.isdigit() or int(stored, 8) != checksum or block[124] & 0x80:
+            return None
+        kind, size = block[156:157], int(block[124:136].strip(b"\0 ") or b"0", 8)
+        if kind not in (b"0", b"\0", b"5", b"1", b"2"):
+            return None  # pax or GNU long-name headers
+        name = block[:100].split(b"\0", 1)[0]
+        if block[257:262] == b"ustar" and block[345] != 0:
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        if kind in (b"0", b"\0"):
+            members.append((name.decode(errors="surrogateescape"), offset + 512, size))
+        offset += 512 + -(-size // 512) * 512
+
+
+def tarfile_members(path: str) -> list[Member]:
+    with tarfile.open(path, "r:") as tar:
+        return [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+
+
 def scan_shard(path: str) -> list[IndexRow]:
     """Read a shard's member headers (and its small ``.cls`` members): one row per sample."""
     images: dict[str, tuple[int, int, str]] = {}
     labels: dict[str, int] = {}
     order: list[str] = []
     try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_key(member.name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            members = ustar_members(fd)
+            members = tarfile_members(path) if members is None else members
+            for name, offset, size in members:
+                key, ext = split_key(name)
                 if key not in images and key not in labels:
                     order.append(key)
                 if ext == "cls":
-                    text = tar.extractfile(member).read().decode(errors="replace").strip()
+                    text = os.pread(fd, size, offset).decode(errors="replace").strip()
                     if not text.lstrip("-").isdigit():
-                        raise UserError(f"{path}:{member.name} holds {text!r}, not a class index")
+                        raise UserError(f"{path}:{name} holds {text!r}, not a class index")
                     labels[key] = int(text)
                 elif f".{ext}" in IMAGE_EXTENSIONS and key not in images:
-                    images[key] = (member.offset_data, member.size, member.name)
+                    images[key] = (offset, size, name)
+        finally:
+            os.close(fd)
     except (OSError, tarfile.TarError) as err:
         raise UserError(f"tar shard {path}: cannot be read ({err})") from None
     rows = []
