@@ -267,3 +267,34 @@ def test_train_data_and_train_dir_are_one_flag_on_the_command_line_and_in_run_fi
     assert parse_config(["--train_dir", "a", "--val_data", "b.csv"]).val_dir == "b.csv"
     cfg = parse_config(["--config", str(run_file)])
     assert (cfg.train_dir, cfg.val_dir) == ("shards/{0..3}.tar", "v.csv")
+
+
+def test_a_shard_index_is_built_once_and_pax_shards_with_long_names_read_alike(
+    tmp_path: Path, monkeypatch
+):
+    import io
+
+    import imgtrainer.data.shards as shards
+
+    folder = write_image_folder(tmp_path / "train", CLASSES, 2)
+    entries, classes = entries_of(folder)
+    (tmp_path / "pax").mkdir()
+    (tmp_path / "pax" / "classes.txt").write_text("\n".join(classes) + "\n")
+    with tarfile.open(tmp_path / "pax" / "a.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for n, (path, label) in enumerate(entries):
+            key = f"{'long' * 30}/{n:03d}"  # a name over ustar's 100 bytes: a pax header
+            for name, data in ((f"{key}.jpg", path.read_bytes()), (f"{key}.cls", b"%d" % label)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    scans = []
+    real_scan = shards.scan_shard
+    monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path) or real_scan(path))
+    plain = open_datasets(pack_folder(folder, tmp_path / "plain", "shards", 4), str(folder))[0]
+    pax = open_datasets(str(tmp_path / "pax" / "*.tar"), str(folder))[0]
+    assert len(scans) == 2 + 1  # 6 images, 4 a shard: 2 shards, and the pax one
+    again = open_datasets(str(tmp_path / "pax" / "*.tar"), str(folder))[0]
+    assert len(scans) == 3 and again.labels.tolist() == pax.labels.tolist()
+    assert pax.labels.tolist() == plain.labels.tolist() == [label for _, label in entries]
+    assert [pax.read(i) for i in range(len(pax))] == [p.read_bytes() for p, _ in entries]
+    assert pax.location(0) == f"{tmp_path / 'pax' / 'a.tar'}:{'long' * 30}/000.jpg"
