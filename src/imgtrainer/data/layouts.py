@@ -280,7 +280,8 @@ def describe(table: ImageTable) -> str:
     layout = {FILES: "files", TAR: "tar shards", PARQUET: "Parquet"}[table.kind]
     if table.kind == FILES:
         layout = "a list file" if layout_of(table.source) == LIST else "a folder"
-    many = f" ({len(table.containers)} files)" if table.kind != FILES else ""
+    files = len(table.containers)
+    many = f" ({files} file{'s' * (files != 1)})" if table.kind != FILES else ""
     return f"{len(table)} images in {len(table.classes)} classes from {layout} {table.source}{many}"
 
 

@@ -57,7 +57,7 @@ class Strings:
 FILES, TAR, PARQUET = "files", "tar", "parquet"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ImageTable:
     """Every image of one dataset as a row: ``containers[container[i]]`` (a folder, a tar
     shard, a Parquet file: few, kept as a list), ``members[i]`` (a file or member name; empty
