@@ -13,10 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import folder_images
 from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches, collate_samples
 from imgtrainer.data.image_files import EXIF_ORIENTATION, nvjpeg_size
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, device_decoder
-from imgtrainer.data.sources import ReadableImageFolder, Source, TrainingSamples
+from imgtrainer.data.sources import Source, TrainingSamples
 
 HAS_CUDA = torch.cuda.is_available()
 SIZE = 16
@@ -81,8 +82,8 @@ def folder(tmp_path: Path) -> Path:
 
 def both_paths(root: Path, keys):
     draws = AugmentDraws(SIZE, scale=(0.08, 1.0))
-    on_device = TrainingSamples(ReadableImageFolder(root), draws, seed=3, source=Source.NVJPEG)
-    on_cpu = TrainingSamples(ReadableImageFolder(root), draws, seed=3)
+    on_device = TrainingSamples(folder_images(root), draws, seed=3, source=Source.NVJPEG)
+    on_cpu = TrainingSamples(folder_images(root), draws, seed=3)
     return (
         on_device,
         collate_samples([on_device[k] for k in keys]),
@@ -331,7 +332,7 @@ def test_a_batch_is_decoded_once_and_previewed_as_trained(folder):
 def test_cache_sources_never_hand_over_bytes(folder):
     from imgtrainer.data.sources import DecodedImageCache, choose_source
 
-    cache = DecodedImageCache(ReadableImageFolder(folder), SIZE)
+    cache = DecodedImageCache(folder_images(folder), SIZE)
     with pytest.raises(ValueError, match="images from nvjpeg do not fit a DecodedImageCache"):
         TrainingSamples(cache, AugmentDraws(SIZE), seed=0, source=Source.NVJPEG)
     cuda = torch.device("cuda")

@@ -76,10 +76,11 @@ class _Flag:
     rules: tuple[Bound | str, ...]
     choices: list[str] | None
 
-    def help(self, text: str) -> Any:
-        """The dataclass field, its flag in its metadata."""
+    def help(self, text: str, alias: str | None = None) -> Any:
+        """The dataclass field, its flag in its metadata (``alias``: another name, shown first)."""
         bounds = next((rule for rule in self.rules if isinstance(rule, Bound)), None)
         meta = {"group": self.group, "help": text, "bounds": bounds, "choices": self.choices}
+        meta["alias"] = alias
         resume_checked = RESUME_CHECKED in self.rules
         return field(default=self.default, metadata={**meta, "resume_checked": resume_checked})
 
@@ -104,11 +105,16 @@ _stopping = functools.partial(_opt, "validation, stopping and checkpoint history
 class TrainConfig:
     """Every training flag, in ``--help`` order; HELP_GROUPS and the bounds come from the fields."""
 
-    train_dir: str = _data("data/train").help("training ImageFolder: <dir>/<class>/<image>")
-    val_dir: str = _data("data/val").help("validation ImageFolder with the same class folders")
-    demo: bool = _data(False).help(
-        "write the bundled digits demo data to data/demo and train on it"
+    train_dir: str = _data("data/train").help(
+        "training data: a folder <dir>/<class>/<image>, a .csv/.tsv list (path,label), Parquet "
+        "(a file or a folder) or tar shards (train-{000000..000099}.tar or a glob)",
+        "train_data",
     )
+    val_dir: str = _data("data/val").help("validation data with the same classes", "val_data")
+    class_names: str | None = _data(None).help(
+        "file of class names, one a line, for labels given as class indices (lists, Parquet, shards)"
+    )
+    demo: bool = _data(False).help("write the bundled digits demo data to data/demo, train on it")
     image_size: int = _data(224, POSITIVE).help(
         "side of the square crop fed to the model, in pixels"
     )
