@@ -325,6 +325,22 @@ def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):
         assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == opt_out
 
 
+def wait_for(ready, seconds: float, launcher) -> None:
+    """Poll ``ready()`` until true, failing at once if ``launcher`` ends before."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"not ready after {seconds} s"
+        time.sleep(0.1)
+
+
+def with_torchrun_log(stderr: str, log: Path) -> str:
+    """A failed launcher's stderr and torchrun's own log (the agents' rendezvous and restarts,
+    which the workers' tracebacks do not show)."""
+    text = log.read_text() if log.exists() else "(no torchrun.log)"
+    return f"{stderr[-3000:]}\n----- {log}:\n{text[-12000:]}"
+
+
 def agent_group(launcher) -> int:
     """The process group of a launcher's torchrun (its own session): the agent and workers."""
     children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
@@ -348,19 +364,22 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
     # Held 20 s after each step at world size 2, so the kill lands after the mid-epoch
     # checkpoint and before the epoch's end whatever the machine's speed (an epoch is 2 steps).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2")
+    # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2", LOGLEVEL="INFO")
     first = start_launcher(flags, workdir, env=env)
-    time.sleep(1)  # the first agent hosts the rendezvous store; both join the first round
+    # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
+    # its torchrun hosts it, whichever agent imports torch first; both join the first round.
+    torchrun_log = workdir / "logs" / "torchrun.log"
+    wait_for(lambda: torchrun_log.exists(), 60, first)
     second = start_launcher(flags, workdir, env=env, stdout=subprocess.DEVNULL)
     checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(checkpoint.exists, 300, first)
     assert latest(workdir)["world_size"] == 2 and latest(workdir)["step"] == 1
     os.killpg(agent_group(second), signal.SIGKILL)
     second.kill()
     stdout, stderr = first.communicate(timeout=300)
-    assert first.returncode == 0, stderr[-3000:]
+    assert first.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    assert "is_host=1" in stdout  # the survivor's agent hosted the store
     assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es)" in stdout
     history = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
     assert [r["epoch"] for r in history] == [1, 2]
