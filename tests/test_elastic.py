@@ -33,6 +33,7 @@ from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.errors import UserError
 from imgtrainer.hooks import HOOKS_ENV, Hook
 from imgtrainer.process import TorchrunEnv
+from imgtrainer.run.rendezvous import claim_store_host
 
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
@@ -313,6 +314,94 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
             "workers as a new start, and --resume auto makes them continue from the newest "
             "checkpoint"
         )
+
+
+def test_an_elastic_job_gets_a_restart_budget_for_lost_nodes(capsys):
+    """--nnodes MIN:MAX without --max_restarts: each lost node costs every survivor a restart,
+    so 0 would end the job at its first lost node; a given --max_restarts is kept."""
+    assert launch_ddp.ELASTIC_MAX_RESTARTS == 3
+    elastic = ("--device", "cpu", "--nnodes", "1:4", "--resume", "auto")
+    assert "--max-restarts=3" in dry_run(capsys, *elastic)
+    assert "--max-restarts=0" in dry_run(capsys, *elastic, "--max_restarts", "0")
+    assert "--max-restarts=0" in dry_run(capsys, "--device", "cpu", "--nnodes", "2")
+    assert "--max-restarts=0" in dry_run(capsys, "--device", "cpu")
+    line = user_error_line(launch_ddp.main, [*elastic, "--max_restarts", "-1"], capsys)
+    assert line == "error: --max_restarts must be 0 or more, got -1"
+
+
+def test_the_first_launcher_on_the_endpoint_host_hosts_the_rendezvous_store(tmp_path):
+    """Two launchers of one elastic job on the endpoint's machine: the first started holds the
+    port's lock and tells its agent to host the store (is_host=1), the other not to; another
+    host, or an is_host of the user's, is left to torch."""
+    hosts, lock = claim_store_host("localhost:29555", tmp_path)
+    assert hosts is True and lock is not None
+    assert claim_store_host("127.0.0.1:29555", tmp_path) == (False, None)
+    assert claim_store_host("localhost:29556", tmp_path)[0] is True  # another job's port
+    lock.close()  # the first launcher ended: the next one on this machine hosts
+    assert claim_store_host("localhost:29555", tmp_path)[0] is True
+    assert claim_store_host("192.0.2.1:29555", tmp_path) == (None, None)  # TEST-NET-1
+    args = launch_ddp.build_parser().parse_args(
+        ["--nnodes", "1:2", "--rdzv_endpoint", "localhost:29555", "--rdzv_conf", "join_timeout=9"]
+    )
+    for store_host, conf in ((True, "is_host=1,"), (False, "is_host=0,"), (None, "")):
+        cmd = launch_ddp.torchrun_command(args, "cpu", 1, [], store_host)
+        assert f"--rdzv-conf={conf}join_timeout=9" in cmd
+    args.rdzv_conf = "is_host=0"
+    assert launch_ddp.elastic_store_host(args) == (None, None)
+
+
+AGENT_FAILS = """
+import os, sys
+from imgtrainer.run.lifecycle import write_outcome
+
+class DistNetworkError(RuntimeError):
+    pass
+
+class RendezvousConnectionError(Exception):
+    pass
+
+def main():
+    # Rank 0's worker failed (its peer was lost), then the agent lost its rendezvous store.
+    os.environ.update(RANK="0", TORCHELASTIC_RESTART_COUNT="0")
+    write_outcome(__import__("pathlib").Path(os.environ["TRAIN_DDP_REPORT_DIR"]), 1,
+                  "error: RuntimeError: Connection closed by peer", "Traceback: the worker's")
+    try:
+        raise DistNetworkError("Connection reset by peer")
+    except DistNetworkError as cause:
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from cause
+"""
+
+RUN_AGENT = """
+import sys
+from pathlib import Path
+from imgtrainer.run import launcher
+
+sys.exit(launcher.run_torchrun(
+    [sys.executable, str(launcher.QUICK_EXIT), "agent_fails:main"], dict(__import__("os").environ),
+    Path(sys.argv[1]),
+))
+"""
+
+
+def test_the_launcher_names_the_agents_own_failure_not_the_rank_it_was_restarting(tmp_path):
+    """torchrun's agent that fails itself (here, as when its rendezvous store is gone) is named
+    in the launcher's line, with the rank failure it was handling; no rank's traceback."""
+    (tmp_path / "agent_fails.py").write_text(AGENT_FAILS)
+    pythonpath = os.pathsep.join([str(tmp_path), str(ROOT / "src")])
+    result = run_cli(
+        ["-c", RUN_AGENT, tmp_path / "logs"], tmp_path, timeout=60, env={"PYTHONPATH": pythonpath}
+    )
+    assert result.returncode == 1
+    *_, line = result.stderr.strip().splitlines()
+    assert line == (
+        "error: torchrun's agent failed, so no restart was tried: RendezvousConnectionError: "
+        "The connection to the C10d store has failed. (DistNetworkError: Connection reset by "
+        "peer); it was handling rank 0's failure (RuntimeError: Connection closed by peer); the "
+        "agent that hosts the rendezvous store (on the --rdzv_endpoint host) is gone, and a job "
+        f"cannot outlive that one node (torchrun's log: {tmp_path / 'logs' / 'torchrun.log'})"
+    )
+    assert "Traceback: the worker's" not in result.stderr
+    assert "RendezvousConnectionError" in (tmp_path / "logs" / "torchrun.log").read_text()
 
 
 def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):

@@ -154,6 +154,21 @@ def check_elastic_resume(nnodes: object, resume: str | None) -> None:
         )
 
 
+ELASTIC_MAX_RESTARTS = 3  # --max_restarts of an elastic job that does not give it
+
+
+def restart_budget(max_restarts: int | None, nnodes: object) -> int:
+    """--max_restarts, or where it is not given 0 for a fixed number of nodes and
+    ``ELASTIC_MAX_RESTARTS`` for --nnodes MIN:MAX: a lost node makes every surviving agent
+    restart its workers once (their collectives fail), so an elastic job with no budget ended
+    at its first lost node. Joins cost nothing (torchrun does not count them)."""
+    if max_restarts is not None:
+        check_bound("max_restarts", max_restarts)
+        return max_restarts
+    low, high = node_range(nnodes)
+    return ELASTIC_MAX_RESTARTS if low < high else 0
+
+
 def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
     if args.rdzv_endpoint:
         return args.rdzv_endpoint
@@ -192,7 +207,7 @@ def torchrun_command(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rendezvous_endpoint(args, high > 1)}",
         f"--rdzv-id={args.rdzv_id}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={restart_budget(args.max_restarts, args.nnodes)}",
     ]
     # Elastic: the agent on the endpoint's host holds the rendezvous store (torchrun finds it by
     # its address), and the rendezvous numbers the nodes of each round.
