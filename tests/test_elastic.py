@@ -394,10 +394,9 @@ def test_the_launcher_names_the_agents_own_failure_not_the_rank_it_was_restartin
     assert result.returncode == 1
     *_, line = result.stderr.strip().splitlines()
     assert line == (
-        "error: torchrun's agent failed, so no restart was tried: RendezvousConnectionError: "
-        "The connection to the C10d store has failed. (DistNetworkError: Connection reset by "
-        "peer); it was handling rank 0's failure (RuntimeError: Connection closed by peer); the "
-        "agent that hosts the rendezvous store (on the --rdzv_endpoint host) is gone, and a job "
+        "error: torchrun's agent failed: RendezvousConnectionError: The connection to the C10d "
+        "store has failed. (DistNetworkError: Connection reset by peer); no restart was tried "
+        "after rank 0's failure (RuntimeError: Connection closed by peer); the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is gone, and a job "
         f"cannot outlive that one node (torchrun's log: {tmp_path / 'logs' / 'torchrun.log'})"
     )
     assert "Traceback: the worker's" not in result.stderr

@@ -329,15 +329,14 @@ def report_agent_failure(line: str, outcomes: list[dict], code: int, log_file: P
     after = ""
     if failures:
         reason = failures[0]["line"].removeprefix("error: ") or f"code {failures[0]['code']}"
-        after = f"; it was handling rank {failures[0]['rank']}'s failure ({reason})"
+        after = f"; no restart was tried after rank {failures[0]['rank']}'s failure ({reason})"
     if line.startswith("RendezvousConnectionError"):
         after += (
             "; the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is "
             "gone, and a job cannot outlive that one node"
         )
     print(
-        f"error: torchrun's agent failed, so no restart was tried: {line}{after} "
-        f"(torchrun's log: {log_file})",
+        f"error: torchrun's agent failed: {line}{after} (torchrun's log: {log_file})",
         file=sys.stderr,
         flush=True,
     )
@@ -396,12 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
         return 0
     store_host, lock = (None, None) if args.dry_run else elastic_store_host(args)
-    command = torchrun_command(args, device, nproc, trainer_args, store_host)
-    print("Running: " + shlex.join(command), flush=True)
-    if args.dry_run:
-        return 0
-    launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
-    try:
+    try:  # the lock (an elastic job's rendezvous store hosted here) is held while torchrun runs
+        command = torchrun_command(args, device, nproc, trainer_args, store_host)
+        print("Running: " + shlex.join(command), flush=True)
+        if args.dry_run:
+            return 0
+        launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
         return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
     finally:
         if lock is not None:
