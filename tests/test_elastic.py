@@ -509,8 +509,9 @@ def test_an_agent_that_joins_a_running_job_is_taken_in(elastic_dataset, tmp_path
     second = start_launcher(flags, workdir, env=env, preexec_fn=on_core(1))
     stdout, stderr = first.communicate(timeout=120)
     second_stderr = second.communicate(timeout=60)[1]
-    assert first.returncode == 0, stderr[-3000:]
-    assert second.returncode == 0, second_stderr[-3000:]
+    torchrun_log = workdir / "logs" / "torchrun.log"
+    assert first.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    assert second.returncode == 0, with_torchrun_log(second_stderr, torchrun_log)
     assert "processes 1 -> 2, layout --batch_size 4 x --accum_steps 1 x 2 process(es) = 8" in stdout
     # The first agent stopped its worker itself (nothing signalled the launchers).
     assert "via signal SIGTERM" in (workdir / "logs" / "torchrun.log").read_text()
