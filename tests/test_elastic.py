@@ -33,6 +33,7 @@ from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.errors import UserError
 from imgtrainer.hooks import HOOKS_ENV, Hook
 from imgtrainer.process import TorchrunEnv
+from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_agent_failure, write_agent_failure
 from imgtrainer.run.rendezvous import claim_store_host
 
 FAULTS = Path(__file__).parent / "fault_injection"
@@ -401,6 +402,16 @@ def test_the_launcher_names_the_agents_own_failure_not_the_rank_it_was_restartin
     )
     assert "Traceback: the worker's" not in result.stderr
     assert "RendezvousConnectionError" in (tmp_path / "logs" / "torchrun.log").read_text()
+
+
+def test_only_the_agents_own_failures_are_reported_as_its_own(tmp_path, monkeypatch):
+    """Its workers' failure (ChildFailedError) and its stop signals are reported otherwise."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    for name in ("ChildFailedError", "SignalException", "KeyboardInterrupt"):
+        write_agent_failure(type(name, (Exception,), {})("not the agent's"))
+        assert read_agent_failure(tmp_path) is None
+    write_agent_failure(type("RendezvousTimeoutError", (Exception,), {})("no quorum\nmore"))
+    assert read_agent_failure(tmp_path) == "RendezvousTimeoutError: no quorum"
 
 
 def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):

@@ -58,14 +58,16 @@ def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> N
 
 
 AGENT_REPORT = "agent.json"  # torchrun's agent's own failure, in the same folder
+# Not failures of the agent: its workers' (the ranks report them) and its stop signals'.
+NOT_AGENT_FAILURES = ("ChildFailedError", "SignalException", "KeyboardInterrupt")
 
 
 def write_agent_failure(error: BaseException) -> None:
-    """torchrun's agent failed itself (its rendezvous lost, timed out or closed), not through its
-    workers (ChildFailedError, which the ranks report): its one line, for the launcher, which
-    would otherwise blame the rank whose failure the agent could not restart."""
+    """torchrun's agent failed itself (its rendezvous lost, timed out or closed): its one line,
+    for the launcher, which would otherwise blame the rank whose failure the agent could not
+    restart."""
     folder = report_dir()
-    if folder is None or type(error).__name__ == "ChildFailedError":
+    if folder is None or type(error).__name__ in NOT_AGENT_FAILURES:
         return
     try:
         line = first_line(error)
