@@ -33,6 +33,8 @@ from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.errors import UserError
 from imgtrainer.hooks import HOOKS_ENV, Hook
 from imgtrainer.process import TorchrunEnv
+from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_agent_failure, write_agent_failure
+from imgtrainer.run.rendezvous import claim_store_host
 
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
@@ -315,6 +317,103 @@ def test_an_elastic_node_range_goes_to_torchrun(capsys):
         )
 
 
+def test_an_elastic_job_gets_a_restart_budget_for_lost_nodes(capsys):
+    """--nnodes MIN:MAX without --max_restarts: each lost node costs every survivor a restart,
+    so 0 would end the job at its first lost node; a given --max_restarts is kept."""
+    assert launch_ddp.ELASTIC_MAX_RESTARTS == 3
+    elastic = ("--device", "cpu", "--nnodes", "1:4", "--resume", "auto")
+    assert "--max-restarts=3" in dry_run(capsys, *elastic)
+    assert "--max-restarts=0" in dry_run(capsys, *elastic, "--max_restarts", "0")
+    assert "--max-restarts=0" in dry_run(capsys, "--device", "cpu", "--nnodes", "2")
+    assert "--max-restarts=0" in dry_run(capsys, "--device", "cpu")
+    line = user_error_line(launch_ddp.main, [*elastic, "--max_restarts", "-1"], capsys)
+    assert line == "error: --max_restarts must be 0 or more, got -1"
+
+
+def test_the_first_launcher_on_the_endpoint_host_hosts_the_rendezvous_store(tmp_path):
+    """Two launchers of one elastic job on the endpoint's machine: the first started holds the
+    port's lock and tells its agent to host the store (is_host=1), the other not to; another
+    host, or an is_host of the user's, is left to torch."""
+    hosts, lock = claim_store_host("localhost:29555", tmp_path)
+    assert hosts is True and lock is not None
+    assert claim_store_host("127.0.0.1:29555", tmp_path) == (False, None)
+    assert claim_store_host("localhost:29556", tmp_path)[0] is True  # another job's port
+    lock.close()  # the first launcher ended: the next one on this machine hosts
+    assert claim_store_host("localhost:29555", tmp_path)[0] is True
+    assert claim_store_host("192.0.2.1:29555", tmp_path) == (None, None)  # TEST-NET-1
+    args = launch_ddp.build_parser().parse_args(
+        ["--nnodes", "1:2", "--rdzv_endpoint", "localhost:29555", "--rdzv_conf", "join_timeout=9"]
+    )
+    for store_host, conf in ((True, "is_host=1,"), (False, "is_host=0,"), (None, "")):
+        cmd = launch_ddp.torchrun_command(args, "cpu", 1, [], store_host)
+        assert f"--rdzv-conf={conf}join_timeout=9" in cmd
+    args.rdzv_conf = "is_host=0"
+    assert launch_ddp.elastic_store_host(args) == (None, None)
+
+
+AGENT_FAILS = """
+import os, sys
+from imgtrainer.run.lifecycle import write_outcome
+
+class DistNetworkError(RuntimeError):
+    pass
+
+class RendezvousConnectionError(Exception):
+    pass
+
+def main():
+    # Rank 0's worker failed (its peer was lost), then the agent lost its rendezvous store.
+    os.environ.update(RANK="0", TORCHELASTIC_RESTART_COUNT="0")
+    write_outcome(__import__("pathlib").Path(os.environ["TRAIN_DDP_REPORT_DIR"]), 1,
+                  "error: RuntimeError: Connection closed by peer", "Traceback: the worker's")
+    try:
+        raise DistNetworkError("Connection reset by peer")
+    except DistNetworkError as cause:
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from cause
+"""
+
+RUN_AGENT = """
+import sys
+from pathlib import Path
+from imgtrainer.run import launcher
+
+sys.exit(launcher.run_torchrun(
+    [sys.executable, str(launcher.QUICK_EXIT), "agent_fails:main"], dict(__import__("os").environ),
+    Path(sys.argv[1]),
+))
+"""
+
+
+def test_the_launcher_names_the_agents_own_failure_not_the_rank_it_was_restarting(tmp_path):
+    """torchrun's agent that fails itself (here, as when its rendezvous store is gone) is named
+    in the launcher's line, with the rank failure it was handling; no rank's traceback."""
+    (tmp_path / "agent_fails.py").write_text(AGENT_FAILS)
+    pythonpath = os.pathsep.join([str(tmp_path), str(ROOT / "src")])
+    result = run_cli(
+        ["-c", RUN_AGENT, tmp_path / "logs"], tmp_path, timeout=60, env={"PYTHONPATH": pythonpath}
+    )
+    assert result.returncode == 1
+    *_, line = result.stderr.strip().splitlines()
+    assert line == (
+        "error: torchrun's agent failed: RendezvousConnectionError: The connection to the C10d "
+        "store has failed. (DistNetworkError: Connection reset by peer); no restart was tried "
+        "after rank 0's failure (RuntimeError: Connection closed by peer); the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is gone, and a job "
+        f"cannot outlive that one node (torchrun's log: {tmp_path / 'logs' / 'torchrun.log'})"
+    )
+    assert "Traceback: the worker's" not in result.stderr
+    assert "RendezvousConnectionError" in (tmp_path / "logs" / "torchrun.log").read_text()
+
+
+def test_only_the_agents_own_failures_are_reported_as_its_own(tmp_path, monkeypatch):
+    """Its workers' failure (ChildFailedError) and its stop signals are reported otherwise."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    for name in ("ChildFailedError", "SignalException", "KeyboardInterrupt"):
+        write_agent_failure(type(name, (Exception,), {})("not the agent's"))
+        assert read_agent_failure(tmp_path) is None
+    write_agent_failure(type("RendezvousTimeoutError", (Exception,), {})("no quorum\nmore"))
+    assert read_agent_failure(tmp_path) == "RendezvousTimeoutError: no quorum"
+
+
 def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):
     """torch's shared agent store keeps the first round's address on its rank 0, which a node
     joining a later round waits for in vain: runs on several nodes opt out of it."""
@@ -323,6 +422,22 @@ def test_runs_on_several_nodes_publish_each_rounds_store(monkeypatch):
         args = launch_ddp.build_parser().parse_args(["--nnodes", nnodes])
         env = launch_ddp.torchrun_env(args, "cpu", 1)
         assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == opt_out
+
+
+def wait_for(ready, seconds: float, launcher) -> None:
+    """Poll ``ready()`` until true, failing at once if ``launcher`` ends before."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"not ready after {seconds} s"
+        time.sleep(0.1)
+
+
+def with_torchrun_log(stderr: str, log: Path) -> str:
+    """A failed launcher's stderr and torchrun's own log (the agents' rendezvous and restarts,
+    which the workers' tracebacks do not show)."""
+    text = log.read_text() if log.exists() else "(no torchrun.log)"
+    return f"{stderr[-3000:]}\n----- {log}:\n{text[-12000:]}"
 
 
 def agent_group(launcher) -> int:
@@ -348,19 +463,22 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
     # Held 20 s after each step at world size 2, so the kill lands after the mid-epoch
     # checkpoint and before the epoch's end whatever the machine's speed (an epoch is 2 steps).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2")
+    # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2", LOGLEVEL="INFO")
     first = start_launcher(flags, workdir, env=env)
-    time.sleep(1)  # the first agent hosts the rendezvous store; both join the first round
+    # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
+    # its torchrun hosts it, whichever agent imports torch first; both join the first round.
+    torchrun_log = workdir / "logs" / "torchrun.log"
+    wait_for(lambda: torchrun_log.exists(), 60, first)
     second = start_launcher(flags, workdir, env=env, stdout=subprocess.DEVNULL)
     checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(checkpoint.exists, 300, first)
     assert latest(workdir)["world_size"] == 2 and latest(workdir)["step"] == 1
     os.killpg(agent_group(second), signal.SIGKILL)
     second.kill()
     stdout, stderr = first.communicate(timeout=300)
-    assert first.returncode == 0, stderr[-3000:]
+    assert first.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    assert "is_host=1" in stdout  # the survivor's agent hosted the store
     assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es)" in stdout
     history = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
     assert [r["epoch"] for r in history] == [1, 2]
@@ -402,8 +520,9 @@ def test_an_agent_that_joins_a_running_job_is_taken_in(elastic_dataset, tmp_path
     second = start_launcher(flags, workdir, env=env, preexec_fn=on_core(1))
     stdout, stderr = first.communicate(timeout=120)
     second_stderr = second.communicate(timeout=60)[1]
-    assert first.returncode == 0, stderr[-3000:]
-    assert second.returncode == 0, second_stderr[-3000:]
+    torchrun_log = workdir / "logs" / "torchrun.log"
+    assert first.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    assert second.returncode == 0, with_torchrun_log(second_stderr, torchrun_log)
     assert "processes 1 -> 2, layout --batch_size 4 x --accum_steps 1 x 2 process(es) = 8" in stdout
     # The first agent stopped its worker itself (nothing signalled the launchers).
     assert "via signal SIGTERM" in (workdir / "logs" / "torchrun.log").read_text()

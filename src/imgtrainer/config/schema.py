@@ -480,8 +480,12 @@ class LauncherConfig:
         "an elastic rendezvous waits for more nodes once it has MIN, join_timeout=600)",
     )
     rdzv_id: str = _launch("image-trainer", "rendezvous id, the same on every node of one job")
-    max_restarts: int = _launch(
-        0, "times torchrun restarts the workers after a failure (default: 0)"
+    max_restarts: int | None = _launch(
+        None,
+        "times torchrun restarts the workers after a failure; a lost node spends one on each "
+        "node left, a node that joins costs none (default: 0; 3 with --nnodes MIN:MAX, so an "
+        "elastic job outlives up to 3 lost nodes or crashes)",
+        ZERO_OR_MORE,
     )
     start_method: str = _launch(
         "auto",

@@ -6,12 +6,20 @@ import datetime
 import os
 import signal
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 
 from imgtrainer.distributed.collectives import host_group
+from imgtrainer.distributed.nccl_preflight import (
+    Preflight,
+    local_facts,
+    run_preflight,
+    store_gather,
+    torch_probe,
+)
 from imgtrainer.errors import UserError
 from imgtrainer.process import TorchrunEnv, cuda_not_visible, die_with_parent, gpus_may_be_shared
 
@@ -24,6 +32,7 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     restart_count: int = 0  # torchrun's restarts so far (TorchrunEnv)
+    preflight: Preflight | None = None  # an NCCL job's pre-flight (nccl_preflight)
 
     first_attempt = TorchrunEnv.first_attempt  # from restart_count, as there
 
@@ -119,20 +128,48 @@ def setup_distributed(
         # cores instead, so 1 process uses them all and N processes do not oversubscribe.
         torch.set_num_threads(max(1, cpu_cores_available() // env.local_world_size))
 
+    preflight = None
     if env.world_size > 1:
         backend = process_group_backend(device, env.local_world_size)
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        torch_dist.init_process_group(
+        store = _rendezvous_store(env)
+        join = partial(
+            torch_dist.init_process_group,
             backend,
-            store=_rendezvous_store(env),
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
+        if backend == "nccl":
+            preflight = nccl_preflight(env, store, device, join)
+        else:
+            join()
         host_group(timeout)  # now, with the job's timeout; later calls reuse it
     return DistInfo(
-        env.rank, env.local_rank, env.world_size, env.local_world_size, device, env.restart_count
+        env.rank,
+        env.local_rank,
+        env.world_size,
+        env.local_world_size,
+        device,
+        env.restart_count,
+        preflight,
+    )
+
+
+def nccl_preflight(
+    env: TorchrunEnv, store: torch_dist.Store, device: torch.device, join
+) -> Preflight:
+    """``nccl_preflight.run_preflight`` with torch's queries, around ``join``."""
+    all_reduce, arrived = torch_probe(store, device, env.rank, env.world_size)
+    return run_preflight(
+        local_facts(env.rank, env.local_world_size),
+        store_gather(store, env.world_size),
+        join,
+        all_reduce,
+        arrived,
+        os.environ,
     )
 
 

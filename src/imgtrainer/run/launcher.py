@@ -44,8 +44,9 @@ from imgtrainer.process import (
     gpus_may_be_shared,
     visible_gpu_count,
 )
-from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_outcomes
+from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_agent_failure, read_outcomes
 from imgtrainer.run.preflight import launcher_checks
+from imgtrainer.run.rendezvous import claim_store_host
 
 SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
 TRAIN_SCRIPT = SRC / "train_ddp.py"
@@ -153,6 +154,21 @@ def check_elastic_resume(nnodes: object, resume: str | None) -> None:
         )
 
 
+ELASTIC_MAX_RESTARTS = 3  # --max_restarts of an elastic job that does not give it
+
+
+def restart_budget(max_restarts: int | None, nnodes: object) -> int:
+    """--max_restarts, or where it is not given 0 for a fixed number of nodes and
+    ``ELASTIC_MAX_RESTARTS`` for --nnodes MIN:MAX: a lost node makes every surviving agent
+    restart its workers once (their collectives fail), so an elastic job with no budget ended
+    at its first lost node. Joins cost nothing (torchrun does not count them)."""
+    if max_restarts is not None:
+        check_bound("max_restarts", max_restarts)
+        return max_restarts
+    low, high = node_range(nnodes)
+    return ELASTIC_MAX_RESTARTS if low < high else 0
+
+
 def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
     if args.rdzv_endpoint:
         return args.rdzv_endpoint
@@ -161,8 +177,14 @@ def rendezvous_endpoint(args: argparse.Namespace, several_nodes: bool) -> str:
 
 
 def torchrun_command(
-    args: argparse.Namespace, device: str, nproc: int, trainer_args: list[str]
+    args: argparse.Namespace,
+    device: str,
+    nproc: int,
+    trainer_args: list[str],
+    store_host: bool | None = None,
 ) -> list[str]:
+    """torchrun's command line; ``store_host``: whether this node's agent hosts an elastic
+    job's rendezvous store (``run.rendezvous``; None: torch guesses from the endpoint)."""
     low, high = node_range(args.nnodes)
     elastic = low < high
     if not elastic and not 0 <= args.node_rank < high:
@@ -185,11 +207,13 @@ def torchrun_command(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rendezvous_endpoint(args, high > 1)}",
         f"--rdzv-id={args.rdzv_id}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={restart_budget(args.max_restarts, args.nnodes)}",
     ]
     # Elastic: the agent on the endpoint's host holds the rendezvous store (torchrun finds it by
     # its address), and the rendezvous numbers the nodes of each round.
     conf = [args.rdzv_conf] if args.rdzv_conf else []
+    if elastic and store_host is not None:
+        conf.insert(0, f"is_host={int(store_host)}")
     if high > 1 and not elastic:
         # Ranks are assigned by the rendezvous; node 0 hosts its store at master_addr:port.
         command.append(f"--node-rank={args.node_rank}")
@@ -219,6 +243,8 @@ def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         log.flush()
         received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
+        if code != 0 and not received and (agent := read_agent_failure(Path(reports))):
+            return report_agent_failure(agent, read_outcomes(Path(reports)), code, log_file)
         return exit_code(code, read_outcomes(Path(reports)), received, log_file)
 
 
@@ -304,6 +330,27 @@ def report_failure(first: dict, log_file: Path) -> int:
     return first["code"]
 
 
+def report_agent_failure(line: str, outcomes: list[dict], code: int, log_file: Path) -> int:
+    """torchrun's agent failed itself (``lifecycle.write_agent_failure``): its line, not the
+    failure of a rank it could not restart (that rank's line follows it, for context)."""
+    failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
+    after = ""
+    if failures:
+        reason = failures[0]["line"].removeprefix("error: ") or f"code {failures[0]['code']}"
+        after = f"; no restart was tried after rank {failures[0]['rank']}'s failure ({reason})"
+    if line.startswith("RendezvousConnectionError"):
+        after += (
+            "; the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is "
+            "gone, and a job cannot outlive that one node"
+        )
+    print(
+        f"error: torchrun's agent failed: {line}{after} (torchrun's log: {log_file})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code
+
+
 def stop_code(stops: list[dict], received: list[int]) -> int:
     """The exit code of a stopped run: the signal's that the launcher passed on, else the
     ranks'; their reason is printed when every stopped rank gave one."""
@@ -355,12 +402,25 @@ def main(argv: list[str] | None = None) -> int:
     if run_flags.print_config:
         print(config_yaml(cfg, resolved_launcher_flags(args, nproc)), end="")
         return 0
-    command = torchrun_command(args, device, nproc, trainer_args)
-    print("Running: " + shlex.join(command), flush=True)
-    if args.dry_run:
-        return 0
-    launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
-    return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+    store_host, lock = (None, None) if args.dry_run else elastic_store_host(args)
+    try:  # the lock (an elastic job's rendezvous store hosted here) is held while torchrun runs
+        command = torchrun_command(args, device, nproc, trainer_args, store_host)
+        print("Running: " + shlex.join(command), flush=True)
+        if args.dry_run:
+            return 0
+        launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
+        return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def elastic_store_host(args: argparse.Namespace):
+    """``rendezvous.claim_store_host`` for an elastic job that does not say itself (is_host)."""
+    low, high = node_range(args.nnodes)
+    if low == high or "is_host=" in (args.rdzv_conf or ""):
+        return None, None
+    return claim_store_host(rendezvous_endpoint(args, True))
 
 
 def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str, str]:

@@ -57,6 +57,34 @@ def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> N
         pass  # the launcher then reports torchrun's exit code and points at the log
 
 
+AGENT_REPORT = "agent.json"  # torchrun's agent's own failure, in the same folder
+# Not failures of the agent: its workers' (the ranks report them) and its stop signals'.
+NOT_AGENT_FAILURES = ("ChildFailedError", "SignalException", "KeyboardInterrupt")
+
+
+def write_agent_failure(error: BaseException) -> None:
+    """torchrun's agent failed itself (its rendezvous lost, timed out or closed): its one line,
+    for the launcher, which would otherwise blame the rank whose failure the agent could not
+    restart."""
+    folder = report_dir()
+    if folder is None or type(error).__name__ in NOT_AGENT_FAILURES:
+        return
+    try:
+        line = first_line(error)
+        if error.__cause__ is not None:
+            line += f" ({first_line(error.__cause__)})"
+        (folder / AGENT_REPORT).write_text(json.dumps({"line": line}))
+    except OSError:
+        pass  # the launcher then points at torchrun's log
+
+
+def read_agent_failure(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / AGENT_REPORT).read_text())["line"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def read_outcomes(folder: Path) -> list[dict]:
     """The endings the ranks of the last torchrun attempt wrote, earliest first."""
     records = []

@@ -35,8 +35,11 @@ def run_entry_point(argv: list[str]) -> int:
         result = getattr(importlib.import_module(module), function)()
     except SystemExit as end:
         result = end.code
-    except BaseException:  # what Python would print for an uncaught exception, then exit 1
+    except BaseException as error:  # what Python would print for an uncaught exception, exit 1
         traceback.print_exc()
+        from imgtrainer.run.lifecycle import write_agent_failure
+
+        write_agent_failure(error)  # for the launcher, when this is torchrun's agent
         return 1
     return result if isinstance(result, int) else (0 if result is None else 1)
 

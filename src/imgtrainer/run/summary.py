@@ -30,6 +30,13 @@ def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
         f"{trainer.train_loader.num_workers} loader worker(s) per process"
     )
     log.info(effective_batch_line(cfg, dist.world_size))
+    if dist.preflight is not None:
+        log.info(dist.preflight.line)
+        if dist.preflight.warning:
+            log.warning(
+                "NCCL or driver versions differ between hosts, a known cause of NCCL hangs: "
+                + dist.preflight.warning
+            )
     log.info("Config: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
 
 
