@@ -266,6 +266,11 @@ class TrainConfig:
     dist_timeout_minutes: float = _dist(30.0, POSITIVE).help(
         "process-group timeout: a hung rank fails the job after this long"
     )
+    hang_timeout: str = _dist("5m").help(
+        "a rank or loader worker that makes no progress this long (e.g. 5m, 45s; 0: off) is named "
+        "with its stacks in <log_dir>/hang/ and the workers are restarted (--max_restarts), else "
+        "the run ends with exit code 3; watched by launch_ddp.py"
+    )
     check_sync: bool = _dist(False).help(
         "after every epoch, verify that all ranks hold identical parameters and buffers"
     )

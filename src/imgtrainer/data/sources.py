@@ -29,6 +29,7 @@ from imgtrainer.data.image_files import (
 from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
+from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import format_bytes
 
@@ -173,7 +174,7 @@ class TrainingSamples(Dataset):
         index, epoch = key
         path, label = self.folder.samples[index]
         try:
-            with open(path, "rb") as f:
+            with heartbeat.reading(path), open(path, "rb") as f:
                 data = f.read()
         except OSError:  # gone since the start-up check: the CPU path handles it
             data = b""
@@ -482,7 +483,8 @@ class ReadableImageFolder(datasets.ImageFolder):
         for offset in range(len(self.samples)):
             path, target = self.samples[(index + offset) % len(self.samples)]
             try:
-                image = self.loader(path)
+                with heartbeat.reading(path):  # named if this read hangs (a hung file system)
+                    image = self.loader(path)
             except Exception as err:  # any decoder failure on a user's file
                 log.warning(
                     f"could not read {path} ({type(err).__name__}: {err}); "

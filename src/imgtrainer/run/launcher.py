@@ -11,6 +11,7 @@ exits with the code of how the run ended (docs/development.md: the processes of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -30,12 +32,15 @@ from imgtrainer.config import (
     add_launcher_flags,
     check_bound,
     config_yaml,
+    hang_seconds,
     parse_config,
     read_run_file,
     run_file_parser,
 )
+from imgtrainer.distributed.heartbeat import HEARTBEAT_DIR_ENV
 from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.process import (
+    EXIT_HUNG,
     STOP_SIGNALS,
     TorchrunEnv,
     cuda_not_visible,
@@ -46,6 +51,7 @@ from imgtrainer.process import (
 )
 from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_outcomes
 from imgtrainer.run.preflight import launcher_checks
+from imgtrainer.run.watchdog import Verdict, Watchdog, WatchPlan
 
 SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
 TRAIN_SCRIPT = SRC / "train_ddp.py"
@@ -208,8 +214,15 @@ def print_help(parser: argparse.ArgumentParser) -> None:
     print(trainer_help[trainer_help.index("options:") + len("options:") :].rstrip())
 
 
-def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
-    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code."""
+def run_torchrun(
+    command: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    hang_watch: tuple[float | None, int] = (None, 0),
+) -> int:
+    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code.
+    ``hang_watch``: (--hang_timeout in seconds or None for off, --max_restarts) for the hang
+    watchdog (``run.watchdog``), which watches this node's ranks from here."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / TORCHRUN_LOG
     with (
@@ -218,8 +231,17 @@ def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
     ):
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         log.flush()
-        received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
-        return exit_code(code, read_outcomes(Path(reports)), received, log_file)
+        env = {**env, REPORT_DIR_ENV: reports}
+        timeout, max_restarts = hang_watch
+        watchdog = None
+        if timeout is not None:
+            env[HEARTBEAT_DIR_ENV] = str(Path(reports) / "heartbeat")
+            plan = WatchPlan(Path(reports) / "heartbeat", timeout, log_dir, max_restarts, log_file)
+            watchdog = Watchdog(plan)
+        with watchdog or contextlib.nullcontext():
+            received, code = run_forwarding_signals(command, env, log)
+        hangs = [verdict for verdict, _ in watchdog.hangs] if watchdog else []
+        return exit_code(code, read_outcomes(Path(reports)), received, log_file, hangs)
 
 
 def run_forwarding_signals(
@@ -257,14 +279,25 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log_file: Path) -> int:
+def exit_code(
+    torchrun_code: int,
+    outcomes: list[dict],
+    received: list[int],
+    log_file: Path,
+    hangs: Sequence[Verdict] = (),
+) -> int:
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
-    traceback."""
+    traceback. A last attempt ended by the hang watchdog (``hangs``) ends with EXIT_HUNG: the
+    ranks that failed when it killed the stuck one are not blamed."""
     if torchrun_code == 0 and not received:
         # Every rank of torchrun's last round ended 0. An earlier round's 143 under the same
         # restart count is a rank its agent stopped to take in a joining node.
         return 0
+    if hangs and not received:
+        last = hangs[-1].culprit
+        if all(o["attempt"] <= last.attempt for o in outcomes):
+            return report_hang(hangs[-1], log_file)
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
     if failures:
         return report_failure(failures[0], log_file)
@@ -294,6 +327,19 @@ def report_failure(first: dict, log_file: Path) -> int:
         flush=True,
     )
     return first["code"]
+
+
+def report_hang(verdict: Verdict, log_file: Path) -> int:
+    """The end of a run whose last attempt the watchdog ended (its line is printed already)."""
+    culprit = verdict.culprit
+    print(
+        f"error: {culprit.who} (pid {culprit.pid}) made no progress for --hang_timeout; its "
+        f"stacks and torchrun's report are in {log_file.parent}. The run continues from its "
+        "newest checkpoint with the same command plus --resume auto",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_HUNG
 
 
 def stop_code(stops: list[dict], received: list[int]) -> int:
@@ -352,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
-    return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+    hang_watch = (hang_seconds(cfg.hang_timeout), args.max_restarts)
+    env = torchrun_env(args, device, nproc)
+    return run_torchrun(command, env, Path(cfg.log_dir), hang_watch)
 
 
 def torchrun_env(args: argparse.Namespace, device: str, nproc: int) -> dict[str, str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.hooks import Hook, Hooks, StepInfo
@@ -198,7 +199,9 @@ def train_one_epoch(
     steps_per_epoch = start_step + len(loader)
     step = start_step
     window = LogWindow()
+    heartbeat.mark(heartbeat.Phase.DATA, first_global_step)
     for images, targets in window.timed(progress.wrap(loader, start_step, first_global_step)):
+        heartbeat.mark(heartbeat.Phase.STEP)
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
             images, targets = mixer(images, targets, step)
         step_sums, skipped = train_step(state, images, targets)
@@ -217,6 +220,7 @@ def train_one_epoch(
         info = StepInfo(step, global_step, sums, skipped, flush_logs=flush_logs)
         if any(hooks.call("on_step_end", info)):
             break
+        heartbeat.mark(heartbeat.Phase.DATA, global_step)  # waiting for the next batch
     if lagged is not None:
         lagged.flush()
     progress.close()

@@ -26,6 +26,7 @@ from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
 from imgtrainer.data.balance import class_counts
 from imgtrainer.data.loaders import build_loaders
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
     check_ranks_in_sync,
@@ -222,6 +223,7 @@ class Trainer:
         At an epoch's end (``epoch_end``) the epochs' checkpoints to keep are kept. Nothing is
         saved once the loss or the weights are no longer finite."""
         self.nonfinite.check(self.steps_per_epoch)
+        heartbeat.mark(heartbeat.Phase.CHECKPOINT)
         started = self.budget.clock()
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         keep = self.best.kept_epochs(self.history.records) if epoch_end else None
@@ -274,6 +276,7 @@ class Trainer:
     def validate_epoch(self) -> dict[str, float]:
         """The epoch's validation metrics (``validate_run``), timed for --max_time."""
         started = self.budget.clock()
+        heartbeat.mark(heartbeat.Phase.VALIDATION)
         val = validate_run(self.parts, self.ema, self.val_loader, self.dist)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
