@@ -19,6 +19,9 @@ torchrun attempt (``freeze_hook``): WHERE "rank" stops the rank after that step,
 it inside the checkpoint's collective of that step (the other ranks enter it late), "worker" stops
 its loader worker 0 inside its STEP-th file read of that attempt (EPOCH is not used).
 
+TRAIN_DDP_SLOW="ATTEMPT:SECONDS:RANK" makes that rank sleep SECONDS after each step on that torchrun
+attempt: a straggler (``slow_rank``).
+
 TRAIN_DDP_STEP_DELAY="SECONDS:WORLD" makes every rank of a run on WORLD processes wait up to
 SECONDS after each optimizer step (after its checkpoint), cut short by a stop signal: a run that
 is still training when another node joins (``step_delay``).
@@ -200,6 +203,24 @@ def freeze_hook(trainer):
     return Freeze() if points else None
 
 
+SLOW_ENV = "TRAIN_DDP_SLOW"
+
+
+def slow_rank(trainer):
+    """A hook that makes $TRAIN_DDP_SLOW's rank sleep after each step, or None elsewhere."""
+    from imgtrainer.hooks import Hook
+
+    attempt, seconds, rank = os.environ[SLOW_ENV].split(":")
+    here = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), trainer.dist.rank)
+
+    class SlowRank(Hook):
+        def on_step_end(self, info) -> bool:
+            time.sleep(float(seconds))
+            return False
+
+    return SlowRank() if here == (attempt, int(rank)) else None
+
+
 # Each fault's variable and hook, in the order the hooks run: the recorder sees a step before
 # the kill does.
 FAULTS = {
@@ -207,6 +228,7 @@ FAULTS = {
     KILL_AT_ENV: "kill_hook",
     FREEZE_ENV: "freeze_hook",
     DELAY_ENV: "step_delay",
+    SLOW_ENV: "slow_rank",
 }
 
 

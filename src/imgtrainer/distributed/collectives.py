@@ -70,6 +70,16 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)]), group=host_group()).item())
 
 
+def all_gather_rows(row: torch.Tensor, group: object | None = None) -> torch.Tensor:
+    """Every rank's 1-D ``row`` (of one length), stacked in rank order. Every rank must call it."""
+    if not torch_dist.is_initialized():
+        return row[None]
+    rows = [torch.empty_like(row) for _ in range(torch_dist.get_world_size(group))]
+    with heartbeat.phase(heartbeat.Phase.COLLECTIVE):
+        torch_dist.all_gather(rows, row, group=group)
+    return torch.stack(rows)
+
+
 def world_size() -> int:
     """Processes in the job: 1 without a process group."""
     return torch_dist.get_world_size() if torch_dist.is_initialized() else 1

@@ -296,7 +296,9 @@ class Watchdog:
         if self.plan.log_file is not None:
             try:
                 with open(self.plan.log_file, "a") as log:
-                    log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+                    now = time.time()
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+                    log.write(f"{stamp},{int(now * 1000) % 1000:03d} {text}\n")
             except OSError:
                 pass
 

@@ -26,6 +26,7 @@ from imgtrainer.training.step import (
     ddp_of,
     train_step,
 )
+from imgtrainer.training.stragglers import RankClock
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class LogWindow:
 
     def __init__(self):
         self.started = time.perf_counter()
-        self.waited = 0.0
+        self.waited = self.last_wait = 0.0
         self.images = 0
 
     def timed(self, batches: Iterable) -> Iterator:
@@ -106,7 +107,8 @@ class LogWindow:
         while True:
             before = time.perf_counter()
             batch = next(iterator, None)
-            self.waited += time.perf_counter() - before
+            self.last_wait = time.perf_counter() - before
+            self.waited += self.last_wait
             if batch is None:
                 return
             yield batch
@@ -168,6 +170,8 @@ class EpochPlan:
     # Stops the run (every rank) on losses that are no longer finite; checked at the logging
     # steps and at the end of the epoch
     nonfinite: NonFiniteLoss | None = None
+    # This rank's clocks for the straggler watch (``stragglers.RankClock``)
+    clock: RankClock | None = None
 
 
 def train_one_epoch(
@@ -199,12 +203,16 @@ def train_one_epoch(
     steps_per_epoch = start_step + len(loader)
     step = start_step
     window = LogWindow()
+    clock = epoch.clock or RankClock()
+    clock.reset()  # the time since the last agreement (validation, a checkpoint) is no step's
     heartbeat.mark(heartbeat.Phase.DATA, first_global_step)
     for images, targets in window.timed(progress.wrap(loader, start_step, first_global_step)):
         heartbeat.mark(heartbeat.Phase.STEP)
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
             images, targets = mixer(images, targets, step)
+        started = time.perf_counter()
         step_sums, skipped = train_step(state, images, targets)
+        clock.step_done(time.perf_counter() - started, window.last_wait)
         sums += step_sums
         state.scheduler.step()
         step += 1

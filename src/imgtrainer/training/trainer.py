@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -47,6 +48,7 @@ from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.stopping import StopRequest, TimeBudget
+from imgtrainer.training.stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,13 @@ class Trainer:
         self.history = HistoryWriter(
             Path(cfg.log_dir) / "training_history.json", header, enabled=dist.is_main
         )
-        self.stop = StopRequest(dist.is_distributed)
+        # Every rank's host clocks, gathered with each stop agreement (none on one process).
+        self.stragglers = (
+            StragglerWatch(all_gather_objects(socket.gethostname()))
+            if dist.is_distributed
+            else None
+        )
+        self.stop = StopRequest(dist.is_distributed, self.stragglers)
         self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
         self.best = BestTracker(cfg)  # --best_metric, early stopping, the kept epochs
         self.progress = Progress()
@@ -248,6 +256,7 @@ class Trainer:
             log_interval=self.cfg.log_interval,
             mixer=mixer,
             nonfinite=self.nonfinite,
+            clock=self.stragglers.clock if self.stragglers else None,
         )
         train = train_one_epoch(
             self.parts, self.train_loader, hooks=self.hooks, progress=progress, epoch=plan
@@ -294,6 +303,7 @@ class Trainer:
             train_images_per_sec=images_per_sec,
             peak_memory_mb=peak_memory_mb(self.dist.device),
             micro_batch=self.parts.plan.micro_batch,
+            ranks=self.stragglers.epoch_figures() if self.stragglers else {},
         )
 
     def end_hooks(self, finished: bool) -> None:
