@@ -26,14 +26,14 @@ INJECTION = str(Path(__file__).parent / "fault_injection")
 
 
 def hang_run(tmp_path: Path, env: dict[str, str], *flags: object):
-    """120 images of 16 px, batch 2 on 2 processes (30 steps), loader workers, a checkpoint
-    every 5 steps, --hang_timeout 3s."""
-    train = write_image_folder(tmp_path / "data" / "train", ["cat", "dog", "fox"], 40, seed=1)
+    """60 images of 16 px, batch 2 on 2 processes (15 steps), loader workers, a checkpoint
+    every 2 steps, --hang_timeout 3s."""
+    train = write_image_folder(tmp_path / "data" / "train", ["cat", "dog", "fox"], 20, seed=1)
     val = write_image_folder(tmp_path / "data" / "val", ["cat", "dog", "fox"], 2, seed=2)
     args = [
         *TINY_FLAGS, "--device", "cpu", "--nproc", 2, "--train_dir", train, "--val_dir", val,
         "--batch_size", 2, "--num_workers", 2, "--cache_images", "none", "--epochs", 1,
-        "--save_every_steps", 5, "--hang_timeout", f"{HANG_TIMEOUT:g}s", *flags,
+        "--save_every_steps", 2, "--hang_timeout", f"{HANG_TIMEOUT:g}s", *flags,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [INJECTION, os.environ.get("PYTHONPATH", "")]))
     return run_launcher(args, tmp_path, timeout=240, env={"PYTHONPATH": path, **env})
@@ -54,18 +54,18 @@ def seconds(later: datetime.datetime, earlier: datetime.datetime) -> float:
 
 
 def test_a_frozen_rank_then_a_frozen_loader_worker_are_named_and_restarted(tmp_path: Path):
-    """Attempt 0 freezes rank 1 after step 7; attempt 1 freezes its loader worker 0 inside a
-    file read; attempt 2 runs rank 1 slow (a straggler) and finishes."""
+    """Attempt 0 freezes rank 1 after step 3; attempt 1 freezes its loader worker 0 inside its
+    6th file read; attempt 2 runs rank 1 slow (a straggler) and finishes."""
     env = {
-        "TRAIN_DDP_FREEZE": "0:1:7:1:rank,1:1:12:1:worker",
-        "TRAIN_DDP_SLOW": "2:0.25:1",
+        "TRAIN_DDP_FREEZE": "0:1:3:1:rank,1:1:6:1:worker",
+        "TRAIN_DDP_SLOW": "2:0.4:1",
     }
     result = hang_run(tmp_path, env, "--max_restarts", 2)
     assert result.returncode == 0, (result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.startswith("watchdog: ")]
     assert len(lines) == 2, result.stderr
     assert re.match(
-        r"watchdog: rank 1 \(host .+, pid \d+\) made no progress for \d s after global step 6, "
+        r"watchdog: rank 1 \(host .+, pid \d+\) made no progress for \d s after global step 2, "
         r"phase forward-backward .*; stacks: logs/hang/attempt0-rank1\.txt; restarting the "
         r"workers from the newest checkpoint \(restart 1 of --max_restarts 2\)",
         lines[0],
@@ -106,7 +106,7 @@ def test_a_frozen_rank_then_a_frozen_loader_worker_are_named_and_restarted(tmp_p
 def test_a_rank_frozen_in_a_collective_without_restarts_ends_with_code_3(tmp_path: Path):
     # Frozen in step 4's checkpoint (its collectives), after the checkpoint of step 2.
     env = {"TRAIN_DDP_FREEZE": "0:1:4:1:collective"}
-    result = hang_run(tmp_path, env, "--max_restarts", 0, "--save_every_steps", 2)
+    result = hang_run(tmp_path, env, "--max_restarts", 0)
     assert result.returncode == 3, (result.stdout, result.stderr)
     line = next(line for line in result.stderr.splitlines() if line.startswith("watchdog: "))
     assert "watchdog: rank 1 (host " in line and "phase collective" in line, line

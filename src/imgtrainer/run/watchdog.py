@@ -7,6 +7,7 @@ ends the workers and restarts them (--max_restarts) from the newest checkpoint. 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,6 +27,10 @@ from imgtrainer.distributed.heartbeat import Beat, Phase, SlotName, read_slot
 # a process that sleeps (S) is most likely waiting for another one.
 SUSPECT_STATES = "TtDR"
 PY_SPY_SECONDS = 20.0
+# The other ranks of an ended attempt fail on their closed connections and exit at once; one that
+# still runs this long after (--hang_timeout, at most this) is killed too, so that torchrun need
+# not wait its own 30 s for it before the restart.
+MAX_GRACE_SECONDS = 10.0
 
 
 def process_state(pid: int) -> str:
@@ -246,6 +251,7 @@ class Watchdog:
         self.judge = HangJudge(plan.timeout)
         self.hangs: list[tuple[Verdict, str]] = []  # each verdict and its line
         self.ended: set[int] = set()  # the processes of attempts it ended: no longer judged
+        self.lingering: dict[SlotName, float] = {}  # their ranks, and when they must be gone
         self.host = socket.gethostname()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
@@ -264,6 +270,21 @@ class Watchdog:
             verdict = self.judge.observe(read_slots(self.plan.folder, self.ended))
             if verdict is not None:
                 self.act(verdict)
+            self.end_lingering()
+
+    def end_lingering(self) -> None:
+        now = time.monotonic()
+        for name, deadline in list(self.lingering.items()):
+            if not alive(name.pid):
+                del self.lingering[name]
+            elif now > deadline:
+                del self.lingering[name]
+                self.say(
+                    f"watchdog: {name.who} (pid {name.pid}) of the ended attempt still ran: killed",
+                    console=False,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    signal_pid(name.pid)
 
     def act(self, verdict: Verdict) -> None:
         """Stacks, the line, then SIGKILL to the stuck process (and to its rank, for a loader
@@ -286,13 +307,16 @@ class Watchdog:
         self.hangs.append((verdict, line))
         self.ended.update(n.pid for n in self.judge.seen)
         for pid in {culprit.pid, rank_pid(verdict)}:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 signal_pid(pid)
-            except ProcessLookupError:
-                pass
+        deadline = time.monotonic() + min(self.plan.timeout, MAX_GRACE_SECONDS)
+        for name in verdict.ranks:
+            if name.pid != rank_pid(verdict):
+                self.lingering[name] = deadline
 
-    def say(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+    def say(self, text: str, console: bool = True) -> None:
+        if console:
+            print(text, file=sys.stderr, flush=True)
         if self.plan.log_file is not None:
             try:
                 with open(self.plan.log_file, "a") as log:
