@@ -17,9 +17,10 @@ For each world size it runs, as separate torchrun jobs with the same threads per
    wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files
    (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA).
 
-With ``--watchdog``, the trainer runs four times per source, alternating without and with the
-hang watchdog (each rank's and loader worker's heartbeat slot written, read by a watchdog thread
-of this process as the launcher's would), and prints their rates side by side.
+With ``--watchdog``, the trainer runs ``--watchdog_pairs`` times per source without and with the
+hang watchdog, alternating (each rank's and loader worker's heartbeat slot written, read by a
+watchdog thread of this process as the launcher's would), and prints their rates side by side
+and the cost of each heartbeat call.
 With ``--sources``, the trainer runs once per image source (``--cache_images`` gpu, ram, none)
 against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
 (``torchvision.io.decode_jpeg(list, device="cuda")``, batches of 256) and on the CPU (files read
@@ -123,8 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--watchdog",
         action="store_true",
-        help="run the trainer without and with the hang watchdog, alternating, twice each",
+        help="run the trainer without and with the hang watchdog, alternating, "
+        "--watchdog_pairs times each",
     )
+    parser.add_argument("--watchdog_pairs", type=int, default=2)
     parser.add_argument(
         "--policy", action="store_true", help="also time the policies: per image vs grouped"
     )
@@ -261,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["results"] = measure_sources(args, data, Path(tmp))
         print_summary(report["results"])
+        if args.watchdog:
+            report["heartbeat_costs"] = heartbeat_costs(Path(tmp) / "costs")
+            print_heartbeat_costs(report["heartbeat_costs"])
         if args.decode:
             report["decode"] = decode_rates(data / "train", args.device)
             print_decode(report["decode"])
@@ -284,7 +290,8 @@ def measure_sources(args: argparse.Namespace, data: Path, tmp: Path) -> list[dic
         for source in args.sources or [None]:
             flags = args.trainer_flags + (["--cache_images", source] if source else [])
             run_args = argparse.Namespace(**{**vars(args), "trainer_flags": flags})
-            for watched in [False, True, False, True] if args.watchdog else [None]:
+            pairs = [False, True] * args.watchdog_pairs
+            for watched in pairs if args.watchdog else [None]:
                 heartbeats = tmp / "heartbeat" if watched else None
                 trainer = run_worker(
                     run_args, "trainer", world_size, data, tmp / "trainer.json", heartbeats
@@ -365,6 +372,45 @@ def print_summary(rows: list[dict]) -> None:
             f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} "
             f"{percent(t.get('fraction_of_peak')):>12}"
         )
+
+
+def heartbeat_costs(folder: Path, calls: int = 200_000) -> dict:
+    """Microseconds per call of what the hang watchdog adds to a rank (a phase mark: 3 per step,
+    2 per host collective) and to each image read (the file's marker)."""
+    import os as _os
+
+    from imgtrainer.distributed import heartbeat
+
+    _os.environ[heartbeat.HEARTBEAT_DIR_ENV] = str(folder)
+    try:
+        slot = heartbeat.open_slot(0, 0)
+        heartbeat.start(0)
+
+        def read_marked() -> None:
+            with heartbeat.reading("/data/train/cat/img_000001.jpg"):
+                pass
+
+        costs = {}
+        for name, call in [
+            ("mark", lambda: heartbeat.mark(heartbeat.Phase.STEP)),
+            ("reading", read_marked),
+        ]:
+            started = time.perf_counter()
+            for _ in range(calls):
+                call()
+            costs[name] = (time.perf_counter() - started) / calls * 1e6
+        slot.close()
+    finally:
+        del _os.environ[heartbeat.HEARTBEAT_DIR_ENV]
+        heartbeat._slot.clear()
+    return costs
+
+
+def print_heartbeat_costs(costs: dict) -> None:
+    print(
+        f"\nhang watchdog per call: phase mark {costs['mark']:.2f} us (3 per step, 2 per host "
+        f"collective), file marker {costs['reading']:.2f} us (per image read)"
+    )
 
 
 def print_decode(rates: dict) -> None:
