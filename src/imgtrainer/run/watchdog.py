@@ -72,7 +72,8 @@ class HangJudge:
     worker (or a rank without workers) while a file read lasts. Among ranks that are all stale,
     the one that is stopped, else behind the others (fewer phase changes: they wait for it in a
     collective), else in a suspect state (``SUSPECT_STATES``) is named; a rank stale while it
-    waits for data names the worker of its own that is in a suspect state, if one is."""
+    waits for batches (training or validation) names the worker of its own that is in a suspect
+    state, if one is."""
 
     timeout: float
     clock: Callable[[], float] = time.monotonic
@@ -116,7 +117,7 @@ class HangJudge:
             ),
         )
         culprit = rank
-        if ranks[rank].beat.phase is Phase.DATA:
+        if ranks[rank].beat.phase in (Phase.DATA, Phase.VALIDATION):  # waiting for a batch
             workers = [
                 n
                 for n in self.seen
