@@ -82,10 +82,10 @@ def beat(n: int, phase: Phase = Phase.STEP, reads: int = 0, ticks: int = 0) -> B
     return Beat(n, ticks, 4, phase, reads, "/data/cat/img_003.jpg" if reads else "")
 
 
-def judge(states: dict[int, str] | None = None) -> tuple[HangJudge, Clock]:
+def judge(states: dict[int, str] | None = None, whole_job: bool = True) -> tuple[HangJudge, Clock]:
     clock = Clock()
     states = states or {}
-    return HangJudge(3.0, clock, lambda pid: states.get(pid, "S")), clock
+    return HangJudge(3.0, whole_job, clock, lambda pid: states.get(pid, "S")), clock
 
 
 def test_the_rank_behind_is_named_after_the_timeout_not_before():
@@ -105,6 +105,18 @@ def test_ranks_stale_at_the_same_point_name_the_stopped_one():
     hang.observe({RANK0: beat(10, Phase.COLLECTIVE), RANK1: beat(10, Phase.COLLECTIVE)})
     clock.now = 3.0
     assert hang.observe({RANK0: beat(10), RANK1: beat(10)}).culprit == RANK1
+
+
+def test_on_several_nodes_ranks_asleep_at_the_same_point_name_nobody():
+    """They may wait for a rank of another node, whose own watchdog names it."""
+    hang, clock = judge(whole_job=False)
+    hang.observe({RANK0: beat(10, Phase.COLLECTIVE), RANK1: beat(10, Phase.COLLECTIVE)})
+    clock.now = 5.0
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10)}) is None
+    hang, clock = judge(whole_job=False)  # one behind the other: named
+    hang.observe({RANK0: beat(12), RANK1: beat(10)})
+    clock.now = 5.0
+    assert hang.observe({RANK0: beat(12), RANK1: beat(10)}).culprit == RANK1
 
 
 def test_progress_within_a_phase_and_unwatched_phases_name_nobody():

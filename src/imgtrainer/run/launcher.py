@@ -218,11 +218,12 @@ def run_torchrun(
     command: list[str],
     env: dict[str, str],
     log_dir: Path,
-    hang_watch: tuple[float | None, int] = (None, 0),
+    hang_watch: tuple[float | None, int, bool] = (None, 0, True),
 ) -> int:
     """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code.
-    ``hang_watch``: (--hang_timeout in seconds or None for off, --max_restarts) for the hang
-    watchdog (``run.watchdog``), which watches this node's ranks from here."""
+    ``hang_watch``: (--hang_timeout in seconds or None for off, --max_restarts, whether this
+    node runs every rank) for the hang watchdog (``run.watchdog``), which watches this node's
+    ranks from here."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / TORCHRUN_LOG
     with (
@@ -232,11 +233,12 @@ def run_torchrun(
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         log.flush()
         env = {**env, REPORT_DIR_ENV: reports}
-        timeout, max_restarts = hang_watch
+        timeout, max_restarts, whole_job = hang_watch
         watchdog = None
         if timeout is not None:
             env[HEARTBEAT_DIR_ENV] = str(Path(reports) / "heartbeat")
-            plan = WatchPlan(Path(reports) / "heartbeat", timeout, log_dir, max_restarts, log_file)
+            folder = Path(reports) / "heartbeat"
+            plan = WatchPlan(folder, timeout, log_dir, max_restarts, log_file, whole_job)
             watchdog = Watchdog(plan)
         with watchdog or contextlib.nullcontext():
             received, code = run_forwarding_signals(command, env, log)
@@ -398,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
-    hang_watch = (hang_seconds(cfg.hang_timeout), args.max_restarts)
+    one_node = node_range(args.nnodes)[1] == 1
+    hang_watch = (hang_seconds(cfg.hang_timeout), args.max_restarts, one_node)
     env = torchrun_env(args, device, nproc)
     return run_torchrun(command, env, Path(cfg.log_dir), hang_watch)
 

@@ -76,6 +76,10 @@ class HangJudge:
     state, if one is."""
 
     timeout: float
+    # Every rank of the job is on this node. Else a rank is named only on evidence (stopped, in
+    # a suspect state, behind a rank of this node, or a suspect loader worker of its own): all
+    # asleep at the same point, this node's ranks may be waiting for another node's.
+    whole_job: bool = True
     clock: Callable[[], float] = time.monotonic
     state_of: Callable[[int], str] = process_state
     seen: dict[SlotName, Seen] = field(default_factory=dict)
@@ -126,6 +130,14 @@ class HangJudge:
             suspects = sorted((suspicion(self.state_of(n.pid)), n.worker, n) for n in workers)
             if suspects and suspects[0][0] < len(SUSPECT_STATES):
                 culprit = suspects[0][2]
+        behind = ranks[rank].beat.beat < max(s.beat.beat for s in ranks.values())
+        if not (
+            self.whole_job
+            or culprit != rank
+            or behind
+            or suspicion(states[rank]) < len(SUSPECT_STATES)
+        ):
+            return None  # asleep where the others are: it may wait for another node's rank
         return self._verdict(culprit, ranks, now)
 
     def _watched(self, name: SlotName, ranks: dict[SlotName, Seen]) -> bool:
@@ -242,6 +254,7 @@ class WatchPlan:
     log_dir: Path
     max_restarts: int
     log_file: Path | None = None
+    whole_job: bool = True  # every rank of the job runs on this node (``HangJudge``)
 
 
 class Watchdog:
@@ -249,7 +262,7 @@ class Watchdog:
 
     def __init__(self, plan: WatchPlan):
         self.plan = plan
-        self.judge = HangJudge(plan.timeout)
+        self.judge = HangJudge(plan.timeout, plan.whole_job)
         self.hangs: list[tuple[Verdict, str]] = []  # each verdict and its line
         self.ended: set[int] = set()  # the processes of attempts it ended: no longer judged
         self.lingering: dict[SlotName, float] = {}  # their ranks, and when they must be gone
