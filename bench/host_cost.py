@@ -6,20 +6,19 @@
     python bench/host_cost.py --model resnet50 --repeats 10
     python bench/host_cost.py --model none          # the augmentation alone
 
-Per source (ram: a padded canvas of crops; gpu: indices into a device cache; nvjpeg: JPEG
+Per source (ram: the crops packed, laid on a canvas on the device; gpu: indices into a device cache; nvjpeg: JPEG
 bytes through ``JpegDecoder`` with a decoder that returns meta images) and per
 ``--auto_augment`` policy, per step (times: medians over ``--repeats``):
 
   * draws: the host draws and the collate of one batch (``AugmentDraws``, ``collate_samples``),
-    real CPU work, in ms; in the loader workers for ram and nvjpeg, in the main thread for gpu
-    (the loader runs no workers there);
+    real CPU work, in ms, done in the loader workers (the gpu source's workers only draw);
   * augment, ops: ``DeviceBatches.apply`` on meta tensors with CUDA's resample (the banded
     bmm): ms, and the aten ops it dispatches (views included), the batch's decoding, placing
     and augmentation;
   * step, ops: forward, loss, backward and AdamW (foreach) of ``--model``, eager, the same way;
   * estimate: the main thread's time per step on CUDA, (augment ops + step ops) x
-    ``--launch_us`` (one eager op's dispatch and launch there), plus the draws for gpu,
-    against the GPU's budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits.
+    ``--launch_us`` (one eager op's dispatch and launch there; for nvjpeg the decoding
+    thread's ops are counted as if the main thread ran them: its share of the GIL), against the GPU's budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits.
 
 The meta times are not CUDA's: many ops' meta functions are Python (torch._meta_registrations,
 the refs), about 10x dearer than CUDA's C++ dispatch and launch, so the estimate counts ops
@@ -51,6 +50,7 @@ from imgtrainer.data.batch_augment import (  # noqa: E402
 from imgtrainer.data.batch_policy import BatchPolicy  # noqa: E402
 from imgtrainer.data.jpeg_device import JpegBytes, JpegDecoder  # noqa: E402
 from imgtrainer.data.params import crop_of, set_whole_crop  # noqa: E402
+from imgtrainer.data.ragged import Ragged  # noqa: E402
 
 META = torch.device("meta")
 SOURCES = ("ram", "gpu", "nvjpeg")
@@ -115,8 +115,8 @@ def host_batch(source: str, draws: AugmentDraws, sizes: list[tuple[int, int]]):
             set_whole_crop(params, h, w)
             samples.append((torch.zeros(3, h, w, dtype=torch.uint8), params, 0))
     pixels, params, labels = collate_samples(samples)
-    if isinstance(pixels, torch.Tensor) and source == "ram":
-        pixels = torch.empty_like(pixels, device=META)  # as if copied to the device
+    if isinstance(pixels, Ragged) and source == "ram":
+        pixels = pixels.to(META)  # as if copied to the device
     return pixels, params, labels
 
 
@@ -190,17 +190,14 @@ def print_table(rows: list[dict], args: argparse.Namespace, header: str) -> None
     )
     for row in rows:
         launches = (row["ops"] + row["step_ops"]) * args.launch_us / 1000
-        main = launches + (row["draws"] if row["source"] == "gpu" else 0)
+        main = launches
         share = f"{100 * main / args.budget_ms:.0f}%"
         print(
             f"{row['source']:<8}{row['policy']:<16}{row['draws']:>8.2f}{row['augment']:>9.2f}"
             f"{row['ops']:>6}{row['step']:>8.2f}{row['step_ops']:>6}{main:>10.2f}"
             f" ({share} of {args.budget_ms:g} ms)"
         )
-    print(
-        f"ms per step; estimate: ops x {args.launch_us:g} us, plus the draws for gpu (main "
-        "thread there; in the loader workers otherwise)"
-    )
+    print(f"ms per step; estimate: ops x {args.launch_us:g} us (the draws: in the loader workers)")
 
 
 def main(argv: list[str] | None = None) -> int:

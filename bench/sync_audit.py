@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -109,6 +110,8 @@ class SyncAudit(TorchDispatchMode):
         for t in tree_leaves(tree):
             if isinstance(t, torch.Tensor):
                 self.host[t] = True
+            elif dataclasses.is_dataclass(t):  # a loaded batch's parts (Ragged, EncodedBatch)
+                self.mark_host([getattr(t, f.name) for f in dataclasses.fields(t)])
 
     def host_read(self, tensor: torch.Tensor, name: str) -> None:
         if not self.paused and tensor not in self.host:

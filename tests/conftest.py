@@ -24,6 +24,8 @@ import torch  # noqa: E402
 from harness import run_cli, run_launcher, start_launcher, write_image_folder  # noqa: E402, F401
 
 from imgtrainer.config import TrainConfig  # noqa: E402
+from imgtrainer.data.layouts import folder_table  # noqa: E402
+from imgtrainer.data.table import TableImages  # noqa: E402
 from imgtrainer.distributed.setup import DistInfo  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
 from imgtrainer.training.precision import Precision  # noqa: E402
@@ -38,6 +40,30 @@ def data_config(train: Path, val: Path, **values) -> TrainConfig:
     """A config for ``build_datasets`` on tiny folders: no image cache, logs beside the data."""
     defaults = {"cache_images": "none", "log_dir": str(Path(train).parent / "logs")}
     return TrainConfig(train_dir=str(train), val_dir=str(val), **{**defaults, **values})
+
+
+def folder_images(root: Path, class_names: Sequence[str] | None = None) -> TableImages:
+    """The images of a class folder as the trainer reads them (``class_names`` fixes the labels,
+    as a checkpoint's classes do)."""
+    names = list(class_names) if class_names is not None else None
+    return TableImages(folder_table(Path(root), "training", names))
+
+
+def entries_of(folder: Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    """(image path, label) of a class folder in the trainer's order, and its classes."""
+    table = folder_images(folder).table
+    return [(Path(table.location(i)), table.label(i)) for i in range(len(table))], table.classes
+
+
+def pack_folder(folder: Path, out: Path, fmt: str, shard_size: int = 7) -> str:
+    """``folder``'s images as Parquet files or tar shards (``fmt``) in ``out``, as prepare_data
+    writes them (several files, a short last one); returns the --train_data value."""
+    from imgtrainer.tools.pack_data import write_parquet, write_shards
+
+    entries, classes = entries_of(folder)
+    write = write_parquet if fmt == "parquet" else write_shards
+    spec = write(entries, classes, out, shard_size, 1)
+    return str(out / spec) if spec else str(out)
 
 
 def cpu_run_parts(

@@ -16,7 +16,13 @@ from torch import nn
 from torchvision.transforms import v2
 
 import imgtrainer.run.train as train_ddp
-from conftest import ONE_CPU_PROCESS, cpu_run_parts, data_config, user_error_line
+from conftest import (
+    ONE_CPU_PROCESS,
+    cpu_run_parts,
+    data_config,
+    folder_images,
+    user_error_line,
+)
 from imgtrainer.config import HELP_GROUPS, TrainConfig, parse_config
 from imgtrainer.data.batch_augment import (
     BatchAugment,
@@ -28,7 +34,6 @@ from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import (
     DecodedImageCache,
-    ReadableImageFolder,
     Source,
     TrainingSamples,
 )
@@ -63,6 +68,7 @@ def augmentation(image_size: int, crop_scale_min: float, hflip: float, **flags):
 def augment_keys(dataset: TrainingSamples, augment: BatchAugment, keys) -> torch.Tensor:
     """The augmented batch of these (index, epoch) keys, as the training loader makes it."""
     pixels, params, _ = collate_samples([dataset[key] for key in keys])
+    pixels = pixels.canvas()  # packed as the loader sends it
     return augment(pixels, params)
 
 
@@ -105,7 +111,7 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
     a sample's augmentation depends on (seed, epoch, index) only, and leaves the process's
     random stream where it was."""
     train, _ = tiny_dataset
-    cache = DecodedImageCache(ReadableImageFolder(train), 16, device="cpu")
+    cache = DecodedImageCache(folder_images(train), 16, device="cpu")
     draws, augment = augmentation(16, 0.3, 0.5, auto_augment=policy, random_erasing=1.0)
     assert (
         type(augment.policy.transform)
@@ -129,7 +135,7 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
 
 def test_random_erasing_sets_a_rectangle_to_the_mean_colour_per_sample(tiny_dataset):
     train, _ = tiny_dataset
-    cache = DecodedImageCache(ReadableImageFolder(train), 32, device="cpu")
+    cache = DecodedImageCache(folder_images(train), 32, device="cpu")
     erase_draws, augment = augmentation(32, 1.0, 0.0, random_erasing=0.5)
     plain_draws, _ = augmentation(32, 1.0, 0.0)
     keys = [(i % len(cache), i // len(cache)) for i in range(40)]
@@ -367,7 +373,7 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
     train, _ = tiny_dataset
     draws, augment = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
-    cache = DecodedImageCache(ReadableImageFolder(train), 16, "cuda")
+    cache = DecodedImageCache(folder_images(train), 16, "cuda")
     on_gpu = TrainingSamples(cache, draws, 3, Source.GPU)
     assert on_gpu.canvas is cache.canvas and on_gpu.canvas.is_cuda
     keys = [(i, 0) for i in range(8)]
@@ -375,7 +381,7 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     first = augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params)
     assert first.is_cuda
     assert torch.equal(first, augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params))
-    on_cpu = TrainingSamples(DecodedImageCache(ReadableImageFolder(train), 16, "cpu"), draws, 3)
+    on_cpu = TrainingSamples(DecodedImageCache(folder_images(train), 16, "cpu"), draws, 3)
     cpu_batch = augment_keys(on_cpu, augment, keys)
     # The same draws; the policies' ops may round differently on the device.
     assert (first.cpu() - cpu_batch).abs().mean() < 0.05

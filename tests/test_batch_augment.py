@@ -105,6 +105,7 @@ def test_batched_resample_is_the_per_image_antialiased_resize():
             params = draws(*image.shape[-2:])
             samples.append((image, params, 0))
         pixels, params, _ = collate_samples(samples)
+        pixels = pixels.canvas()  # packed as the loader sends it
         assert pixels.shape == (3, 3, 90, 70)  # the largest height and width
         batch = BatchAugment(size).resample(pixels, params)
         for n, image in enumerate(images):
@@ -128,6 +129,7 @@ def test_the_banded_matrix_resample_is_the_gathered_one_within_float_rounding(mo
     banded.banded = True  # CUDA's form, here on the CPU
     for _ in range(5):
         pixels, params, _ = collate_samples([(im, draws(*im.shape[-2:]), 0) for im in images])
+        pixels = pixels.canvas()  # packed as the loader sends it
         ours = banded.resample(pixels, params)
         assert ours.is_contiguous() and ours.dtype == torch.float32
         assert (ours - gathered.resample(pixels, params)).abs().max() < 1e-4

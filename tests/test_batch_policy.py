@@ -165,6 +165,7 @@ def test_a_batch_is_torchvisions_policy_on_each_resampled_image(name):
         with seeded_cpu_generator(seed):
             samples.append((picture, draws(*picture.shape[-2:]), 0))
     pixels, params, _ = collate_samples(samples)
+    pixels = pixels.canvas()  # packed as the loader sends it
     assert params[:, POLICY].unique().numel() > 5  # many ops in one batch
     augment = BatchAugment(size, BatchPolicy(name, size))
     batch = augment(pixels, params)

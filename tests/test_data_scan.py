@@ -9,7 +9,7 @@ import pytest
 
 import imgtrainer.data.image_files as image_files
 import imgtrainer.data.loaders as data
-import imgtrainer.data.sources as sources
+import imgtrainer.data.table as table
 from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 
 
@@ -17,18 +17,13 @@ from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 def decodes(monkeypatch) -> dict[str, int]:
     """How many times the decode check and the cache open an image file."""
     counts = {"check": 0, "cache": 0}
-    check, cache_open = image_files.image_problem, sources.open_rgb
-
-    def counted_check(path):
-        counts["check"] += 1
-        return check(path)
+    real_open = table.open_rgb
 
     def counted_open(path, draft=None):
-        counts["cache"] += 1
-        return cache_open(path, draft)
+        counts["check" if draft == image_files.CHECK_DRAFT_SIZE else "cache"] += 1
+        return real_open(path, draft)
 
-    monkeypatch.setattr(image_files, "image_problem", counted_check)
-    monkeypatch.setattr(sources, "open_rgb", counted_open)
+    monkeypatch.setattr(table, "open_rgb", counted_open)
     return counts
 
 
@@ -53,7 +48,8 @@ def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
     assert decodes["check"] + decodes["cache"] == files
     assert (decodes["cache"] == files) == (cache == "ram")
     assert len(train_set) == 12 and len(val_set) == 6
-    assert all("broken" not in path for path, _ in train_set.folder.samples)
+    table = train_set.folder.table
+    assert all("broken" not in table.location(i) for i in range(len(table)))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"1 of {files} image files cannot be decoded" in warnings[0]
     assert "broken.jpg" in (tmp_path / "logs" / "unreadable_images.txt").read_text()

@@ -424,9 +424,10 @@ from imgtrainer.run.launcher import run_forwarding_signals
 ready = sys.argv[1]
 child = (
     "import signal, sys, time\\n"
+    "ignored = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN\\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\\n"
     "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\\n"
-    f"open({ready!r}, 'w').close()\\n"
+    f"open({ready!r}, 'w').write(str(ignored))\\n"
     "time.sleep(60)\\n"
 )
 
@@ -442,7 +443,9 @@ print(received, code)
 
 
 def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
-    """torchrun's agent stops its workers on SIGTERM (SIGUSR1 would end it at once)."""
+    """torchrun's agent stops its workers on SIGTERM (SIGUSR1 would end it at once); it starts
+    with SIGUSR1 ignored, for SLURM's warning sent to every process of the step, and a worker
+    that handles SIGUSR1 still gets it."""
     result = run_cli(
         ["-c", FORWARD_SCRIPT, tmp_path / "ready"],
         tmp_path,
@@ -451,3 +454,4 @@ def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [f"[{int(signal.SIGUSR1)}]", "7"]
+    assert (tmp_path / "ready").read_text() == "True"  # torchrun started with SIGUSR1 ignored

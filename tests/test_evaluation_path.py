@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TrainedRun, run_main, user_error_line
+from conftest import TrainedRun, folder_images, run_main, user_error_line
 from imgtrainer.config import TrainConfig
 from imgtrainer.data.loaders import LoaderSpec, make_loader
 from imgtrainer.data.samplers import ShardSampler
-from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
+from imgtrainer.data.sources import SeededImageDataset
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import load_classifier, training_precision
 from imgtrainer.tools.predict import main as predict_main
@@ -69,7 +69,7 @@ def test_report_runs_under_the_checkpoints_autocast(trained_run: TrainedRun, tmp
 
     classifier = load_classifier(tmp_path / "amp.pth", torch.device("cpu"))
     assert classifier.precision == Precision(True, torch.bfloat16)
-    folder = ReadableImageFolder(trained_run.val, class_names=classifier.class_names)
+    folder = folder_images(trained_run.val, classifier.class_names)
     dataset = SeededImageDataset(folder, classifier.transform, seed=0)
     loader = make_loader(
         dataset,

@@ -14,14 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ONE_CPU_PROCESS, data_config
+from conftest import ONE_CPU_PROCESS, data_config, folder_images
 from imgtrainer.data.batch_augment import AugmentDraws
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import (
     CachedImageSizes,
     DecodedImageCache,
-    ReadableImageFolder,
     Source,
     TrainingSamples,
     canvas_bytes,
@@ -59,7 +58,7 @@ def mixed(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_canvas_is_bounded_whatever_the_aspects(mixed):
     """Unbounded, the canvas is the tallest x the widest image (34 x 76 here: 3.8x the
     estimate); cut to the stored windows it is L x L, the estimate."""
-    cache = DecodedImageCache(ReadableImageFolder(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
     whole = [image.clone() for image in cache.images]
     sizes = list(cache.sizes)
     assert cache.canvas is None and min(map(min, sizes)) == 19 and (19, 76) in sizes
@@ -82,7 +81,7 @@ def test_the_canvas_is_bounded_whatever_the_aspects(mixed):
 def test_the_window_keeps_the_evaluation_centre_crop(mixed):
     """Validation images packed on the device evaluate exactly as before."""
     transform = eval_transforms(SIZE, 0.8)
-    cache = DecodedImageCache(ReadableImageFolder(mixed[1]), SIZE, ratio=0.8)
+    cache = DecodedImageCache(folder_images(mixed[1]), SIZE, ratio=0.8)
     before = [transform(image) for image in cache.images]
     cache.pack("cpu")
     for expected, image in zip(before, cache.images, strict=True):
@@ -94,7 +93,7 @@ def test_the_window_keeps_the_evaluation_centre_crop(mixed):
 
 def test_the_ram_cache_keeps_every_image_whole(mixed):
     """No window is cut for RAM: its crops are bit for bit the ones drawn before."""
-    cache = DecodedImageCache(ReadableImageFolder(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
     assert cache.canvas is None and max(w for _, w in cache.sizes) == 76
 
 
@@ -136,7 +135,7 @@ def test_the_device_cache_decision():
 def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed):
     """The loader's copy holds sizes and labels, not the canvas; 0 and 2 workers give the same
     batches (indices, every drawn parameter, labels) in the same order."""
-    cache = DecodedImageCache(ReadableImageFolder(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
     cache.pack("cpu")
     draws = AugmentDraws(SIZE, random_erasing=0.5, policy="trivialaugment")
     samples = TrainingSamples(cache, draws, 7, Source.GPU)
@@ -180,7 +179,7 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     assert any(abs(w / h - 16 / 9) < 0.01 for w, h in sizes)
     assert any(abs(h / w - 16 / 9) < 0.01 for w, h in sizes)
     assert sum(w == 4 * h for w, h in sizes) == 1
-    cache = DecodedImageCache(ReadableImageFolder(root), 224, threads=2)
+    cache = DecodedImageCache(folder_images(root), 224, threads=2)
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
     assert canvas_bytes(cache.sizes, 224) == estimate

@@ -25,8 +25,9 @@ import imgtrainer.distributed.setup as dist_setup
 import imgtrainer.training.step as engine
 from conftest import CPU, FP32, ROOT, cpu_run_parts
 from imgtrainer.models import strip_wrapper_prefixes
+from imgtrainer.torch_compat import is_out_of_memory
 from imgtrainer.training.loop import train_one_epoch
-from imgtrainer.training.memory import MemoryPlan, is_out_of_memory
+from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.memory_fit import (
     TrialInputs,
     TrialParts,

@@ -13,10 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import folder_images
 from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches, collate_samples
 from imgtrainer.data.image_files import EXIF_ORIENTATION, nvjpeg_size
 from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, device_decoder
-from imgtrainer.data.sources import ReadableImageFolder, Source, TrainingSamples
+from imgtrainer.data.sources import Source, TrainingSamples
 
 HAS_CUDA = torch.cuda.is_available()
 SIZE = 16
@@ -81,8 +82,8 @@ def folder(tmp_path: Path) -> Path:
 
 def both_paths(root: Path, keys):
     draws = AugmentDraws(SIZE, scale=(0.08, 1.0))
-    on_device = TrainingSamples(ReadableImageFolder(root), draws, seed=3, source=Source.NVJPEG)
-    on_cpu = TrainingSamples(ReadableImageFolder(root), draws, seed=3)
+    on_device = TrainingSamples(folder_images(root), draws, seed=3, source=Source.NVJPEG)
+    on_cpu = TrainingSamples(folder_images(root), draws, seed=3)
     return (
         on_device,
         collate_samples([on_device[k] for k in keys]),
@@ -116,6 +117,7 @@ def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
         shrunk += int(max(h, w) < max(on_device.folder[KEYS[row][0]][0].size) // 2)
     assert shrunk > 0  # some crops went through the block shrink
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     augment = BatchAugment(SIZE)
     gap = augment(canvas, params) - augment(cpu_canvas, cpu_params)
     assert gap.abs().max() <= 1.01 * LEVEL  # the shrink's rounding at most
@@ -143,6 +145,7 @@ def test_a_jpeg_the_device_fails_on_is_found_by_halves_then_made_by_the_cpu_path
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
     batches = DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
     for _ in range(2):  # two epochs
         images, labels = next(iter(batches))
@@ -182,6 +185,38 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
     assert len(warned) == 1 and "decoding every JPEG on the CPU from here on" in warned[0]
     assert "nvjpeg: not available" in warned[0] and "slower" in warned[0]
     assert not decoder.failures.bad  # not the files' fault
+
+
+def test_after_the_decoder_switched_itself_off_the_next_epoch_loads_decoded_images(folder):
+    """The rest of the epoch is made in this process; from the next one the loader that
+    ``without_jpegs`` builds (whose workers decode) takes over, with the same images."""
+    keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
+    on_device, _, on_cpu, cpu_samples = both_paths(folder, keys)
+    loaded = []
+
+    def loader_of(dataset):
+        def collate(samples):
+            loaded.append(collate_samples(samples)[0])
+            return collate_samples(samples)
+
+        return torch.utils.data.DataLoader(dataset, sampler=keys, batch_size=4, collate_fn=collate)
+
+    def fail(data):
+        raise RuntimeError("nvjpeg: not available")
+
+    decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, fail)
+    batches = DeviceBatches(
+        loader_of(on_device),
+        BatchAugment(SIZE),
+        "cpu",
+        jpegs=decoder,
+        without_jpegs=lambda: loader_of(on_cpu),
+    )
+    first, _ = next(iter(batches))
+    assert isinstance(loaded[-1], EncodedBatch) and not decoder.enabled
+    second, labels = next(iter(batches))
+    assert batches.jpegs is None and not isinstance(loaded[-1], EncodedBatch)
+    assert torch.equal(first, second) and labels.tolist() == [s[2] for s in cpu_samples]
 
 
 def fake_decoder(bad: set[int], calls: list[list[int]]):
@@ -236,6 +271,7 @@ def test_decoding_goes_in_chunks_and_warns_once_per_new_count_of_bad_files(folde
     assert calls == [4, 2, 1, 1, 2, 4, 2, 2, 1, 1, 2]
     assert decoder.failures.bad == {1}
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
     assert canvas.shape == cpu_canvas.shape
     for row in (1, 6):  # made by the CPU path: the same pixels
@@ -296,7 +332,7 @@ def test_a_batch_is_decoded_once_and_previewed_as_trained(folder):
 def test_cache_sources_never_hand_over_bytes(folder):
     from imgtrainer.data.sources import DecodedImageCache, choose_source
 
-    cache = DecodedImageCache(ReadableImageFolder(folder), SIZE)
+    cache = DecodedImageCache(folder_images(folder), SIZE)
     with pytest.raises(ValueError, match="images from nvjpeg do not fit a DecodedImageCache"):
         TrainingSamples(cache, AugmentDraws(SIZE), seed=0, source=Source.NVJPEG)
     cuda = torch.device("cuda")
@@ -318,6 +354,7 @@ def test_nvjpeg_batches_match_the_cpu_path(folder):
     decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)  # nvjpeg
     images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), cuda, jpegs=decoder)))
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     expected = BatchAugment(SIZE)(cpu_canvas, cpu_params)
     assert images.is_cuda and torch.equal(labels.cpu(), cpu_labels)
     # nvjpeg's IDCT and chroma upsampling differ from libjpeg's by a few levels.
@@ -351,6 +388,7 @@ def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_f
     )
     images, labels = next(iter(DeviceBatches(loader, BatchAugment(SIZE), "cpu", jpegs=decoder)))
     cpu_canvas, cpu_params, cpu_labels = collate_samples([sets["cpu"][k] for k in keys])
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(labels, cpu_labels)
     assert (images - BatchAugment(SIZE)(cpu_canvas, cpu_params)).abs().max() <= 1.01 * LEVEL
 
@@ -442,6 +480,7 @@ def test_an_image_smaller_than_its_header_said_is_made_by_the_cpu_path_and_remem
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode)
     canvas, out_params, out_labels = decoder(batch, params, labels)
     cpu_canvas, cpu_params, cpu_labels = collate_samples(cpu_samples)
+    cpu_canvas = cpu_canvas.canvas()
     assert torch.equal(out_params, cpu_params) and torch.equal(out_labels, cpu_labels)
     assert torch.equal(canvas[2], cpu_canvas[2])  # the CPU path's own pixels
     assert decoder.failures.bad == {2}

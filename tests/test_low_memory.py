@@ -22,6 +22,7 @@ import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
+from imgtrainer.torch_compat import is_out_of_memory
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import (
@@ -29,7 +30,6 @@ from imgtrainer.training.memory import (
     MemoryPlan,
     enable_memory_savers,
     halving_sizes,
-    is_out_of_memory,
 )
 from imgtrainer.training.memory_fit import (
     TrialInputs,

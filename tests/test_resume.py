@@ -18,6 +18,7 @@ from conftest import (
     ROOT,
     TINY_FLAGS,
     kill_at,
+    pack_folder,
     run_cli,
     run_train,
     start_launcher,
@@ -101,10 +102,13 @@ def imbalanced_folder(root: Path, counts: dict[str, int]) -> Path:
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset, tmp_path):
+    """On tar shards (training) and a folder (validation)."""
     _, val = resume_dataset
     # --sampler balanced on 36/24/12 images: 24 of each class per epoch, fox's each twice (the
     # shuffled order shares all but its epoch_order, exact on resume in the recipe test below).
     train = imbalanced_folder(tmp_path / "data" / "imbalanced", {"cat": 36, "dog": 24, "fox": 12})
+    # Read from tar shards (a layout other than a folder: its index, pread by offset).
+    train = pack_folder(train, tmp_path / "data" / "shards", "shards", shard_size=20)
     # --model_ema --check_sync: the replicas' EMAs agree, and the EMA resumes bitwise too.
     flags = train_flags(train, val, "--epochs", "2", "--save_every_steps", "2")
     flags += ["--model_ema", "--check_sync", "--sampler", "balanced"]
@@ -124,6 +128,7 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
         in (tmp_path / "crashed" / "logs" / "train_rank_1.log").read_text()
     )
     assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 2 of 4" in log0
+    assert "Training data: 72 images in 3 classes from tar shards" in log0
 
     a, b = latest(tmp_path / "clean"), latest(tmp_path / "crashed")
     compared = assert_same_tensors(a["model_state_dict"], b["model_state_dict"], "model")

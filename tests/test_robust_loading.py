@@ -15,6 +15,7 @@ from conftest import (
     ONE_CPU_PROCESS,
     TINY_FLAGS,
     data_config,
+    folder_images,
     run_train,
     user_error_line,
     write_image_folder,
@@ -22,7 +23,6 @@ from conftest import (
 from imgtrainer.data.batch_augment import train_augmentation
 from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
 from imgtrainer.data.loaders import build_datasets
-from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.errors import UserError
 
 
@@ -121,8 +121,8 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
 
 
 def test_a_file_broken_after_the_scan_does_not_stop_the_epoch(tmp_path: Path, caplog):
-    folder = ReadableImageFolder(write_image_folder(tmp_path / "d", ["a", "b"], 2))
-    first_path, _ = folder.samples[0]
+    folder = folder_images(write_image_folder(tmp_path / "d", ["a", "b"], 2))
+    first_path = folder.table.location(0)
     Path(first_path).write_bytes(b"broken later")
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         image, label = folder[0]

@@ -14,6 +14,7 @@ from conftest import (
     ONE_CPU_PROCESS,
     ROOT,
     data_config,
+    folder_images,
     launch_on_cpu,
     run_cli,
     user_error_line,
@@ -22,7 +23,7 @@ from imgtrainer.config import parse_config
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
-from imgtrainer.data.sources import DecodedImageCache, ReadableImageFolder
+from imgtrainer.data.sources import DecodedImageCache
 from imgtrainer.data.transforms import eval_resize_side
 
 
@@ -75,10 +76,10 @@ def test_cache_keeps_the_evaluation_resize_of_larger_images(tmp_path: Path):
     for name, size in (("wide", (40, 30)), ("tall", (20, 60)), ("small", (8, 8))):
         (tmp_path / "a").mkdir(exist_ok=True)
         Image.new("RGB", size, (90, 20, 200)).save(tmp_path / "a" / f"{name}.png")
-    cache = DecodedImageCache(ReadableImageFolder(tmp_path), image_size=16)
+    cache = DecodedImageCache(folder_images(tmp_path), image_size=16)
     shapes = {
-        Path(path).stem: tuple(image.shape)
-        for (path, _), image in zip(cache.samples, cache.images, strict=True)
+        Path(cache.table.location(i)).stem: tuple(image.shape)
+        for i, image in enumerate(cache.images)
     }
     assert shapes == {"wide": (3, 19, 25), "tall": (3, 57, 19), "small": (3, 19, 19)}
     assert all(

@@ -5,6 +5,7 @@ folders, and how the launcher reads the ranks' endings."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,10 +21,9 @@ import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.lifecycle as lifecycle
 import imgtrainer.run.preflight as preflight
 import imgtrainer.run.quick_exit as quick_exit
-from conftest import ROOT, SRC, TINY_FLAGS, run_cli, write_image_folder
+from conftest import ROOT, SRC, TINY_FLAGS, folder_images, run_cli, write_image_folder
 from imgtrainer.data.checks import find_classes
 from imgtrainer.data.image_files import class_folders
-from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -218,28 +218,30 @@ def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
     broken = folder / "a" / "broken.jpg"
     broken.write_bytes(b"not a jpeg")
+    entries = unreadable.TableEntries([folder_images(folder).table])
     paths = sorted(str(p) for p in (folder / "a").iterdir())
+    assert entries.locations == paths
     checked: list[list[str]] = []
     real = unreadable.find_unreadable
     monkeypatch.setattr(
         unreadable,
         "find_unreadable",
-        lambda p, workers=1: checked.append(list(p)) or real(p, workers),
+        lambda p, workers, problem: checked.append(list(p)) or real(p, workers, problem),
     )
     cache = tmp_path / "logs"
 
-    first = unreadable.find_unreadable_shared(paths, 0, 1, cache)
-    second = unreadable.find_unreadable_shared(paths, 0, 1, cache)
+    first = unreadable.find_unreadable_shared(entries, 0, 1, cache)
+    second = unreadable.find_unreadable_shared(entries, 0, 1, cache)
     assert set(first) == set(second) == {str(broken)}
     assert checked == [paths, []]  # the second start decodes nothing
 
     image = folder / "a" / "img_000.jpg"
     image.write_bytes(broken.read_bytes())  # replaced: new size and time, checked again
-    third = unreadable.find_unreadable_shared(paths, 0, 1, cache)
+    third = unreadable.find_unreadable_shared(entries, 0, 1, cache)
     assert checked[-1] == [str(image)] and set(third) == {str(broken), str(image)}
 
     (cache / unreadable.DecodeCheckCache.NAME).write_text("{damaged")
-    assert set(unreadable.find_unreadable_shared(paths, 0, 1, cache)) == set(third)
+    assert set(unreadable.find_unreadable_shared(entries, 0, 1, cache)) == set(third)
     assert checked[-1] == paths
 
 
@@ -260,7 +262,7 @@ def test_hidden_folders_and_macosx_are_never_classes(tmp_path: Path):
 
     root = folder_with_junk(tmp_path / "train")
     assert find_classes(root, "training") == ["cat", "dog"]
-    assert ReadableImageFolder(root).classes == ["cat", "dog"]
+    assert folder_images(root).classes == ["cat", "dog"]
     assert [p.name for p in class_folders(root)] == ["cat", "dog"]  # what prepare_data uses
     assert prepare_data.find_class_root(root) == root
     assert all(
@@ -436,3 +438,28 @@ def test_sighup_stops_like_sigterm():
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.agreed()
     assert stop.exit_code == 143
+
+
+def test_a_stop_signal_after_training_lets_the_run_finish_its_files(caplog):
+    """Training has ended: the signal is noted, nothing is raised (the last files are written
+    and a finished run ends 0); the launcher then reports 0, though it passed a signal on."""
+    from imgtrainer.training.stopping import StopRequest
+
+    stop = StopRequest(distributed=False)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    try:
+        with stop.installed():
+            pass
+        stop.installed_for_wrap_up()
+        with caplog.at_level(logging.WARNING):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert "training has ended; writing the run's last files" in caplog.text
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    log = Path("unused.log")
+    finished = [outcome(0, 0, 1.0), outcome(1, 0, 1.1)]
+    assert launch_ddp.exit_code(0, finished, [signal.SIGTERM], log) == 0
+    stopped = [outcome(0, 143, 1.0), outcome(1, 143, 1.1)]
+    assert launch_ddp.exit_code(0, stopped, [signal.SIGTERM], log) == 143
+    assert launch_ddp.exit_code(0, [], [signal.SIGTERM], log) == 143

@@ -26,6 +26,18 @@ def test_version_and_feature_checks():
     assert isinstance(torch_compat.dynamo_supported(), bool)
 
 
+def test_the_foreach_kernels_do_what_their_names_say():
+    a, b = [torch.zeros(2), torch.ones(3)], [torch.full((2,), 4.0), torch.full((3,), 3.0)]
+    torch_compat.foreach_lerp_(a, b, [torch.tensor(0.5), torch.tensor(0.5)])
+    assert a[0].tolist() == [2.0, 2.0] and a[1].tolist() == [2.0] * 3
+    change = torch_compat.foreach_sub(b, a)
+    torch_compat.foreach_mul_(change, torch.tensor(2.0))
+    torch_compat.foreach_add_(a, change)
+    assert a[0].tolist() == [6.0, 6.0] and a[1].tolist() == [4.0] * 3
+    torch_compat.foreach_copy_(a, b)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_the_installed_torch_has_the_model_and_optimizer_internals():
     model = nn.Linear(2, 2)
     compiled = torch.compile(model)  # lazy: nothing is compiled until the first call

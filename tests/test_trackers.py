@@ -1,17 +1,24 @@
-"""metrics.csv beside the history, and the --log_to trackers (W&B, MLflow) through fake packages
-injected into sys.modules: the calls each adapter makes, and one line when a package is missing
-or refuses to start."""
+"""metrics.csv beside the history, and the --log_to trackers with the real W&B and MLflow
+packages, offline, read back through their own readers; one line when a package is missing or a
+tracker refuses to start."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import os
+import re
+import shutil
+import socket
+import subprocess
 import sys
-import types
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, TINY_FLAGS, user_error_line
 from imgtrainer.config import TrainConfig, parse_config, tracker_names
 from imgtrainer.errors import UserError
 from imgtrainer.reports.history import HistoryWriter
@@ -56,147 +63,6 @@ def test_log_to_names_are_checked():
         parse_config(["--log_to", "wandb,comet"])
     with pytest.raises(UserError, match="twice"):
         tracker_names("wandb,wandb")
-
-
-# ----------------------------------------------------------------------------- fake packages
-
-
-class Calls(list):
-    def named(self, name: str) -> list:
-        return [args for call, *args in self if call == name]
-
-
-def fake_wandb(calls: Calls, fail: Exception | None = None) -> types.ModuleType:
-    module = types.ModuleType("wandb")
-    run = types.SimpleNamespace(
-        id="wb123",
-        log=lambda values, step: calls.append(("log", values, step)),
-        finish=lambda: calls.append(("finish",)),
-        summary=types.SimpleNamespace(update=lambda values: calls.append(("summary", values))),
-    )
-
-    def init(**kwargs):
-        calls.append(("init", kwargs))
-        if fail is not None:
-            raise fail
-        return run
-
-    module.init = init
-    return module
-
-
-def fake_mlflow(calls: Calls) -> types.ModuleType:
-    module = types.ModuleType("mlflow")
-
-    def start_run(run_id=None):
-        calls.append(("start_run", run_id))
-        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id or "ml456"))
-
-    module.start_run = start_run
-    module.log_params = lambda params: calls.append(("log_params", params))
-    module.log_metrics = lambda values, step: calls.append(("log_metrics", values, step))
-    module.end_run = lambda: calls.append(("end_run",))
-    module.get_tracking_uri = lambda: "file:///tmp/mlruns"
-    return module
-
-
-def test_a_run_logged_to_a_file_with_trackers(tiny_dataset, tmp_path: Path, monkeypatch):
-    """``train_ddp.py --log_to wandb,mlflow > train.log 2>&1`` (in this process, its stdout and
-    stderr a file): plain lines, one per --log_interval steps and one per epoch, no carriage
-    return; metrics.csv holds the history's records; the trackers get the same curves and keep
-    their run on resume."""
-    from conftest import TINY_FLAGS, run_train
-
-    wandb_calls, mlflow_calls = Calls(), Calls()
-    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wandb_calls))
-    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mlflow_calls))
-    train, val = tiny_dataset
-    flags = ["--train_dir", train, "--val_dir", val, *TINY_FLAGS, "--model", "test_resnet"]
-    flags += ["--no_tensorboard", "--log_interval", "3", "--epochs", "1"]
-    log_file = tmp_path / "train.log"
-    with open(log_file, "w") as out, monkeypatch.context() as console:
-        console.setattr(sys, "stdout", out)
-        console.setattr(sys, "stderr", out)
-        code = run_train([*flags, "--log_to", "wandb,mlflow"], tmp_path)
-    text = log_file.read_text()
-    assert code == 0, text
-    assert "\r" not in text
-    lines = text.splitlines()
-    # 48 images in batches of 8: 6 steps, a line at steps 3 and 6, then the epoch's line
-    steps = [line.split("  ")[0] for line in lines if " step " in line and "img/s" in line]
-    assert steps == ["epoch 1/1 step 3/6", "epoch 1/1 step 6/6"]
-    assert len([line for line in lines if line.startswith("epoch ") and "val_acc" in line]) == 1
-    records = json.loads((tmp_path / "logs" / "training_history.json").read_text())["epochs"]
-    with open(tmp_path / "logs" / "metrics.csv", newline="") as table:
-        rows = list(csv.DictReader(table))
-    assert len(rows) == len(records) == 1
-    assert {key: float(value) for key, value in rows[0].items()} == records[0]
-
-    (init,) = wandb_calls.named("init")
-    assert init[0]["config"]["log_to"] == "wandb,mlflow" and init[0]["id"] is None
-    logged = wandb_calls.named("log")
-    assert [step for _, step in logged] == [3, 6, 6]  # 6 steps: two logging steps, one epoch
-    assert set(logged[0][0]) == {
-        "train/train_loss",
-        "train/train_acc",
-        "train/lr",
-        "train/images_per_sec",
-        "train/data_wait_share",
-    }
-    assert logged[2][0]["epoch/epoch"] == 1.0 and "epoch/val_acc" in logged[2][0]
-    assert wandb_calls.named("summary")[0][0]["epoch"] == 1.0
-    assert wandb_calls[-1] == ("finish",)
-
-    assert mlflow_calls.named("start_run") == [[None]]
-    (params,) = mlflow_calls.named("log_params")
-    assert params[0]["learning_rate"] == "0.01"
-    assert [step for _, step in mlflow_calls.named("log_metrics")] == [3, 6, 6]
-    assert mlflow_calls[-1] == ("end_run",)
-    ids = json.loads((tmp_path / "logs" / "tracker_runs.json").read_text())
-    assert ids == {"wandb": "wb123", "mlflow": "ml456"}
-
-    # A resumed run continues the same tracked runs (parameters are written once).
-    resumed = TrackerContext(TrainConfig(log_to="wandb,mlflow"), tmp_path / "logs", 6, 6)
-    wandb_calls.clear(), mlflow_calls.clear()
-    build_trackers("wandb,mlflow", resumed)
-    assert wandb_calls.named("init")[0][0]["id"] == "wb123"
-    assert wandb_calls.named("init")[0][0]["resume"] == "allow"
-    assert mlflow_calls == [("start_run", "ml456")]
-
-
-def test_a_missing_package_or_login_is_one_line(tmp_path: Path, monkeypatch):
-    context = TrackerContext(TrainConfig(), tmp_path, 0, 6)
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # what an uninstalled package does
-    with pytest.raises(UserError) as err:
-        build_trackers("mlflow", context)
-    assert "--log_to mlflow needs the mlflow package" in str(err.value)
-    assert "pip install mlflow" in str(err.value)
-    refused = RuntimeError("api_key not configured (no-tty). call wandb.login(key=...)\nmore")
-    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(Calls(), fail=refused))
-    with pytest.raises(UserError) as err:
-        build_trackers("wandb", context)
-    line = str(err.value)
-    assert "api_key not configured" in line and "WANDB_MODE=offline" in line
-    assert "wandb login" in line and "\n" not in line
-    assert not (tmp_path / "tracker_runs.json").exists()
-
-
-def test_a_tracker_failing_mid_run_is_switched_off(tmp_path: Path, monkeypatch, caplog):
-    calls = Calls()
-    module = fake_mlflow(calls)
-
-    def down(values, step):
-        raise ConnectionError("server gone")
-
-    module.log_metrics = down
-    monkeypatch.setitem(sys.modules, "mlflow", module)
-    (tracker,) = build_trackers("mlflow", TrackerContext(TrainConfig(), tmp_path, 0, 6))
-    tracker.on_log_step(1, {"train_loss": 1.0})
-    tracker.on_epoch_end(1, {"epoch": 1})
-    assert not tracker.enabled
-    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
-        "--log_to mlflow failed (ConnectionError: server gone); it is off from now on"
-    ]
 
 
 def test_an_epoch_record_keeps_the_historys_key_order_and_its_log_line():
@@ -244,3 +110,251 @@ def test_tensorboard_is_built_by_its_flag_before_the_log_to_trackers(tmp_path: P
     tracker.on_epoch_end(1, {"epoch": 1, "val_acc": 0.5})
     tracker.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ----------------------------------------------------------------------------- the real packages
+# W&B and MLflow themselves (requirements-trackers.txt), offline: W&B's offline mode and MLflow's
+# SQLite store in the run's log folder; what they logged is read back through their own APIs.
+
+TRACKER_PACKAGES = ("wandb", "mlflow", "sqlalchemy")
+MISSING = [name for name in TRACKER_PACKAGES if importlib.util.find_spec(name) is None]
+needs_trackers = pytest.mark.skipif(
+    bool(MISSING), reason=f"not installed: {MISSING} (pip install -r requirements-trackers.txt)"
+)
+
+
+def offline_env(home: Path) -> dict[str, str]:
+    """This environment without the user's W&B and MLflow settings, offline (MLflow's usage
+    telemetry off too), with every per-user folder (home, caches, temporary files) in ``home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    for name, sub in [("HOME", ""), ("XDG_CACHE_HOME", ".cache"), ("XDG_CONFIG_HOME", ".config")]:
+        env[name] = str(home / sub)
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return env | {
+        "TMPDIR": str(home / "tmp"),
+        "WANDB_MODE": "offline",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def network_traced(command: list[str], log: Path) -> list[str]:
+    """``command`` under strace, recording every connect() into ``log``; as it is where strace
+    is missing or may not trace."""
+    trace = ["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=connect", "-e", "signal=none"]
+    if shutil.which("strace") is None or subprocess.call([*trace, "-o", os.devnull, "true"]):
+        return command
+    return [*trace, "-o", str(log), *command]
+
+
+def network_connections(log: Path) -> list[str]:
+    """The connect() calls of a traced run to a network address (not this machine's)."""
+    if not log.exists():
+        return []
+    return [
+        line
+        for line in log.read_text().splitlines()
+        if re.search(r"sa_family=AF_INET6?\b", line)
+        and not re.search(r'inet_addr\("127\.|inet_pton\(AF_INET6, "::1"', line)
+    ]
+
+
+def wandb_records(run_dir: Path, env: dict[str, str]) -> list[dict]:
+    """The records of an offline W&B run's .wandb log, as W&B's own reader prints them."""
+    command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def step_lines(text: str, steps_per_epoch: int) -> dict[int, dict[str, float]]:
+    """The console's logging-step lines by global step: loss, acc and lr as printed."""
+    found = {}
+    pattern = r"epoch (\d+)/\d+ step (\d+)/\d+  loss (\S+)  acc (\S+)  lr (\S+)"
+    for epoch, step, loss, acc, lr in re.findall(pattern, text):
+        global_step = (int(epoch) - 1) * steps_per_epoch + int(step)
+        found[global_step] = {"train_loss": float(loss), "train_acc": float(acc), "lr": float(lr)}
+    return found
+
+
+@needs_trackers
+@pytest.mark.slow
+def test_a_run_tracked_by_wandb_and_mlflow_offline_reads_back_as_its_history(
+    tiny_dataset, tmp_path
+):
+    """``train_ddp.py --log_to wandb,mlflow > train.log 2>&1``, 1 epoch then resumed to 2, with
+    the real packages: each tracker holds the history's epoch records, the same logging steps as
+    the console, the run's configuration, and one tracked run across the resume; nothing reaches
+    the network, and nothing lands outside the run's folders but W&B's own service logs."""
+    train, val = tiny_dataset
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    env = offline_env(home)
+    flags = ["--device", "cpu", "--train_dir", train, "--val_dir", val, *TINY_FLAGS]
+    flags += ["--model", "test_resnet", "--no_tensorboard", "--log_interval", "3"]
+    flags += ["--log_to", "wandb,mlflow"]
+    logs, texts, configs = work / "logs", [], []
+    for more in (["--epochs", "1"], ["--epochs", "2", "--resume", "auto"]):
+        command = [sys.executable, str(ROOT / "src" / "train_ddp.py"), *map(str, flags + more)]
+        with open(tmp_path / "train.log", "w") as out:
+            code = subprocess.call(
+                network_traced(command, tmp_path / "connect.trace"),
+                cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=180,
+            )  # fmt: skip
+        texts.append((tmp_path / "train.log").read_text())
+        assert code == 0, texts[-1]
+        assert "\r" not in texts[-1]
+        assert len(re.findall(r"^epoch \d/\d  train_loss", texts[-1], re.MULTILINE)) == 1
+        assert re.search(
+            r"--log_to wandb: W&B run \w+, offline in logs/wandb/offline-run-", texts[-1]
+        )
+        assert network_connections(tmp_path / "connect.trace") == []
+        configs.append(json.loads((logs / "training_history.json").read_text())["config"])
+    # Every file in the run's folders, but W&B's service logs in its cache folder (before W&B's
+    # reader below writes its own log there).
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoints", "logs"]
+    outside = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
+    wandb_logs = r"\.cache/wandb/logs/(core|symon)-debug-[0-9_]+\.log"
+    assert [p for p in outside if not re.fullmatch(wandb_logs, p)] == []
+    history = json.loads((logs / "training_history.json").read_text())["epochs"]
+    ids = json.loads((logs / "tracker_runs.json").read_text())
+    steps = step_lines("".join(texts), steps_per_epoch=6)  # 48 images, batches of 8
+    assert sorted(steps) == [3, 6, 9, 12]
+
+    # MLflow: one run in the log folder's store, continued by the resume.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{logs / 'mlflow.db'}")
+    (run,) = client.search_runs(["0"])
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    assert run.data.params == {k: str(v) for k, v in configs[0].items()}  # written once
+
+    def mlflow_series(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    # W&B: one offline run folder per process, both of the same run.
+    run_dirs = sorted((logs / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2
+    wandb_rows: dict[int, dict] = {}
+    for run_dir, config in zip(run_dirs, configs, strict=True):
+        records = wandb_records(run_dir, env)
+        (started,) = [r["run"] for r in records if r["type"] == "run"]
+        assert started["run_id"] == ids["wandb"] and started["project"] == "imgtrainer"
+        logged = {k: v for k, v in started["config"]["update"].items() if k != "_wandb"}
+        assert logged == json.loads(json.dumps(config))
+        for row in (r["history"] for r in records if r["type"] == "history"):
+            wandb_rows[row["step"]["num"]] = row["item"]
+    assert sorted(wandb_rows) == [3, 6, 9, 12]
+
+    # The epoch records, exactly, at the global step where each epoch ended.
+    for record in history:
+        step = record["epoch"] * 6
+        for key, value in record.items():
+            assert mlflow_series(f"epoch/{key}")[step] == value, key
+            assert wandb_rows[step][f"epoch/{key}"] == value, key
+    # The logging steps: the same numbers in both, the console's to its printed digits, and
+    # at an epoch's last step the epoch's own training loss and accuracy.
+    for key in ("train_loss", "train_acc", "lr", "images_per_sec", "data_wait_share"):
+        series = mlflow_series(f"train/{key}")
+        assert series == {step: row[f"train/{key}"] for step, row in wandb_rows.items()}
+        for step, printed in steps.items():
+            if key in printed:
+                assert series[step] == pytest.approx(printed[key], rel=0.01, abs=1e-4)
+    for record in history:
+        step = record["epoch"] * 6
+        assert mlflow_series("train/train_loss")[step] == record["train_loss"]
+        assert mlflow_series("train/train_acc")[step] == record["train_acc"]
+
+
+@pytest.mark.parametrize("package", ["mlflow", "wandb", "sqlalchemy"])
+def test_a_missing_tracker_package_is_one_line_and_exit_2(
+    package, tiny_dataset, tmp_path: Path, monkeypatch, capsys
+):
+    """``--log_to mlflow`` or ``wandb`` without its package (or MLflow's local store without
+    SQLAlchemy, as mlflow-skinny installs): one error line naming the install, exit code 2."""
+    import imgtrainer.run.train as train_ddp
+
+    monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package does
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = "wandb" if package == "wandb" else "mlflow"
+    flags = ["--device", "cpu", "--train_dir", *tiny_dataset[:1], "--val_dir", tiny_dataset[1]]
+    flags += [*TINY_FLAGS, "--model", "test_resnet", "--no_tensorboard", "--log_to", tracker]
+    line = user_error_line(train_ddp.main, flags, capsys, cwd=tmp_path)
+    if package == "sqlalchemy":
+        assert "needs SQLAlchemy: pip install mlflow" in line
+        assert str(tmp_path / "logs" / "mlflow.db") in line
+    else:
+        assert f"--log_to {package} needs the {package} package" in line
+        assert f"pip install {package}" in line
+    assert not (tmp_path / "logs" / "tracker_runs.json").exists()
+
+
+def closed_port_url() -> str:
+    """An address on this machine where nothing listens: a server that is gone."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@needs_trackers
+@pytest.mark.slow
+def test_a_wandb_without_login_is_one_line(tmp_path: Path, monkeypatch):
+    """W&B online without a login (the real package): one line naming the fixes, no run kept."""
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no W&B settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "config"))
+    monkeypatch.setenv("WANDB_BASE_URL", closed_port_url())  # never the real server
+    with pytest.raises(UserError) as err:
+        build_trackers("wandb", TrackerContext(TrainConfig(), tmp_path, 0, 6))
+    line = str(err.value)
+    assert "No API key configured" in line and "WANDB_MODE=offline" in line
+    assert "wandb login" in line and "\n" not in line
+    assert not (tmp_path / "tracker_runs.json").exists()
+
+
+@needs_trackers
+@pytest.mark.slow
+def test_an_mlflow_server_gone_is_one_line_at_the_start_and_switched_off_mid_run(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """The real MLflow: a server that cannot be reached is one line within seconds (MLflow's own
+    retries would take 4 minutes); one that goes away mid-run switches the tracker off with one
+    warning, and the training goes on."""
+    import mlflow
+
+    from imgtrainer.reports.trackers.mlflow_tracker import HTTP_RETRIES
+
+    for name in HTTP_RETRIES:  # the tracker sets its defaults: restored after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    gone = closed_port_url()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", gone)
+    started = time.monotonic()
+    with pytest.raises(UserError) as err:
+        build_trackers("mlflow", TrackerContext(TrainConfig(), tmp_path, 0, 6))
+    assert time.monotonic() - started < 30
+    line = str(err.value)
+    assert f"--log_to mlflow could not start a run at {gone}" in line
+    assert "MLFLOW_TRACKING_URI" in line and "\n" not in line
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the local store in the log folder
+    (tracker,) = build_trackers("mlflow", TrackerContext(TrainConfig(), tmp_path, 0, 6))
+    tracker.on_log_step(3, {"train_loss": 1.0})
+    local = mlflow.get_tracking_uri()
+    assert local == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    try:
+        mlflow.set_tracking_uri(gone)  # the server goes away
+        tracker.on_log_step(6, {"train_loss": 0.5})
+        tracker.on_epoch_end(1, {"epoch": 1})
+    finally:
+        mlflow.set_tracking_uri(local)
+        mlflow.end_run()
+    assert not tracker.enabled
+    warnings = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("--log_to mlflow failed (")
+    assert warnings[0].endswith("it is off from now on")
+    run_id = json.loads((tmp_path / "tracker_runs.json").read_text())["mlflow"]
+    history = mlflow.MlflowClient(local).get_metric_history(run_id, "train/train_loss")
+    assert [(m.step, m.value) for m in history] == [(3, 1.0)]

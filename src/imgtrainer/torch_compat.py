@@ -29,6 +29,46 @@ DDP_INTERNALS = (
 )
 
 
+# torch's multi-tensor ("foreach") kernels: one call for a list of tensors, a few launches in all.
+# Private by name only: torch's optimizers, its AMP and timm's EMA are built on them; every
+# torch that requirements.txt allows has these.
+foreach_copy_ = torch._foreach_copy_
+foreach_lerp_ = torch._foreach_lerp_
+foreach_sub = torch._foreach_sub
+foreach_mul_ = torch._foreach_mul_
+foreach_add_ = torch._foreach_add_
+
+
+# How memory exhaustion reads when it is not torch's own OutOfMemoryError, lower-cased: the CPU
+# allocator; MPS; cuDNN, which reports a convolution whose workspace cannot be allocated as having
+# no usable algorithm or engine; cuBLAS failing to allocate its handle or workspace.
+OUT_OF_MEMORY_MESSAGES = (
+    "out of memory",
+    "can't allocate memory",
+    "unable to find a valid cudnn algorithm",
+    "was unable to find an engine",  # cuDNN v8/v9 frontend: "GET was unable to ..."
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "cublas_status_alloc_failed",
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or memory exhaustion reported as a plain RuntimeError: the CPU's
+    "can't allocate memory", MPS's "out of memory", and on CUDA the cuDNN and cuBLAS errors that
+    usually mean their workspace did not fit (so fitting and the retry halve instead of crash)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in text for m in OUT_OF_MEMORY_MESSAGES)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class MissingTorchInternal(RuntimeError):
     """This torch lacks a private internal the project relies on."""
 

@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_flag(group: argparse._ActionsContainer, f: dataclasses.Field, **defaults: Any) -> None:
     help_text = f"{f.metadata['help']} (default: {f.default})"
     flag = f"--{f.name}"
+    if f.metadata.get("alias"):  # the alias first: the name --help and the docs lead with
+        group.add_argument(
+            f"--{f.metadata['alias']}",
+            flag,
+            dest=f.name,
+            type=_field_type(f),
+            help=help_text,
+            **defaults,
+        )
+        return
     if f.type in ("bool", bool):
         group.add_argument(flag, action="store_true", help=help_text, **defaults)
         if f.name in NEGATABLE:
@@ -193,7 +203,10 @@ def read_run_file(path: Path) -> dict[str, Any]:
             f"--config {path}: expected a mapping of flag names to values, found "
             f"a {type(data).__name__}"
         )
-    return {str(key): _file_value(path, str(key), value) for key, value in data.items()}
+    return {
+        FLAG_ALIASES.get(str(key), str(key)): _file_value(path, str(key), value)
+        for key, value in data.items()
+    }
 
 
 def _file_value(path: Path, key: str, value: Any) -> Any:
@@ -208,6 +221,8 @@ def _file_value(path: Path, key: str, value: Any) -> Any:
         return value
     if key in TRAIN_FIELDS:
         return _checked_file_value(path, TRAIN_FIELDS[key], value)
+    if key in FLAG_ALIASES:
+        return _checked_file_value(path, TRAIN_FIELDS[FLAG_ALIASES[key]], value)
     close = difflib.get_close_matches(key.replace("-", "_"), [*TRAIN_FIELDS, *LAUNCHER_KEYS], n=1)
     raise UserError(
         f"--config {path}: unknown key '{key}'"
@@ -217,6 +232,12 @@ def _file_value(path: Path, key: str, value: Any) -> Any:
             else "; keys are the flag names without '--', see --help"
         )
     )
+
+
+# Other names of trainer flags (a run file may use either): --train_data for train_dir.
+FLAG_ALIASES = {
+    f.metadata["alias"]: name for name, f in TRAIN_FIELDS.items() if f.metadata.get("alias")
+}
 
 
 # Flags holding a duration (parse_duration): a run file's number is their seconds.

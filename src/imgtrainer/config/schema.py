@@ -61,8 +61,7 @@ def tracker_names(value: str) -> list[str]:
 # ----------------------------------------------------------------------------- the trainer's flags
 
 
-# Marks a flag whose new value a resume refuses unless --resume_override: it changes the
-# schedule or the optimisation (``checkpoints.resume.SCHEDULE_FLAGS``).
+# A flag whose new value a resume refuses without --resume_override (``SCHEDULE_FLAGS``).
 RESUME_CHECKED = "resume_checked"
 
 
@@ -76,10 +75,11 @@ class _Flag:
     rules: tuple[Bound | str, ...]
     choices: list[str] | None
 
-    def help(self, text: str) -> Any:
-        """The dataclass field, its flag in its metadata."""
+    def help(self, text: str, alias: str | None = None) -> Any:
+        """The dataclass field, its flag in its metadata (``alias``: another name, shown first)."""
         bounds = next((rule for rule in self.rules if isinstance(rule, Bound)), None)
         meta = {"group": self.group, "help": text, "bounds": bounds, "choices": self.choices}
+        meta["alias"] = alias
         resume_checked = RESUME_CHECKED in self.rules
         return field(default=self.default, metadata={**meta, "resume_checked": resume_checked})
 
@@ -104,11 +104,16 @@ _stopping = functools.partial(_opt, "validation, stopping and checkpoint history
 class TrainConfig:
     """Every training flag, in ``--help`` order; HELP_GROUPS and the bounds come from the fields."""
 
-    train_dir: str = _data("data/train").help("training ImageFolder: <dir>/<class>/<image>")
-    val_dir: str = _data("data/val").help("validation ImageFolder with the same class folders")
-    demo: bool = _data(False).help(
-        "write the bundled digits demo data to data/demo and train on it"
+    train_dir: str = _data("data/train").help(
+        "training data: a folder <dir>/<class>/<image>, a .csv/.tsv list (path,label), Parquet "
+        "(a file or a folder) or tar shards (train-{000000..000099}.tar or a glob)",
+        "train_data",
     )
+    val_dir: str = _data("data/val").help("validation data with the same classes", "val_data")
+    class_names: str | None = _data(None).help(
+        "file of class names, one a line, for labels given as class indices (lists, Parquet, shards)"
+    )
+    demo: bool = _data(False).help("write the bundled digits demo data to data/demo, train on it")
     image_size: int = _data(224, POSITIVE).help(
         "side of the square crop fed to the model, in pixels"
     )
@@ -267,9 +272,8 @@ class TrainConfig:
         "process-group timeout: a hung rank fails the job after this long"
     )
     hang_timeout: str = _dist("5m").help(
-        "a rank or loader worker that makes no progress this long (e.g. 5m, 45s; 0: off) is named "
-        "with its stacks in <log_dir>/hang/ and the workers are restarted (--max_restarts), else "
-        "the run ends with exit code 3; watched by launch_ddp.py"
+        "launch_ddp.py names a rank or loader worker stuck this long (5m, 45s; 0: off), its stacks "
+        "in <log_dir>/hang/, and restarts the workers (--max_restarts), else exits with code 3"
     )
     check_sync: bool = _dist(False).help(
         "after every epoch, verify that all ranks hold identical parameters and buffers"
@@ -396,11 +400,9 @@ DEMO_PRESET: dict[str, Any] = {
 }
 
 
-# What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
-# gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
-# only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
-# nothing on the CPU under this preset (bfloat16 autocast is much slower there, and the
-# micro-batches already bound the memory).
+# What a 2 GB GPU needs, keeping the batch size. Explicit flags win (``--no_<flag>`` turns a
+# switch off). ``use_amp`` and ``channels_last`` do nothing on the CPU under this preset
+# (bfloat16 autocast is much slower there; the micro-batches already bound the memory).
 LOW_MEMORY_PRESET: dict[str, Any] = {
     "use_amp": True,  # float16 activations: about half the activation memory
     "channels_last": True,  # the layout float16 convolutions run fastest in

@@ -10,6 +10,7 @@ policy grouped by op (``data.batch_policy``), normalises and erases, on the batc
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,8 +33,13 @@ from imgtrainer.data.params import (
     policy_of,
     row_of,
 )
+from imgtrainer.data.ragged import Ragged, as_canvas
 from imgtrainer.data.resample import banded_resample, resample_taps, tap_count, weighted_taps
 from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from imgtrainer.errors import UserError
+from imgtrainer.torch_compat import is_out_of_memory, release_memory
+
+log = logging.getLogger(__name__)
 
 CROP_TRIES = 10  # like torchvision's RandomResizedCrop, then a center crop
 ERASE_TRIES = 10  # like torchvision's RandomErasing, then no erasing
@@ -214,8 +220,9 @@ class BatchAugment:
         mean, std = self.normaliser(images.device)
         return images.div_(255).sub_(mean).div_(std)
 
-    def __call__(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor | Ragged, params: torch.Tensor) -> torch.Tensor:
         """The batch's pixels on the training device, its parameters still on the host."""
+        pixels = as_canvas(pixels)
         if self.policy is None:
             images = self.resample(pixels, params, normalise=True)
         else:  # its choices read on the host: no device sync
@@ -261,10 +268,10 @@ def train_augmentation(
 def collate_samples(
     batch: list[tuple[torch.Tensor | int | JpegBytes, torch.Tensor, int]],
 ) -> tuple[torch.Tensor | EncodedBatch, torch.Tensor, torch.Tensor]:
-    """Samples -> (pixels, params, labels): each sample's uint8 pixels at the top left of a
-    canvas as large as the batch's largest (zeros elsewhere), or, for images cached on the
-    device, their indices into the cache; a batch with JPEG bytes in it (decoded on the
-    device) is an ``EncodedBatch`` holding the canvas of its other samples and the bytes."""
+    """Samples -> (pixels, params, labels): the samples' uint8 pixels packed as ``Ragged`` (only
+    their bytes cross to the device, where ``as_canvas`` lays them on a canvas), or, for images
+    cached on the device, their indices into the cache; a batch with JPEG bytes in it (decoded
+    on the device) is an ``EncodedBatch`` holding its other samples packed and the bytes."""
     pixels, params, labels = zip(*batch, strict=True)
     labels_t = torch.tensor(labels, dtype=torch.int64)
     params_t = torch.stack(params)
@@ -272,19 +279,10 @@ def collate_samples(
         return torch.tensor(pixels, dtype=torch.int64), params_t, labels_t
     pixel_rows, jpeg_rows = split_samples(pixels)
     if jpeg_rows:
-        canvas = pad_canvas([pixels[n] for n in pixel_rows]) if pixel_rows else None
+        packed = Ragged.of([pixels[n] for n in pixel_rows]) if pixel_rows else None
         jpegs = [pixels[n] for n in jpeg_rows]
-        return EncodedBatch(canvas, pixel_rows, jpegs, jpeg_rows), params_t, labels_t
-    return pad_canvas(pixels), params_t, labels_t
-
-
-def pad_canvas(pixels: Sequence[torch.Tensor]) -> torch.Tensor:
-    height = max(p.shape[-2] for p in pixels)
-    width = max(p.shape[-1] for p in pixels)
-    canvas = torch.zeros(len(pixels), 3, height, width, dtype=torch.uint8)
-    for n, p in enumerate(pixels):
-        canvas[n, :, : p.shape[-2], : p.shape[-1]] = p
-    return canvas
+        return EncodedBatch(packed, pixel_rows, jpegs, jpeg_rows), params_t, labels_t
+    return Ragged.of(pixels), params_t, labels_t
 
 
 def one_ahead(batches: Iterable, start: Callable, finish: Callable) -> Iterator:
@@ -326,7 +324,10 @@ class DeviceBatches:
     stream); the compute stream waits for their events, and the tensors are recorded on it
     so that the allocator does not hand their memory out early. Elsewhere each batch is made
     as it comes: nothing to overlap. The decoder then runs beside the main thread: it must be
-    thread-safe, its CPU fallback included (which seeds the process's CPU generator)."""
+    thread-safe, its CPU fallback included (which seeds the process's CPU generator).
+
+    Once the decoder has switched itself off (no JPEG decodes on the device), the next epoch
+    takes its batches from ``without_jpegs()``: a loader whose workers decode every image."""
 
     def __init__(
         self,
@@ -335,10 +336,13 @@ class DeviceBatches:
         device: torch.device,
         cache=None,
         jpegs: JpegDecoder | None = None,
+        without_jpegs: Callable[[], Iterable] | None = None,
     ):
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
-        self.jpegs = jpegs
+        self.jpegs, self.without_jpegs = jpegs, without_jpegs
+        self.chunk: int | None = None  # images augmented at a time (the memory plan's)
+        self.retry_on_oom = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -347,6 +351,9 @@ class DeviceBatches:
         return getattr(self.__dict__["loader"], name)
 
     def __iter__(self):
+        if self.jpegs is not None and not self.jpegs.enabled and self.without_jpegs is not None:
+            self.loader, self.jpegs = self.without_jpegs(), None
+            log.info("The loader workers decode every JPEG from this epoch on")
         if self.device.type != "cuda":
             for pixels, params, labels in self.loader:
                 yield self.apply(pixels, params, labels)
@@ -387,7 +394,7 @@ class DeviceBatches:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
         the loader); the parameters stay on the host until used."""
-        on_device = pixels.to(self.device, non_blocking=True)
+        on_device = as_canvas(pixels.to(self.device, non_blocking=True))
         return on_device, params, labels.to(self.device, non_blocking=True)
 
     def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,10 +411,39 @@ class DeviceBatches:
     def augmented(
         self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pixels (or cache indices) and labels on the device -> (augmented images, labels)."""
-        if self.cache is not None:  # indices of images already on the device
-            pixels = self.cache.index_select(0, pixels)
-        return self.augment(pixels, params), labels
+        """Pixels (or cache indices) and labels on the device -> (augmented images, labels),
+        ``chunk`` images at a time (all when None); with ``retry_on_oom`` an out-of-memory
+        error halves ``chunk`` and augments the batch again (its draws are on the host: the
+        same images)."""
+        while True:
+            try:
+                return self.augmented_in_chunks(pixels, params), labels
+            except Exception as err:  # only memory exhaustion is retried
+                if not (self.retry_on_oom and is_out_of_memory(err)):
+                    raise
+            release_memory(self.device)  # outside the except block: the traceback is gone
+            self.smaller_chunk(len(params))
+
+    def augmented_in_chunks(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        count = len(params)
+        step = min(count, self.chunk or count)
+        parts = []
+        for start in range(0, count, step):
+            part = pixels[start : start + step]
+            if self.cache is not None:  # indices of images already on the device
+                part = self.cache.index_select(0, part)
+            parts.append(self.augment(part, params[start : start + step]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def smaller_chunk(self, count: int) -> None:
+        current = min(count, self.chunk or count)
+        if current == 1:
+            raise UserError(
+                "out of memory augmenting a single image; use a smaller --image_size or "
+                "--max_memory_gb, or free the device"
+            )
+        self.chunk = current // 2
+        log.warning(f"out of memory in the augmentation; {self.chunk} images at a time from now on")
 
     def apply(
         self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor

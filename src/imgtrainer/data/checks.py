@@ -82,7 +82,9 @@ def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str)
     refuse_empty_classes(folder, [name for name, n in counts.items() if n == 0], role)
 
 
-def refuse_empty_classes(folder: Path, empty: list[str], role: str, readable: bool = False) -> None:
+def refuse_empty_classes(
+    folder: Path | str, empty: list[str], role: str, readable: bool = False
+) -> None:
     """One error naming the class folders left without images (``readable``: once the files
     that do not decode are left out)."""
     if not empty:
@@ -93,6 +95,8 @@ def refuse_empty_classes(folder: Path, empty: list[str], role: str, readable: bo
         if readable
         else f"image files ({extensions})"
     )
+    if not Path(folder).is_dir():  # a list file, Parquet, shards
+        raise UserError(f"{role} data {folder}: class(es) {', '.join(empty)} hold no {what}")
     raise UserError(
         f"{role} folder {folder}: class folder(s) {', '.join(empty)} hold no {what}; "
         "add images or remove the folder"

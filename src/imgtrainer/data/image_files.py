@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,17 +118,21 @@ def image_problem(path: str) -> str | None:
     return None
 
 
-def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
-    """``{path: reason}`` for every file of ``paths`` that does not decode.
+def find_unreadable(
+    paths: Sequence[str], workers: int = 1, problem: Callable[[str], str | None] | None = None
+) -> dict[str, str]:
+    """``{path: reason}`` for every file of ``paths`` that does not decode (``problem``: how
+    one is checked, ``image_problem`` by default; a table's images are checked by location).
 
     Large lists are checked in ``workers`` threads: Pillow releases the GIL while it decodes, and
     threads need no fork of a process that may already hold a process group or a CUDA context.
     """
+    problem = problem or image_problem
     if workers > 1 and len(paths) >= PARALLEL_MIN_FILES:
         with ThreadPoolExecutor(workers) as pool:
-            problems = list(pool.map(image_problem, paths))
+            problems = list(pool.map(problem, paths))
     else:
-        problems = [image_problem(path) for path in paths]
+        problems = [problem(path) for path in paths]
     return {
         path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None
     }

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from imgtrainer.data.params import crop_of, crop_size_of, set_whole_crop
+from imgtrainer.data.params import crop_of, crop_size_of
+from imgtrainer.data.ragged import Ragged
 from imgtrainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -33,18 +34,18 @@ class JpegBytes:
 @dataclass(frozen=True)
 class EncodedBatch:
     """A collated batch with JPEG bytes in it: ``canvas`` holds the CPU-decoded samples (rows
-    ``pixel_rows`` of the batch) as ``collate_samples`` pads them, ``jpegs`` the others (rows
+    ``pixel_rows`` of the batch) as ``collate_samples`` packs them, ``jpegs`` the others (rows
     ``jpeg_rows``)."""
 
-    canvas: torch.Tensor | None
+    pixels: Ragged | None
     pixel_rows: list[int]
     jpegs: list[JpegBytes]
     jpeg_rows: list[int]
 
     def pin_memory(self) -> EncodedBatch:  # the DataLoader's pin_memory calls this
-        if self.canvas is None:
+        if self.pixels is None:
             return self
-        return replace(self, canvas=self.canvas.pin_memory())
+        return replace(self, pixels=self.pixels.pin_memory())
 
 
 def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
@@ -170,42 +171,49 @@ class JpegDecoder:
     def assemble(
         self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
-        """The batch's canvas on the device (rows the CPU path makes get its params, label)."""
+        """The batch's canvas on the device (rows the CPU path makes get its params, label).
+        Its work per image is the decoder's own and one view: crops, shrinks and placing run
+        on whole chunks (``decode_chunk``)."""
         on_device = [
             (row, jpeg)
             for row, jpeg in zip(batch.jpeg_rows, batch.jpegs, strict=True)
             if self.enabled and jpeg.key[0] not in self.failures.bad
         ]
         sizes = {row: tuple(crop_size_of(params[row]).tolist()) for row in batch.pixel_rows}
-        for row, _ in on_device:
-            sizes[row] = shrunk_size(*crop_size_of(params[row]).tolist(), self.size)
+        boxes = crop_of(params[[row for row, _ in on_device]]).tolist()
+        for (row, _), (_, _, h, w) in zip(on_device, boxes, strict=True):
+            sizes[row] = shrunk_size(h, w, self.size)
         canvas = torch.zeros(
             len(labels), 3, *canvas_size(sizes.values()), dtype=torch.uint8, device=self.device
         )
-        if batch.canvas is not None:
-            pixels = batch.canvas.to(self.device, non_blocking=True)
-            place(canvas, batch.pixel_rows, list(pixels.unbind()), sizes)
+        if batch.pixels is not None:
+            put(canvas, batch.pixel_rows, batch.pixels.to(self.device, non_blocking=True).canvas())
         made: set[int] = set()
         for start in range(0, len(on_device), self.chunk):
-            made |= self.decode_chunk(canvas, on_device[start : start + self.chunk], params)
+            chunk = on_device[start : start + self.chunk]
+            made |= self.decode_chunk(canvas, chunk, boxes[start : start + self.chunk], params)
         self.report_failures()
         for jpeg, row in zip(batch.jpegs, batch.jpeg_rows, strict=True):
             if row not in made:  # the CPU path: its pixels, params and label
                 pixels, params[row], labels[row] = self.fallback(jpeg.key)
                 sizes[row] = tuple(pixels.shape[-2:])
                 canvas = grown(canvas, *sizes[row])
-                place(canvas, [row], [upload(pixels, self.device)], sizes)
+                canvas[row, :, : sizes[row][0], : sizes[row][1]] = upload(pixels, self.device)
         height, width = canvas_size(sizes.values())  # as large as the largest piece
         return canvas[:, :, :height, :width]
 
     def decode_chunk(
-        self, canvas: torch.Tensor, chunk: list[tuple[int, JpegBytes]], params: torch.Tensor
+        self,
+        canvas: torch.Tensor,
+        chunk: list[tuple[int, JpegBytes]],
+        boxes: list[list[int]],
+        params: torch.Tensor,
     ) -> set[int]:
-        """Decode ``chunk``'s JPEGs, crop, shrink and place them; the rows made."""
+        """Decode ``chunk``'s JPEGs, crop them to their ``boxes``, shrink and place them; the
+        rows made. Crops are gathered in one go, then shrunk and placed a factor at a time."""
         indices = [jpeg.key[0] for _, jpeg in chunk]
         images = self.decode_all([jpeg.data for _, jpeg in chunk], indices)
-        boxes = crop_of(params[[row for row, _ in chunk]]).tolist()
-        rows, crops, factors = [], [], []
+        rows, kept, kept_boxes = [], [], []
         for (row, _), index, image, box in zip(chunk, indices, images, boxes, strict=True):
             top, left, h, w = box
             if image is not None and (image.shape[-2] < top + h or image.shape[-1] < left + w):
@@ -214,15 +222,23 @@ class JpegDecoder:
                 self.failures.error = f"decoded {tuple(image.shape[-2:])}, box {box}"
             elif image is not None:
                 rows.append(row)
-                crops.append(image[:, top : top + h, left : left + w])
-                factors.append(shrink_factor(h, w, self.size))
-        pieces = shrink_all(crops, factors)
-        place(
-            canvas, rows, pieces, {row: p.shape[-2:] for row, p in zip(rows, pieces, strict=True)}
-        )
-        for row, piece in zip(rows, pieces, strict=True):
-            set_whole_crop(params[row], *piece.shape[-2:])
-        return set(rows)  # the full-resolution images are freed before the next chunk
+                kept.append(image)
+                kept_boxes.append(box)
+        if not rows:
+            return set()
+        crops = Ragged.of(kept).crops(torch.tensor(kept_boxes, dtype=torch.int64))
+        del kept, images  # the full-resolution images are freed before the next chunk
+        heights_widths = [box[2:] for box in kept_boxes]
+        by_factor: dict[int, list[int]] = {}
+        for n, (h, w) in enumerate(heights_widths):
+            by_factor.setdefault(max(1, shrink_factor(h, w, self.size)), []).append(n)
+        for factor, members in by_factor.items():
+            group = crops.index_select(0, torch.tensor(members).to(self.device, non_blocking=True))
+            sizes = torch.tensor([heights_widths[n] for n in members], dtype=torch.int64)
+            put(canvas, [rows[n] for n in members], shrink_group(group, sizes, factor))
+        made = [shrunk_size(h, w, self.size) for h, w in heights_widths]
+        crop_of(params)[rows] = torch.tensor([[0, 0, h, w] for h, w in made], dtype=params.dtype)
+        return set(rows)
 
     def decode_all(self, data: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor | None]:
         """The images decoded on the device, None for those the CPU path must make."""
@@ -239,9 +255,10 @@ class JpegDecoder:
             self.failures.bad.difference_update(indices)
             log.warning(
                 f"JPEG decoding on {self.device} failed for every image of a batch "
-                f"({self.failures.error}); decoding every JPEG on the CPU from here on, in "
-                "the main process and one image at a time: expect training to be many times "
-                "slower (--cache_images ram, or fixing nvjpeg, avoids it)"
+                f"({self.failures.error}); decoding every JPEG on the CPU from here on: in "
+                "this process, one image at a time, until this epoch ends (expect it to be "
+                "many times slower), then in the loader workers (--cache_images ram, or "
+                "fixing nvjpeg, is faster)"
             )
         return decoded
 
@@ -296,19 +313,24 @@ def shrunk_size(height: int, width: int, size: int) -> tuple[int, int]:
     return -(-height // factor), -(-width // factor)
 
 
-def shrink_all(crops: list[torch.Tensor], factors: list[int]) -> list[torch.Tensor]:
-    """``shrink`` of each crop by its factor, the rounding of all of them in one go."""
-    pieces = list(crops)
-    means = [n for n, factor in enumerate(factors) if factor >= 2]
-    if not means:
-        return pieces
-    pooled = [F.avg_pool2d(crops[n][None].float(), factors[n], ceil_mode=True)[0] for n in means]
-    torch._foreach_round_(pooled)
-    torch._foreach_clamp_min_(pooled, 0)
-    torch._foreach_clamp_max_(pooled, 255)
-    for n, mean in zip(means, pooled, strict=True):
-        pieces[n] = mean  # whole numbers in [0, 255]: place() copies them to uint8 exactly
-    return pieces
+def shrink_group(crops: torch.Tensor, sizes: torch.Tensor, factor: int) -> torch.Tensor:
+    """``shrink`` by ``factor`` of each crop on a canvas (N, 3, H, W) whose (height, width) are
+    ``sizes`` (N, 2, on the host), as one pooling over the canvas: block sums divided by the
+    count of each block's pixels inside its crop (the last, partial blocks as ``shrink``
+    averages them; outside the crop: 0). Sums the same pixels in the same order as ``shrink``,
+    so equal to it."""
+    crops = crops[:, :, : int(sizes[:, 0].max()), : int(sizes[:, 1].max())]
+    if factor < 2:
+        return crops
+    sums = F.avg_pool2d(crops.float(), factor, ceil_mode=True, divisor_override=1)
+    device = crops.device
+    heights, widths = (v[:, None, None, None] for v in sizes.to(device, non_blocking=True).T)
+    rows = (heights - factor * torch.arange(sums.shape[-2], device=device)[:, None]).clamp(
+        0, factor
+    )
+    cols = (widths - factor * torch.arange(sums.shape[-1], device=device)).clamp(0, factor)
+    mean = sums.div_((rows * cols).clamp_(min=1))
+    return mean.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def canvas_size(sizes) -> tuple[int, int]:
@@ -328,16 +350,12 @@ def grown(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return larger
 
 
-def place(canvas: torch.Tensor, rows: list[int], pieces: list[torch.Tensor], sizes) -> None:
-    """Each row's piece (cut to ``sizes[row]``) at its top left in ``canvas``, in one call."""
+def put(canvas: torch.Tensor, rows: list[int], pieces: torch.Tensor) -> None:
+    """``pieces`` (len(rows), 3, h, w) at the top left of these rows of ``canvas``, in one copy."""
     if not rows:
         return
-    views, sources = [], []
-    for row, piece in zip(rows, pieces, strict=True):
-        h, w = sizes[row]
-        views.append(canvas[row, :, :h, :w])
-        sources.append(piece[:, :h, :w])
-    torch._foreach_copy_(views, sources)
+    index = torch.tensor(rows).to(canvas.device, non_blocking=True)
+    canvas[:, :, : pieces.shape[-2], : pieces.shape[-1]].index_copy_(0, index, pieces)
 
 
 def split_samples(pixels: Sequence[torch.Tensor | JpegBytes]) -> tuple[list[int], list[int]]:

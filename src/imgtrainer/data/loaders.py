@@ -29,13 +29,13 @@ from imgtrainer.data.batch_augment import (
     collate_samples,
     train_augmentation,
 )
-from imgtrainer.data.checks import check_batch_fits, check_data_folders, check_device_options
+from imgtrainer.data.checks import check_batch_fits, check_device_options
 from imgtrainer.data.jpeg_device import JpegDecoder
+from imgtrainer.data.layouts import describe, open_datasets
 from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler, ShardSampler
 from imgtrainer.data.sources import (
     GPU_CACHE_SHARE,
     DecodedImageCache,
-    ReadableImageFolder,
     SeededImageDataset,
     Source,
     TrainingSamples,
@@ -45,6 +45,7 @@ from imgtrainer.data.sources import (
     estimated_canvas_bytes,
     fit_device_cache,
 )
+from imgtrainer.data.table import TableImages
 from imgtrainer.data.transforms import (
     EVAL_RESIZE_RATIO,
     IMAGENET_MEAN,
@@ -184,12 +185,9 @@ def build_datasets(
     (``settle_device_cache``): auto falls back to "ram", an explicit "gpu" is an error.
     ``threads`` decode the images to cache. Here the training images' ``Source`` is decided,
     once. ``draws``: the host half of ``train_augmentation(cfg)`` (made here when not given)."""
-    train_dir, val_dir, log_dir = Path(cfg.train_dir), Path(cfg.val_dir), Path(cfg.log_dir)
-    class_names = check_data_folders(train_dir, val_dir)
-    folders = {
-        "training": ReadableImageFolder(train_dir),
-        "validation": ReadableImageFolder(val_dir),
-    }
+    log_dir = Path(cfg.log_dir)
+    folders = read_datasets(cfg, threads)
+    class_names = folders["training"].classes
     cache, why = choose_cache(
         cfg.cache_images,
         sum(map(len, folders.values())),
@@ -235,6 +233,15 @@ def build_datasets(
     return train_set, val_set, class_names
 
 
+def read_datasets(cfg: TrainConfig, threads: int) -> dict[str, TableImages]:
+    """The training and validation images of --train_data / --val_data, in any layout
+    (``data.layouts``), with what was read logged."""
+    tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads)
+    for role, table in zip(("Training", "Validation"), tables, strict=True):
+        log.info(f"{role} data: {describe(table)}")
+    return {"training": TableImages(tables[0]), "validation": TableImages(tables[1])}
+
+
 CACHE_ORDER = ["none", "ram", "gpu"]  # from the least memory needed to the most
 
 
@@ -272,7 +279,7 @@ def settle_device_cache(
 
 
 def cache_decoded(
-    folders: dict[str, ReadableImageFolder],
+    folders: dict[str, TableImages],
     image_size: int,
     device: str,
     threads: int,
@@ -378,6 +385,12 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
         dist.device,
         train_set.canvas,
         jpegs,
+        # Once the device decoder has switched itself off: the workers decode the JPEGs too.
+        lambda: make_loader(
+            TrainingSamples(train_set.folder, draws, cfg.seed, Source.FILES),
+            train_sampler,
+            train_spec,
+        ),
     )
     val_loader = make_loader(
         val_set,

@@ -1,4 +1,5 @@
-"""Where training images come from: the image folder, the decoded-image cache, seeded samples."""
+"""Where training images come from: the images of a table (``data.table``), the decoded-image
+cache, seeded samples."""
 
 from __future__ import annotations
 
@@ -11,23 +12,16 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision import datasets
 from torchvision.transforms import v2
 
-from imgtrainer.data.checks import find_classes
-from imgtrainer.data.image_files import (
-    is_image_file,
-    nvjpeg_size,
-    open_rgb,
-)
+from imgtrainer.data.image_files import nvjpeg_size
 from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
+from imgtrainer.data.table import ImageTable, TableImages
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import UserError, first_line
@@ -81,9 +75,7 @@ class SeededImageDataset(Dataset):
     random stream (used by dropout, for instance) is untouched. Plain integer keys (validation) use no seeding.
     """
 
-    def __init__(
-        self, folder: datasets.ImageFolder | DecodedImageCache, transform: v2.Compose, seed: int
-    ):
+    def __init__(self, folder: TableImages | DecodedImageCache, transform: v2.Compose, seed: int):
         self.folder = folder
         self.transform = transform
         self.seed = seed
@@ -116,7 +108,7 @@ class TrainingSamples(Dataset):
 
     def __init__(
         self,
-        folder: datasets.ImageFolder | DecodedImageCache,
+        folder: TableImages | DecodedImageCache,
         draws,
         seed: int,
         source: Source = Source.FILES,
@@ -172,11 +164,12 @@ class TrainingSamples(Dataset):
         """A JPEG the device can decode, as its bytes: (``JpegBytes``, its parameters, label);
         None for any other file."""
         index, epoch = key
-        path, label = self.folder.samples[index]
+        table = self.folder.table
+        label = table.label(index)
         try:
-            with heartbeat.reading(path), open(path, "rb") as f:
-                data = f.read()
-        except OSError:  # gone since the start-up check: the CPU path handles it
+            with heartbeat.reading(table.location(index)):
+                data = table.read(index)
+        except Exception:  # gone or damaged since the start-up check: the CPU path handles it
             data = b""
         size = nvjpeg_size(data)
         if size is None:
@@ -310,20 +303,21 @@ class DecodedImageCache(Dataset):
 
     def __init__(
         self,
-        folder: datasets.ImageFolder,
+        folder: TableImages,
         image_size: int,
         device: str = "cpu",
         threads: int = 4,
         ratio: float = EVAL_RESIZE_RATIO,
     ):
         side = eval_resize_side(image_size, ratio)
-        problems: dict[str, str] = {}  # path -> why it does not decode
+        problems: dict[str, str] = {}  # location -> why it does not decode
+        table = folder.table
 
-        def decode(path: str) -> torch.Tensor | None:
+        def decode(i: int) -> torch.Tensor | None:
             try:
-                image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
+                image = table.open_rgb(i, draft=side)  # JPEGs decode at a reduced scale >= side
             except Exception as err:  # any decoder failure on a user's file: leave it out
-                problems[path] = first_line(err)
+                problems[table.location(i)] = first_line(err)
                 return None
             scale = side / min(image.size)
             image = image.resize(
@@ -334,13 +328,11 @@ class DecodedImageCache(Dataset):
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            decoded = list(pool.map(decode, [path for path, _ in folder.samples]))
+            decoded = list(pool.map(decode, range(len(table))))
         self.image_size = image_size
         self.images = [image for image in decoded if image is not None]
-        self.samples = [
-            s for s, image in zip(folder.samples, decoded, strict=True) if image is not None
-        ]
-        self.targets = [target for _, target in self.samples]
+        self.table: ImageTable = table.take([i for i, im in enumerate(decoded) if im is not None])
+        self.targets = self.table.labels.tolist()
         self.unreadable = problems  # left out here; build_datasets reports them once
         self.sizes = [tuple(image.shape[-2:]) for image in self.images]
         self.canvas: torch.Tensor | None = None  # pack() puts the images in one
@@ -363,13 +355,13 @@ class DecodedImageCache(Dataset):
         self.images = [canvas[n, :, :h, :w] for n, (h, w) in enumerate(self.sizes)]
         self.canvas = canvas
 
-    def leave_out(self, paths: set[str]) -> None:
-        keep = [i for i, (path, _) in enumerate(self.samples) if path not in paths]
-        if len(keep) == len(self.samples):
+    def leave_out(self, locations: set[str]) -> None:
+        keep = [i for i in range(len(self.table)) if self.table.location(i) not in locations]
+        if len(keep) == len(self.table):
             return
         self.images = [self.images[i].clone() for i in keep]
-        self.samples = [self.samples[i] for i in keep]
-        self.targets = [target for _, target in self.samples]
+        self.table = self.table.take(keep)
+        self.targets = self.table.labels.tolist()
         self.sizes = [self.sizes[i] for i in keep]
         if self.canvas is not None:  # the kept images are whole windows already: pack again
             device = self.canvas.device
@@ -440,56 +432,3 @@ def fit_device_cache(cache: str, real_bytes: int, estimate_bytes: int, budget_by
         f"--cache_images gpu: the decoded images need {size} on the device, over the {over} "
         "this process can use there; use --cache_images ram (or auto), or a smaller --image_size"
     )
-
-
-# ----------------------------------------------------------------------------- unreadable files
-
-
-class ReadableImageFolder(datasets.ImageFolder):
-    """An ImageFolder that reads images as upright RGB, ignores files that are not images, can
-    leave out the files found unreadable at start, and never ends an epoch for one bad file.
-
-    ``class_names`` fixes the label of each class folder (a checkpoint's classes, of which the
-    folder may hold only some); by default the folder's own visible class folders, sorted.
-    """
-
-    def __init__(self, root: Path, class_names: Sequence[str] | None = None):
-        self.wanted_classes = list(class_names) if class_names is not None else None
-        # allow_empty: an empty class folder is reported by check_no_empty_class, with its name,
-        # after the unreadable files are left out too.
-        super().__init__(str(root), loader=open_rgb, is_valid_file=is_image_file, allow_empty=True)
-
-    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        names = self.wanted_classes or find_classes(Path(directory), "image")
-        return names, {name: i for i, name in enumerate(names)}
-
-    def leave_out(self, paths: set[str] | dict[str, Any]) -> None:
-        self.samples = [s for s in self.samples if s[0] not in paths]
-        self.imgs = self.samples
-        self.targets = [target for _, target in self.samples]
-
-    def empty_classes(self) -> list[str]:
-        """Class folders that exist but hold no usable image."""
-        used = set(self.targets)
-        return [
-            name
-            for name, i in self.class_to_idx.items()
-            if i not in used and (Path(self.root) / name).is_dir()
-        ]
-
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        # A file that passed the start-up check can still fail later (replaced, deleted, a disk
-        # error). Hours into a run, one such file must not end it: take the next sample instead.
-        for offset in range(len(self.samples)):
-            path, target = self.samples[(index + offset) % len(self.samples)]
-            try:
-                with heartbeat.reading(path):  # named if this read hangs (a hung file system)
-                    image = self.loader(path)
-            except Exception as err:  # any decoder failure on a user's file
-                log.warning(
-                    f"could not read {path} ({type(err).__name__}: {err}); "
-                    "using the next image in its place"
-                )
-                continue
-            return image, target
-        raise RuntimeError(f"none of the {len(self.samples)} images under {self.root} can be read")

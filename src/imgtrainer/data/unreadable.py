@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from imgtrainer.data.checks import refuse_empty_classes
-from imgtrainer.data.image_files import (
-    find_unreadable,
-    write_unreadable_list,
-)
-from imgtrainer.data.sources import ReadableImageFolder
+from imgtrainer.data.image_files import find_unreadable, write_unreadable_list
+from imgtrainer.data.table import ImageTable, TableImages
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
@@ -23,51 +21,69 @@ log = logging.getLogger(__name__)
 
 
 def leave_out_unreadable(
-    folders: dict[str, ReadableImageFolder],
+    folders: dict[str, TableImages],
     log_dir: Path | None,
     rank: int = 0,
     world_size: int = 1,
     cache_dir: Path | None = None,
 ) -> dict[str, str]:
-    """Find the files that do not decode, leave them out with one warning (the list goes to
-    ``log_dir``), then refuse a class folder left without images; returns ``{path: reason}``
-    of the files left out. With ``cache_dir``, results are remembered there per file (see
+    """Find the images that do not decode, leave them out with one warning (the list goes to
+    ``log_dir``), then refuse a class left without images; returns ``{location: reason}``
+    of the images left out. With ``cache_dir``, results are remembered there per image (see
     ``DecodeCheckCache``). Every rank must call this."""
-    paths = [path for folder in folders.values() for path, _ in folder.samples]
-    unreadable = find_unreadable_shared(paths, rank, world_size, cache_dir)
+    entries = TableEntries([folder.table for folder in folders.values()])
+    unreadable = find_unreadable_shared(entries, rank, world_size, cache_dir)
     if unreadable:
-        report_unreadable(unreadable, len(paths), log_dir)
+        report_unreadable(unreadable, len(entries.locations), log_dir)
     for role, folder in folders.items():
         folder.leave_out(unreadable)
         check_no_empty_class(folder, role)
     return unreadable
 
 
+class TableEntries:
+    """Every image of some tables by its location, for the decode check: where each is, and
+    the file standing for it (its own, or its shard's)."""
+
+    def __init__(self, tables: list[ImageTable]):
+        self.where = {table.location(i): (table, i) for table in tables for i in range(len(table))}
+        self.locations = list(self.where)
+
+    def file_of(self, location: str) -> str:
+        table, i = self.where[location]
+        return table.file_of(i)
+
+    def problem(self, location: str) -> str | None:
+        table, i = self.where[location]
+        return table.problem(i)
+
+
 def find_unreadable_shared(
-    paths: list[str], rank: int, world_size: int, cache_dir: Path | None = None
+    entries: TableEntries, rank: int, world_size: int, cache_dir: Path | None = None
 ) -> dict[str, str]:
-    """Each rank checks every world_size-th file, in its share of the cores (torch's thread count,
-    which distributed.setup_distributed sets); the results are gathered so that every rank leaves
-    out exactly the same files: the samplers index the same list on every rank. Files whose
-    result ``cache_dir`` remembers are not decoded again."""
-    cache = DecodeCheckCache(cache_dir)
-    todo = cache.unknown(paths)
+    """Each rank checks every world_size-th image, in its share of the cores (torch's thread
+    count, which distributed.setup_distributed sets); the results are gathered so that every
+    rank leaves out exactly the same images: the samplers index the same list on every rank.
+    Images whose result ``cache_dir`` remembers are not decoded again."""
+    cache = DecodeCheckCache(cache_dir, entries.file_of)
+    todo = cache.unknown(entries.locations)
     if world_size > 1:
         # Ranks on other nodes may remember other files (their own log folder): check every file
         # that any rank lacks, so each rank learns every result and the shares line up.
         todo = sorted(set().union(*all_gather_objects(todo)))
-    found = find_unreadable(todo[rank::world_size], workers=torch.get_num_threads())
+    found = find_unreadable(todo[rank::world_size], torch.get_num_threads(), entries.problem)
     if world_size > 1:
         found = {path: why for part in all_gather_objects(found) for path, why in part.items()}
     if todo:
         cache.remember(todo, found)
-    return {path: why for path in paths if (why := cache.problem(path)) is not None}
+    return {loc: why for loc in entries.locations if (why := cache.problem(loc)) is not None}
 
 
 class DecodeCheckCache:
-    """What the decode check found for each file, keyed by (path, size, modification time), kept
-    in ``folder/image_check_cache.json``, so a start does not decode every image again; a file
-    that changes gets a new size or time and is checked again.
+    """What the decode check found for each image, keyed by its location and the size and
+    modification time of its file (``file_of``: the image file, or its shard or Parquet file),
+    kept in ``folder/image_check_cache.json``, so a start does not decode every image again; a
+    file that changes gets a new size or time and its images are checked again.
 
     It lives in the run's log folder, which is writable by definition (a dataset may sit on a
     read-only share) and goes away with the run's logs. Every rank writes the same content,
@@ -78,8 +94,8 @@ class DecodeCheckCache:
     NAME = "image_check_cache.json"
     VERSION = 1  # bump when the check itself changes: old results are then ignored
 
-    def __init__(self, folder: Path | None):
-        self.folder = folder
+    def __init__(self, folder: Path | None, file_of: Callable[[str], str] = str):
+        self.folder, self.file_of = folder, file_of
         self.stats: dict[str, list[int]] = {}
         self.results: dict[str, list] = {}  # path -> [size, mtime_ns, problem or None]
         if folder is not None:
@@ -90,7 +106,8 @@ class DecodeCheckCache:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass  # no cache yet, or a damaged one: check every file again
 
-    def _stat(self, path: str) -> list[int]:
+    def _stat(self, location: str) -> list[int]:
+        path = self.file_of(location)
         if path not in self.stats:
             try:
                 st = os.stat(path)
@@ -136,5 +153,5 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
     )
 
 
-def check_no_empty_class(folder: ReadableImageFolder, role: str) -> None:
+def check_no_empty_class(folder: TableImages, role: str) -> None:
     refuse_empty_classes(folder.root, folder.empty_classes(), role, readable=True)

@@ -275,7 +275,12 @@ def run_forwarding_signals(
 
 
 def _die_with(parent: int) -> None:
-    """In torchrun, before it starts: SIGTERM when the launcher dies."""
+    """In torchrun, before it starts: SIGTERM when the launcher dies, and SIGUSR1 ignored.
+    SLURM sends its time-limit warning (``--signal=USR1``) to every process of a job step:
+    torchrun's agent does not handle it and would die at once, taking the rendezvous store it
+    may host with it. The launcher passes it on as SIGTERM; the workers install their own
+    handler for it (ignored dispositions survive exec, handlers replace them)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the launcher died before the request was made
         os.kill(os.getpid(), signal.SIGTERM)
@@ -292,8 +297,11 @@ def exit_code(
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
     traceback. A last attempt ended by the hang watchdog (``hangs``) ends with EXIT_HUNG: the
     ranks that failed when it killed the stuck one are not blamed."""
-    if torchrun_code == 0 and not received:
-        # Every rank of torchrun's last round ended 0. An earlier round's 143 under the same
+    if torchrun_code == 0 and (
+        not received or (outcomes and all(o["code"] == 0 for o in outcomes))
+    ):
+        # Every rank of torchrun's last round ended 0 (finished; a stop signal that came as the
+        # run was ending, passed on, changed nothing). An earlier round's 143 under the same
         # restart count is a rank its agent stopped to take in a joining node.
         return 0
     if hangs and not received:

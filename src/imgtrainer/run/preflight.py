@@ -16,6 +16,7 @@ from imgtrainer.data.checks import (
     check_no_empty_class_folder,
     count_images,
 )
+from imgtrainer.data.layouts import FOLDER, layout_of, open_datasets
 from imgtrainer.errors import UserError
 
 
@@ -34,6 +35,12 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
     check_output_folders(cfg)
     check_device_options(cfg, device_type)
     if cfg.demo:
+        return
+    if {layout_of(cfg.train_dir), layout_of(cfg.val_dir)} != {FOLDER}:
+        # A list, Parquet or shards: read once here (a shard set's index is built and kept
+        # once, before the workers start), with every check of the workers' own reading.
+        tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir))
+        check_batch_fits(len(tables[0]), cfg, world_size)
         return
     classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
     train_counts = count_images(Path(cfg.train_dir), classes)

@@ -88,6 +88,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     try:
         with trainer.stop.installed(), watched(trainer):
             finished = trainer.fit()
+        trainer.stop.installed_for_wrap_up()
         trainer.end_hooks(finished)
     finally:
         trainer.hooks.call("close")  # loggers flush their files whatever happened

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 
 from imgtrainer.data.checks import find_classes
+from imgtrainer.data.layouts import FOLDER, layout_of, open_table
 from imgtrainer.data.loaders import LoaderSpec, loader_workers, make_loader
 from imgtrainer.data.samplers import ShardSampler
-from imgtrainer.data.sources import ReadableImageFolder, SeededImageDataset
+from imgtrainer.data.sources import SeededImageDataset
+from imgtrainer.data.table import TableImages
 from imgtrainer.data.unreadable import leave_out_unreadable
 from imgtrainer.distributed.collectives import all_gather_objects, all_reduce_sum
 from imgtrainer.distributed.logs import logging_for_run
@@ -111,11 +113,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def build_eval_folder(
     data_dir: Path, class_names: list[str], output: Path, dist: DistInfo
-) -> tuple[ReadableImageFolder, int]:
-    """The images of ``data_dir`` labelled with the checkpoint's class indices (the folder may
-    hold only some of the classes), and how many unreadable files were left out. Every rank
-    must call this."""
-    present = find_classes(data_dir, "evaluation")
+) -> tuple[TableImages, int]:
+    """The images of ``data_dir`` (a folder, or any other layout of --train_data) labelled
+    with the checkpoint's class indices (the folder may hold only some of the classes), and how
+    many unreadable files were left out. Every rank must call this."""
+    is_folder = layout_of(str(data_dir)) == FOLDER
+    present = find_classes(data_dir, "evaluation") if is_folder else []
     unknown = sorted(set(present) - set(class_names))
     if unknown:
         raise UserError(
@@ -123,9 +126,9 @@ def build_eval_folder(
             f"{unknown[:10]}{' ...' if len(unknown) > 10 else ''}; its classes are "
             f"{class_names[:10]}{' ...' if len(class_names) > 10 else ''}"
         )
-    folder = ReadableImageFolder(data_dir, class_names=class_names)
+    folder = TableImages(open_table(str(data_dir), "evaluation", class_names))
     unreadable = leave_out_unreadable({"evaluation": folder}, output, dist.rank, dist.world_size)
-    if not folder.samples:
+    if not len(folder):
         raise UserError(f"{data_dir} holds no readable image")
     return folder, len(unreadable)
 
@@ -235,9 +238,7 @@ class ReportWriter:
         self.output = output
         self.enabled = enabled
 
-    def write(
-        self, metrics: dict[str, Any], counts: EvalCounts, folder: ReadableImageFolder
-    ) -> list[Path]:
+    def write(self, metrics: dict[str, Any], counts: EvalCounts, folder: TableImages) -> list[Path]:
         """The files written, in the order a reader wants them."""
         if not self.enabled:
             return []
@@ -262,14 +263,14 @@ class ReportWriter:
             )
         return files
 
-    def write_misclassified(self, counts: EvalCounts, folder: ReadableImageFolder) -> None:
+    def write_misclassified(self, counts: EvalCounts, folder: TableImages) -> None:
         """Most confident mistakes first: they are the likeliest label errors in the data."""
         rows = sorted(counts.misclassified, key=lambda row: -row[2])
         with open(self.output / "misclassified.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "true_class", "predicted_class", "confidence"])
             for index, predicted, confidence in rows:
-                path, target = folder.samples[index]
+                path, target = folder.table.location(index), folder.table.label(index)
                 writer.writerow(
                     [path, folder.classes[target], folder.classes[predicted], f"{confidence:.4f}"]
                 )

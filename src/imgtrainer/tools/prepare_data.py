@@ -1,10 +1,11 @@
-"""Split a folder of class folders into train/val ImageFolders, stratified per class.
+"""Split a folder of class folders into train/val, stratified per class: class folders, or
+Parquet files or tar shards (--format, unreadable images left out).
 
     python src/prepare_data.py --source ~/Downloads/animals --output data --val_ratio 0.2
 
-SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/<class>/. Each class is
-split on its own, in an order drawn from (--seed, class name): the same seed gives the same split,
-and adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
+SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/. Each class is split on
+its own, in an order drawn from (--seed, class name): the same seed gives the same split, and
+adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -24,8 +26,16 @@ from imgtrainer.data.image_files import (
     class_folders,
     is_hidden_folder_name,
     is_image_file,
+    write_unreadable_list,
 )
 from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.tools.pack_data import (
+    FORMATS,
+    default_workers,
+    readable_images,
+    write_parquet,
+    write_shards,
+)
 
 SPLITS = ("train", "val")
 
@@ -68,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
     parser.add_argument(
         "--link", action="store_true", help="symlink the files instead of copying them"
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="folder",
+        help="folder (class folders, the default), parquet (the Hugging Face Hub's layout) or "
+        "shards (WebDataset tar shards)",
+    )
+    parser.add_argument(
+        "--shard_size",
+        type=int,
+        default=10000,
+        help="images per Parquet file or tar shard (default: 10000)",
     )
     parser.add_argument(
         "--force",
@@ -196,6 +219,48 @@ def write_split(plan: list[ClassSplit], root: Path, output: Path, link: bool) ->
                 place_file(
                     root / split.name / relative, staging / name / split.name / relative, link
                 )
+    swap_in(staging, output)
+
+
+def write_packed(
+    plan: list[ClassSplit], root: Path, output: Path, args: argparse.Namespace
+) -> dict[str, str]:
+    """The split as Parquet files or tar shards (``args.format``), in the trainer's folder order
+    (classes by name, then files), images that do not decode left out with one warning (the
+    list in OUTPUT); staged and swapped in like a folder. Returns what to train on per split."""
+    workers = default_workers()
+    files = [root / s.name / rel for s in plan for name in SPLITS for rel in getattr(s, name)]
+    _, unreadable = readable_images([(path, 0) for path in files], workers)
+    if unreadable:
+        listed = write_unreadable_list(unreadable, output)
+        print(
+            f"WARNING: {len(unreadable)} of {len(files)} image files cannot be decoded and are "
+            f"left out (list in {listed})",
+            file=sys.stderr,
+        )
+    for s in plan:  # the counts of the summary are then those written
+        s.train = [rel for rel in s.train if str(root / s.name / rel) not in unreadable]
+        s.val = [rel for rel in s.val if str(root / s.name / rel) not in unreadable]
+    names = [s.name for s in plan]
+    entries = {
+        name: [(root / s.name / rel, n) for n, s in enumerate(plan) for rel in getattr(s, name)]
+        for name in SPLITS
+    }
+    staging = output / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    write = write_parquet if args.format == "parquet" else write_shards
+    specs = {
+        name: write(entries[name], names, staging / name, args.shard_size, workers)
+        for name in SPLITS
+    }
+    swap_in(staging, output)
+    return {
+        name: str(output / name / spec) if spec else str(output / name)
+        for name, spec in specs.items()
+    }
+
+
+def swap_in(staging: Path, output: Path) -> None:
     for name in SPLITS:
         (staging / name).mkdir(parents=True, exist_ok=True)
         target = output / name
@@ -216,19 +281,28 @@ def place_file(source: Path, destination: Path, link: bool) -> None:
         shutil.copy2(source, destination)
 
 
-def summary(plan: list[ClassSplit], root: Path, output: Path, args: argparse.Namespace) -> str:
+def summary(
+    plan: list[ClassSplit],
+    root: Path,
+    output: Path,
+    args: argparse.Namespace,
+    specs: dict[str, str] | None = None,
+) -> str:
+    specs = specs or {name: str(output / name) for name in SPLITS}
     used = [s for s in plan if s.images]
+    how = "Linked" if args.link else "Copied"
+    how = how if args.format == "folder" else f"Wrote ({args.format})"
     smallest = min(used, key=lambda s: (s.images, s.name))
     lines = [
-        f"{'Linked' if args.link else 'Copied'} {sum(s.images for s in plan)} images of "
+        f"{how} {sum(s.images for s in plan)} images of "
         f"{len(used)} classes from {root} (val_ratio {args.val_ratio}, seed {args.seed}):",
         f"  train: {sum(len(s.train) for s in plan):>6} images in {output / 'train'}",
         f"  val:   {sum(len(s.val) for s in plan):>6} images in {output / 'val'}",
         f"  smallest class: {smallest.name} ({smallest.images} images: {len(smallest.train)} "
         f"train / {len(smallest.val)} val)",
         f"  left out: {sum(s.not_images for s in plan)} files that are not images",
-        f"Train with: python launch_ddp.py --train_dir {output / 'train'} "
-        f"--val_dir {output / 'val'}",
+        f"Train with: python launch_ddp.py --train_data {shlex.quote(specs['train'])} "
+        f"--val_data {shlex.quote(specs['val'])}",
     ]
     return "\n".join(lines)
 
@@ -264,6 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_output(args.output, root, args.force)
     for warning in warnings_for(plan, args.val_ratio):
         print(warning, file=sys.stderr)
-    write_split([s for s in plan if s.images], root, args.output, args.link)
-    print(summary(plan, root, args.output, args))
+    if args.shard_size < 1:
+        raise UserError(f"--shard_size must be at least 1, got {args.shard_size}")
+    used = [s for s in plan if s.images]
+    specs = None
+    if args.format == "folder":
+        write_split(used, root, args.output, args.link)
+    else:
+        specs = write_packed(used, root, args.output, args)
+    print(summary(plan, root, args.output, args, specs))
     return 0

@@ -17,6 +17,7 @@ import torch
 from timm.utils import ModelEmaV3
 from torch import nn
 
+from imgtrainer import torch_compat
 from imgtrainer.hooks import Hook
 
 log = logging.getLogger(__name__)
@@ -104,15 +105,17 @@ class ModelEma(Hook):
         if ema_values:
             # Weights as tensors (the List overload): a 0-d tensor passed as timm's Scalar
             # weight would be read on the host.
-            torch._foreach_lerp_(ema_values, model_values, [weights[v.dtype] for v in ema_values])
+            torch_compat.foreach_lerp_(
+                ema_values, model_values, [weights[v.dtype] for v in ema_values]
+            )
         if counters:  # integer buffers (BatchNorm's batch counter): copied when taken
             ema_ints, model_ints = (list(c) for c in zip(*counters, strict=True))
             if taken is None:
-                torch._foreach_copy_(ema_ints, model_ints)
+                torch_compat.foreach_copy_(ema_ints, model_ints)
             else:
-                change = torch._foreach_sub(model_ints, ema_ints)
-                torch._foreach_mul_(change, taken.long())
-                torch._foreach_add_(ema_ints, change)
+                change = torch_compat.foreach_sub(model_ints, ema_ints)
+                torch_compat.foreach_mul_(change, taken.long())
+                torch_compat.foreach_add_(ema_ints, change)
         self._count += 1 if taken is None else taken.long()
         self._bound += 1
 

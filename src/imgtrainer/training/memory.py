@@ -56,6 +56,7 @@ class MemoryPlan:
     micro_batch: int | None = None  # images per forward/backward; None: the whole batch
     retry_on_oom: bool = False  # on out-of-memory, halve and redo the step (ranks agree)
     channels_last: bool = False  # move inputs in channels_last layout (the model is too)
+    augment_chunk: int | None = None  # images augmented at a time; None: the loaded batch
 
     def size_for(self, batch_size: int) -> int:
         return batch_size if self.micro_batch is None else min(self.micro_batch, batch_size)
@@ -84,36 +85,6 @@ def halving_sizes(start: int, batch_size: int) -> list[int]:
     return sizes
 
 
-# How memory exhaustion reads when it is not torch's own OutOfMemoryError, lower-cased: the CPU
-# allocator; MPS; cuDNN, which reports a convolution whose workspace cannot be allocated as having
-# no usable algorithm or engine; cuBLAS failing to allocate its handle or workspace.
-OUT_OF_MEMORY_MESSAGES = (
-    "out of memory",
-    "can't allocate memory",
-    "unable to find a valid cudnn algorithm",
-    "was unable to find an engine",  # cuDNN v8/v9 frontend: "GET was unable to ..."
-    "cudnn_status_alloc_failed",
-    "cudnn_status_not_enough_workspace",
-    "cublas_status_alloc_failed",
-)
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or memory exhaustion reported as a plain RuntimeError: the CPU's
-    "can't allocate memory", MPS's "out of memory", and on CUDA the cuDNN and cuBLAS errors that
-    usually mean their workspace did not fit (so fitting and the retry halve instead of crash)."""
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(m in text for m in OUT_OF_MEMORY_MESSAGES)
-
-
-def release_memory(device: torch.device) -> None:
-    """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class BufferSnapshot:
     """A copy of a model's buffers (BatchNorm running statistics). A step that is redone, or a
     trial forward pass, must not leave its samples counted in those statistics."""
@@ -133,7 +104,7 @@ class BufferSnapshot:
             self.__init__(model)
         elif buffers:
             with torch.no_grad():
-                torch._foreach_copy_([saved for _, saved in self.pairs], buffers)
+                torch_compat.foreach_copy_([saved for _, saved in self.pairs], buffers)
         return self
 
     def restore(self) -> None:

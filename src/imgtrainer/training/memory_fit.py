@@ -13,8 +13,15 @@ from torch import nn
 
 from imgtrainer.checkpoints.files import tensor_bytes
 from imgtrainer.config import TrainConfig, optimizer_batch
+from imgtrainer.data.augment_memory import (
+    augment_bytes_per_image,
+    augment_chunk,
+    canvas_side_bound,
+)
+from imgtrainer.data.sources import Source
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
+from imgtrainer.torch_compat import is_out_of_memory, release_memory
 from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
@@ -22,9 +29,7 @@ from imgtrainer.training.memory import (
     checkpointing_in_use,
     gib,
     halving_sizes,
-    is_out_of_memory,
     memory_budget,
-    release_memory,
 )
 from imgtrainer.training.memory_probes import (
     ResidentMemory,
@@ -209,12 +214,18 @@ def fit_micro_batch(
 
 
 def build_memory_plan(
-    cfg: TrainConfig, parts: TrialParts, processes_on_device: int, num_classes: int
+    cfg: TrainConfig,
+    parts: TrialParts,
+    processes_on_device: int,
+    num_classes: int,
+    source: Source = Source.FILES,
 ) -> MemoryPlan:
     """The micro-batch of this run: ``--batch_size`` (an optimizer step is ``--accum_steps``
     of them), or with ``--auto_micro_batch`` the largest divisor of the step's batch up to
     ``--batch_size`` that fits, found by trials on ``parts`` (the plain, unwrapped model: trials
-    of different sizes on different ranks must run no collective). Every rank must call it."""
+    of different sizes on different ranks must run no collective), and the images augmented
+    at a time (``plan_augmentation``) from the training images' ``source``. Every rank must
+    call it."""
     device, model = parts.device, parts.model
     start, step_batch = cfg.batch_size, optimizer_batch(cfg)
     channels_last = cfg.channels_last and device.type == "cuda"
@@ -238,6 +249,7 @@ def build_memory_plan(
             resident=resident,
         )
         plan.micro_batch = fit_micro_batch(measure, start, step_batch, budget, device)
+        plan.augment_chunk = plan_augmentation(cfg, parts, inputs, budget, source)
         if device.type == "cuda":
             # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
             # the device's limit) from the peak_memory_mb that the history reports.
@@ -252,5 +264,29 @@ def build_memory_plan(
         f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
         f"activation checkpointing {checkpointing}"
         + (", halving on out-of-memory" if plan.retry_on_oom else "")
+        + (f", augmenting {plan.augment_chunk} images at a time" if plan.augment_chunk else "")
     )
     return plan
+
+
+def plan_augmentation(
+    cfg: TrainConfig, parts: TrialParts, inputs: TrialInputs, budget: int, source: Source
+) -> int | None:
+    """The images augmented at a time so that the augmentation's transient memory
+    (``augment_bytes_per_image``) fits in ``budget`` beside the model's state and the loaded
+    batch's inputs; None when the whole loaded batch fits. The same on every rank (the same
+    shapes and budget rule); a rank that runs out anyway halves its own (no collective
+    depends on it)."""
+    step_batch = optimizer_batch(cfg)
+    canvas = step_batch * 3 * canvas_side_bound(cfg.image_size, source) ** 2
+    state = (
+        2 * tensor_bytes(parts.model.parameters())
+        + tensor_bytes(parts.model.buffers())
+        + optimizer_state_bytes(parts.optimizer)
+    )
+    room = budget - state - inputs.loaded_input_bytes - canvas
+    per_image = augment_bytes_per_image(
+        cfg.image_size, canvas_side_bound(cfg.image_size, source), cfg.auto_augment != "none"
+    )
+    chunk = augment_chunk(room, per_image, step_batch)
+    return None if chunk == step_batch else chunk

@@ -60,7 +60,8 @@ def batch_input_bytes(
     is on the device, not one micro-batch. On the CPU that is the loaded batch itself. On CUDA
     every source's batch is augmented on the device (``data.batch_augment``) straight into the
     model's layout (channels_last or not), so the engine's move to its layout copies nothing:
-    one copy either way. (The augmentation's own buffers are freed before the step's forward.)
+    one copy either way. (The augmentation's own buffers are freed before the step's forward;
+    ``memory_fit.plan_augmentation`` counts them.)
     ``device`` and ``channels_last`` are kept for the callers: neither changes the count."""
     del device, channels_last
     return batch_size * 3 * image_size * image_size * 4

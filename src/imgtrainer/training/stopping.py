@@ -53,6 +53,7 @@ class StopRequest:
         self.requested_by_all = False
         self.agreed_flag = NO_STOP
         self.owner_pid = os.getpid()
+        self.training = False
 
     def _handle(self, signum: int, frame) -> None:
         if os.getpid() != self.owner_pid:
@@ -62,8 +63,13 @@ class StopRequest:
         if self.signum is None:
             self.signum, self.received_at = signum, now
             log.warning(
-                f"Received {signal.Signals(signum).name}: saving a checkpoint at the next "
-                "step the processes agree on and stopping (send it again to exit at once)"
+                f"Received {signal.Signals(signum).name}: "
+                + (
+                    "saving a checkpoint at the next step the processes agree on and stopping"
+                    if self.training
+                    else "training has ended; writing the run's last files, then exiting"
+                )
+                + " (send it again to exit at once)"
             )
         elif now - self.received_at > SAME_REQUEST_SECONDS:
             log.warning(f"Received {signal.Signals(signum).name} again: exiting now")
@@ -73,11 +79,21 @@ class StopRequest:
     def installed(self) -> Iterator[StopRequest]:
         self.owner_pid = os.getpid()
         previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        self.training = True
         try:
             yield self
         finally:
+            self.training = False
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def installed_for_wrap_up(self) -> None:
+        """The handlers again, once training has ended, for the rest of the process: a stop
+        signal while the run's last files are written does not cut them short (a finished
+        run still ends 0); a second one exits at once."""
+        self.owner_pid = os.getpid()
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._handle)
 
     def agrees_at(self, step: int, at_epoch_end: bool) -> bool:
         """Whether the ranks agree after this step of the epoch (the same steps on every rank)."""

@@ -139,8 +139,15 @@ class Trainer:
         self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
         # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
         parts.plan = build_memory_plan(
-            cfg, TrialParts.of(parts), dist.processes_on_device, len(self.class_names)
+            cfg,
+            TrialParts.of(parts),
+            dist.processes_on_device,
+            len(self.class_names),
+            self.train_loader.dataset.source,
         )
+        # The augmentation runs before the step, in the plan's chunks, retried like the step.
+        self.train_loader.chunk = parts.plan.augment_chunk
+        self.train_loader.retry_on_oom = parts.plan.retry_on_oom
         # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
         self.mixer = BatchMixer.from_config(
             cfg, len(self.class_names), dist.rank, dist.device, dist.world_size

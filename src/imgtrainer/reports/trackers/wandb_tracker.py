@@ -32,7 +32,10 @@ class Tracker(TrackerHook):
                 "`wandb login` or set WANDB_API_KEY, or run offline with WANDB_MODE=offline"
             ) from None
         context.save_run_id(self.name, self.run.id)
-        self.where = f"W&B run {self.run.id} ({os.environ.get('WANDB_MODE', 'online')})"
+        run = self.run
+        self.where = f"W&B run {run.id}, " + (
+            f"offline in {run.settings.sync_dir}" if run.offline else f"at {run.url}"
+        )
 
     def on_log_step(self, global_step: int, metrics: dict[str, float]) -> None:
         self.safely(self.run.log, {f"train/{k}": v for k, v in metrics.items()}, step=global_step)

@@ -1,0 +1,284 @@
+"""The dataset of every layout: a table of (where each image is, its label) and the class names,
+in compact arrays, and ``TableImages``, the dataset over it that the samplers, caches and
+loaders use whatever the layout (a folder, a list file, Parquet, tar shards: ``data.layouts``).
+
+No torch here (numpy only; pyarrow when a Parquet row is read), so the tools start fast.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from imgtrainer.data.image_files import CHECK_DRAFT_SIZE, open_rgb
+from imgtrainer.distributed import heartbeat
+from imgtrainer.errors import first_line
+
+log = logging.getLogger(__name__)
+
+
+class Strings:
+    """Many strings in two arrays: their utf-8 bytes end to end, and where each ends. Forked
+    loader workers share the arrays' pages untouched; a list of str objects would be copied
+    page by page as each worker touches the strings' reference counts (pytorch/pytorch#13246)."""
+
+    def __init__(self, data: np.ndarray, ends: np.ndarray):
+        self.data, self.ends = data, ends
+
+    @classmethod
+    def of(cls, strings: Sequence[str]) -> Strings:
+        data = "".join(strings).encode()
+        if len(data) == sum(map(len, strings)):  # ASCII: one byte a character
+            lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
+        else:
+            lengths = np.fromiter((len(s.encode()) for s in strings), np.int64, len(strings))
+        return cls(np.frombuffer(data, dtype=np.uint8).copy(), np.cumsum(lengths))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: int) -> str:
+        start = int(self.ends[i - 1]) if i > 0 else 0
+        return self.data[start : int(self.ends[i])].tobytes().decode()
+
+    def take(self, indices: np.ndarray) -> Strings:
+        return Strings.of([self[int(i)] for i in indices])
+
+
+# How the bytes of an entry are read: its member is a file of its own (``os.path.join(container,
+# member)``), a tar member at (offset, size) of the container file, or a row of a Parquet file.
+FILES, TAR, PARQUET = "files", "tar", "parquet"
+
+
+@dataclass(frozen=True, eq=False)
+class ImageTable:
+    """Every image of one dataset as a row: ``containers[container[i]]`` (a folder, a tar
+    shard, a Parquet file: few, kept as a list), ``members[i]`` (a file or member name; empty
+    for Parquet), ``offsets[i]`` / ``sizes[i]`` (a tar member's data, a Parquet row number),
+    ``labels[i]`` (an index into ``classes``). ``present`` are the classes the layout itself
+    shows (a class folder, a label seen): one that ends up without images is an error."""
+
+    kind: str
+    classes: list[str]
+    containers: list[str]
+    container: np.ndarray  # int32
+    members: Strings
+    offsets: np.ndarray  # int64
+    sizes: np.ndarray  # int64
+    labels: np.ndarray  # int64
+    present: frozenset[int]
+    source: str  # what the user named: the folder, list file, Parquet or shard pattern
+    column: str = "image"  # Parquet: the column holding the image
+
+    @classmethod
+    def build(
+        cls, kind: str, source: str, classes: list[str], rows: dict[str, Any], **extra: Any
+    ) -> ImageTable:
+        """A table from per-row lists (``container``, ``labels``, and ``members``, ``offsets``,
+        ``sizes`` as the kind needs), ``containers`` the container names."""
+        n = len(rows["labels"])
+        labels = np.asarray(rows["labels"], dtype=np.int64)
+        unused = np.broadcast_to(np.int64(0), (n,))  # a column this kind does not use: no memory
+        return cls(
+            kind=kind,
+            classes=list(classes),
+            containers=list(rows["containers"]),
+            container=np.asarray(rows["container"], dtype=np.int32),
+            members=Strings.of(rows.get("members", [""] * n)),
+            offsets=np.asarray(rows.get("offsets", unused), dtype=np.int64),
+            sizes=np.asarray(rows.get("sizes", unused), dtype=np.int64),
+            labels=labels,
+            present=frozenset(extra.pop("present", set(labels.tolist()))),
+            source=source,
+            **extra,
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def label(self, i: int) -> int:
+        return int(self.labels[i])
+
+    def location(self, i: int) -> str:
+        """The image's name for people and reports: a path, ``shard.tar:member`` or
+        ``file.parquet[row N]``; also the key of the decode check's results."""
+        where = self.containers[int(self.container[i])]
+        if self.kind == FILES:
+            return os.path.join(where, self.members[i])
+        if self.kind == TAR:
+            return f"{where}:{self.members[i]}"
+        return f"{where}[row {int(self.offsets[i])}]"
+
+    def file_of(self, i: int) -> str:
+        """The file whose size and modification time stand for the image's (the decode check's
+        cache): the image file itself, or its shard or Parquet file."""
+        if self.kind == FILES:
+            return self.location(i)
+        return self.containers[int(self.container[i])]
+
+    def read(self, i: int) -> bytes:
+        """The encoded image's bytes."""
+        if self.kind == FILES:
+            with open(self.location(i), "rb") as f:
+                return f.read()
+        path = self.containers[int(self.container[i])]
+        if self.kind == TAR:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, int(self.sizes[i]), int(self.offsets[i]))
+            finally:
+                os.close(fd)
+            if len(data) != int(self.sizes[i]):
+                raise OSError(f"{path} is shorter than its index says: rebuild the index")
+            return data
+        return _PARQUET_ROWS.read(path, self.column, int(self.offsets[i]))
+
+    def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
+        """The image as upright RGB (``image_files.open_rgb``)."""
+        if self.kind == FILES:
+            return open_rgb(self.location(i), draft=draft)
+        return open_rgb(io.BytesIO(self.read(i)), draft=draft)
+
+    def problem(self, i: int) -> str | None:
+        """None if the image decodes, else why not (one line): the start-up check."""
+        try:
+            self.open_rgb(i, draft=CHECK_DRAFT_SIZE)
+        except Exception as err:  # any failure of a decoder on a user's file: unreadable
+            return first_line(err)
+        return None
+
+    def take(self, indices: np.ndarray) -> ImageTable:
+        """The rows ``indices``, in that order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return replace(
+            self,
+            container=self.container[indices],
+            members=self.members.take(indices),
+            offsets=self.offsets[indices],
+            sizes=self.sizes[indices],
+            labels=self.labels[indices],
+        )
+
+    def without(self, locations: Collection[str]) -> ImageTable:
+        """This table less the rows at ``locations`` (itself when none is here)."""
+        if not locations:
+            return self
+        keep = np.array(
+            [i for i in range(len(self)) if self.location(i) not in locations], dtype=np.int64
+        )
+        return self if len(keep) == len(self) else self.take(keep)
+
+    def empty_classes(self) -> list[str]:
+        """Classes the layout shows that hold no image (left out as unreadable, say)."""
+        counts = np.bincount(self.labels, minlength=len(self.classes))
+        return [self.classes[c] for c in sorted(self.present) if counts[c] == 0]
+
+
+class ParquetRows:
+    """Parquet images read a row group at a time, on demand, the last few groups kept per
+    process (each loader worker has its own): never the whole file per worker. Threads (the
+    decode check, the image cache) share it under a lock; they decode outside it."""
+
+    KEPT_GROUPS = 4
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()  # a new one in a forked worker: never one held at the fork
+        self.files: dict[str, Any] = {}
+        self.starts: dict[str, np.ndarray] = {}
+        self.groups: dict[tuple[str, str, int], Any] = {}
+
+    def read(self, path: str, column: str, row: int) -> bytes:
+        if self.pid != os.getpid():  # a forked worker: its own files and groups
+            self.__init__()
+        with self.lock:
+            value = self._cell(path, column, row)
+        return image_bytes(value, f"{path}[row {row}]")
+
+    def _cell(self, path: str, column: str, row: int) -> Any:
+        if path not in self.files:
+            import pyarrow.parquet as pq
+
+            file = pq.ParquetFile(path)
+            meta = file.metadata
+            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            self.files[path] = file
+            self.starts[path] = np.cumsum([0, *sizes])
+        starts = self.starts[path]
+        group = int(np.searchsorted(starts, row, side="right")) - 1
+        key = (path, column, group)
+        if key not in self.groups:
+            if len(self.groups) >= self.KEPT_GROUPS:
+                self.groups.pop(next(iter(self.groups)))
+            self.groups[key] = self.files[path].read_row_group(group, columns=[column]).column(0)
+        return self.groups[key][row - int(starts[group])].as_py()
+
+
+def image_bytes(value: Any, where: str) -> bytes:
+    """The encoded image of a Parquet cell: plain bytes, or the Hub's ``{bytes, path}``."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if not isinstance(value, bytes | bytearray) or not value:
+        raise OSError(f"{where} holds no image bytes")
+    return bytes(value)
+
+
+_PARQUET_ROWS = ParquetRows()
+
+
+class TableImages:
+    """The images of an ``ImageTable`` as a dataset of ``(upright RGB PIL image, label)``:
+    what ImageFolder was to a folder, for every layout. An image that fails to read later in
+    a run (replaced, deleted, a disk error) gives the next image in its place."""
+
+    def __init__(self, table: ImageTable):
+        self.table = table
+
+    @property
+    def classes(self) -> list[str]:
+        return self.table.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.table.classes)}
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.table.labels
+
+    @property
+    def root(self) -> str:
+        return self.table.source
+
+    def leave_out(self, locations: Collection[str]) -> None:
+        self.table = self.table.without(locations)
+
+    def empty_classes(self) -> list[str]:
+        return self.table.empty_classes()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        # Hours into a run, one file that fails must not end it: take the next sample instead.
+        n = len(self.table)
+        for offset in range(n):
+            i = (index + offset) % n
+            try:
+                # Named by the hang watchdog if this read hangs (a hung network file system).
+                with heartbeat.reading(self.table.location(i)):
+                    return self.table.open_rgb(i), self.table.label(i)
+            except Exception as err:  # any decoder failure on a user's file
+                log.warning(
+                    f"could not read {self.table.location(i)} ({type(err).__name__}: {err}); "
+                    "using the next image in its place"
+                )
+        raise RuntimeError(f"none of the {n} images of {self.table.source} can be read")

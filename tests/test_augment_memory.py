@@ -1,0 +1,138 @@
+"""The augmentation's device memory is in the plan: it runs in chunks that fit beside the
+model's state, the same images as in one go, and an out-of-memory error in it halves the chunk
+and augments the batch again (with --auto_micro_batch), as the step's own retry does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from imgtrainer.data.augment_memory import (
+    augment_bytes_per_image,
+    augment_chunk,
+    canvas_side_bound,
+)
+from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches
+from imgtrainer.data.batch_policy import BatchPolicy
+from imgtrainer.data.ragged import Ragged
+from imgtrainer.data.sources import Source
+from imgtrainer.errors import UserError
+
+HAS_CUDA = torch.cuda.is_available()
+SIZE = 16
+
+
+def batch(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    draws = AugmentDraws(SIZE, random_erasing=0.5, policy="trivialaugment")
+    images, params = [], []
+    for h, w in torch.randint(8, 40, (count, 2), generator=g).tolist():
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        torch.manual_seed(h * 100 + w)
+        params.append(draws(h, w))
+    crops = []
+    for image, row in zip(images, params, strict=True):
+        top, left, h, w = row[:4].tolist()
+        crops.append(image[:, top : top + h, left : left + w])
+        row[:4] = torch.tensor([0, 0, h, w])
+    return Ragged.of(crops).canvas(), torch.stack(params), torch.arange(count)
+
+
+def device_batches(augment) -> DeviceBatches:
+    return DeviceBatches([], augment, "cpu")
+
+
+def test_chunks_make_the_images_of_one_go():
+    pixels, params, labels = batch(10)
+    augment = BatchAugment(SIZE, BatchPolicy("trivialaugment", SIZE))
+    whole = device_batches(augment)
+    chunked = device_batches(augment)
+    chunked.chunk = 3  # 3, 3, 3, 1
+    expected, _ = whole.augmented(pixels, params, labels)
+    got, got_labels = chunked.augmented(pixels, params, labels)
+    assert torch.equal(got, expected) and torch.equal(got_labels, labels)
+
+
+class RunsOutAbove:
+    """An augmentation that runs out of memory for more than ``limit`` images at once."""
+
+    def __init__(self, limit: int, error: type[Exception] = torch.OutOfMemoryError):
+        self.limit, self.error, self.sizes = limit, error, []
+        self.real = BatchAugment(SIZE)
+
+    def __call__(self, pixels, params):
+        self.sizes.append(len(params))
+        if len(params) > self.limit:
+            raise self.error("CUDA out of memory. Tried to allocate 2 GiB")
+        return self.real(pixels, params)
+
+
+def test_out_of_memory_in_the_augmentation_halves_its_chunk_and_makes_the_same_images(caplog):
+    pixels, params, labels = batch(8, seed=1)
+    expected = BatchAugment(SIZE)(pixels, params)
+    flaky = RunsOutAbove(3)
+    batches = device_batches(flaky)
+    batches.retry_on_oom = True
+    with caplog.at_level(logging.WARNING):
+        images, _ = batches.augmented(pixels, params, labels)
+    assert torch.equal(images, expected)
+    assert flaky.sizes == [8, 4, 2, 2, 2, 2] and batches.chunk == 2
+    assert [r.message for r in caplog.records] == [
+        "out of memory in the augmentation; 4 images at a time from now on",
+        "out of memory in the augmentation; 2 images at a time from now on",
+    ]
+    images, _ = batches.augmented(pixels, params, labels)  # the next batch: chunks of 2 at once
+    assert flaky.sizes[6:] == [2, 2, 2, 2]
+
+
+def test_without_the_retry_or_at_one_image_the_error_stands():
+    pixels, params, labels = batch(4, seed=2)
+    batches = device_batches(RunsOutAbove(2))
+    with pytest.raises(torch.OutOfMemoryError):
+        batches.augmented(pixels, params, labels)
+    batches = device_batches(RunsOutAbove(0))
+    batches.retry_on_oom = True
+    with pytest.raises(UserError, match="out of memory augmenting a single image"):
+        batches.augmented(pixels, params, labels)
+    batches = device_batches(RunsOutAbove(0, ValueError))
+    batches.retry_on_oom = True
+    with pytest.raises(ValueError):  # only memory errors are retried
+        batches.augmented(pixels, params, labels)
+    assert batches.augment.sizes == [4]
+
+
+def test_the_plan_counts_the_augmentation_per_image_and_leaves_it_room():
+    # 224 px: the GPU cache's canvas is at most 342 px a side (4/3 of 256), crops from files
+    # at most 598 (under 2 x 224, within 4:3).
+    assert canvas_side_bound(224, Source.GPU) == 342
+    assert canvas_side_bound(224, Source.RAM) == canvas_side_bound(224, Source.FILES) == 598
+    files = augment_bytes_per_image(224, 598, policy=False)
+    assert 8e6 < files < 12e6  # about 2.5 GB for 256 images: the 0.7-3 GB seen by estimate
+    assert augment_bytes_per_image(224, 342, policy=True) < files
+    assert augment_chunk(10 * files, files, 256) == 10
+    assert augment_chunk(10**15, files, 256) == 256
+    assert augment_chunk(-5, files, 256) == 1  # no room at all: one at a time, then the retry
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_per_image_bound_holds_on_cuda():
+    """The augmentation's peak above its canvas and output, on a canvas as large as the bound,
+    stays under ``augment_bytes_per_image`` times the batch."""
+    size, count = 224, 32
+    side = canvas_side_bound(size, Source.FILES)
+    pixels = torch.randint(0, 256, (count, 3, side, side), dtype=torch.uint8, device="cuda")
+    draws = AugmentDraws(size, policy="trivialaugment")
+    params = torch.stack([draws(side, side) for _ in range(count)])
+    augment = BatchAugment(size, BatchPolicy("trivialaugment", size))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    images = augment(pixels, params)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - before - images.numel() * images.element_size()
+    bound = count * augment_bytes_per_image(size, side, policy=True)
+    print(f"transient {transient / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
+    assert transient <= bound
