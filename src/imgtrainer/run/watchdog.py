@@ -27,9 +27,10 @@ from imgtrainer.distributed.heartbeat import Beat, Phase, SlotName, read_slot
 # a process that sleeps (S) is most likely waiting for another one.
 SUSPECT_STATES = "TtDR"
 PY_SPY_SECONDS = 20.0
-# The other ranks of an ended attempt fail on their closed connections and exit at once; one that
-# still runs this long after (--hang_timeout, at most this) is killed too, so that torchrun need
-# not wait its own 30 s for it before the restart.
+# The other ranks of an ended attempt mostly fail on their closed connections at once, but one
+# waiting in DDP's backward all-reduce can stay blocked there, beyond the reach of torchrun's
+# SIGTERM; one still running this long after (--hang_timeout, at most this) is killed too, so that
+# torchrun does not wait its own 30 s for it before the restart.
 MAX_GRACE_SECONDS = 10.0
 
 
