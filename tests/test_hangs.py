@@ -84,7 +84,7 @@ def test_a_frozen_rank_then_a_frozen_loader_worker_are_named_and_restarted(tmp_p
 
     logs = tmp_path / "logs"
     frozen = stamps(logs / "train_rank_1.log", "TRAIN_DDP_FREEZE")
-    named = stamps(logs / "torchrun.log", "watchdog: ")
+    named = stamps(logs / "torchrun.log", "made no progress")
     resumed = stamps(logs / "train_rank_1.log", "Resumed from")
     assert len(frozen) == len(named) == len(resumed) == 2
     timings = [
@@ -119,7 +119,7 @@ def test_a_rank_frozen_in_a_collective_without_restarts_ends_with_code_3(tmp_pat
     assert "all_reduce" in stacks or "all_gather" in stacks, stacks
     assert (tmp_path / "checkpoints" / "checkpoint_latest.pth").exists()
     frozen = stamps(tmp_path / "logs" / "train_rank_1.log", "TRAIN_DDP_FREEZE")[0]
-    named = stamps(tmp_path / "logs" / "torchrun.log", "watchdog: ")[0]
+    named = stamps(tmp_path / "logs" / "torchrun.log", "made no progress")[0]
     # The rank's last progress is its entry into the collective, just after its log line; the
     # SIGSTOP lands 0.5 s later, inside it.
     to_named = seconds(named, frozen)
