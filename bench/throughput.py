@@ -7,6 +7,7 @@
     python bench/throughput.py --dataset photos --image_size 224 # mixed-aspect photos >= 500 px
     python bench/throughput.py --world_sizes 1 --policy          # the policies, looped vs grouped
     python bench/throughput.py --world_sizes 1 --step_variants eager compile batch_x2
+    python bench/throughput.py --world_sizes 2 --watchdog        # hang watchdog off / on, twice
 
 For each world size it runs, as separate torchrun jobs with the same threads per process:
 
@@ -16,6 +17,10 @@ For each world size it runs, as separate torchrun jobs with the same threads per
    wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files
    (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA).
 
+With ``--watchdog``, the trainer runs ``--watchdog_pairs`` times per source without and with the
+hang watchdog, alternating (each rank's and loader worker's heartbeat slot written, read by a
+watchdog thread of this process as the launcher's would), and prints their rates side by side
+and the cost of each heartbeat call.
 With ``--sources``, the trainer runs once per image source (``--cache_images`` gpu, ram, none)
 against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
 (``torchvision.io.decode_jpeg(list, device="cuda")``, batches of 256) and on the CPU (files read
@@ -117,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--decode", action="store_true", help="also measure JPEG decode rates")
     parser.add_argument(
+        "--watchdog",
+        action="store_true",
+        help="run the trainer without and with the hang watchdog, alternating, "
+        "--watchdog_pairs times each",
+    )
+    parser.add_argument("--watchdog_pairs", type=int, default=2)
+    parser.add_argument(
         "--policy", action="store_true", help="also time the policies: per image vs grouped"
     )
     parser.add_argument(
@@ -169,8 +181,14 @@ def wants_photos(args: argparse.Namespace) -> bool:
 
 
 def run_worker(
-    args: argparse.Namespace, mode: str, world_size: int, data: Path, result: Path
+    args: argparse.Namespace,
+    mode: str,
+    world_size: int,
+    data: Path,
+    result: Path,
+    heartbeats: Path | None = None,
 ) -> dict:
+    """One measurement as a torchrun job; with ``heartbeats``, under the hang watchdog."""
     command = [
         sys.executable,
         "-m",
@@ -201,9 +219,17 @@ def run_worker(
         *args.trainer_flags,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
-    completed = subprocess.run(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    watchdog = contextlib.nullcontext()
+    if heartbeats is not None:
+        from imgtrainer.distributed.heartbeat import HEARTBEAT_DIR_ENV
+        from imgtrainer.run.watchdog import Watchdog, WatchPlan
+
+        env[HEARTBEAT_DIR_ENV] = str(heartbeats)
+        watchdog = Watchdog(WatchPlan(heartbeats, 300.0, result.parent / "logs", 0))
+    with watchdog:
+        completed = subprocess.run(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
     if completed.returncode != 0:
         sys.exit(f"{mode} at world size {world_size} failed:\n{completed.stderr[-4000:]}")
     return json.loads(result.read_text())
@@ -238,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report["results"] = measure_sources(args, data, Path(tmp))
         print_summary(report["results"])
+        if args.watchdog:
+            report["heartbeat_costs"] = heartbeat_costs(Path(tmp) / "costs")
+            print_heartbeat_costs(report["heartbeat_costs"])
         if args.decode:
             report["decode"] = decode_rates(data / "train", args.device)
             print_decode(report["decode"])
@@ -261,17 +290,23 @@ def measure_sources(args: argparse.Namespace, data: Path, tmp: Path) -> list[dic
         for source in args.sources or [None]:
             flags = args.trainer_flags + (["--cache_images", source] if source else [])
             run_args = argparse.Namespace(**{**vars(args), "trainer_flags": flags})
-            trainer = run_worker(run_args, "trainer", world_size, data, tmp / "trainer.json")
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "source": trainer["source"],
-                    "ceiling": ceiling,
-                    "trainer": trainer,
-                    "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
-                }
-            )
-            print_row(rows[-1])
+            pairs = [False, True] * args.watchdog_pairs
+            for watched in pairs if args.watchdog else [None]:
+                heartbeats = tmp / "heartbeat" if watched else None
+                trainer = run_worker(
+                    run_args, "trainer", world_size, data, tmp / "trainer.json", heartbeats
+                )
+                rows.append(
+                    {
+                        "world_size": world_size,
+                        "source": trainer["source"],
+                        "watchdog": watched,
+                        "ceiling": ceiling,
+                        "trainer": trainer,
+                        "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
+                    }
+                )
+                print_row(rows[-1])
     return rows
 
 
@@ -293,8 +328,10 @@ def measure_step_variants(args: argparse.Namespace, data: Path, tmp: Path) -> li
 def print_row(row: dict) -> None:
     c, t = row["ceiling"], row["trainer"]
     shares = "  ".join(f"{k} {v:.0%}" for k, v in t["step_shares"].items())
+    watchdog = {None: "", False: ", hang watchdog off", True: ", hang watchdog on"}
     print(
-        f"\nworld size {row['world_size']}, images from {row['source']}, on {t['device']} "
+        f"\nworld size {row['world_size']}, images from {row['source']}"
+        f"{watchdog[row.get('watchdog')]}, on {t['device']} "
         f"({t['threads_per_process']} thread(s)/process, {t['loader_workers']} loader "
         "worker(s)/process)"
     )
@@ -323,17 +360,57 @@ def percent(value: float | None) -> str:
 def print_summary(rows: list[dict]) -> None:
     """One line per (world size, source): the figures the issue's table compares."""
     print(
-        f"\n{'world':>5} {'source':<6} {'img/s':>9} {'ceiling':>9} {'trainer/ceiling':>15} "
-        f"{'data wait':>9} {'of bf16 peak':>12}"
+        f"\n{'world':>5} {'source':<6} {'watchdog':>8} {'img/s':>9} {'ceiling':>9} "
+        f"{'trainer/ceiling':>15} {'data wait':>9} {'of bf16 peak':>12}"
     )
     for row in rows:
         t, c = row["trainer"], row["ceiling"]
+        watchdog = {None: "-", False: "off", True: "on"}[row.get("watchdog")]
         print(
-            f"{row['world_size']:>5} {row['source']:<6} {t['images_per_sec']:>9.1f} "
+            f"{row['world_size']:>5} {row['source']:<6} {watchdog:>8} {t['images_per_sec']:>9.1f} "
             f"{c['images_per_sec']:>9.1f} {row['efficiency']:>15.3f} "
             f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} "
             f"{percent(t.get('fraction_of_peak')):>12}"
         )
+
+
+def heartbeat_costs(folder: Path, calls: int = 200_000) -> dict:
+    """Microseconds per call of what the hang watchdog adds to a rank (a phase mark: 3 per step,
+    2 per host collective) and to each image read (the file's marker)."""
+    import os as _os
+
+    from imgtrainer.distributed import heartbeat
+
+    _os.environ[heartbeat.HEARTBEAT_DIR_ENV] = str(folder)
+    try:
+        slot = heartbeat.open_slot(0, 0)
+        heartbeat.start(0)
+
+        def read_marked() -> None:
+            with heartbeat.reading("/data/train/cat/img_000001.jpg"):
+                pass
+
+        costs = {}
+        for name, call in [
+            ("mark", lambda: heartbeat.mark(heartbeat.Phase.STEP)),
+            ("reading", read_marked),
+        ]:
+            started = time.perf_counter()
+            for _ in range(calls):
+                call()
+            costs[name] = (time.perf_counter() - started) / calls * 1e6
+        slot.close()
+    finally:
+        del _os.environ[heartbeat.HEARTBEAT_DIR_ENV]
+        heartbeat._slot.clear()
+    return costs
+
+
+def print_heartbeat_costs(costs: dict) -> None:
+    print(
+        f"\nhang watchdog per call: phase mark {costs['mark']:.2f} us (3 per step, 2 per host "
+        f"collective), file marker {costs['reading']:.2f} us (per image read)"
+    )
 
 
 def print_decode(rates: dict) -> None:
@@ -480,6 +557,11 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     trainer = Trainer(cfg, dist)
     trainer.register_hooks()  # the run's own per-step work (TensorBoard is off: see worker_main)
     setup_seconds = time.perf_counter() - setup_started
+    from imgtrainer.distributed import heartbeat
+
+    # Under --watchdog: this rank's heartbeat slot, as the trainer opens it (``run.train.watched``)
+    if heartbeat.open_slot(dist.rank, 0) is not None:
+        heartbeat.start(0)
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
     timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=dist.device.type == "cpu"))

@@ -59,6 +59,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 
 
+# A rank or loader worker made no progress for --hang_timeout and no torchrun restart was left
+# (the launcher's watchdog, ``run.watchdog``): the run can resume from its newest checkpoint.
+EXIT_HUNG = 3
+
+
 def exit_code_for(signum: int) -> int:
     """130 after SIGINT, 143 after SIGTERM; a closed terminal (SIGHUP) and SLURM's warning
     (SIGUSR1) are handled as SIGTERM."""

@@ -14,6 +14,14 @@ attempt (its start position, world size and
 torchrun restart), epoch, step, rank, world size and indices. The loader reads the sampler lazily with
 --num_workers 0, so the keys the sampler gave since the last step are that step's batch.
 
+TRAIN_DDP_FREEZE="ATTEMPT:EPOCH:STEP:RANK:WHERE[,...]" freezes a process with SIGSTOP on that
+torchrun attempt (``freeze_hook``): WHERE "rank" stops the rank after that step, "collective" stops
+it inside the checkpoint's collective of that step (the other ranks enter it late), "worker" stops
+its loader worker 0 inside its STEP-th file read of that attempt (EPOCH is not used).
+
+TRAIN_DDP_SLOW="ATTEMPT:SECONDS:RANK" makes that rank sleep SECONDS after each step on that torchrun
+attempt: a straggler (``slow_rank``).
+
 TRAIN_DDP_STEP_DELAY="SECONDS:WORLD" makes every rank of a run on WORLD processes wait up to
 SECONDS after each optimizer step (after its checkpoint), cut short by a stop signal: a run that
 is still training when another node joins (``step_delay``).
@@ -132,9 +140,96 @@ def step_delay(trainer):
     return StepDelay() if trainer.dist.world_size == int(world) else None
 
 
+FREEZE_ENV = "TRAIN_DDP_FREEZE"
+
+
+def freeze_points(attempt: str) -> list[tuple[int, int, int, str]]:
+    """$TRAIN_DDP_FREEZE's (epoch, step, rank, where) for this torchrun attempt."""
+    points = []
+    for spec in filter(None, os.environ.get(FREEZE_ENV, "").split(",")):
+        at, epoch, step, rank, where = spec.split(":")
+        if at == attempt:
+            points.append((int(epoch), int(step), int(rank), where))
+    return points
+
+
+def freeze_hook(trainer):
+    """The ``Freeze`` hook of $TRAIN_DDP_FREEZE on this attempt, or None."""
+    import threading
+
+    from imgtrainer.distributed import heartbeat
+    from imgtrainer.hooks import Hook
+
+    points = freeze_points(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = trainer.dist.rank
+    say = logging.getLogger(LOGGER).warning
+    for _, reads, frozen_rank, where in points:
+        if where == "worker" and frozen_rank == rank:
+            # Forked after this (at the first epoch's loader), the workers inherit the patch.
+            real, count = heartbeat.reading, [0]
+
+            def reading(path, real=real, count=count, reads=reads):
+                slot = heartbeat._slot[0] if heartbeat._slot else None
+                if slot is not None and slot.path.name.split(".")[2] == "w0":
+                    count[0] += 1
+                    if count[0] == reads:
+                        slot.read_started(path)
+                        say(f"{FREEZE_ENV}: freezing loader worker 0 of rank {rank} reading {path}")
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                return real(path)
+
+            heartbeat.reading = reading
+
+    class Freeze(Hook):
+        before_checkpoint = True
+
+        def on_step_end(self, info) -> bool:
+            for epoch, step, frozen_rank, where in points:
+                if (epoch, step) != (trainer.epoch + 1, info.step) or where == "worker":
+                    continue
+                if frozen_rank != rank:
+                    if where == "collective":
+                        time.sleep(1.5)  # the frozen rank waits in the collective meanwhile
+                    continue
+                say(f"{FREEZE_ENV}: freezing rank {rank} ({where}) at epoch {epoch}, step {step}")
+                if where == "rank":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:  # inside the collective this step's checkpoint starts with
+                    stop = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP))
+                    stop.daemon = True
+                    stop.start()
+            return False
+
+    return Freeze() if points else None
+
+
+SLOW_ENV = "TRAIN_DDP_SLOW"
+
+
+def slow_rank(trainer):
+    """A hook that makes $TRAIN_DDP_SLOW's rank sleep after each step, or None elsewhere."""
+    from imgtrainer.hooks import Hook
+
+    attempt, seconds, rank = os.environ[SLOW_ENV].split(":")
+    here = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), trainer.dist.rank)
+
+    class SlowRank(Hook):
+        def on_step_end(self, info) -> bool:
+            time.sleep(float(seconds))
+            return False
+
+    return SlowRank() if here == (attempt, int(rank)) else None
+
+
 # Each fault's variable and hook, in the order the hooks run: the recorder sees a step before
 # the kill does.
-FAULTS = {RECORD_ENV: "record_indices", KILL_AT_ENV: "kill_hook", DELAY_ENV: "step_delay"}
+FAULTS = {
+    RECORD_ENV: "record_indices",
+    KILL_AT_ENV: "kill_hook",
+    FREEZE_ENV: "freeze_hook",
+    DELAY_ENV: "step_delay",
+    SLOW_ENV: "slow_rank",
+}
 
 
 def declare_hooks(environ=os.environ) -> None:

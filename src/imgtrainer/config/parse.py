@@ -241,7 +241,7 @@ FLAG_ALIASES = {
 
 
 # Flags holding a duration (parse_duration): a run file's number is their seconds.
-DURATION_FIELDS = frozenset({"max_time"})
+DURATION_FIELDS = frozenset({"max_time", "hang_timeout"})
 
 
 def _is_number(value: Any) -> bool:
@@ -378,6 +378,14 @@ def validate_stopping(cfg: TrainConfig) -> None:
         )
     if cfg.max_time is not None:
         parse_duration(cfg.max_time)
+    hang_seconds(cfg.hang_timeout)
+
+
+def hang_seconds(text: str) -> float | None:
+    """--hang_timeout in seconds; None when it is off ("0" or "off")."""
+    if text.strip().lower() in ("0", "off", "0s"):
+        return None
+    return parse_duration(text, "--hang_timeout")
 
 
 # Units of --max_time's "2h30m" form, in seconds.

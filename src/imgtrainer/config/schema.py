@@ -61,8 +61,7 @@ def tracker_names(value: str) -> list[str]:
 # ----------------------------------------------------------------------------- the trainer's flags
 
 
-# Marks a flag whose new value a resume refuses unless --resume_override: it changes the
-# schedule or the optimisation (``checkpoints.resume.SCHEDULE_FLAGS``).
+# A flag whose new value a resume refuses without --resume_override (``SCHEDULE_FLAGS``).
 RESUME_CHECKED = "resume_checked"
 
 
@@ -272,6 +271,10 @@ class TrainConfig:
     dist_timeout_minutes: float = _dist(30.0, POSITIVE).help(
         "process-group timeout: a hung rank fails the job after this long"
     )
+    hang_timeout: str = _dist("5m").help(
+        "launch_ddp.py names a rank or loader worker stuck this long (5m, 45s; 0: off), its stacks "
+        "in <log_dir>/hang/, and restarts the workers (--max_restarts), else exits with code 3"
+    )
     check_sync: bool = _dist(False).help(
         "after every epoch, verify that all ranks hold identical parameters and buffers"
     )
@@ -397,11 +400,9 @@ DEMO_PRESET: dict[str, Any] = {
 }
 
 
-# What a 2 GB GPU needs, without changing the batch size (the training itself). Flags the user
-# gives explicitly still win (``--no_<flag>`` turns a switch of the preset off). The parts that
-# only make sense on CUDA are decided with the device: ``use_amp`` and ``channels_last`` do
-# nothing on the CPU under this preset (bfloat16 autocast is much slower there, and the
-# micro-batches already bound the memory).
+# What a 2 GB GPU needs, keeping the batch size. Explicit flags win (``--no_<flag>`` turns a
+# switch off). ``use_amp`` and ``channels_last`` do nothing on the CPU under this preset
+# (bfloat16 autocast is much slower there; the micro-batches already bound the memory).
 LOW_MEMORY_PRESET: dict[str, Any] = {
     "use_amp": True,  # float16 activations: about half the activation memory
     "channels_last": True,  # the layout float16 convolutions run fastest in

@@ -54,6 +54,7 @@ from imgtrainer.data.transforms import (
     eval_transforms,
 )
 from imgtrainer.data.unreadable import check_no_empty_class, leave_out_unreadable, report_unreadable
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
 )
@@ -65,7 +66,7 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.errors import UserError
 from imgtrainer.files import format_bytes
-from imgtrainer.process import STOP_SIGNALS, die_with_parent
+from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ def quiet_loader_worker(worker_id: int) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+    env = TorchrunEnv.read()
+    # Its own heartbeat slot: the file it reads, for the launcher's hang watchdog.
+    heartbeat.open_slot(env.rank, env.restart_count, worker_id)
 
 
 @dataclass(frozen=True)

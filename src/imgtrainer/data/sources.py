@@ -23,6 +23,7 @@ from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
 from imgtrainer.data.table import ImageTable, TableImages
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
+from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import format_bytes
 
@@ -166,7 +167,8 @@ class TrainingSamples(Dataset):
         table = self.folder.table
         label = table.label(index)
         try:
-            data = table.read(index)
+            with heartbeat.reading(table.location(index)):
+                data = table.read(index)
         except Exception:  # gone or damaged since the start-up check: the CPU path handles it
             data = b""
         size = nvjpeg_size(data)

@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from imgtrainer.data.image_files import CHECK_DRAFT_SIZE, open_rgb
+from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,9 @@ class TableImages:
         for offset in range(n):
             i = (index + offset) % n
             try:
-                return self.table.open_rgb(i), self.table.label(i)
+                # Named by the hang watchdog if this read hangs (a hung network file system).
+                with heartbeat.reading(self.table.location(i)):
+                    return self.table.open_rgb(i), self.table.label(i)
             except Exception as err:  # any decoder failure on a user's file
                 log.warning(
                     f"could not read {self.table.location(i)} ({type(err).__name__}: {err}); "

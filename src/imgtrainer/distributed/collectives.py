@@ -14,6 +14,7 @@ import resource
 import torch
 import torch.distributed as torch_dist
 
+from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import UserError
 
 
@@ -21,7 +22,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = Non
     """Reduce a tensor over all ranks in place with ``op`` ("sum", "max" or "min"); a no-op for
     one process. Every rank must call it."""
     if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=getattr(torch_dist.ReduceOp, op.upper()), group=group)
+        with heartbeat.phase(heartbeat.Phase.COLLECTIVE):
+            torch_dist.all_reduce(tensor, op=getattr(torch_dist.ReduceOp, op.upper()), group=group)
     return tensor
 
 
@@ -68,6 +70,16 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)]), group=host_group()).item())
 
 
+def all_gather_rows(row: torch.Tensor, group: object | None = None) -> torch.Tensor:
+    """Every rank's 1-D ``row`` (of one length), stacked in rank order. Every rank must call it."""
+    if not torch_dist.is_initialized():
+        return row[None]
+    rows = [torch.empty_like(row) for _ in range(torch_dist.get_world_size(group))]
+    with heartbeat.phase(heartbeat.Phase.COLLECTIVE):
+        torch_dist.all_gather(rows, row, group=group)
+    return torch.stack(rows)
+
+
 def world_size() -> int:
     """Processes in the job: 1 without a process group."""
     return torch_dist.get_world_size() if torch_dist.is_initialized() else 1
@@ -78,7 +90,8 @@ def all_gather_objects(obj: object) -> list:
     if not torch_dist.is_initialized():
         return [obj]
     gathered: list = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(gathered, obj)
+    with heartbeat.phase(heartbeat.Phase.COLLECTIVE):
+        torch_dist.all_gather_object(gathered, obj)
     return gathered
 
 

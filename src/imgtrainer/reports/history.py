@@ -10,7 +10,7 @@ exactly once. ``metrics.csv`` beside it holds the same records, one row per epoc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,12 +33,14 @@ class EpochRecord:
     train_images_per_sec: float
     peak_memory_mb: float
     micro_batch: int
+    # each rank's seconds per step, outside the step, and data-wait share (``StragglerWatch``)
+    ranks: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         fields = dict(vars(self))
-        val = fields.pop("val")
+        val, ranks = fields.pop("val"), fields.pop("ranks")
         head = {key: fields.pop(key) for key in ("epoch", "train_loss", "train_acc")}
-        return {**head, **val, **fields}
+        return {**head, **val, **fields, **ranks}
 
     def line(self, epochs: int) -> str:
         """The epoch's log line (without the best-epoch note)."""

@@ -11,6 +11,7 @@ exits with the code of how the run ended (docs/development.md: the processes of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -30,12 +32,15 @@ from imgtrainer.config import (
     add_launcher_flags,
     check_bound,
     config_yaml,
+    hang_seconds,
     parse_config,
     read_run_file,
     run_file_parser,
 )
+from imgtrainer.distributed.heartbeat import HEARTBEAT_DIR_ENV
 from imgtrainer.errors import UserError, exit_on_user_error
 from imgtrainer.process import (
+    EXIT_HUNG,
     STOP_SIGNALS,
     TorchrunEnv,
     cuda_not_visible,
@@ -47,6 +52,7 @@ from imgtrainer.process import (
 from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_agent_failure, read_outcomes
 from imgtrainer.run.preflight import launcher_checks
 from imgtrainer.run.rendezvous import claim_store_host
+from imgtrainer.run.watchdog import Verdict, Watchdog, WatchPlan
 
 SRC = Path(__file__).resolve().parents[2]  # the folder of the thin scripts
 TRAIN_SCRIPT = SRC / "train_ddp.py"
@@ -232,8 +238,16 @@ def print_help(parser: argparse.ArgumentParser) -> None:
     print(trainer_help[trainer_help.index("options:") + len("options:") :].rstrip())
 
 
-def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
-    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code."""
+def run_torchrun(
+    command: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    hang_watch: tuple[float | None, int, bool] = (None, 0, True),
+) -> int:
+    """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code.
+    ``hang_watch``: (--hang_timeout in seconds or None for off, --max_restarts, whether this
+    node runs every rank) for the hang watchdog (``run.watchdog``), which watches this node's
+    ranks from here."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / TORCHRUN_LOG
     with (
@@ -242,10 +256,25 @@ def run_torchrun(command: list[str], env: dict[str, str], log_dir: Path) -> int:
     ):
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
         log.flush()
-        received, code = run_forwarding_signals(command, {**env, REPORT_DIR_ENV: reports}, log)
-        if code != 0 and not received and (agent := read_agent_failure(Path(reports))):
+        env = {**env, REPORT_DIR_ENV: reports}
+        timeout, max_restarts, whole_job = hang_watch
+        watchdog = None
+        if timeout is not None:
+            env[HEARTBEAT_DIR_ENV] = str(Path(reports) / "heartbeat")
+            folder = Path(reports) / "heartbeat"
+            plan = WatchPlan(folder, timeout, log_dir, max_restarts, log_file, whole_job)
+            watchdog = Watchdog(plan)
+        with watchdog or contextlib.nullcontext():
+            received, code = run_forwarding_signals(command, env, log)
+        hangs = [verdict for verdict, _ in watchdog.hangs] if watchdog else []
+        if (
+            code != 0
+            and not received
+            and not hangs
+            and (agent := read_agent_failure(Path(reports)))
+        ):
             return report_agent_failure(agent, read_outcomes(Path(reports)), code, log_file)
-        return exit_code(code, read_outcomes(Path(reports)), received, log_file)
+        return exit_code(code, read_outcomes(Path(reports)), received, log_file, hangs)
 
 
 def run_forwarding_signals(
@@ -288,10 +317,17 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log_file: Path) -> int:
+def exit_code(
+    torchrun_code: int,
+    outcomes: list[dict],
+    received: list[int],
+    log_file: Path,
+    hangs: Sequence[Verdict] = (),
+) -> int:
     """How the run ended, from what each rank reported (first failure first) and the signals the
     launcher passed on; a failure is printed as one line naming the rank, after a bug's
-    traceback."""
+    traceback. A last attempt ended by the hang watchdog (``hangs``) ends with EXIT_HUNG: the
+    ranks that failed when it killed the stuck one are not blamed."""
     if torchrun_code == 0 and (
         not received or (outcomes and all(o["code"] == 0 for o in outcomes))
     ):
@@ -299,6 +335,10 @@ def exit_code(torchrun_code: int, outcomes: list[dict], received: list[int], log
         # run was ending, passed on, changed nothing). An earlier round's 143 under the same
         # restart count is a rank its agent stopped to take in a joining node.
         return 0
+    if hangs and not received:
+        last = hangs[-1].culprit
+        if all(o["attempt"] <= last.attempt for o in outcomes):
+            return report_hang(hangs[-1], log_file)
     failures = [o for o in outcomes if o["code"] not in (0, 130, 143)]
     if failures:
         return report_failure(failures[0], log_file)
@@ -349,6 +389,19 @@ def report_agent_failure(line: str, outcomes: list[dict], code: int, log_file: P
         flush=True,
     )
     return code
+
+
+def report_hang(verdict: Verdict, log_file: Path) -> int:
+    """The end of a run whose last attempt the watchdog ended (its line is printed already)."""
+    culprit = verdict.culprit
+    print(
+        f"error: {culprit.who} (pid {culprit.pid}) made no progress for --hang_timeout; its "
+        f"stacks and torchrun's report are in {log_file.parent}. The run continues from its "
+        "newest checkpoint with the same command plus --resume auto",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_HUNG
 
 
 def stop_code(stops: list[dict], received: list[int]) -> int:
@@ -409,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return 0
         launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
-        return run_torchrun(command, torchrun_env(args, device, nproc), Path(cfg.log_dir))
+        one_node = node_range(args.nnodes)[1] == 1
+        restarts = restart_budget(args.max_restarts, args.nnodes)
+        hang_watch = (hang_seconds(cfg.hang_timeout), restarts, one_node)
+        env = torchrun_env(args, device, nproc)
+        return run_torchrun(command, env, Path(cfg.log_dir), hang_watch)
     finally:
         if lock is not None:
             lock.close()

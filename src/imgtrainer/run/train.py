@@ -10,9 +10,10 @@ Run it through the launcher, under torchrun directly, or alone (world size 1):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from imgtrainer.config import (
     print_config_requested,
 )
 from imgtrainer.data.demo import prepare_demo_data
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
 )
@@ -84,7 +86,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     trainer.resume()
     log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
     try:
-        with trainer.stop.installed():
+        with trainer.stop.installed(), watched(trainer):
             finished = trainer.fit()
         trainer.stop.installed_for_wrap_up()
         trainer.end_hooks(finished)
@@ -92,6 +94,20 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
     log_summary(trainer, finished)
     return 0 if finished else trainer.stop.exit_code
+
+
+@contextlib.contextmanager
+def watched(trainer: Trainer) -> Iterator[None]:
+    """Training, watched by the launcher's hang watchdog (``run.watchdog``) through this rank's
+    heartbeat slot, where the launcher asked for it (--hang_timeout)."""
+    slot = heartbeat.open_slot(trainer.dist.rank, TorchrunEnv.read().restart_count)
+    heartbeat.start(trainer.global_step)
+    try:
+        yield
+    finally:
+        heartbeat.finish()
+        if slot is not None:
+            slot.close()
 
 
 @exit_on_user_error

@@ -10,6 +10,7 @@ from torch import nn
 from tqdm import tqdm
 
 from imgtrainer.config import TrainConfig
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, broadcast_buffers
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.distributed.setup import DistInfo
@@ -80,6 +81,7 @@ def evaluation_sums(
     for batch_images, batch_targets in tqdm(
         loader, desc="val", disable=not show, dynamic_ncols=True, leave=False
     ):
+        heartbeat.tick()  # shards differ by a batch at most: a tick, not a beat
         size = plan.size_for(len(batch_targets))
         for x, y in zip(batch_images.split(size), batch_targets.split(size), strict=True):
             images, targets = to_device(x, y, device, plan.channels_last)

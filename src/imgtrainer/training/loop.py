@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.hooks import Hook, Hooks, StepInfo
@@ -25,6 +26,7 @@ from imgtrainer.training.step import (
     ddp_of,
     train_step,
 )
+from imgtrainer.training.stragglers import RankClock
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class LogWindow:
 
     def __init__(self):
         self.started = time.perf_counter()
-        self.waited = 0.0
+        self.waited = self.last_wait = 0.0
         self.images = 0
 
     def timed(self, batches: Iterable) -> Iterator:
@@ -105,7 +107,8 @@ class LogWindow:
         while True:
             before = time.perf_counter()
             batch = next(iterator, None)
-            self.waited += time.perf_counter() - before
+            self.last_wait = time.perf_counter() - before
+            self.waited += self.last_wait
             if batch is None:
                 return
             yield batch
@@ -167,6 +170,8 @@ class EpochPlan:
     # Stops the run (every rank) on losses that are no longer finite; checked at the logging
     # steps and at the end of the epoch
     nonfinite: NonFiniteLoss | None = None
+    # This rank's clocks for the straggler watch (``stragglers.RankClock``)
+    clock: RankClock | None = None
 
 
 def train_one_epoch(
@@ -198,10 +203,16 @@ def train_one_epoch(
     steps_per_epoch = start_step + len(loader)
     step = start_step
     window = LogWindow()
+    clock = epoch.clock or RankClock()
+    clock.reset()  # the time since the last agreement (validation, a checkpoint) is no step's
+    heartbeat.mark(heartbeat.Phase.DATA, first_global_step)
     for images, targets in window.timed(progress.wrap(loader, start_step, first_global_step)):
+        heartbeat.mark(heartbeat.Phase.STEP)
         if mixer is not None:  # the whole optimizer batch, before any split into micro-batches
             images, targets = mixer(images, targets, step)
+        started = time.perf_counter()
         step_sums, skipped = train_step(state, images, targets)
+        clock.step_done(time.perf_counter() - started, window.last_wait)
         sums += step_sums
         state.scheduler.step()
         step += 1
@@ -217,6 +228,7 @@ def train_one_epoch(
         info = StepInfo(step, global_step, sums, skipped, flush_logs=flush_logs)
         if any(hooks.call("on_step_end", info)):
             break
+        heartbeat.mark(heartbeat.Phase.DATA, global_step)  # waiting for the next batch
     if lagged is not None:
         lagged.flush()
     progress.close()

@@ -2,8 +2,8 @@
 ``--signal`` warning before a time limit), or when the --max_time budget runs out, at a step
 that every rank agrees on.
 
-A signal (or a ``TimeBudget`` that runs out) sets a flag; all ranks agree on it with a
-one-number all-reduce (MAX) every ``AGREE_EVERY`` steps and after an epoch's last step (one
+A signal (or a ``TimeBudget`` that runs out) sets a flag; all ranks agree on it with a small
+all-gather (the flags, and each rank's clocks for ``stragglers``) every ``AGREE_EVERY`` steps and after an epoch's last step (one
 process, with no collective, after every step), save a checkpoint together and leave the loop. A second
 signal, later than one Ctrl-C's burst, exits at once.
 """
@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from imgtrainer.distributed.collectives import all_reduce_max, host_group
+from imgtrainer.distributed.collectives import all_gather_rows, host_group
 from imgtrainer.process import STOP_SIGNALS, exit_code_for
+from imgtrainer.training.stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ NO_STOP, TIME_STOP, SIGNAL_STOP = 0, 1, 2
 
 
 class StopRequest:
-    def __init__(self, distributed: bool):
+    def __init__(self, distributed: bool, stragglers: StragglerWatch | None = None):
         self.distributed = distributed
+        # Each rank's clocks travel with the flag (``stragglers``): no collective of their own.
+        self.stragglers = stragglers
         # The flag travels on the host (gloo), so asking every step never waits for the GPU.
         self.group = host_group() if distributed else None
         self.signum: int | None = None
@@ -107,7 +110,12 @@ class StopRequest:
         must call it, at the same steps."""
         flag = SIGNAL_STOP if self.signum is not None else TIME_STOP if time_up else NO_STOP
         if self.distributed:
-            flag = int(all_reduce_max(torch.tensor([flag]), group=self.group).item())
+            figures = self.stragglers.clock.take() if self.stragglers else []
+            row = torch.tensor([flag, *figures], dtype=torch.float64)
+            rows = all_gather_rows(row, group=self.group)
+            flag = int(rows[:, 0].max().item())
+            if self.stragglers:
+                self.stragglers.update(rows[:, 1:].tolist())
         if flag == TIME_STOP and self.agreed_flag == NO_STOP:
             log.warning("The --max_time budget is nearly spent: saving a checkpoint and stopping")
         self.agreed_flag = max(self.agreed_flag, flag)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -26,6 +27,7 @@ from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
 from imgtrainer.data.balance import class_counts
 from imgtrainer.data.loaders import build_loaders
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
     check_ranks_in_sync,
@@ -46,6 +48,7 @@ from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.stopping import StopRequest, TimeBudget
+from imgtrainer.training.stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +159,13 @@ class Trainer:
         self.history = HistoryWriter(
             Path(cfg.log_dir) / "training_history.json", header, enabled=dist.is_main
         )
-        self.stop = StopRequest(dist.is_distributed)
+        # Every rank's host clocks, gathered with each stop agreement (none on one process).
+        self.stragglers = (
+            StragglerWatch(all_gather_objects(socket.gethostname()))
+            if dist.is_distributed
+            else None
+        )
+        self.stop = StopRequest(dist.is_distributed, self.stragglers)
         self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
         self.best = BestTracker(cfg)  # --best_metric, early stopping, the kept epochs
         self.progress = Progress()
@@ -229,6 +238,7 @@ class Trainer:
         At an epoch's end (``epoch_end``) the epochs' checkpoints to keep are kept. Nothing is
         saved once the loss or the weights are no longer finite."""
         self.nonfinite.check(self.steps_per_epoch)
+        heartbeat.mark(heartbeat.Phase.CHECKPOINT)
         started = self.budget.clock()
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         keep = self.best.kept_epochs(self.history.records) if epoch_end else None
@@ -253,6 +263,7 @@ class Trainer:
             log_interval=self.cfg.log_interval,
             mixer=mixer,
             nonfinite=self.nonfinite,
+            clock=self.stragglers.clock if self.stragglers else None,
         )
         train = train_one_epoch(
             self.parts, self.train_loader, hooks=self.hooks, progress=progress, epoch=plan
@@ -281,6 +292,7 @@ class Trainer:
     def validate_epoch(self) -> dict[str, float]:
         """The epoch's validation metrics (``validate_run``), timed for --max_time."""
         started = self.budget.clock()
+        heartbeat.mark(heartbeat.Phase.VALIDATION)
         val = validate_run(self.parts, self.ema, self.val_loader, self.dist)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
@@ -298,6 +310,7 @@ class Trainer:
             train_images_per_sec=images_per_sec,
             peak_memory_mb=peak_memory_mb(self.dist.device),
             micro_batch=self.parts.plan.micro_batch,
+            ranks=self.stragglers.epoch_figures() if self.stragglers else {},
         )
 
     def end_hooks(self, finished: bool) -> None:

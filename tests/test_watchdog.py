@@ -1,0 +1,221 @@
+"""The hang watchdog's parts, fast: the heartbeat slots a rank writes and the launcher reads, the
+judge that names the stuck process among stale ones, the watchdog acting on a real stopped
+process (its stacks, its kill), the launcher's ending after a hang, and the straggler watch."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from imgtrainer.config import hang_seconds, parse_config
+from imgtrainer.distributed import heartbeat
+from imgtrainer.distributed.heartbeat import Beat, Phase, Slot, SlotName, read_slot
+from imgtrainer.errors import UserError
+from imgtrainer.process import EXIT_HUNG
+from imgtrainer.run import launcher
+from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line
+from imgtrainer.training.stragglers import STRAGGLER_GATHERS, StragglerWatch
+
+
+def test_hang_timeout_is_a_duration_or_off():
+    assert hang_seconds("45s") == 45 and hang_seconds("10m") == 600
+    assert hang_seconds("0") is None and hang_seconds("off") is None
+    with pytest.raises(UserError, match="--hang_timeout"):
+        hang_seconds("soon")
+    assert parse_config(["--hang_timeout", "2m"]).hang_timeout == "2m"
+    assert hang_seconds(parse_config([]).hang_timeout) == 300  # well below the 30 min timeout
+
+
+def test_a_slot_is_written_in_memory_and_read_from_its_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(heartbeat.HEARTBEAT_DIR_ENV, str(tmp_path))
+    slot = heartbeat.open_slot(rank=1, attempt=2)
+    try:
+        name = SlotName.parse(slot.path.name)
+        assert (name.rank, name.attempt, name.worker) == (1, 2, -1)
+        heartbeat.mark(Phase.STEP, 5)  # before start: not watched yet, nothing stored
+        assert read_slot(slot.path).phase is Phase.NOT_STARTED
+        heartbeat.start(7)
+        with heartbeat.phase(Phase.COLLECTIVE):
+            assert read_slot(slot.path).phase is Phase.COLLECTIVE
+        beat = read_slot(slot.path)
+        assert (beat.phase, beat.step, beat.beat) == (Phase.DATA, 7, 3)
+        with heartbeat.reading("/data/cat/img_001.jpg"):
+            beat = read_slot(slot.path)
+            assert beat.reading and beat.path == "/data/cat/img_001.jpg"
+        assert not read_slot(slot.path).reading
+        heartbeat.tick()
+        assert read_slot(slot.path).ticks == 1
+        heartbeat.finish()
+        assert read_slot(slot.path).phase is Phase.DONE
+    finally:
+        slot.close()
+        heartbeat._slot.clear()
+    assert not slot.path.exists()
+
+
+def test_without_the_launcher_there_is_no_slot(monkeypatch):
+    monkeypatch.delenv(heartbeat.HEARTBEAT_DIR_ENV, raising=False)
+    assert heartbeat.open_slot(0, 0) is None
+    heartbeat.mark(Phase.STEP, 1)  # a no-op
+    with heartbeat.reading("x.jpg"):
+        pass
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+RANK0, RANK1 = SlotName(0, 0, -1, 100), SlotName(1, 0, -1, 101)
+WORKER = SlotName(1, 0, 0, 201)
+
+
+def beat(n: int, phase: Phase = Phase.STEP, reads: int = 0, ticks: int = 0) -> Beat:
+    return Beat(n, ticks, 4, phase, reads, "/data/cat/img_003.jpg" if reads else "")
+
+
+def judge(states: dict[int, str] | None = None, whole_job: bool = True) -> tuple[HangJudge, Clock]:
+    clock = Clock()
+    states = states or {}
+    return HangJudge(3.0, whole_job, clock, lambda pid: states.get(pid, "S")), clock
+
+
+def test_the_rank_behind_is_named_after_the_timeout_not_before():
+    hang, clock = judge()
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10)}) is None
+    clock.now = 1.0  # rank 0 goes on to the next step's backward and waits there for rank 1
+    assert hang.observe({RANK0: beat(12), RANK1: beat(10)}) is None
+    clock.now = 3.5  # rank 1: 3.5 s without progress; rank 0: 2.5 s
+    verdict = hang.observe({RANK0: beat(12), RANK1: beat(10)})
+    assert verdict is not None and verdict.culprit == RANK1 and verdict.seconds == 3.5
+    clock.now = 4.5  # both stale now: still the one behind, not the one waiting for it
+    assert hang.observe({RANK0: beat(12), RANK1: beat(10)}).culprit == RANK1
+
+
+def test_ranks_stale_at_the_same_point_name_the_stopped_one():
+    hang, clock = judge({101: "T"})
+    hang.observe({RANK0: beat(10, Phase.COLLECTIVE), RANK1: beat(10, Phase.COLLECTIVE)})
+    clock.now = 3.0
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10)}).culprit == RANK1
+
+
+def test_on_several_nodes_ranks_asleep_at_the_same_point_name_nobody():
+    """They may wait for a rank of another node, whose own watchdog names it."""
+    hang, clock = judge(whole_job=False)
+    hang.observe({RANK0: beat(10, Phase.COLLECTIVE), RANK1: beat(10, Phase.COLLECTIVE)})
+    clock.now = 5.0
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10)}) is None
+    hang, clock = judge(whole_job=False)  # one behind the other: named
+    hang.observe({RANK0: beat(12), RANK1: beat(10)})
+    clock.now = 5.0
+    assert hang.observe({RANK0: beat(12), RANK1: beat(10)}).culprit == RANK1
+
+
+def test_progress_within_a_phase_and_unwatched_phases_name_nobody():
+    hang, clock = judge()
+    for second in range(10):  # validation batches tick; a finished rank is not watched
+        clock.now = float(second)
+        slots = {RANK0: beat(10, Phase.VALIDATION, ticks=second), RANK1: beat(9, Phase.DONE)}
+        assert hang.observe(slots) is None
+    assert hang.observe({RANK0: beat(1, Phase.NOT_STARTED)}) is None
+
+
+def test_a_worker_stuck_reading_a_file_is_named_with_the_file():
+    hang, clock = judge()
+    hang.observe({RANK0: beat(10), RANK1: beat(9, Phase.DATA), WORKER: beat(0, reads=5)})
+    clock.now = 3.0
+    verdict = hang.observe({RANK0: beat(10), RANK1: beat(9, Phase.DATA), WORKER: beat(0, reads=5)})
+    assert verdict.culprit == WORKER and verdict.rank_beat.phase is Phase.DATA
+    line = hang_line(verdict, "node7", Path("logs/hang/x.txt"))
+    assert "rank 1 (host node7, pid 101)" in line and "after global step 4, phase data wait" in line
+    assert "loader worker 0 (pid 201) is stuck reading /data/cat/img_003.jpg" in line
+    assert line.endswith("stacks: logs/hang/x.txt")
+
+
+def test_a_rank_waiting_for_data_names_its_stopped_worker_between_reads():
+    hang, clock = judge({201: "T"})
+    slots = {RANK0: beat(10), RANK1: beat(9, Phase.DATA), WORKER: beat(0, reads=6)}
+    hang.observe(slots)
+    clock.now = 3.0
+    assert hang.observe(slots).culprit == WORKER
+
+
+def test_the_watchdog_names_dumps_and_kills_a_stopped_process(tmp_path, capsys):
+    """A real process stopped with SIGSTOP cannot run a handler: the launcher's thread reads
+    its stacks from outside and kills it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        folder = tmp_path / "heartbeat"
+        slot = Slot(folder, SlotName(0, 0, -1, child.pid))
+        slot.mark(Phase.STEP, 3)
+        time.sleep(0.3)  # the interpreter is in its loop
+        child.send_signal(signal.SIGSTOP)
+        plan = WatchPlan(folder, 0.5, tmp_path / "logs", max_restarts=0)
+        started = time.monotonic()
+        with Watchdog(plan) as watchdog:
+            while not watchdog.hangs and time.monotonic() - started < 10:
+                time.sleep(0.05)
+        assert child.wait(timeout=5) == -signal.SIGKILL
+        assert time.monotonic() - started < 3
+    finally:
+        child.kill()
+        child.wait()
+    err = capsys.readouterr().err
+    assert "watchdog: rank 0 (host " in err and f"pid {child.pid})" in err
+    assert "phase forward-backward" in err and "ending the run (--max_restarts 0" in err
+    stacks = (tmp_path / "logs" / "hang" / "attempt0-rank0.txt").read_text()
+    assert "state T" in stacks
+    assert "<module>" in stacks or "/proc/" in stacks  # py-spy's Python stack, or the kernel's
+
+
+def test_after_a_hang_the_run_ends_with_its_code_and_no_healthy_rank_is_blamed(tmp_path, capsys):
+    hang, clock = judge({101: "T"})
+    hang.observe({RANK0: beat(12), RANK1: beat(10)})
+    clock.now = 3.0
+    verdict = hang.observe({RANK0: beat(12), RANK1: beat(10)})
+    healthy = {"rank": 0, "attempt": 0, "code": 1, "line": "error: RuntimeError: gloo: "
+               "Connection closed by peer", "traceback": "Traceback ...", "time": 1.0}  # fmt: skip
+    log_file = tmp_path / "torchrun.log"
+    assert launcher.exit_code(1, [healthy], [], log_file, [verdict]) == EXIT_HUNG
+    err = capsys.readouterr().err
+    assert "rank 0" not in err and "Traceback" not in err
+    assert "error: rank 1 (pid 101) made no progress" in err and "--resume auto" in err
+    # A later attempt that failed otherwise is reported as usual.
+    later = {**healthy, "attempt": 1, "line": "error: ValueError: bad", "traceback": ""}
+    assert launcher.exit_code(1, [later], [], log_file, [verdict]) == 1
+    assert "error: rank 0: ValueError: bad" in capsys.readouterr().err
+
+
+def figures(window: float, waited: float, stepping: float, steps: int = 10) -> list[float]:
+    return [window, waited, stepping, steps]
+
+
+def test_a_rank_slower_outside_the_step_is_named_once_after_three_agreements(caplog):
+    watch = StragglerWatch(["a", "b", "c"])
+    slow = [figures(10, 0.2, 9.0), figures(10, 0.1, 5.0), figures(10, 0.2, 9.1)]
+    for _ in range(STRAGGLER_GATHERS - 1):
+        assert watch.update(slow) == []
+    assert watch.update([figures(0, 0, 0, 0)] * 3) == []  # an epoch's start: no window
+    assert watch.update(slow) == [1]
+    assert watch.update(slow) == []  # once
+    assert "straggler: rank 1 on host b" in caplog.text and "data wait is 1%" in caplog.text
+    record = watch.epoch_figures()
+    assert record["rank1_outside_step_s"] == 0.5 and record["rank0_outside_step_s"] == 0.1
+    assert record["rank1_data_wait_share"] == 0.01 and record["rank2_step_s"] == 1.0
+    assert watch.epoch_figures() == {}
+
+
+def test_an_even_run_or_a_run_interrupted_by_one_slow_window_names_nobody():
+    watch = StragglerWatch(["a", "b"])
+    even = [figures(10, 0.1, 9.5), figures(10, 0.1, 9.4)]  # 0.06 s vs 0.05 s: no straggler
+    slow = [figures(10, 0.1, 9.5), figures(10, 0.1, 5.0)]
+    for rows in (even, slow, slow, even, slow, slow, even):
+        assert watch.update(rows) == []
