@@ -7,6 +7,7 @@ flags and run files into a checked config, ``layout`` makes the global batch.
 """
 
 from imgtrainer.config.bounds import Bound
+from imgtrainer.config.launcher_flags import LAUNCHER_FIELDS, LauncherConfig
 from imgtrainer.config.layout import (
     Layout,
     LayoutContradiction,
@@ -44,14 +45,12 @@ from imgtrainer.config.schema import (
     DEMO_PRESET,
     DEVICE_CHOICES,
     HELP_GROUPS,
-    LAUNCHER_FIELDS,
     LOW_MEMORY_PRESET,
     NEGATABLE,
     PRESETS,
     RESUME_CHECKED_FLAGS,
     TRACKERS,
     TRAIN_FIELDS,
-    LauncherConfig,
     TrainConfig,
     preset_summary,
     tracker_names,

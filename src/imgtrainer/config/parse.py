@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from imgtrainer.config.launcher_flags import LAUNCHER_FIELDS
 from imgtrainer.config.layout import with_global_batch_layout
 from imgtrainer.config.schema import (
     BOUNDS,
     HELP_GROUPS,
-    LAUNCHER_FIELDS,
     NEGATABLE,
     PRESETS,
     TRAIN_FIELDS,
