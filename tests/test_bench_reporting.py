@@ -68,9 +68,9 @@ def test_decode_rates_and_the_summary_table(tmp_path, capsys):
     header, first = out.strip().splitlines()[-3:-1]
     assert (
         header.split()
-        == "world source img/s ceiling trainer/ceiling data wait of bf16 peak".split()
+        == "world source watchdog img/s ceiling trainer/ceiling data wait of bf16 peak".split()
     )
-    assert first.split() == ["1", "ram", "150.0", "200.0", "0.750", "25.0%", "13.2%"]
+    assert first.split() == ["1", "ram", "-", "150.0", "200.0", "0.750", "25.0%", "13.2%"]
 
 
 def test_policy_times_compare_the_loop_with_the_grouped_ops(capsys):
