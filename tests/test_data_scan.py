@@ -1,4 +1,5 @@
-"""The training images are decoded once at start: with an image cache, caching is the check."""
+"""At start every image is checked once (a reduced-scale decode); the RAM cache decodes nothing
+then, and each image once as a step first reads it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import imgtrainer.data.cache_fill as cache_fill
 import imgtrainer.data.image_files as image_files
 import imgtrainer.data.loaders as data
-import imgtrainer.data.sources as sources
 from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 
 
@@ -17,7 +18,7 @@ from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 def decodes(monkeypatch) -> dict[str, int]:
     """How many times the decode check and the cache open an image file."""
     counts = {"check": 0, "cache": 0}
-    check, cache_open = image_files.image_problem, sources.open_rgb
+    check, cache_open = image_files.image_problem, cache_fill.open_rgb
 
     def counted_check(path):
         counts["check"] += 1
@@ -28,7 +29,7 @@ def decodes(monkeypatch) -> dict[str, int]:
         return cache_open(path, draft)
 
     monkeypatch.setattr(image_files, "image_problem", counted_check)
-    monkeypatch.setattr(sources, "open_rgb", counted_open)
+    monkeypatch.setattr(cache_fill, "open_rgb", counted_open)
     return counts
 
 
@@ -40,7 +41,7 @@ def folders_with_a_broken_file(root: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("cache", ["none", "ram"])
-def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
+def test_each_image_is_checked_at_start_cached_once_and_a_broken_one_left_out_alike(
     cache: str, tmp_path: Path, decodes: dict[str, int], caplog
 ):
     train, val = folders_with_a_broken_file(tmp_path)
@@ -50,9 +51,14 @@ def test_each_image_is_decoded_once_and_a_broken_one_left_out_alike(
             train, val, image_size=16, seed=0, log_dir=str(tmp_path / "logs"), cache_images=cache
         )
         train_set, val_set, _ = data.build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
-    assert decodes["check"] + decodes["cache"] == files
-    assert (decodes["cache"] == files) == (cache == "ram")
+    assert decodes == {"check": files, "cache": 0}  # the cache fills as steps read images
     assert len(train_set) == 12 and len(val_set) == 6
+    for _ in range(2):
+        for index in range(12):
+            train_set.folder[index]
+        for index in range(6):
+            val_set.folder[index]
+    assert decodes["cache"] == (18 if cache == "ram" else 0)  # once each, then from memory
     assert all("broken" not in path for path, _ in train_set.folder.samples)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"1 of {files} image files cannot be decoded" in warnings[0]

@@ -7,9 +7,9 @@ No torch here: ``src/prepare_data.py`` imports this module and starts in a fract
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PIL import Image, ImageOps
@@ -121,12 +121,14 @@ def image_problem(path: str) -> str | None:
 def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
     """``{path: reason}`` for every file of ``paths`` that does not decode.
 
-    Large lists are checked in ``workers`` threads: Pillow releases the GIL while it decodes, and
-    threads need no fork of a process that may already hold a process group or a CUDA context.
+    Large lists are checked in ``workers`` forked processes, as the loader workers are: the
+    check of a small image is mostly Python (Pillow's header parsing), which threads would run
+    one at a time under the GIL. The children only decode files: no CUDA, no process group.
     """
     if workers > 1 and len(paths) >= PARALLEL_MIN_FILES:
-        with ThreadPoolExecutor(workers) as pool:
-            problems = list(pool.map(image_problem, paths))
+        chunk = max(16, len(paths) // (8 * workers))
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            problems = pool.map(image_problem, paths, chunksize=chunk)
     else:
         problems = [image_problem(path) for path in paths]
     return {

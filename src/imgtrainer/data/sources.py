@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from imgtrainer.data.cache_fill import decode_resized
 from imgtrainer.data.checks import find_classes
 from imgtrainer.data.image_files import (
     is_image_file,
@@ -320,16 +321,10 @@ class DecodedImageCache(Dataset):
 
         def decode(path: str) -> torch.Tensor | None:
             try:
-                image = open_rgb(path, draft=side)  # JPEGs decode at a reduced scale >= side
+                return decode_resized(path, side)
             except Exception as err:  # any decoder failure on a user's file: leave it out
                 problems[path] = first_line(err)
                 return None
-            scale = side / min(image.size)
-            image = image.resize(
-                (max(side, round(image.width * scale)), max(side, round(image.height * scale))),
-                Image.BILINEAR,
-            )
-            return v2.functional.pil_to_tensor(image)
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
