@@ -56,6 +56,7 @@ from harness import child_env, descendants, launcher_command  # noqa: E402
 from instrument.sitecustomize import timeline_env  # noqa: E402
 
 PER_CLASS = 100
+LOG_INTERVAL = 5  # steps between the logged figures images/s is read from
 RUNS = ["timm", "auto-cold", "auto-warm", "none-warm"]
 TRAINER_STEP = re.compile(r"step \d+/\d+ .* (\d+) img/s")
 TIMM_STEP = re.compile(r"Train: \d+ \[\s*(\d+)/.*?,\s*([\d.]+)/s\s+\(")
@@ -139,6 +140,7 @@ class Run:
     peaks: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
+    skipped: bool = False
 
     def watch_memory(self, process: subprocess.Popen, done: threading.Event) -> None:
         while not done.wait(0.5):
@@ -149,6 +151,7 @@ class Run:
             for leaf in leaves:
                 counts[parents[leaf]] = counts.get(parents[leaf], 0) + 1
             trainer = max(counts, key=counts.get) if len(leaves) > 1 else pids[-1]
+            self.roles = {}  # as last seen: the trainer and its loader workers at the end
             for pid in pids:
                 seen = memory(pid)
                 if seen is None:
@@ -168,8 +171,10 @@ class Run:
                 self.first_step = now
             if timm and int(timm.group(1)) > 0:
                 self.rates.append(float(timm.group(2)))
-            elif ours:
+            elif ours and self.skipped:
                 self.rates.append(float(ours.group(1)))
+            elif ours:
+                self.skipped = True  # its steps include the first one's warm-up: as timm's
             if len(self.rates) >= self.log_lines and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
 
@@ -191,9 +196,10 @@ class Run:
         reader.start()
         try:
             process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
+        finally:
+            if process.poll() is None:  # over time, or this benchmark stopped: stop the run
+                process.send_signal(signal.SIGTERM)
+                process.wait(120)
         done.set()
         reader.join(10)
         timeline = self.cwd / "timeline.txt"
@@ -225,7 +231,15 @@ def trainer_run(name: str, data: Path, work: Path, cache: str, log_lines: int) -
     flags = [
         *("--device", "cpu", "--nproc", "1", "--image_size", "32", "--batch_size", "64"),
         *("--train_dir", str(data / "train"), "--val_dir", str(data / "val")),
-        *("--epochs", "1", "--num_workers", "4", "--log_interval", "10", "--overwrite"),
+        *(
+            "--epochs",
+            "1",
+            "--num_workers",
+            "4",
+            "--log_interval",
+            str(LOG_INTERVAL),
+            "--overwrite",
+        ),
         *("--cache_images", cache),
     ]
     (work / "timeline.txt").unlink(missing_ok=True)
@@ -239,7 +253,18 @@ def timm_run(train_py: Path, data: Path, work: Path, classes: int, log_lines: in
         str(train_py),
         *("--device", "cpu", "--data-dir", str(data), "--train-split", "train"),
         *("--val-split", "val", "--model", "resnet18", "--num-classes", str(classes)),
-        *("--img-size", "32", "-b", "64", "--epochs", "1", "-j", "4", "--log-interval", "10"),
+        *(
+            "--img-size",
+            "32",
+            "-b",
+            "64",
+            "--epochs",
+            "1",
+            "-j",
+            "4",
+            "--log-interval",
+            str(LOG_INTERVAL),
+        ),
         *("--opt", "adamw", "--lr", "0.001", "--no-prefetcher", "--output", str(work / "out")),
     ]
     return Run("timm", command, work, {}, log_lines)
@@ -269,7 +294,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS)
     parser.add_argument("--timm_train", type=Path, help="timm's train.py (pytorch-image-models)")
     parser.add_argument("--distinct", type=int, default=512, help="distinct JPEG files")
-    parser.add_argument("--log_lines", type=int, default=4, help="logged steps before stopping")
+    parser.add_argument("--log_lines", type=int, default=3, help="logged steps before stopping")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     args = parser.parse_args()
     runs = [r for r in args.runs if r != "timm" or args.timm_train]
