@@ -5,6 +5,8 @@ every image is the same from the cache, from its file, or past the cache's capac
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.cache_fill import SharedImageCache, decode_resized
+from imgtrainer.data.image_files import process_map
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
 from imgtrainer.data.sources import ReadableImageFolder
@@ -92,3 +95,18 @@ def test_a_file_broken_after_the_check_gives_the_next_image(tmp_path: Path, capl
     assert torch.equal(image, decode_resized(samples[1][0], eval_resize_side(SIZE)))
     assert label == samples[1][1] and "using the next image in its place" in caplog.text
     assert cache.cached(0) is None and cache.cached(1) is not None
+
+
+def test_the_check_processes_end_under_a_training_process_stop_handler():
+    """The trainer turns SIGTERM into a stop flag; the check's forked processes must not inherit
+    that, or the pool's own SIGTERM at its end leaves them, and the start, waiting forever."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        done: list = []
+        work = lambda: done.append(process_map(abs, [-1, -2, 3], 2))  # noqa: E731
+        thread = threading.Thread(target=work, daemon=True)  # a hang fails, not blocks
+        thread.start()
+        thread.join(60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not thread.is_alive() and done == [[1, 2, 3]]

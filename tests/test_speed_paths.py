@@ -123,7 +123,9 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
         env={"TORCH_LOGS": "dynamo"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Cached 63 decoded images in ram" in result.stdout
+    assert "Image cache: ram (--cache_images ram; filled as the images are first read" in (
+        result.stdout
+    )
     output = result.stdout + result.stderr
     assert "torchdynamo done tracing forward" in output
     assert "done compiler function" in output

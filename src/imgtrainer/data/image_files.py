@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from PIL import Image, ImageOps
 
 from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
+from imgtrainer.process import STOP_SIGNALS
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
@@ -126,14 +128,29 @@ def find_unreadable(paths: Sequence[str], workers: int = 1) -> dict[str, str]:
     one at a time under the GIL. The children only decode files: no CUDA, no process group.
     """
     if workers > 1 and len(paths) >= PARALLEL_MIN_FILES:
-        chunk = max(16, len(paths) // (8 * workers))
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            problems = pool.map(image_problem, paths, chunksize=chunk)
+        problems = process_map(image_problem, paths, workers, max(16, len(paths) // (8 * workers)))
     else:
         problems = [image_problem(path) for path in paths]
     return {
         path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None
     }
+
+
+def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
+    """``[function(item) for item in items]`` in ``workers`` forked processes. They take the
+    default signal actions: a training process's stop handlers, inherited, would keep them alive
+    through the pool's own SIGTERM."""
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_signals)
+    try:
+        return pool.map(function, items, chunksize=chunksize)
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _default_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import zipfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from imgtrainer.data.checks import refuse_empty_classes
 from imgtrainer.data.image_files import (
     PARALLEL_MIN_FILES,
     find_unreadable,
+    process_map,
     write_unreadable_list,
 )
 from imgtrainer.data.sources import ReadableImageFolder
@@ -75,8 +75,7 @@ def file_stats(paths: list[str], workers: int = 1) -> np.ndarray:
     if workers > 1 and len(paths) >= 8 * PARALLEL_MIN_FILES:
         step = -(-len(paths) // (4 * workers))
         chunks = [paths[i : i + step] for i in range(0, len(paths), step)]
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_stats, chunks)
+        parts = process_map(_stats, chunks, workers)
         return np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
     return _stats(paths)
 
