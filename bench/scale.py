@@ -151,15 +151,17 @@ class Run:
             for leaf in leaves:
                 counts[parents[leaf]] = counts.get(parents[leaf], 0) + 1
             trainer = max(counts, key=counts.get) if len(leaves) > 1 else pids[-1]
-            self.roles = {}  # as last seen: the trainer and its loader workers at the end
+            roles = {}
             for pid in pids:
                 seen = memory(pid)
                 if seen is None:
                     continue
                 if pid == trainer or parents[pid] == trainer:
-                    self.roles[pid] = "trainer" if pid == trainer else "worker"
+                    roles[pid] = "trainer" if pid == trainer else "worker"
                 old = self.peaks.get(pid, (0, 0, 0))
                 self.peaks[pid] = tuple(max(a, b) for a, b in zip(old, seen, strict=True))
+            if len(roles) >= len(self.roles):  # the trainer with the most workers: training
+                self.roles = roles
 
     def read(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
@@ -196,10 +198,19 @@ class Run:
         reader.start()
         try:
             process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(
+                f"  {self.name}: over {timeout:.0f} s; its last lines:\n"
+                + "".join(self.output[-8:])
+            )
         finally:
             if process.poll() is None:  # over time, or this benchmark stopped: stop the run
                 process.send_signal(signal.SIGTERM)
-                process.wait(120)
+                try:
+                    process.wait(120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session: the run's alone
+                    process.wait()
         done.set()
         reader.join(10)
         timeline = self.cwd / "timeline.txt"
