@@ -879,7 +879,7 @@ def all_checks() -> list[Check]:
             tiny_run(
                 "cache_ram",
                 ["--use_amp", "--cache_images", "ram"],
-                expect_in_stdout="decoded images in ram",
+                expect_in_stdout="filled as the images are first read",
             ),
         ),
         Check("cache_none", tiny_run("cache_none", ["--use_amp", "--cache_images", "none"])),

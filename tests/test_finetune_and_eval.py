@@ -481,7 +481,7 @@ def test_training_validates_with_the_ratio_cached_or_not(tiny_dataset):
         image, _ = val_set[0]
         assert image.shape == (3, 16, 16)
         if cache == "ram":  # kept at the evaluation resize: the transform only crops
-            assert min(val_set.folder.images[0].shape[1:]) == 32
+            assert min(val_set.folder.cached(0).shape[1:]) == 32
 
 
 def with_config(checkpoint: Path, path: Path, **changes) -> Path:

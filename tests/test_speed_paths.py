@@ -21,6 +21,7 @@ from conftest import (
 )
 from imgtrainer.config import parse_config
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
+from imgtrainer.data.cache_fill import SharedImageCache
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
 from imgtrainer.data.samplers import EpochSampler, ShardSampler
 from imgtrainer.data.sources import DecodedImageCache
@@ -41,31 +42,36 @@ def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
     return root
 
 
-def one_epoch_of_batches(train: Path, val: Path, cache: str) -> tuple[list, object]:
-    """Every training batch of epoch 1 (random crops and flips drawn), then every val batch."""
+def two_epochs_of_batches(train: Path, val: Path, cache: str) -> tuple[list, object]:
+    """Every training batch of epochs 1 and 2 (random crops and flips drawn), each followed by
+    every val batch: with the RAM cache, epoch 1 fills it and epoch 2 reads it."""
     cfg = data_config(
         train, val, image_size=16, seed=0, crop_scale_min=0.3, hflip=0.5, cache_images=cache
     )
     train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
-    sampler.set_epoch(1)
     train_loader = DeviceBatches(
         make_loader(train_set, sampler, LoaderSpec(4, train=True)),
         train_augmentation(cfg)[1],
         torch.device("cpu"),
     )
     val_loader = make_loader(val_set, ShardSampler(len(val_set), 0, 1), LoaderSpec(4, train=False))
-    return [*train_loader, *val_loader], train_set.folder
+    batches = []
+    for epoch in (1, 2):
+        sampler.set_epoch(epoch)
+        batches += [*train_loader, *val_loader]
+    return batches, train_set.folder
 
 
 def test_cached_batches_are_the_uncached_ones_bitwise(tmp_path: Path):
     train = write_noise_images(tmp_path / "train", 6, seed=1)
     val = write_noise_images(tmp_path / "val", 3, seed=2)
-    cached, cache = one_epoch_of_batches(train, val, "ram")
-    uncached, folder = one_epoch_of_batches(train, val, "none")
-    assert isinstance(cache, DecodedImageCache) and not isinstance(folder, DecodedImageCache)
-    assert all(image.dtype == torch.uint8 for image in cache.images)  # kept compact
-    assert len(cached) == len(uncached) == 4 + 3  # 18 train, 9 val
+    cached, cache = two_epochs_of_batches(train, val, "ram")
+    uncached, folder = two_epochs_of_batches(train, val, "none")
+    assert isinstance(cache, SharedImageCache) and not isinstance(folder, SharedImageCache)
+    assert cache.filled == len(cache) == 18  # epoch 1 filled it; epoch 2 read it
+    assert cache.pixels.dtype == torch.uint8  # kept compact
+    assert len(cached) == len(uncached) == 2 * (4 + 3)  # 18 train, 9 val
     for (x_c, y_c), (x_u, y_u) in zip(cached, uncached, strict=True):
         assert x_c.dtype == x_u.dtype == torch.float32 and x_c.shape[1:] == (3, 16, 16)
         assert torch.equal(y_c, y_u) and torch.equal(x_c, x_u)
@@ -118,7 +124,9 @@ def test_compile_and_cache_through_the_launcher(tiny_dataset, tmp_path: Path):
         env={"TORCH_LOGS": "dynamo"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Cached 63 decoded images in ram" in result.stdout
+    assert "Image cache: ram (--cache_images ram; filled as the images are first read" in (
+        result.stdout
+    )
     output = result.stdout + result.stderr
     assert "torchdynamo done tracing forward" in output
     assert "done compiler function" in output

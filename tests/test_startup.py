@@ -245,6 +245,36 @@ def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
     assert checked[-1] == paths
 
 
+def test_decode_check_remembers_across_a_changed_listing_and_stats_in_parallel(
+    tmp_path: Path, monkeypatch
+):
+    folder = write_image_folder(tmp_path / "train", ["a"], 3)
+    (folder / "a" / "broken.jpg").write_bytes(b"not a jpeg")
+    paths = sorted(str(p) for p in (folder / "a").iterdir())
+    checked: list[list[str]] = []
+    real = unreadable.find_unreadable
+    monkeypatch.setattr(
+        unreadable,
+        "find_unreadable",
+        lambda p, workers=1: checked.append(list(p)) or real(p, workers),
+    )
+    cache = tmp_path / "logs"
+    unreadable.find_unreadable_shared(paths, 0, 1, cache)
+    added = write_image_folder(tmp_path / "more", ["a"], 1) / "a" / "img_000.jpg"
+    grown = sorted([*paths, str(added)])
+    assert set(unreadable.find_unreadable_shared(grown, 0, 1, cache)) == {paths[0]}
+    assert checked[-1] == [str(added)]  # only the new file is decoded
+
+    many = []
+    for i in range(2100):  # past the size a pool of processes stats
+        (tmp_path / f"f{i}").write_bytes(b"x" * (i % 7))
+        many.append(str(tmp_path / f"f{i}"))
+    many.append(str(tmp_path / "gone"))
+    parallel = unreadable.file_stats(many, workers=2)
+    assert (parallel == unreadable.file_stats(many)).all() and list(parallel[-1]) == [-1, -1]
+    assert list(parallel[:8, 0]) == [0, 1, 2, 3, 4, 5, 6, 0]
+
+
 # ----------------------------------------------------------------------------- class folders
 
 

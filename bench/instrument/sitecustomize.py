@@ -92,7 +92,8 @@ def install_train(module) -> None:
 
 def install_loaders(module) -> None:
     wrap(module, "leave_out_unreadable", after="data checked")
-    # Caching decodes every image: that decoding is the check.
+    # The GPU cache decodes every image first: that decoding is the check (the RAM cache fills
+    # during the first epoch, after leave_out_unreadable).
     wrap(module, "cache_decoded", before="data checked", after="images cached")
 
 

@@ -7,15 +7,17 @@ No torch here: ``src/prepare_data.py`` imports this module and starts in a fract
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PIL import Image, ImageOps
 
 from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
+from imgtrainer.process import STOP_SIGNALS
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
@@ -124,18 +126,46 @@ def find_unreadable(
     """``{path: reason}`` for every file of ``paths`` that does not decode (``problem``: how
     one is checked, ``image_problem`` by default; a table's images are checked by location).
 
-    Large lists are checked in ``workers`` threads: Pillow releases the GIL while it decodes, and
-    threads need no fork of a process that may already hold a process group or a CUDA context.
+    Large lists are checked in ``workers`` forked processes, as the loader workers are: the
+    check of a small image is mostly Python (Pillow's header parsing), which threads would run
+    one at a time under the GIL. The children only decode files: no CUDA, no process group.
     """
     problem = problem or image_problem
     if workers > 1 and len(paths) >= PARALLEL_MIN_FILES:
-        with ThreadPoolExecutor(workers) as pool:
-            problems = list(pool.map(problem, paths))
+        problems = process_map(problem, paths, workers, max(16, len(paths) // (8 * workers)))
     else:
         problems = [problem(path) for path in paths]
     return {
         path: problem for path, problem in zip(paths, problems, strict=True) if problem is not None
     }
+
+
+def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
+    """``[function(item) for item in items]`` in ``workers`` forked processes. They take the
+    default signal actions: a training process's stop handlers, inherited, would keep them alive
+    through the pool's own SIGTERM."""
+    global _FUNCTION
+    _FUNCTION = function  # inherited by the forked children: never pickled (a bound method
+    # would carry its whole object, e.g. a table of a million images, with every chunk)
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_signals)
+    try:
+        return pool.map(_call, items, chunksize=chunksize)
+    finally:
+        pool.terminate()
+        pool.join()
+        _FUNCTION = None
+
+
+_FUNCTION = None  # process_map's function, in its forked children
+
+
+def _call(item):
+    return _FUNCTION(item)
+
+
+def _default_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

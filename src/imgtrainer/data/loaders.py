@@ -29,6 +29,7 @@ from imgtrainer.data.batch_augment import (
     collate_samples,
     train_augmentation,
 )
+from imgtrainer.data.cache_fill import shared_caches
 from imgtrainer.data.checks import check_batch_fits, check_device_options
 from imgtrainer.data.jpeg_device import JpegDecoder
 from imgtrainer.data.layouts import describe, open_datasets
@@ -178,13 +179,15 @@ def build_datasets(
 ) -> tuple[TrainingSamples, SeededImageDataset, list[str]]:
     """Both datasets of ``cfg``, with unreadable images left out (listed in ``--log_dir``).
     Every rank must call this: the decoding check is shared out over the ranks of ``dist``.
-    ``--cache_images`` "ram" or "gpu" instead decodes every image once (``DecodedImageCache``,
-    on ``dist.device`` for "gpu"), which is the check; "auto" means "gpu" when the decoded
-    images fit in ``device_budget_bytes``, else "ram" when they fit in ``cache_budget_bytes``.
-    The device canvas is checked again from the decoded sizes before it is allocated
-    (``settle_device_cache``): auto falls back to "ram", an explicit "gpu" is an error.
-    ``threads`` decode the images to cache. Here the training images' ``Source`` is decided,
-    once. ``draws``: the host half of ``train_augmentation(cfg)`` (made here when not given)."""
+    ``--cache_images`` "ram" keeps each image decoded the first time a step reads it
+    (``SharedImageCache``, up to ``cache_budget_bytes`` for auto): the first step waits for the
+    check only. "gpu" decodes every image first, which is the check: the device canvas is
+    sized and checked from the decoded sizes before it is allocated (``settle_device_cache``):
+    auto falls back to "ram", an explicit "gpu" is an error. "auto" means "gpu" when the
+    decoded images should fit in ``device_budget_bytes``, else "ram" when they should fit in
+    ``cache_budget_bytes``. ``threads`` decode the images for the device. Here the training
+    images' ``Source`` is decided, once. ``draws``: the host half of ``train_augmentation(cfg)``
+    (made here when not given)."""
     log_dir = Path(cfg.log_dir)
     folders = read_datasets(cfg, threads)
     class_names = folders["training"].classes
@@ -196,33 +199,22 @@ def build_datasets(
         device_budget_bytes,
     )
     cache, why = least_cache(cache, why)
-    if cache == "none":
-        log.info(f"Image cache: {cache} ({why})")
+    if choose_source(cache, dist.device) is Source.GPU:
+        train_folder, val_folder, cache, why = device_cache(
+            cfg, dist, folders, threads, device_budget_bytes, why
+        )
+    else:
         leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         train_folder, val_folder = folders["training"], folders["validation"]
-    else:
-        # Caching decodes every image anyway: that decoding is the check, instead of a decode
-        # check first and a second decoding of every image after it. The images are decoded
-        # into host memory first: the device canvas is sized and checked from their real sizes
-        # before anything is allocated there.
-        started = time.perf_counter()
-        train_folder, val_folder = cache_decoded(
-            folders, cfg.image_size, "cpu", threads, log_dir, cfg.eval_resize_ratio
-        )
-        if choose_source(cache, dist.device) is Source.GPU:
-            cache, why = settle_device_cache(
-                cfg, (train_folder, val_folder), device_budget_bytes, why
+        if cache != "none":
+            capacity = ram_cache_capacity(cfg.cache_images, cache_budget_bytes, dist)
+            ratios = {"training": EVAL_RESIZE_RATIO, "validation": cfg.eval_resize_ratio}
+            caches = shared_caches(folders, cfg.image_size, capacity, ratios)
+            train_folder, val_folder = caches["training"], caches["validation"]
+            why += (
+                f"; filled as the images are first read, up to {format_bytes(capacity, 'MiB', 0)}"
             )
         log.info(f"Image cache: {cache} ({why})")
-        if choose_source(cache, dist.device) is Source.GPU:
-            train_folder.pack(dist.device)
-            val_folder.pack(dist.device)
-        log.info(
-            f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
-            f"({format_bytes(train_folder.nbytes + val_folder.nbytes, 'MiB', 0)}, "
-            f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
-            "every epoch instead"
-        )
     source = choose_source(cache, dist.device)  # where the training images are, decided once
     if draws is None:
         draws, _ = train_augmentation(cfg)
@@ -253,6 +245,39 @@ def least_cache(cache: str, why: str) -> tuple[str, str]:
     if least != cache:
         return least, f"{why}, but another rank can only use {least}"
     return cache, why
+
+
+def ram_cache_capacity(requested: str, budget_bytes: int, dist: DistInfo) -> int:
+    """Bytes the RAM cache may fill: auto's budget (the estimate fit in it; images past it are
+    read from their files), or, asked for explicitly, this process's share of the available
+    memory (pages are only taken as images are cached)."""
+    if requested == "auto":
+        return budget_bytes
+    return max(budget_bytes, available_memory_bytes() // dist.local_world_size)
+
+
+def device_cache(
+    cfg: TrainConfig, dist: DistInfo, folders: dict, threads: int, budget_bytes: int, why: str
+) -> tuple[DecodedImageCache, DecodedImageCache, str, str]:
+    """The images decoded into host memory first (in ``threads``; that decoding is the check),
+    then packed on the device when their real canvas fits ``budget_bytes`` there
+    (``settle_device_cache``), else kept in RAM (auto): (training, validation, cache, why)."""
+    started = time.perf_counter()
+    train_folder, val_folder = cache_decoded(
+        folders, cfg.image_size, "cpu", threads, Path(cfg.log_dir), cfg.eval_resize_ratio
+    )
+    cache, why = settle_device_cache(cfg, (train_folder, val_folder), budget_bytes, why)
+    log.info(f"Image cache: {cache} ({why})")
+    if choose_source(cache, dist.device) is Source.GPU:
+        train_folder.pack(dist.device)
+        val_folder.pack(dist.device)
+    log.info(
+        f"Cached {len(train_folder) + len(val_folder)} decoded images in {cache} "
+        f"({format_bytes(train_folder.nbytes + val_folder.nbytes, 'MiB', 0)}, "
+        f"{time.perf_counter() - started:.1f}s); --cache_images none reads the files "
+        "every epoch instead"
+    )
+    return train_folder, val_folder, cache, why
 
 
 def settle_device_cache(

@@ -18,6 +18,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from imgtrainer.data.cache_fill import decode_resized
 from imgtrainer.data.image_files import nvjpeg_size
 from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
@@ -315,16 +316,10 @@ class DecodedImageCache(Dataset):
 
         def decode(i: int) -> torch.Tensor | None:
             try:
-                image = table.open_rgb(i, draft=side)  # JPEGs decode at a reduced scale >= side
+                return decode_resized(table, i, side)
             except Exception as err:  # any decoder failure on a user's file: leave it out
                 problems[table.location(i)] = first_line(err)
                 return None
-            scale = side / min(image.size)
-            image = image.resize(
-                (max(side, round(image.width * scale)), max(side, round(image.height * scale))),
-                Image.BILINEAR,
-            )
-            return v2.functional.pil_to_tensor(image)
 
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:

@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from imgtrainer.data.checks import refuse_empty_classes
-from imgtrainer.data.image_files import find_unreadable, write_unreadable_list
+from imgtrainer.data.image_files import (
+    PARALLEL_MIN_FILES,
+    find_unreadable,
+    process_map,
+    write_unreadable_list,
+)
 from imgtrainer.data.table import ImageTable, TableImages
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
@@ -65,13 +72,14 @@ def find_unreadable_shared(
     count, which distributed.setup_distributed sets); the results are gathered so that every
     rank leaves out exactly the same images: the samplers index the same list on every rank.
     Images whose result ``cache_dir`` remembers are not decoded again."""
+    workers = torch.get_num_threads()
     cache = DecodeCheckCache(cache_dir, entries.file_of)
-    todo = cache.unknown(entries.locations)
+    todo = cache.unknown(entries.locations, workers)
     if world_size > 1:
         # Ranks on other nodes may remember other files (their own log folder): check every file
         # that any rank lacks, so each rank learns every result and the shares line up.
         todo = sorted(set().union(*all_gather_objects(todo)))
-    found = find_unreadable(todo[rank::world_size], torch.get_num_threads(), entries.problem)
+    found = find_unreadable(todo[rank::world_size], workers, entries.problem)
     if world_size > 1:
         found = {path: why for part in all_gather_objects(found) for path, why in part.items()}
     if todo:
@@ -79,11 +87,49 @@ def find_unreadable_shared(
     return {loc: why for loc in entries.locations if (why := cache.problem(loc)) is not None}
 
 
+def file_stats(paths: list[str], workers: int = 1) -> np.ndarray:
+    """(size, modification time in ns) of each path, (-1, -1) for one that cannot be read, in
+    ``workers`` forked processes for long lists (a stat is mostly Python's own work)."""
+    if workers > 1 and len(paths) >= 8 * PARALLEL_MIN_FILES:
+        step = -(-len(paths) // (4 * workers))
+        chunks = [paths[i : i + step] for i in range(0, len(paths), step)]
+        parts = process_map(_stats, chunks, workers)
+        return np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+    return _stats(paths)
+
+
+def _stats(paths: list[str]) -> np.ndarray:
+    out = np.full((len(paths), 2), -1, dtype=np.int64)
+    for i, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out[i] = st.st_size, st.st_mtime_ns
+    return out
+
+
+def location_stats(
+    locations: list[str], file_of: Callable[[str], str] = str, workers: int = 1
+) -> np.ndarray:
+    """``file_stats`` of the file of each location (an image file, or the shard or Parquet file
+    holding it), each file stat'ed once."""
+    if file_of is str:
+        return file_stats(locations, workers)
+    files = [file_of(location) for location in locations]
+    unique = list(dict.fromkeys(files))
+    stats = file_stats(unique, workers)
+    at = {path: i for i, path in enumerate(unique)}
+    return stats[np.array([at[path] for path in files], dtype=np.int64)].reshape(-1, 2)
+
+
 class DecodeCheckCache:
     """What the decode check found for each image, keyed by its location and the size and
     modification time of its file (``file_of``: the image file, or its shard or Parquet file),
-    kept in ``folder/image_check_cache.json``, so a start does not decode every image again; a
-    file that changes gets a new size or time and its images are checked again.
+    kept in ``folder/image_check_cache.npz`` as arrays (the locations one blob, sizes and times
+    one array, the few problems apart), so a start neither decodes every image again nor builds
+    a Python object per image to know it; a file that changes gets a new size or time and its
+    images are checked again. It remembers the images of its last check.
 
     It lives in the run's log folder, which is writable by definition (a dataset may sit on a
     read-only share) and goes away with the run's logs. Every rank writes the same content,
@@ -91,55 +137,72 @@ class DecodeCheckCache:
     folder it remembers nothing.
     """
 
-    NAME = "image_check_cache.json"
-    VERSION = 1  # bump when the check itself changes: old results are then ignored
+    NAME = "image_check_cache.npz"
+    VERSION = 2  # bump when the check itself changes: old results are then ignored
 
     def __init__(self, folder: Path | None, file_of: Callable[[str], str] = str):
         self.folder, self.file_of = folder, file_of
-        self.stats: dict[str, list[int]] = {}
-        self.results: dict[str, list] = {}  # path -> [size, mtime_ns, problem or None]
-        if folder is not None:
-            try:
-                saved = json.loads((folder / self.NAME).read_text())
-                if saved.get("version") == self.VERSION:
-                    self.results = dict(saved["files"])
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                pass  # no cache yet, or a damaged one: check every file again
+        self.blob, self.saved = b"", np.zeros((0, 2), np.int64)  # the remembered images
+        self.problems: dict[str, str] = {}
+        self.paths: list[str] = []
+        self.stats = np.zeros((0, 2), np.int64)  # of ``paths``, the images asked about
+        if folder is None:
+            return
+        try:
+            with np.load(folder / self.NAME) as saved:
+                if int(saved["version"]) == self.VERSION:
+                    self.blob, self.saved = saved["paths"].tobytes(), saved["stats"]
+                    self.problems = json.loads(saved["problems"].tobytes())
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+            self.blob, self.problems = b"", {}  # no cache yet, or a damaged one: check again
 
-    def _stat(self, location: str) -> list[int]:
-        path = self.file_of(location)
-        if path not in self.stats:
-            try:
-                st = os.stat(path)
-                self.stats[path] = [st.st_size, st.st_mtime_ns]
-            except OSError:
-                self.stats[path] = [-1, -1]
-        return self.stats[path]
-
-    def unknown(self, paths: list[str]) -> list[str]:
-        if self.folder is None:
+    def unknown(self, paths: list[str], workers: int = 1) -> list[str]:
+        """The images of ``paths`` (locations) whose result is not remembered (new, changed,
+        never checked)."""
+        self.paths, self.stats = list(paths), location_stats(paths, self.file_of, workers)
+        if self.folder is None or not self.blob:
             return list(paths)
-        return [p for p in paths if p not in self.results or self.results[p][:2] != self._stat(p)]
+        if _joined(paths) == self.blob:  # the same files as last time: compare the arrays
+            known = (self.saved == self.stats).all(axis=1)
+        else:
+            names = self.blob.decode("utf-8", "surrogateescape").split("\0")
+            at = {name: i for i, name in enumerate(names)}
+            index = np.array([at.get(p, -1) for p in paths], dtype=np.int64)
+            known = (index >= 0) & (self.saved[index] == self.stats).all(axis=1)
+        position = {p: i for i, p in enumerate(paths) if p in self.problems}
+        self.problems = {p: self.problems[p] for p, i in position.items() if known[i]}
+        return [p for p, ok in zip(paths, known, strict=True) if not ok]
 
     def remember(self, checked: list[str], problems: dict[str, str]) -> None:
-        for path in checked:
-            self.results[path] = [*self._stat(path), problems.get(path)]
+        """Keep the results of ``checked`` (files of the last ``unknown`` list) with the
+        still-valid ones, for that whole list."""
+        if not self.paths:  # not asked through unknown(): remember these images alone
+            self.paths, self.stats = list(checked), location_stats(checked, self.file_of)
+        self.problems.update(problems)
         if self.folder is None:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"version": self.VERSION, "files": self.results}).encode()
+            arrays = {
+                "version": np.array(self.VERSION),
+                "paths": np.frombuffer(_joined(self.paths), dtype=np.uint8),
+                "stats": self.stats,
+                "problems": np.frombuffer(json.dumps(self.problems).encode(), dtype=np.uint8),
+            }
             tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
+            size = sum(a.nbytes for a in arrays.values())
             atomic_write(
-                self.folder / self.NAME, lambda f: f.write(text), lambda: len(text), tmp=tmp
+                self.folder / self.NAME, lambda f: np.savez(f, **arrays), lambda: size, tmp=tmp
             )
         except (OSError, UserError) as err:  # only a cache: the next start checks again
             log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
     def problem(self, path: str) -> str | None:
-        if path in self.results:
-            return self.results[path][2]
-        return None
+        return self.problems.get(path)
+
+
+def _joined(paths: list[str]) -> bytes:
+    return "\0".join(paths).encode("utf-8", "surrogateescape")
 
 
 def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:

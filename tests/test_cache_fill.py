@@ -1,0 +1,112 @@
+"""The RAM cache fills while the first epoch runs: the first step waits for no decoding of the
+whole folder, what loader workers decode lands in memory the training process reads, and
+every image is the same from the cache, from its file, or past the cache's capacity."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
+from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
+from imgtrainer.data.cache_fill import SharedImageCache, decode_resized
+from imgtrainer.data.image_files import process_map
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
+from imgtrainer.data.samplers import EpochSampler
+from imgtrainer.data.sources import ReadableImageFolder
+from imgtrainer.data.transforms import eval_resize_side
+
+SIZE = 16
+
+
+def folders(tmp_path: Path, per_class: int = 8) -> tuple[Path, Path]:
+    return (
+        write_image_folder(tmp_path / "train", CLASSES, per_class, seed=1),
+        write_image_folder(tmp_path / "val", CLASSES, 2, seed=2),
+    )
+
+
+def assert_holds_the_files_decode(cache: SharedImageCache) -> None:
+    side = eval_resize_side(SIZE)
+    for index, (path, _) in enumerate(cache.samples):
+        kept = cache.cached(index)
+        assert kept is not None and torch.equal(kept, decode_resized(path, side)), path
+
+
+def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path):
+    train, val = folders(tmp_path)
+    cfg = data_config(train, val, image_size=SIZE, seed=0, cache_images="ram")
+    train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
+    cache = train_set.folder
+    assert isinstance(cache, SharedImageCache) and cache.filled == 0 == cache.nbytes
+    sampler = EpochSampler(len(train_set), 0, 1, seed=0)
+    sampler.set_epoch(1)
+    batches = iter(
+        DeviceBatches(
+            make_loader(train_set, sampler, LoaderSpec(4, train=True)),
+            train_augmentation(cfg)[1],
+            torch.device("cpu"),
+        )
+    )
+    next(batches)
+    assert cache.filled == 4  # the first step's images only
+    for _ in batches:
+        pass
+    assert cache.filled == len(cache) == 24 and val_set.folder.filled == 0
+    assert_holds_the_files_decode(cache)
+
+
+def test_loader_workers_fill_the_memory_the_training_process_reads(tmp_path: Path):
+    train, _ = folders(tmp_path)
+    cache = SharedImageCache(ReadableImageFolder(train).samples, SIZE, capacity=2**20)
+    loader = torch.utils.data.DataLoader(
+        cache, batch_size=5, num_workers=2, collate_fn=lambda items: len(items)
+    )
+    assert sum(loader) == 24  # forked workers decoded and stored every image
+    assert cache.filled == 24
+    assert_holds_the_files_decode(cache)
+
+
+def test_images_past_the_capacity_come_from_their_files_alike(tmp_path: Path):
+    train, _ = folders(tmp_path, per_class=2)
+    samples = ReadableImageFolder(train).samples
+    one = decode_resized(samples[0][0], eval_resize_side(SIZE)).numel()
+    cache = SharedImageCache(samples, SIZE, capacity=2 * one)
+    side = eval_resize_side(SIZE)
+    for _ in range(2):
+        for index, (path, _) in enumerate(samples):
+            image, label = cache[index]
+            assert torch.equal(image, decode_resized(path, side)) and label == samples[index][1]
+    assert cache.filled == 2 and cache.nbytes == 2 * one
+    assert not cache.keep(0, cache[0][0])  # a filled slot is never written again
+
+
+def test_a_file_broken_after_the_check_gives_the_next_image(tmp_path: Path, caplog):
+    train, _ = folders(tmp_path, per_class=2)
+    samples = ReadableImageFolder(train).samples
+    cache = SharedImageCache(samples, SIZE, capacity=2**20)
+    Path(samples[0][0]).write_bytes(b"broken since")
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
+        image, label = cache[0]
+    assert torch.equal(image, decode_resized(samples[1][0], eval_resize_side(SIZE)))
+    assert label == samples[1][1] and "using the next image in its place" in caplog.text
+    assert cache.cached(0) is None and cache.cached(1) is not None
+
+
+def test_the_check_processes_end_under_a_training_process_stop_handler():
+    """The trainer turns SIGTERM into a stop flag; the check's forked processes must not inherit
+    that, or the pool's own SIGTERM at its end leaves them, and the start, waiting forever."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        done: list = []
+        work = lambda: done.append(process_map(abs, [-1, -2, 3], 2))  # noqa: E731
+        thread = threading.Thread(target=work, daemon=True)  # a hang fails, not blocks
+        thread.start()
+        thread.join(60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not thread.is_alive() and done == [[1, 2, 3]]
