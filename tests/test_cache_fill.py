@@ -11,13 +11,12 @@ from pathlib import Path
 
 import torch
 
-from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
+from conftest import CLASSES, ONE_CPU_PROCESS, data_config, folder_images, write_image_folder
 from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
 from imgtrainer.data.cache_fill import SharedImageCache, decode_resized
 from imgtrainer.data.image_files import process_map
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.sources import ReadableImageFolder
 from imgtrainer.data.transforms import eval_resize_side
 
 SIZE = 16
@@ -32,9 +31,10 @@ def folders(tmp_path: Path, per_class: int = 8) -> tuple[Path, Path]:
 
 def assert_holds_the_files_decode(cache: SharedImageCache) -> None:
     side = eval_resize_side(SIZE)
-    for index, (path, _) in enumerate(cache.samples):
+    for index in range(len(cache)):
         kept = cache.cached(index)
-        assert kept is not None and torch.equal(kept, decode_resized(path, side)), path
+        expected = decode_resized(cache.table, index, side)
+        assert kept is not None and torch.equal(kept, expected), cache.table.location(index)
 
 
 def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path):
@@ -62,7 +62,7 @@ def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path
 
 def test_loader_workers_fill_the_memory_the_training_process_reads(tmp_path: Path):
     train, _ = folders(tmp_path)
-    cache = SharedImageCache(ReadableImageFolder(train).samples, SIZE, capacity=2**20)
+    cache = SharedImageCache(folder_images(train).table, SIZE, capacity=2**20)
     loader = torch.utils.data.DataLoader(
         cache, batch_size=5, num_workers=2, collate_fn=lambda items: len(items)
     )
@@ -73,27 +73,28 @@ def test_loader_workers_fill_the_memory_the_training_process_reads(tmp_path: Pat
 
 def test_images_past_the_capacity_come_from_their_files_alike(tmp_path: Path):
     train, _ = folders(tmp_path, per_class=2)
-    samples = ReadableImageFolder(train).samples
-    one = decode_resized(samples[0][0], eval_resize_side(SIZE)).numel()
-    cache = SharedImageCache(samples, SIZE, capacity=2 * one)
+    table = folder_images(train).table
     side = eval_resize_side(SIZE)
+    one = decode_resized(table, 0, side).numel()
+    cache = SharedImageCache(table, SIZE, capacity=2 * one)
     for _ in range(2):
-        for index, (path, _) in enumerate(samples):
+        for index in range(len(table)):
             image, label = cache[index]
-            assert torch.equal(image, decode_resized(path, side)) and label == samples[index][1]
+            assert torch.equal(image, decode_resized(table, index, side))
+            assert label == table.label(index)
     assert cache.filled == 2 and cache.nbytes == 2 * one
     assert not cache.keep(0, cache[0][0])  # a filled slot is never written again
 
 
 def test_a_file_broken_after_the_check_gives_the_next_image(tmp_path: Path, caplog):
     train, _ = folders(tmp_path, per_class=2)
-    samples = ReadableImageFolder(train).samples
-    cache = SharedImageCache(samples, SIZE, capacity=2**20)
-    Path(samples[0][0]).write_bytes(b"broken since")
+    table = folder_images(train).table
+    cache = SharedImageCache(table, SIZE, capacity=2**20)
+    Path(table.location(0)).write_bytes(b"broken since")
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         image, label = cache[0]
-    assert torch.equal(image, decode_resized(samples[1][0], eval_resize_side(SIZE)))
-    assert label == samples[1][1] and "using the next image in its place" in caplog.text
+    assert torch.equal(image, decode_resized(table, 1, eval_resize_side(SIZE)))
+    assert label == table.label(1) and "using the next image in its place" in caplog.text
     assert cache.cached(0) is None and cache.cached(1) is not None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -249,20 +250,25 @@ def test_decode_check_remembers_across_a_changed_listing_and_stats_in_parallel(
     tmp_path: Path, monkeypatch
 ):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
-    (folder / "a" / "broken.jpg").write_bytes(b"not a jpeg")
-    paths = sorted(str(p) for p in (folder / "a").iterdir())
+    broken = folder / "a" / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
     checked: list[list[str]] = []
     real = unreadable.find_unreadable
-    monkeypatch.setattr(
-        unreadable,
-        "find_unreadable",
-        lambda p, workers=1: checked.append(list(p)) or real(p, workers),
-    )
+
+    def counted(paths, workers=1, problem=None):
+        checked.append(list(paths))
+        return real(paths, workers, problem)
+
+    monkeypatch.setattr(unreadable, "find_unreadable", counted)
     cache = tmp_path / "logs"
-    unreadable.find_unreadable_shared(paths, 0, 1, cache)
-    added = write_image_folder(tmp_path / "more", ["a"], 1) / "a" / "img_000.jpg"
-    grown = sorted([*paths, str(added)])
-    assert set(unreadable.find_unreadable_shared(grown, 0, 1, cache)) == {paths[0]}
+
+    def entries():
+        return unreadable.TableEntries([folder_images(folder).table])
+
+    unreadable.find_unreadable_shared(entries(), 0, 1, cache)
+    added = folder / "a" / "img_new.jpg"
+    shutil.copy(write_image_folder(tmp_path / "more", ["a"], 1) / "a" / "img_000.jpg", added)
+    assert set(unreadable.find_unreadable_shared(entries(), 0, 1, cache)) == {str(broken)}
     assert checked[-1] == [str(added)]  # only the new file is decoded
 
     many = []
