@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import signal
 import subprocess
 import time
@@ -83,8 +84,13 @@ def assert_same_tensors(a: object, b: object, where: str = "") -> int:
 
 
 def metrics_without_timings(workdir: Path) -> list[dict]:
+    """Each epoch's record less its clock readings: the run's timings and each rank's (the
+    straggler figures, ``rank<N>_step_s`` ...)."""
     history = json.loads((workdir / "logs" / "training_history.json").read_text())
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in history["epochs"]]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS and not re.match(r"rank\d+_", k)}
+        for r in history["epochs"]
+    ]
 
 
 def latest(workdir: Path) -> dict:
