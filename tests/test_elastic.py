@@ -461,10 +461,10 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
         *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", "last_call_timeout=8"),
     ]
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
-    # Held 20 s after each step at world size 2, so the kill lands after the mid-epoch
+    # Held 6 s after each step at world size 2, so the kill lands after the mid-epoch
     # checkpoint and before the epoch's end whatever the machine's speed (an epoch is 2 steps).
     # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="20:2", LOGLEVEL="INFO")
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="6:2", LOGLEVEL="INFO")
     first = start_launcher(flags, workdir, env=env)
     # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
     # its torchrun hosts it, whichever agent imports torch first; both join the first round.
