@@ -149,11 +149,19 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     # would carry its whole object, e.g. a table of a million images, with every chunk)
     pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_signals)
     try:
-        return pool.map(_call, items, chunksize=chunksize)
-    finally:
+        results = pool.map(_call, items, chunksize=chunksize)
+    except BaseException:
         pool.terminate()
         pool.join()
+        raise
+    finally:
         _FUNCTION = None
+    # The children leave on their own once the queue is empty: ending them with the pool's
+    # SIGTERM (terminate) raced a child that had not run _default_signals yet, which then kept
+    # the parent's stop handler, outlived the signal, and left join waiting forever.
+    pool.close()
+    pool.join()
+    return results
 
 
 _FUNCTION = None  # process_map's function, in its forked children
