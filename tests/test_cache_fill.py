@@ -107,8 +107,9 @@ def test_the_check_processes_end_under_a_training_process_stop_handler():
     try:
         for _ in range(40):
             done: list = []
-            work = lambda: done.append(process_map(abs, [-1, -2, 3], 2))  # noqa: E731
-            thread = threading.Thread(target=work, daemon=True)  # a hang fails, not blocks
+            thread = threading.Thread(  # a hang fails, not blocks
+                target=lambda out=done: out.append(process_map(abs, [-1, -2, 3], 2)), daemon=True
+            )
             thread.start()
             thread.join(60)
             assert not thread.is_alive() and done == [[1, 2, 3]]
