@@ -250,9 +250,8 @@ def test_every_layout_trains_to_the_same_weights(tmp_path: Path):
         assert run_train([*flags, "--deterministic", "--optimizer", "sgd"], cwd=workdir) == 0
         log = (workdir / "logs" / "train_rank_0.log").read_text()
         assert "Training data: 18 images in 3 classes from " in log
-        checkpoint = torch.load(
-            workdir / "checkpoints" / "checkpoint_latest.pth", weights_only=True
-        )
+        latest = workdir / "checkpoints" / "checkpoint_latest.pth"
+        checkpoint = torch.load(latest, weights_only=True)
         weights[name] = checkpoint["model_state_dict"]
     folder = weights.pop("folder")
     for name, state in weights.items():

@@ -135,12 +135,18 @@ def measure_micro_batch(
         model.zero_grad(set_to_none=True)
         snapshot.restore()
         model.train(was_training)
-    state = (
-        2 * tensor_bytes(model.parameters())
-        + tensor_bytes(model.buffers())
-        + optimizer_state_bytes(optimizer)
-    )
+    state = resident_state_bytes(parts)
     return StepCost(size, state, batch_bytes, peak, max(image_bytes, inputs.loaded_input_bytes))
+
+
+def resident_state_bytes(parts: TrialParts) -> int:
+    """What stays in memory through a step: parameters and their gradients, buffers, and the
+    optimizer's state."""
+    return (
+        2 * tensor_bytes(parts.model.parameters())
+        + tensor_bytes(parts.model.buffers())
+        + optimizer_state_bytes(parts.optimizer)
+    )
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -278,15 +284,9 @@ def plan_augmentation(
     shapes and budget rule); a rank that runs out anyway halves its own (no collective
     depends on it)."""
     step_batch = optimizer_batch(cfg)
-    canvas = step_batch * 3 * canvas_side_bound(cfg.image_size, source) ** 2
-    state = (
-        2 * tensor_bytes(parts.model.parameters())
-        + tensor_bytes(parts.model.buffers())
-        + optimizer_state_bytes(parts.optimizer)
-    )
-    room = budget - state - inputs.loaded_input_bytes - canvas
-    per_image = augment_bytes_per_image(
-        cfg.image_size, canvas_side_bound(cfg.image_size, source), cfg.auto_augment != "none"
-    )
+    side = canvas_side_bound(cfg.image_size, source)
+    canvas = step_batch * 3 * side**2
+    room = budget - resident_state_bytes(parts) - inputs.loaded_input_bytes - canvas
+    per_image = augment_bytes_per_image(cfg.image_size, side, cfg.auto_augment != "none")
     chunk = augment_chunk(room, per_image, step_batch)
     return None if chunk == step_batch else chunk

@@ -78,7 +78,7 @@ class StopRequest:
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
         self.owner_pid = os.getpid()
-        previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        previous = self._install()
         self.training = True
         try:
             yield self
@@ -92,8 +92,11 @@ class StopRequest:
         signal while the run's last files are written does not cut them short (a finished
         run still ends 0); a second one exits at once."""
         self.owner_pid = os.getpid()
-        for s in STOP_SIGNALS:
-            signal.signal(s, self._handle)
+        self._install()
+
+    def _install(self) -> dict:
+        """This request's handler for every stop signal; the handlers it replaced."""
+        return {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def agrees_at(self, step: int, at_epoch_end: bool) -> bool:
         """Whether the ranks agree after this step of the epoch (the same steps on every rank)."""
