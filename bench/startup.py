@@ -58,8 +58,8 @@ START_PHASES = [  # (name, event that ends it); each phase starts where the prev
     ("torchrun agent: rendezvous, start the workers", "worker start"),
     ("worker imports (spawn: torch, torchvision, timm)", "imports done"),
     ("process group", "process group ready"),
-    ("data scan + decode check", "data checked"),
-    ("image cache (decode into RAM)", "images cached"),
+    ("GPU image cache (decode every image first)", "images cached"),
+    ("data listing (the decode check then runs beside training)", "data check started"),
     ("model, optimizer, resume", "model ready"),
     ("first training step", "first step done"),
 ]

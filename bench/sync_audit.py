@@ -309,7 +309,7 @@ def audit_run(
     flags += ["--batch_size", str(batch), "--cache_images", source, "--optimizer", "sgd"]
     flags += ["--log_dir", str(train.parent / "logs"), *extra_flags]
     cfg = parse_config(flags)
-    train_loader, _, sampler, class_names = loaders.build_loaders(cfg, dist)
+    train_loader, _, sampler, class_names, _ = loaders.build_loaders(cfg, dist)
     parts = build_run_parts(cfg, dist, len(class_names), len(train_loader))
     if precision != "fp32":
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16

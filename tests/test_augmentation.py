@@ -74,7 +74,7 @@ def augment_keys(dataset: TrainingSamples, augment: BatchAugment, keys) -> torch
 
 def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augment) -> list:
     cfg = data_config(train, val, image_size=16, seed=7, crop_scale_min=0.3, hflip=0.5, **augment)
-    train_set, _, _ = build_datasets(cfg, ONE_CPU_PROCESS)
+    train_set, *_ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), 0, 1, seed=7)
     sampler.set_epoch(epoch)
     loader = DeviceBatches(

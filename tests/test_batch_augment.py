@@ -369,7 +369,7 @@ def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset
     for cache, device in (("ram", "cpu"), ("gpu", "cuda")):
         cfg = data_config(train, val, image_size=16, seed=3, cache_images=cache)
         dist = replace(ONE_CPU_PROCESS, device=torch.device(device))
-        train_set, _, _ = build_datasets(cfg, dist)
+        train_set, *_ = build_datasets(cfg, dist)
         assert train_set.source == cache and (train_set.canvas is not None) == (cache == "gpu")
         sampler = EpochSampler(len(train_set), 0, 1, seed=3)
         loader = DeviceBatches(

@@ -17,6 +17,7 @@ from imgtrainer.data.cache_fill import SharedImageCache, decode_resized
 from imgtrainer.data.image_files import process_map
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
 from imgtrainer.data.samplers import EpochSampler
+from imgtrainer.data.table import READABLE
 from imgtrainer.data.transforms import eval_resize_side
 
 SIZE = 16
@@ -40,7 +41,7 @@ def assert_holds_the_files_decode(cache: SharedImageCache) -> None:
 def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path):
     train, val = folders(tmp_path)
     cfg = data_config(train, val, image_size=SIZE, seed=0, cache_images="ram")
-    train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
+    train_set, val_set, *_ = build_datasets(cfg, ONE_CPU_PROCESS)
     cache = train_set.folder
     assert isinstance(cache, SharedImageCache) and cache.filled == 0 == cache.nbytes
     sampler = EpochSampler(len(train_set), 0, 1, seed=0)
@@ -90,6 +91,7 @@ def test_a_file_broken_after_the_check_gives_the_next_image(tmp_path: Path, capl
     train, _ = folders(tmp_path, per_class=2)
     table = folder_images(train).table
     cache = SharedImageCache(table, SIZE, capacity=2**20)
+    cache.states.array[:] = READABLE  # as the check found them
     Path(table.location(0)).write_bytes(b"broken since")
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         image, label = cache[0]

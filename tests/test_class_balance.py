@@ -143,7 +143,7 @@ def test_a_run_logs_the_counts_and_builds_its_sampler_and_loss(tmp_path: Path, c
         train, val, image_size=16, batch_size=4, sampler="balanced", class_weights="balanced"
     )
     with caplog.at_level(logging.WARNING):
-        loader, _, sampler, names = build_loaders(cfg, ONE_CPU_PROCESS)
+        loader, _, sampler, names, _ = build_loaders(cfg, ONE_CPU_PROCESS)
     assert isinstance(sampler, BalancedClassSampler) and "may help" not in caplog.text
     assert "corrects the imbalance twice" in caplog.text
     sampler.set_epoch(0)

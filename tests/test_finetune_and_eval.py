@@ -476,7 +476,7 @@ def test_training_validates_with_the_ratio_cached_or_not(tiny_dataset):
         cfg = data_config(
             train, val, image_size=16, seed=0, eval_resize_ratio=0.5, cache_images=cache
         )
-        _, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
+        _, val_set, *_ = build_datasets(cfg, ONE_CPU_PROCESS)
         assert val_set.transform.transforms[1].size == [32]
         image, _ = val_set[0]
         assert image.shape == (3, 16, 16)

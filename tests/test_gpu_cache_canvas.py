@@ -105,7 +105,7 @@ def test_auto_falls_back_to_ram_when_the_real_canvas_is_over_the_budget(mixed, c
     on_cuda = replace(ONE_CPU_PROCESS, device=torch.device("cuda"))  # never touched: no packing
     budget = estimated_canvas_bytes(len(SHAPES) * 4 + 2, SIZE)
     with caplog.at_level(logging.INFO, logger="imgtrainer"):
-        train_set, _, _ = build_datasets(
+        train_set, *_ = build_datasets(
             cfg, on_cuda, cache_budget_bytes=2**30, device_budget_bytes=budget
         )
     assert train_set.source is Source.RAM and train_set.folder.canvas is None

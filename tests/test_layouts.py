@@ -74,7 +74,8 @@ def test_every_layout_gives_the_same_samples_and_pixels(tmp_path: Path):
     seen = {}
     for name, (train, val) in layouts.items():
         cfg = data_config(train, val, image_size=16, seed=3, log_dir=str(tmp_path / name))
-        train_set, val_set, classes = build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
+        train_set, val_set, classes, check = build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
+        check.finish()
         samples = [train_set[(i, 1)] for i in range(len(train_set))]
         images = [val_set[i] for i in range(len(val_set))]
         seen[name] = (classes, samples, images, list(train_set.folder.targets))
@@ -155,12 +156,18 @@ def test_a_corrupt_row_or_member_is_left_out_with_one_line(layout, cache, tmp_pa
     bad = (corrupt_parquet_row if layout == "parquet" else corrupt_tar_member)(train, 1)
     cfg = data_config(train, val, image_size=16, cache_images=cache, log_dir=str(tmp_path / "logs"))
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
-        train_set, _, _ = build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
+        train_set, _, _, check = build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
+        at = next(i for i in range(len(train_set)) if train_set.folder.table.location(i) == bad)
+        stand_in = train_set[(at, 0)]  # before the check is in: the next image, silently
+        assert not caplog.records
+        assert list(check.finish()) == [bad]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "1 of 24 image files cannot be decoded" in warnings[0]
     assert (tmp_path / "logs" / "unreadable_images.txt").read_text().startswith(bad + "\t")
-    table = train_set.folder.table
-    assert len(table) == 17 and bad not in [table.location(i) for i in range(len(table))]
+    assert len(train_set) == 18  # its place in the order stays; the next image takes it
+    pixels, params, label = train_set[(at, 0)]
+    assert torch.equal(pixels, stand_in[0]) and torch.equal(params, stand_in[1])
+    assert label == stand_in[2] == train_set.folder.targets[at + 1]
 
 
 def bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:

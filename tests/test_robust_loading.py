@@ -1,5 +1,6 @@
-"""Robust loading: non-images ignored, undecodable images left out once at start with one warning,
-every colour mode turned into RGB, EXIF orientation honoured, a class left empty refused."""
+"""Robust loading: non-images ignored, undecodable images found by a check beside training and
+left out with one warning (the next image in each one's place), every colour mode turned into
+RGB, EXIF orientation honoured, a class left empty refused."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from conftest import (
 from imgtrainer.data.batch_augment import train_augmentation
 from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
 from imgtrainer.data.loaders import build_datasets
+from imgtrainer.data.table import READABLE, UNREADABLE
 from imgtrainer.errors import UserError
 
 
@@ -107,21 +109,36 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
             hflip=0.5,
             log_dir=str(tmp_path / "logs"),
         )
-        train_set, val_set, classes = build_datasets(cfg, ONE_CPU_PROCESS)
-    assert classes == ["cat", "dog"]
-    assert len(train_set) == 9 and len(val_set) == 4  # 8 + the CMYK image; text ignored
+        datasets = build_datasets(cfg, ONE_CPU_PROCESS)
+        train_set, val_set = datasets.train, datasets.val
+        folder = train_set.folder  # cat: 4 images; dog: cmyk, garbage, 4 images, truncated
+        assert len(train_set) == 11  # every listed image keeps its place in the order
+        # Before the check is in (or after), a bad image gives the next one, silently.
+        assert np.array_equal(np.asarray(folder[5][0]), np.asarray(folder[6][0]))
+        assert folder[5][1] == folder[6][1] == 1
+        assert np.array_equal(np.asarray(folder[10][0]), np.asarray(folder[0][0]))
+        assert folder[10][1] == 0  # the last wraps round to the first
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+        unreadable = datasets.check.finish()
+    assert datasets.class_names == ["cat", "dog"]
+    assert {Path(p).name for p in unreadable} == {"garbage.jpg", "truncated.jpg"}
+    assert list(folder.states.array) == [READABLE] * 5 + [UNREADABLE] + [READABLE] * 4 + [
+        UNREADABLE
+    ]
+    assert len(val_set) == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "2 of 15 image files" in warnings[0] and UNREADABLE_LIST in warnings[0]
     listed = (tmp_path / "logs" / UNREADABLE_LIST).read_text().splitlines()
     assert [Path(line.split("\t")[0]).name for line in listed] == ["garbage.jpg", "truncated.jpg"]
-    pixels, params, label = train_set[(len(train_set) - 1, 0)]  # the CMYK image, as RGB
+    pixels, params, label = train_set[(4, 0)]  # the CMYK image, as RGB
     image = train_augmentation(cfg)[1](pixels[None], params[None])[0]
     assert pixels.shape[0] == 3 and tuple(image.shape) == (3, 16, 16)
 
 
 def test_a_file_broken_after_the_scan_does_not_stop_the_epoch(tmp_path: Path, caplog):
     folder = folder_images(write_image_folder(tmp_path / "d", ["a", "b"], 2))
+    folder.states.array[:] = READABLE  # as the check found them
     first_path = folder.table.location(0)
     Path(first_path).write_bytes(b"broken later")
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
@@ -136,9 +153,9 @@ def test_class_left_empty_is_refused_by_name(tmp_path: Path):
     for image in (train / "dog").glob("*.jpg"):
         image.write_bytes(b"corrupt")
     (train / "dog" / "labels.csv").write_text("x")
+    cfg = data_config(train, val, image_size=16, seed=0, crop_scale_min=0.5, hflip=0.5)
     with pytest.raises(UserError, match="dog"):
-        cfg = data_config(train, val, image_size=16, seed=0, crop_scale_min=0.5, hflip=0.5)
-        build_datasets(cfg, ONE_CPU_PROCESS)
+        build_datasets(cfg, ONE_CPU_PROCESS).check.finish()
 
 
 def test_training_runs_end_to_end_past_corrupt_text_and_cmyk_files(

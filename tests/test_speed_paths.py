@@ -48,7 +48,7 @@ def two_epochs_of_batches(train: Path, val: Path, cache: str) -> tuple[list, obj
     cfg = data_config(
         train, val, image_size=16, seed=0, crop_scale_min=0.3, hflip=0.5, cache_images=cache
     )
-    train_set, val_set, _ = build_datasets(cfg, ONE_CPU_PROCESS)
+    train_set, val_set, *_ = build_datasets(cfg, ONE_CPU_PROCESS)
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
     train_loader = DeviceBatches(
         make_loader(train_set, sampler, LoaderSpec(4, train=True)),

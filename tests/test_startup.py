@@ -11,7 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from unittest.mock import ANY
 
 import instrument.sitecustomize as instrument
 import pytest
@@ -25,6 +27,7 @@ import imgtrainer.run.quick_exit as quick_exit
 from conftest import ROOT, SRC, TINY_FLAGS, folder_images, run_cli, write_image_folder
 from imgtrainer.data.checks import find_classes
 from imgtrainer.data.image_files import class_folders
+from imgtrainer.data.table import ImageTable
 from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -203,9 +206,9 @@ def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
     for stamp, who, event in lines:
         by_process.setdefault(who, []).append((float(stamp), event))
     launcher = ["launcher start", "torchrun start", "torchrun exited"]
-    rank = ["worker start", "imports done", "process group ready", "data checked"]
+    rank = ["worker start", "imports done", "process group ready"]
     rank += ["images cached"] * any(e == "images cached" for _, e in by_process["rank0"])
-    rank += ["model ready", "first step done", "summary logged", "process group destroyed"]
+    rank += ["data check started", "model ready", "first step done", "summary logged", "process group destroyed"]
     assert [e for _, e in by_process["launcher"]] == launcher
     assert [e for _, e in by_process["rank0"]] == [*rank, "worker exit"]
     order = sorted(by_process["launcher"] + by_process["rank0"], key=lambda pair: pair[0])
@@ -215,70 +218,61 @@ def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
 # ----------------------------------------------------------------------------- decode check cache
 
 
-def test_decode_check_is_remembered_per_file(tmp_path: Path, monkeypatch):
+def check_pass(folder: Path, cache: Path, monkeypatch, rank: int = 0, world_size: int = 1):
+    """One decode check of ``folder``'s images: (the rows it decodes, what it knows of each
+    row, ``{row: why}``), its pass over the rows run in this process to see what it decodes."""
+    decoded: list[int] = []
+    real = ImageTable.problem
+    monkeypatch.setattr(ImageTable, "problem", lambda self, i: decoded.append(i) or real(self, i))
+    images = {"training": folder_images(folder)}
+    check = unreadable.DecodeCheck(images, None, rank, world_size, cache_dir=cache)
+    _, known, problems = check.rows("training", 0, len(images["training"]))
+    if world_size == 1:
+        assert check.finish() == {
+            images["training"].table.location(i): problems[i] for i in problems
+        }
+    check.close()
+    return decoded, known.tolist(), problems
+
+
+def test_decode_check_is_remembered_per_image_and_shared_out(tmp_path: Path, monkeypatch):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
-    broken = folder / "a" / "broken.jpg"
-    broken.write_bytes(b"not a jpeg")
-    entries = unreadable.TableEntries([folder_images(folder).table])
-    paths = sorted(str(p) for p in (folder / "a").iterdir())
-    assert entries.locations == paths
-    checked: list[list[str]] = []
-    real = unreadable.find_unreadable
-    monkeypatch.setattr(
-        unreadable,
-        "find_unreadable",
-        lambda p, workers, problem: checked.append(list(p)) or real(p, workers, problem),
-    )
+    (folder / "a" / "broken.jpg").write_bytes(b"not a jpeg")  # row 0, before img_000..002
     cache = tmp_path / "logs"
 
-    first = unreadable.find_unreadable_shared(entries, 0, 1, cache)
-    second = unreadable.find_unreadable_shared(entries, 0, 1, cache)
-    assert set(first) == set(second) == {str(broken)}
-    assert checked == [paths, []]  # the second start decodes nothing
+    assert check_pass(folder, cache, monkeypatch)[0::2] == ([0, 1, 2, 3], {0: ANY})
+    # The next start decodes nothing and knows every row.
+    assert check_pass(folder, cache, monkeypatch) == ([], [True] * 4, {0: ANY})
 
-    image = folder / "a" / "img_000.jpg"
-    image.write_bytes(broken.read_bytes())  # replaced: new size and time, checked again
-    third = unreadable.find_unreadable_shared(entries, 0, 1, cache)
-    assert checked[-1] == [str(image)] and set(third) == {str(broken), str(image)}
+    image = folder / "a" / "img_000.jpg"  # row 1
+    image.write_bytes(b"broken too")  # a new size and time: checked again, alone
+    assert check_pass(folder, cache, monkeypatch)[0::2] == ([1], {0: ANY, 1: ANY})
 
-    (cache / unreadable.DecodeCheckCache.NAME).write_text("{damaged")
-    assert set(unreadable.find_unreadable_shared(entries, 0, 1, cache)) == set(third)
-    assert checked[-1] == paths
+    (cache / unreadable.DecodeCheckCache.NAME).write_text("{damaged")  # checked again, all
+    assert check_pass(folder, cache, monkeypatch)[0] == [0, 1, 2, 3]
+
+    shutil.copy(folder / "a" / "img_001.jpg", folder / "a" / "img_new.jpg")
+    assert check_pass(folder, cache, monkeypatch)[0] == [0, 1, 2, 3, 4]  # a new listing
+
+    # Rank 1 of 2, the cache gone: it decodes its share, every other row.
+    (cache / unreadable.DecodeCheckCache.NAME).unlink()
+    decoded, known, problems = check_pass(folder, cache, monkeypatch, rank=1, world_size=2)
+    assert decoded == [1, 3] and known == [False, True, False, True, False]
+    assert list(problems) == [1]
 
 
-def test_decode_check_remembers_across_a_changed_listing_and_stats_in_parallel(
-    tmp_path: Path, monkeypatch
-):
+def test_row_stats_of_files_and_shards(tmp_path: Path):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
-    broken = folder / "a" / "broken.jpg"
-    broken.write_bytes(b"not a jpeg")
-    checked: list[list[str]] = []
-    real = unreadable.find_unreadable
-
-    def counted(paths, workers=1, problem=None):
-        checked.append(list(paths))
-        return real(paths, workers, problem)
-
-    monkeypatch.setattr(unreadable, "find_unreadable", counted)
-    cache = tmp_path / "logs"
-
-    def entries():
-        return unreadable.TableEntries([folder_images(folder).table])
-
-    unreadable.find_unreadable_shared(entries(), 0, 1, cache)
-    added = folder / "a" / "img_new.jpg"
-    shutil.copy(write_image_folder(tmp_path / "more", ["a"], 1) / "a" / "img_000.jpg", added)
-    assert set(unreadable.find_unreadable_shared(entries(), 0, 1, cache)) == {str(broken)}
-    assert checked[-1] == [str(added)]  # only the new file is decoded
-
-    many = []
-    for i in range(2100):  # past the size a pool of processes stats
-        (tmp_path / f"f{i}").write_bytes(b"x" * (i % 7))
-        many.append(str(tmp_path / f"f{i}"))
-    many.append(str(tmp_path / "gone"))
-    parallel = unreadable.file_stats(many, workers=2)
-    assert (parallel == unreadable.file_stats(many)).all() and list(parallel[-1]) == [-1, -1]
-    assert list(parallel[:8, 0]) == [0, 1, 2, 3, 4, 5, 6, 0]
+    table = folder_images(folder).table
+    (folder / "a" / "img_002.jpg").unlink()
+    stats = unreadable.row_stats(table, 0, 3)
+    for i in range(2):
+        st = os.stat(table.location(i))
+        assert list(stats[i]) == [st.st_size, st.st_mtime_ns]
+    assert list(stats[2]) == [-1, -1]
+    shard = replace(table, kind="tar", containers=[str(tmp_path / "s.tar")])
+    (tmp_path / "s.tar").write_bytes(b"x" * 7)
+    assert unreadable.row_stats(shard, 0, 3)[:, 0].tolist() == [7, 7, 7]
 
 
 # ----------------------------------------------------------------------------- class folders

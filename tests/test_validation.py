@@ -28,7 +28,7 @@ def metrics_on_shard(val_dir: Path, rank: int, world_size: int) -> dict:
         hflip=0.5,
         log_dir=str(val_dir.parent / f"logs_rank{rank}"),
     )
-    _, val_set, classes = build_datasets(cfg, ONE_CPU_PROCESS)
+    _, val_set, classes, _ = build_datasets(cfg, ONE_CPU_PROCESS)
     torch.manual_seed(0)  # the same weights in every process
     model = build_model("resnet18", len(classes))
     loader = make_loader(

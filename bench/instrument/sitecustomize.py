@@ -91,10 +91,11 @@ def install_train(module) -> None:
 
 
 def install_loaders(module) -> None:
-    wrap(module, "leave_out_unreadable", after="data checked")
-    # The GPU cache decodes every image first: that decoding is the check (the RAM cache fills
-    # during the first epoch, after leave_out_unreadable).
-    wrap(module, "cache_decoded", before="data checked", after="images cached")
+    # The decode check starts in the background (the first step does not wait for it); the
+    # GPU cache decodes every image first, which is its check (the RAM cache fills during the
+    # first epoch).
+    wrap(module, "cache_decoded", after="images cached")
+    wrap(module, "DecodeCheck", after="data check started")
 
 
 def timeline_hook(trainer):

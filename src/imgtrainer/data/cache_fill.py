@@ -16,7 +16,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from imgtrainer.data.table import ImageTable
+from imgtrainer.data.table import ImageTable, ReadStates
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 from imgtrainer.files import format_bytes
 
@@ -39,7 +39,7 @@ EMPTY, WRITING, FILLED = 0, 1, 2  # the state of one image's slot
 
 
 class SharedImageCache(Dataset):
-    """The images of ``table`` (checked readable), each decoded by
+    """The images of ``table``, each decoded by
     ``decode_resized`` when first asked for and kept in an arena of ``capacity`` bytes of
     memory shared with the loader workers forked after it is made (an anonymous shared
     mapping: its pages are taken as images are written, not up front). Items are
@@ -55,8 +55,10 @@ class SharedImageCache(Dataset):
         image_size: int,
         capacity: int,
         ratio: float = EVAL_RESIZE_RATIO,
+        states: ReadStates | None = None,
     ):
         self.table = table
+        self.states = states or ReadStates(len(table))  # shared with the table's dataset
         self.targets = table.labels
         self.side = eval_resize_side(image_size, ratio)
         self.capacity = max(0, capacity)
@@ -77,24 +79,18 @@ class SharedImageCache(Dataset):
         return len(self.table)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        # A file that passed the start-up check can still fail later: as ReadableImageFolder,
-        # take the next image in its place rather than end the epoch.
-        for offset in range(len(self)):
-            at = (index + offset) % len(self)
-            cached = self.cached(at)
-            if cached is not None:
-                return cached, int(self.targets[at])
-            try:
-                image = decode_resized(self.table, at, self.side)
-            except Exception as err:  # any decoder failure on a user's file
-                log.warning(
-                    f"could not read {self.table.location(at)} ({type(err).__name__}: {err}); "
-                    "using the next image in its place"
-                )
-                continue
-            self.keep(at, image)
-            return image, int(self.targets[at])
-        raise RuntimeError(f"none of the {len(self)} cached images can be read")
+        # An image that does not decode gives the next one in its place, as from the files.
+        read, image = self.states.read_or_next(index, self.image, self.table.location)
+        return image, int(self.targets[read])
+
+    def image(self, index: int) -> torch.Tensor:
+        """Image ``index`` from the arena, else decoded (and kept, while it fits)."""
+        cached = self.cached(index)
+        if cached is not None:
+            return cached
+        image = decode_resized(self.table, index, self.side)
+        self.keep(index, image)
+        return image
 
     def cached(self, index: int) -> torch.Tensor | None:
         """The image at ``index`` from the arena, or None while it is not there."""
@@ -138,13 +134,13 @@ class SharedImageCache(Dataset):
 def shared_caches(
     folders: dict, image_size: int, capacity: int, ratios: dict[str, float]
 ) -> dict[str, SharedImageCache]:
-    """One ``SharedImageCache`` per folder (a ``TableImages``: its readable images),
+    """One ``SharedImageCache`` per folder (a ``TableImages``, whose read states it shares),
     ``capacity`` bytes shared out in proportion to their numbers of images; ``ratios``: each
     folder's resize ratio."""
     total = max(1, sum(len(folder) for folder in folders.values()))
     return {
         role: SharedImageCache(
-            folder.table, image_size, capacity * len(folder) // total, ratios[role]
+            folder.table, image_size, capacity * len(folder) // total, ratios[role], folder.states
         )
         for role, folder in folders.items()
     }

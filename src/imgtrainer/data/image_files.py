@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import multiprocessing.pool
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from PIL import Image, ImageOps
 
 from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
-from imgtrainer.process import STOP_SIGNALS
+from imgtrainer.process import STOP_SIGNALS, die_with_parent
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
@@ -141,13 +142,12 @@ def find_unreadable(
 
 
 def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
-    """``[function(item) for item in items]`` in ``workers`` forked processes. They take the
-    default signal actions: a training process's stop handlers, inherited, would keep them alive
-    through the pool's own SIGTERM."""
+    """``[function(item) for item in items]`` in ``workers`` forked processes
+    (``forked_pool``)."""
     global _FUNCTION
     _FUNCTION = function  # inherited by the forked children: never pickled (a bound method
     # would carry its whole object, e.g. a table of a million images, with every chunk)
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_default_signals)
+    pool = forked_pool(workers)
     try:
         results = pool.map(_call, items, chunksize=chunksize)
     except BaseException:
@@ -156,12 +156,26 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
         raise
     finally:
         _FUNCTION = None
-    # The children leave on their own once the queue is empty: ending them with the pool's
-    # SIGTERM (terminate) raced a child that had not run _default_signals yet, which then kept
-    # the parent's stop handler, outlived the signal, and left join waiting forever.
-    pool.close()
+    pool.close()  # the children leave on their own once the queue is empty
     pool.join()
     return results
+
+
+def forked_pool(workers: int, nice: int = 0) -> multiprocessing.pool.Pool:
+    """A pool of ``workers`` forked processes that take the default signal actions: a
+    training process's stop handlers, inherited, would keep them alive through the pool's
+    own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
+    so one that arrives meanwhile ends the child rather than run the parent's handler (that
+    race once left a start waiting forever on a child that outlived the signal). They die
+    with this process, however it ends. ``nice``: how much lower the children's CPU priority
+    is (a check that runs beside training)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return multiprocessing.get_context("fork").Pool(
+            workers, initializer=_child_start, initargs=(nice,)
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 _FUNCTION = None  # process_map's function, in its forked children
@@ -171,9 +185,13 @@ def _call(item):
     return _FUNCTION(item)
 
 
-def _default_signals() -> None:
+def _child_start(nice: int) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent(signal.SIGKILL)
+    if nice:
+        os.nice(nice)
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

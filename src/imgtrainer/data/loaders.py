@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -54,7 +55,7 @@ from imgtrainer.data.transforms import (
     collate_normalized,
     eval_transforms,
 )
-from imgtrainer.data.unreadable import check_no_empty_class, leave_out_unreadable, report_unreadable
+from imgtrainer.data.unreadable import DecodeCheck, check_no_empty_class, report_unreadable
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
@@ -168,6 +169,13 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
     )
 
 
+class Datasets(NamedTuple):
+    train: TrainingSamples
+    val: SeededImageDataset
+    class_names: list[str]
+    check: DecodeCheck  # finish it at the end of the first epoch, on every rank
+
+
 def build_datasets(
     cfg: TrainConfig,
     dist: DistInfo,
@@ -176,18 +184,19 @@ def build_datasets(
     cache_budget_bytes: int = 0,
     threads: int = 4,
     device_budget_bytes: int = 0,
-) -> tuple[TrainingSamples, SeededImageDataset, list[str]]:
-    """Both datasets of ``cfg``, with unreadable images left out (listed in ``--log_dir``).
-    Every rank must call this: the decoding check is shared out over the ranks of ``dist``.
+) -> Datasets:
+    """Both datasets of ``cfg``, and the check of their images (``DecodeCheck``, running in
+    the background: the first step does not wait for it; the unreadable images are left out
+    and listed in ``--log_dir`` once it is finished). Every rank must call this.
     ``--cache_images`` "ram" keeps each image decoded the first time a step reads it
-    (``SharedImageCache``, up to ``cache_budget_bytes`` for auto): the first step waits for the
-    check only. "gpu" decodes every image first, which is the check: the device canvas is
-    sized and checked from the decoded sizes before it is allocated (``settle_device_cache``):
-    auto falls back to "ram", an explicit "gpu" is an error. "auto" means "gpu" when the
-    decoded images should fit in ``device_budget_bytes``, else "ram" when they should fit in
-    ``cache_budget_bytes``. ``threads`` decode the images for the device. Here the training
-    images' ``Source`` is decided, once. ``draws``: the host half of ``train_augmentation(cfg)``
-    (made here when not given)."""
+    (``SharedImageCache``, up to ``cache_budget_bytes`` for auto). "gpu" decodes every image
+    first, which is the check: the device canvas is sized and checked from the decoded sizes
+    before it is allocated (``settle_device_cache``): auto falls back to "ram", an explicit
+    "gpu" is an error. "auto" means "gpu" when the decoded images should fit in
+    ``device_budget_bytes``, else "ram" when they should fit in ``cache_budget_bytes``.
+    ``threads`` decode the images for the device. Here the training images' ``Source`` is
+    decided, once. ``draws``: the host half of ``train_augmentation(cfg)`` (made here when not
+    given)."""
     log_dir = Path(cfg.log_dir)
     folders = read_datasets(cfg, threads)
     class_names = folders["training"].classes
@@ -203,8 +212,9 @@ def build_datasets(
         train_folder, val_folder, cache, why = device_cache(
             cfg, dist, folders, threads, device_budget_bytes, why
         )
+        check = DecodeCheck({}, log_dir)  # decoding every image was the check
     else:
-        leave_out_unreadable(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
+        check = DecodeCheck(folders, log_dir, dist.rank, dist.world_size, cache_dir=log_dir)
         train_folder, val_folder = folders["training"], folders["validation"]
         if cache != "none":
             capacity = ram_cache_capacity(cfg.cache_images, cache_budget_bytes, dist)
@@ -214,6 +224,7 @@ def build_datasets(
             why += (
                 f"; filled as the images are first read, up to {format_bytes(capacity, 'MiB', 0)}"
             )
+        val_folder = check.readable("validation", val_folder)
         log.info(f"Image cache: {cache} ({why})")
     source = choose_source(cache, dist.device)  # where the training images are, decided once
     if draws is None:
@@ -222,7 +233,7 @@ def build_datasets(
     val_set = SeededImageDataset(
         val_folder, eval_transforms(cfg.image_size, cfg.eval_resize_ratio), cfg.seed
     )
-    return train_set, val_set, class_names
+    return Datasets(train_set, val_set, class_names, check)
 
 
 def read_datasets(cfg: TrainConfig, threads: int) -> dict[str, TableImages]:
@@ -362,7 +373,7 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     # --cache_images auto: decoded images may take a quarter of this process's share of the RAM,
     # or GPU_CACHE_SHARE of its share of the free device memory.
     budget = available_memory_bytes() // (4 * dist.local_world_size)
-    train_set, val_set, class_names = build_datasets(
+    train_set, val_set, class_names, check = build_datasets(
         cfg,
         dist,
         draws=draws,
@@ -419,7 +430,8 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
     )
     val_loader = make_loader(
         val_set,
-        ShardSampler(len(val_set), dist.rank, dist.world_size),
+        # Its length is read as it runs: the check's end leaves unreadable images out.
+        ShardSampler(val_set, dist.rank, dist.world_size),
         # Evaluation transforms the cached images themselves: on the device for the GPU cache,
         # which forked workers must not touch.
         replace(
@@ -429,7 +441,15 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo):
             num_workers=0 if source is Source.GPU else workers,
         ),
     )
-    return train_loader, val_loader, train_sampler, class_names
+    return Loaders(train_loader, val_loader, train_sampler, class_names, check)
+
+
+class Loaders(NamedTuple):
+    train: DeviceBatches
+    val: DataLoader
+    sampler: EpochSampler
+    class_names: list[str]
+    check: DecodeCheck  # finish it at the end of the first epoch, on every rank
 
 
 def build_train_sampler(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 
 import torch
 from torch.utils.data import Sampler
@@ -121,10 +121,17 @@ class BalancedClassSampler(EpochSampler):
 
 class ShardSampler(Sampler):
     """Every world_size-th index from ``rank``, without padding: each validation image is seen by
-    exactly one rank, so metrics summed over ranks count it exactly once."""
+    exactly one rank, so metrics summed over ranks count it exactly once. ``samples``: their
+    number, or a dataset whose length is read each time (it may shrink once its unreadable
+    images are known)."""
 
-    def __init__(self, num_samples: int, rank: int, world_size: int):
-        self.shard = range(rank, num_samples, world_size)
+    def __init__(self, samples: int | Sized, rank: int, world_size: int):
+        self.samples, self.rank, self.world_size = samples, rank, world_size
+
+    @property
+    def shard(self) -> range:
+        n = self.samples if isinstance(self.samples, int) else len(self.samples)
+        return range(self.rank, n, self.world_size)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard)

@@ -22,7 +22,7 @@ from imgtrainer.data.cache_fill import decode_resized
 from imgtrainer.data.image_files import nvjpeg_size
 from imgtrainer.data.jpeg_device import JpegBytes, shrink_factor
 from imgtrainer.data.params import crop_of, set_whole_crop
-from imgtrainer.data.table import ImageTable, TableImages
+from imgtrainer.data.table import UNREADABLE, ImageTable, TableImages
 from imgtrainer.data.transforms import EVAL_RESIZE_RATIO, eval_resize_side
 from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import UserError, first_line
@@ -163,14 +163,17 @@ class TrainingSamples(Dataset):
 
     def jpeg_sample(self, key: tuple[int, int]) -> tuple[JpegBytes, torch.Tensor, int] | None:
         """A JPEG the device can decode, as its bytes: (``JpegBytes``, its parameters, label);
-        None for any other file."""
+        None for any other file, and for one known not to decode (the CPU path gives the next
+        image in its place)."""
         index, epoch = key
         table = self.folder.table
         label = table.label(index)
+        if self.folder.states.array[index] == UNREADABLE:
+            return None
         try:
             with heartbeat.reading(table.location(index)):
                 data = table.read(index)
-        except Exception:  # gone or damaged since the start-up check: the CPU path handles it
+        except Exception:  # gone or damaged: the CPU path gives the next image in its place
             data = b""
         size = nvjpeg_size(data)
         if size is None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import os
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -234,13 +235,52 @@ def image_bytes(value: Any, where: str) -> bytes:
 _PARQUET_ROWS = ParquetRows()
 
 
+UNKNOWN, READABLE, UNREADABLE = 0, 1, 2  # what is known of whether an image decodes
+
+
+class ReadStates:
+    """Whether each image of a table decodes, as far as is known: one byte an image in memory
+    shared with the loader workers forked after it is made (an anonymous shared mapping). The
+    decode check writes it as its results come in (``data.unreadable.DecodeCheck``); a worker
+    that fails on an image marks it. Training never waits for it: ``read_or_next`` gives the
+    same image for an index whatever it holds."""
+
+    def __init__(self, n: int):
+        self._map = mmap.mmap(-1, max(1, n))
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=n)
+
+    def read_or_next(self, index: int, read: Callable[[int], Any], where: Callable[[int], str]):
+        """``(i, read(i))`` for the first image from ``index`` on (wrapping round) that reads:
+        one that does not decode gives the next one in its place. The image an index gives is
+        a property of the files alone, the same in every run, rank and layout, whether the
+        check has reached it or not (a known unreadable image is skipped without trying).
+        Only an image the check found readable is worth a warning when it fails (changed,
+        deleted, a disk error): the check reports the others once, in one line."""
+        n = len(self.array)
+        for offset in range(n):
+            i = (index + offset) % n
+            if self.array[i] == UNREADABLE:
+                continue
+            try:
+                return i, read(i)
+            except Exception as err:  # any decoder failure on a user's file
+                if self.array[i] == READABLE:
+                    log.warning(
+                        f"could not read {where(i)} ({type(err).__name__}: {err}); "
+                        "using the next image in its place"
+                    )
+                self.array[i] = UNREADABLE
+        raise RuntimeError(f"none of the {n} images can be read")
+
+
 class TableImages:
     """The images of an ``ImageTable`` as a dataset of ``(upright RGB PIL image, label)``:
-    what ImageFolder was to a folder, for every layout. An image that fails to read later in
-    a run (replaced, deleted, a disk error) gives the next image in its place."""
+    what ImageFolder was to a folder, for every layout. An image that does not decode gives
+    the next image in its place (``ReadStates.read_or_next``)."""
 
     def __init__(self, table: ImageTable):
         self.table = table
+        self.states = ReadStates(len(table))
 
     @property
     def classes(self) -> list[str]:
@@ -259,7 +299,10 @@ class TableImages:
         return self.table.source
 
     def leave_out(self, locations: Collection[str]) -> None:
+        """Drop the images at ``locations`` (found unreadable: the rest are readable)."""
         self.table = self.table.without(locations)
+        self.states = ReadStates(len(self.table))
+        self.states.array[:] = READABLE
 
     def empty_classes(self) -> list[str]:
         return self.table.empty_classes()
@@ -268,17 +311,10 @@ class TableImages:
         return len(self.table)
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        # Hours into a run, one file that fails must not end it: take the next sample instead.
-        n = len(self.table)
-        for offset in range(n):
-            i = (index + offset) % n
-            try:
-                # Named by the hang watchdog if this read hangs (a hung network file system).
-                with heartbeat.reading(self.table.location(i)):
-                    return self.table.open_rgb(i), self.table.label(i)
-            except Exception as err:  # any decoder failure on a user's file
-                log.warning(
-                    f"could not read {self.table.location(i)} ({type(err).__name__}: {err}); "
-                    "using the next image in its place"
-                )
-        raise RuntimeError(f"none of the {n} images of {self.table.source} can be read")
+        _, image = self.states.read_or_next(index, self.open_rgb, self.table.location)
+        return image
+
+    def open_rgb(self, i: int) -> tuple[Image.Image, int]:
+        # Named by the hang watchdog if this read hangs (a hung network file system).
+        with heartbeat.reading(self.table.location(i)):
+            return self.table.open_rgb(i), self.table.label(i)

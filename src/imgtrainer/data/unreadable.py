@@ -1,30 +1,184 @@
-"""Unreadable images: found once (in parallel, remembered between runs), reported, left out."""
+"""Unreadable images: found by a decode check that runs beside training (in parallel,
+remembered between runs), reported once, left out.
+
+Training does not wait for the check. Until it is done, an image that does not decode gives the
+next one in its place (``table.ReadStates``), as it does once it is known: the images a run
+trains on never depend on how far the check has got. The ranks gather its results at the end of
+the first epoch (``DecodeCheck.finish``), before the first validation, which leaves the
+unreadable validation images out (``CheckedRows``).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import threading
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from imgtrainer.data.checks import refuse_empty_classes
-from imgtrainer.data.image_files import (
-    PARALLEL_MIN_FILES,
-    find_unreadable,
-    process_map,
-    write_unreadable_list,
-)
-from imgtrainer.data.table import ImageTable, TableImages
+from imgtrainer.data.image_files import forked_pool, write_unreadable_list
+from imgtrainer.data.table import FILES, READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 
 log = logging.getLogger(__name__)
+
+CHUNK = 512  # images a forked process checks per task
+NICENESS = 10  # the check's processes yield the CPU to training's
+
+
+class DecodeCheck:
+    """The decode check of some datasets (``{role: TableImages}``), started here in the
+    background. Forked processes, at a lower CPU priority than training, read the size and
+    modification time of every image's file, and decode (at 1/8 scale, JPEG's DCT scaling:
+    every byte is still read and entropy-decoded) this rank's share of them, every
+    ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged file.
+    Results go into each dataset's ``states`` as they come. ``finish`` waits for the rest and
+    gathers the ranks' results. Every rank must make one and call ``finish`` at the same point.
+    """
+
+    def __init__(
+        self,
+        folders: dict[str, TableImages],
+        log_dir: Path | None,
+        rank: int = 0,
+        world_size: int = 1,
+        cache_dir: Path | None = None,
+        workers: int | None = None,
+    ):
+        self.folders, self.log_dir = folders, log_dir
+        self.rank, self.world_size = rank, world_size
+        self.tables = {role: folder.table for role, folder in folders.items()}
+        self.cache = DecodeCheckCache(cache_dir, self.tables)
+        self.stats = {role: np.full((len(t), 2), -1, np.int64) for role, t in self.tables.items()}
+        self.problems: dict[str, dict[int, str]] = {role: {} for role in self.tables}
+        self.views: dict[str, CheckedRows] = {}
+        self.unreadable: dict[str, str] | None = None  # {location: why}, once finished
+        tasks = [
+            (role, start, min(start + CHUNK, len(table)))
+            for role, table in self.tables.items()
+            for start in range(0, len(table), CHUNK)
+        ]
+        self.pool, self.error = None, None
+        if tasks:
+            global _CHECK
+            _CHECK = self  # the forked processes inherit it: the tables are never pickled
+            self.pool = forked_pool(workers or torch.get_num_threads(), nice=NICENESS)
+            results = self.pool.imap_unordered(_check_rows, tasks)
+            self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
+            self.thread.start()
+
+    def _collect(self, results) -> None:
+        """Each task's results into the datasets' states, as they come (no logging here: the
+        loader workers are forked while this thread runs)."""
+        try:
+            for role, start, stats, checked, problems in results:
+                self.stats[role][start : start + len(stats)] = stats
+                self.problems[role].update(problems)
+                states = self.folders[role].states.array[start : start + len(stats)]
+                states[checked & (states == UNKNOWN)] = READABLE
+                states[[i - start for i in problems]] = UNREADABLE
+        except Exception as err:  # raised again by finish, in the training process's thread
+            self.error = err
+        self.pool.close()  # the children leave once the queue is empty: no process idles
+
+    def close(self) -> None:
+        """End the check's processes now (the run ends; ``finish`` may never come)."""
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def rows(self, role: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, dict]:
+        """In a forked process: the stats of rows ``start:stop``, which of them this rank
+        knows the result of (remembered, or checked now), and ``{row: why}`` of those that do
+        not decode."""
+        table = self.tables[role]
+        stats = row_stats(table, start, stop)
+        saved = self.cache.saved(role, start, stop)
+        known = (saved == stats).all(axis=1) if saved is not None else np.zeros(len(stats), bool)
+        mine = (np.arange(start, stop) % self.world_size) == self.rank
+        problems = {}
+        for i in range(start, stop):
+            if known[i - start]:
+                why = self.cache.problem(role, i)
+            elif mine[i - start]:
+                why = table.problem(i)
+            else:
+                continue
+            if why is not None:
+                problems[i] = why
+        return stats, known | mine, problems
+
+    def readable(self, role: str, dataset: Dataset) -> CheckedRows:
+        """``dataset`` (of the ``role`` images) less the images found unreadable, once the
+        check is finished; all of them until then."""
+        self.views[role] = view = CheckedRows(dataset)
+        if self.unreadable is not None:
+            view.keep(self.readable_rows(role))
+        return view
+
+    def finish(self) -> dict[str, str]:
+        """Wait for this rank's share, gather every rank's results so that all know every
+        unreadable image, remember them, report them in one warning (the list goes to
+        ``log_dir``), and refuse a class left without readable images. ``{location: why}``.
+        Every rank must call this at the same point; later calls return the same."""
+        if self.unreadable is not None:
+            return self.unreadable
+        if self.pool is not None:
+            self.thread.join()
+            self.pool.join()
+        if self.error is not None:
+            raise self.error
+        found = {role: dict(problems) for role, problems in self.problems.items()}
+        if self.world_size > 1:
+            found = {role: {} for role in self.tables}
+            for part in all_gather_objects(self.problems):
+                for role, problems in part.items():
+                    found[role].update(problems)
+        self.problems = found
+        self.cache.remember(self.stats, found)
+        for role, problems in found.items():
+            states = self.folders[role].states.array
+            states[states == UNKNOWN] = READABLE
+            states[list(problems)] = UNREADABLE
+        self.unreadable = {
+            self.tables[role].location(i): why
+            for role, problems in found.items()
+            for i, why in sorted(problems.items())
+        }
+        if self.unreadable:
+            total = sum(map(len, self.tables.values()))
+            report_unreadable(self.unreadable, total, self.log_dir)
+        for role, view in self.views.items():
+            view.keep(self.readable_rows(role))
+        for role, table in self.tables.items():
+            keep = np.ones(len(table), bool)
+            keep[list(found[role])] = False
+            counts = np.bincount(table.labels[keep], minlength=len(table.classes))
+            empty = [table.classes[c] for c in sorted(table.present) if counts[c] == 0]
+            refuse_empty_classes(table.source, empty, role, readable=True)
+        return self.unreadable
+
+    def readable_rows(self, role: str) -> np.ndarray:
+        keep = np.ones(len(self.tables[role]), bool)
+        keep[list(self.problems[role])] = False
+        return np.flatnonzero(keep)
+
+
+_CHECK: DecodeCheck | None = None  # the running check, in its forked processes
+
+
+def _check_rows(task: tuple[str, int, int]):
+    role, start, stop = task
+    return (role, start, *_CHECK.rows(role, start, stop))
 
 
 def leave_out_unreadable(
@@ -34,161 +188,133 @@ def leave_out_unreadable(
     world_size: int = 1,
     cache_dir: Path | None = None,
 ) -> dict[str, str]:
-    """Find the images that do not decode, leave them out with one warning (the list goes to
-    ``log_dir``), then refuse a class left without images; returns ``{location: reason}``
-    of the images left out. With ``cache_dir``, results are remembered there per image (see
-    ``DecodeCheckCache``). Every rank must call this."""
-    entries = TableEntries([folder.table for folder in folders.values()])
-    unreadable = find_unreadable_shared(entries, rank, world_size, cache_dir)
-    if unreadable:
-        report_unreadable(unreadable, len(entries.locations), log_dir)
-    for role, folder in folders.items():
+    """The decode check, waited for: the unreadable images left out of ``folders`` (one
+    warning, the list in ``log_dir``; an error for a class left without images);
+    ``{location: why}``. Every rank must call this."""
+    unreadable = DecodeCheck(folders, log_dir, rank, world_size, cache_dir).finish()
+    for folder in folders.values():
         folder.leave_out(unreadable)
-        check_no_empty_class(folder, role)
     return unreadable
 
 
-class TableEntries:
-    """Every image of some tables by its location, for the decode check: where each is, and
-    the file standing for it (its own, or its shard's)."""
+class CheckedRows(Dataset):
+    """The rows ``rows`` of ``dataset`` (all of them until ``keep`` says which), a dataset
+    itself: the validation images less those that do not decode."""
 
-    def __init__(self, tables: list[ImageTable]):
-        self.where = {table.location(i): (table, i) for table in tables for i in range(len(table))}
-        self.locations = list(self.where)
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.rows = np.arange(len(dataset))
 
-    def file_of(self, location: str) -> str:
-        table, i = self.where[location]
-        return table.file_of(i)
+    def keep(self, rows: np.ndarray) -> None:
+        self.rows = rows
 
-    def problem(self, location: str) -> str | None:
-        table, i = self.where[location]
-        return table.problem(i)
+    @property
+    def targets(self) -> np.ndarray:
+        return np.asarray(self.dataset.targets)[self.rows]
 
+    @property
+    def classes(self) -> list[str]:
+        return self.dataset.classes
 
-def find_unreadable_shared(
-    entries: TableEntries, rank: int, world_size: int, cache_dir: Path | None = None
-) -> dict[str, str]:
-    """Each rank checks every world_size-th image, in its share of the cores (torch's thread
-    count, which distributed.setup_distributed sets); the results are gathered so that every
-    rank leaves out exactly the same images: the samplers index the same list on every rank.
-    Images whose result ``cache_dir`` remembers are not decoded again."""
-    workers = torch.get_num_threads()
-    cache = DecodeCheckCache(cache_dir, entries.file_of)
-    todo = cache.unknown(entries.locations, workers)
-    if world_size > 1:
-        # Ranks on other nodes may remember other files (their own log folder): check every file
-        # that any rank lacks, so each rank learns every result and the shares line up.
-        todo = sorted(set().union(*all_gather_objects(todo)))
-    found = find_unreadable(todo[rank::world_size], workers, entries.problem)
-    if world_size > 1:
-        found = {path: why for part in all_gather_objects(found) for path, why in part.items()}
-    if todo:
-        cache.remember(todo, found)
-    return {loc: why for loc in entries.locations if (why := cache.problem(loc)) is not None}
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        return self.dataset[int(self.rows[index])]
+
+    def __getattr__(self, name: str):
+        """Anything else is the dataset's (a cache's fill level, its table)."""
+        if name == "dataset":  # not set yet (being copied): never recurse
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
-def file_stats(paths: list[str], workers: int = 1) -> np.ndarray:
-    """(size, modification time in ns) of each path, (-1, -1) for one that cannot be read, in
-    ``workers`` forked processes for long lists (a stat is mostly Python's own work)."""
-    if workers > 1 and len(paths) >= 8 * PARALLEL_MIN_FILES:
-        step = -(-len(paths) // (4 * workers))
-        chunks = [paths[i : i + step] for i in range(0, len(paths), step)]
-        parts = process_map(_stats, chunks, workers)
-        return np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
-    return _stats(paths)
-
-
-def _stats(paths: list[str]) -> np.ndarray:
-    out = np.full((len(paths), 2), -1, dtype=np.int64)
-    for i, path in enumerate(paths):
-        try:
-            st = os.stat(path)
-        except OSError:
+def row_stats(table: ImageTable, start: int, stop: int) -> np.ndarray:
+    """(size, modification time in ns) of the file of each row ``start:stop`` (the image
+    file, or its shard or Parquet file, each stat'ed once), (-1, -1) where it cannot be read."""
+    out = np.full((stop - start, 2), -1, dtype=np.int64)
+    containers: dict[int, tuple[int, int]] = {}  # a shard's or Parquet file's, by its index
+    for i in range(start, stop):
+        if table.kind != FILES and int(table.container[i]) in containers:
+            out[i - start] = containers[int(table.container[i])]
             continue
-        out[i] = st.st_size, st.st_mtime_ns
+        try:
+            st = os.stat(table.file_of(i))
+            out[i - start] = st.st_size, st.st_mtime_ns
+        except OSError:
+            pass
+        containers[int(table.container[i])] = tuple(out[i - start])
     return out
 
 
-def location_stats(
-    locations: list[str], file_of: Callable[[str], str] = str, workers: int = 1
-) -> np.ndarray:
-    """``file_stats`` of the file of each location (an image file, or the shard or Parquet file
-    holding it), each file stat'ed once."""
-    if file_of is str:
-        return file_stats(locations, workers)
-    files = [file_of(location) for location in locations]
-    unique = list(dict.fromkeys(files))
-    stats = file_stats(unique, workers)
-    at = {path: i for i, path in enumerate(unique)}
-    return stats[np.array([at[path] for path in files], dtype=np.int64)].reshape(-1, 2)
+def fingerprint(table: ImageTable) -> str:
+    """A digest of which images a table holds, in which order: the cache's results by row
+    apply to a table with the same digest only."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps([table.kind, table.column, table.containers]).encode())
+    for array in (table.container, table.members.data, table.members.ends, table.offsets):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 class DecodeCheckCache:
-    """What the decode check found for each image, keyed by its location and the size and
-    modification time of its file (``file_of``: the image file, or its shard or Parquet file),
-    kept in ``folder/image_check_cache.npz`` as arrays (the locations one blob, sizes and times
-    one array, the few problems apart), so a start neither decodes every image again nor builds
-    a Python object per image to know it; a file that changes gets a new size or time and its
-    images are checked again. It remembers the images of its last check.
+    """What the decode check found, per dataset (by role) and row, with the size and
+    modification time of each row's file (``row_stats``), kept in
+    ``folder/image_check_cache.npz`` as arrays, so a restart neither decodes every image again
+    nor builds a Python object per image to know it. The rows apply to a dataset that lists
+    the same images in the same order (``fingerprint``); a file that changes gets a new size or
+    time and its images are checked again.
 
     It lives in the run's log folder, which is writable by definition (a dataset may sit on a
     read-only share) and goes away with the run's logs. Every rank writes the same content,
-    through its own temporary file renamed into place, like the unreadable-files list. Without a
-    folder it remembers nothing.
+    through its own temporary file renamed into place, like the unreadable-images list.
+    Without a folder it remembers nothing.
     """
 
     NAME = "image_check_cache.npz"
-    VERSION = 2  # bump when the check itself changes: old results are then ignored
+    VERSION = 3  # bump when the check itself changes: old results are then ignored
 
-    def __init__(self, folder: Path | None, file_of: Callable[[str], str] = str):
-        self.folder, self.file_of = folder, file_of
-        self.blob, self.saved = b"", np.zeros((0, 2), np.int64)  # the remembered images
-        self.problems: dict[str, str] = {}
-        self.paths: list[str] = []
-        self.stats = np.zeros((0, 2), np.int64)  # of ``paths``, the images asked about
+    def __init__(self, folder: Path | None, tables: dict[str, ImageTable]):
+        self.folder = folder
+        self.prints = {role: fingerprint(table) for role, table in tables.items()}
+        self.stats: dict[str, np.ndarray] = {}  # by role, for the tables listed as saved
+        self.problems: dict[str, dict[int, str]] = {}
         if folder is None:
             return
         try:
             with np.load(folder / self.NAME) as saved:
-                if int(saved["version"]) == self.VERSION:
-                    self.blob, self.saved = saved["paths"].tobytes(), saved["stats"]
-                    self.problems = json.loads(saved["problems"].tobytes())
+                if int(saved["version"]) != self.VERSION:
+                    return
+                prints = json.loads(saved["prints"].tobytes())
+                problems = json.loads(saved["problems"].tobytes())
+                for role, mark in self.prints.items():
+                    if prints.get(role) == mark:
+                        self.stats[role] = saved[f"stats_{role}"]
+                        self.problems[role] = {int(i): why for i, why in problems[role].items()}
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
-            self.blob, self.problems = b"", {}  # no cache yet, or a damaged one: check again
+            self.stats, self.problems = {}, {}  # no cache yet, or a damaged one: check again
 
-    def unknown(self, paths: list[str], workers: int = 1) -> list[str]:
-        """The images of ``paths`` (locations) whose result is not remembered (new, changed,
-        never checked)."""
-        self.paths, self.stats = list(paths), location_stats(paths, self.file_of, workers)
-        if self.folder is None or not self.blob:
-            return list(paths)
-        if _joined(paths) == self.blob:  # the same files as last time: compare the arrays
-            known = (self.saved == self.stats).all(axis=1)
-        else:
-            names = self.blob.decode("utf-8", "surrogateescape").split("\0")
-            at = {name: i for i, name in enumerate(names)}
-            index = np.array([at.get(p, -1) for p in paths], dtype=np.int64)
-            known = (index >= 0) & (self.saved[index] == self.stats).all(axis=1)
-        position = {p: i for i, p in enumerate(paths) if p in self.problems}
-        self.problems = {p: self.problems[p] for p, i in position.items() if known[i]}
-        return [p for p, ok in zip(paths, known, strict=True) if not ok]
+    def saved(self, role: str, start: int, stop: int) -> np.ndarray | None:
+        """The remembered stats of rows ``start:stop``; None when the dataset is new."""
+        stats = self.stats.get(role)
+        return None if stats is None else stats[start:stop]
 
-    def remember(self, checked: list[str], problems: dict[str, str]) -> None:
-        """Keep the results of ``checked`` (files of the last ``unknown`` list) with the
-        still-valid ones, for that whole list."""
-        if not self.paths:  # not asked through unknown(): remember these images alone
-            self.paths, self.stats = list(checked), location_stats(checked, self.file_of)
-        self.problems.update(problems)
+    def problem(self, role: str, i: int) -> str | None:
+        return self.problems.get(role, {}).get(i)
+
+    def remember(self, stats: dict[str, np.ndarray], problems: dict[str, dict[int, str]]):
+        """Keep ``stats`` and ``problems`` of every row, by role (all rows checked)."""
         if self.folder is None:
             return
+        arrays = {f"stats_{role}": rows for role, rows in stats.items()}
+        text = {role: {str(i): why for i, why in found.items()} for role, found in problems.items()}
+        arrays |= {
+            "version": np.array(self.VERSION),
+            "prints": np.frombuffer(json.dumps(self.prints).encode(), dtype=np.uint8),
+            "problems": np.frombuffer(json.dumps(text).encode(), dtype=np.uint8),
+        }
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            arrays = {
-                "version": np.array(self.VERSION),
-                "paths": np.frombuffer(_joined(self.paths), dtype=np.uint8),
-                "stats": self.stats,
-                "problems": np.frombuffer(json.dumps(self.problems).encode(), dtype=np.uint8),
-            }
             tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
             size = sum(a.nbytes for a in arrays.values())
             atomic_write(
@@ -196,13 +322,6 @@ class DecodeCheckCache:
             )
         except (OSError, UserError) as err:  # only a cache: the next start checks again
             log.warning(f"could not write {self.folder / self.NAME} ({err})")
-
-    def problem(self, path: str) -> str | None:
-        return self.problems.get(path)
-
-
-def _joined(paths: list[str]) -> bytes:
-    return "\0".join(paths).encode("utf-8", "surrogateescape")
 
 
 def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | None) -> None:

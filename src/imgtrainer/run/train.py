@@ -83,15 +83,16 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     configure_backends(dist.device, cfg.deterministic)
     prepare_demo_data(cfg, dist)
     trainer = Trainer(cfg, dist)
-    trainer.resume()
-    log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
     try:
+        trainer.resume()
+        log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
         with trainer.stop.installed(), watched(trainer):
             finished = trainer.fit()
         trainer.stop.installed_for_wrap_up()
         trainer.end_hooks(finished)
     finally:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
+        trainer.data_check.close()  # a run that ends before the first epoch's end
     log_summary(trainer, finished)
     return 0 if finished else trainer.stop.exit_code
 

@@ -129,9 +129,13 @@ class Trainer:
         self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
         self.source, cfg = find_resume(cfg, dist)
         self.cfg = cfg
-        self.train_loader, self.val_loader, self.sampler, self.class_names = build_loaders(
-            cfg, dist
+        loaders = build_loaders(cfg, dist)
+        self.train_loader, self.val_loader, self.sampler = (
+            loaders.train,
+            loaders.val,
+            loaders.sampler,
         )
+        self.class_names, self.data_check = loaders.class_names, loaders.check
         self.steps_per_epoch = steps = len(self.train_loader)
         counts = class_counts(self.train_loader.dataset.folder.targets, len(self.class_names))
         self.parts = parts = build_run_parts(cfg, dist, len(self.class_names), steps, counts)
@@ -272,6 +276,9 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
+        # The images that do not decode, known on every rank from here (before the first
+        # validation, which leaves them out): the check ran beside this epoch.
+        self.data_check.finish()
         val = self.validate_epoch() if validated(self.cfg, self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
