@@ -208,7 +208,13 @@ def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
     launcher = ["launcher start", "torchrun start", "torchrun exited"]
     rank = ["worker start", "imports done", "process group ready"]
     rank += ["images cached"] * any(e == "images cached" for _, e in by_process["rank0"])
-    rank += ["data check started", "model ready", "first step done", "summary logged", "process group destroyed"]
+    rank += [
+        "data check started",
+        "model ready",
+        "first step done",
+        "summary logged",
+        "process group destroyed",
+    ]
     assert [e for _, e in by_process["launcher"]] == launcher
     assert [e for _, e in by_process["rank0"]] == [*rank, "worker exit"]
     order = sorted(by_process["launcher"] + by_process["rank0"], key=lambda pair: pair[0])
@@ -493,3 +499,15 @@ def test_a_stop_signal_after_training_lets_the_run_finish_its_files(caplog):
     stopped = [outcome(0, 143, 1.0), outcome(1, 143, 1.1)]
     assert launch_ddp.exit_code(0, stopped, [signal.SIGTERM], log) == 143
     assert launch_ddp.exit_code(0, [], [signal.SIGTERM], log) == 143
+
+
+def test_the_launcher_counts_images_only_as_far_as_its_checks_need(tmp_path: Path):
+    from imgtrainer.data.checks import count_images
+
+    folder = write_image_folder(tmp_path / "train", ["a", "b", "c"], 5)
+    (folder / "d").mkdir()
+    classes = ["a", "b", "c", "d"]
+    assert count_images(folder, classes) == {"a": 5, "b": 5, "c": 5, "d": 0}
+    assert count_images(folder, classes, enough=7) == {"a": 5, "b": 2, "c": 1, "d": 0}
+    assert count_images(folder, classes, enough=0) == {"a": 1, "b": 1, "c": 1, "d": 0}
+    assert count_images(folder, classes, enough=99) == {"a": 5, "b": 5, "c": 5, "d": 0}

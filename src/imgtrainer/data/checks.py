@@ -65,17 +65,28 @@ def class_difference(first: list[str], second: list[str], names: tuple[str, str]
     return "; ".join(sides)
 
 
-def count_images(folder: Path, classes: list[str]) -> dict[str, int]:
-    """Image files (by extension) under each class folder, walked the way torchvision's
-    ImageFolder walks it (recursively, following links)."""
-    return {
-        name: sum(
-            is_image_file(file)
-            for _, _, files in os.walk(folder / name, followlinks=True)
-            for file in files
-        )
-        for name in classes
-    }
+def image_files_in(folder: Path):
+    """The image files (by extension) under ``folder``, walked the way torchvision's
+    ImageFolder walks it (recursively, following links), as they are found."""
+    for _, _, files in os.walk(folder, followlinks=True):
+        yield from (file for file in files if is_image_file(file))
+
+
+def count_images(folder: Path, classes: list[str], enough: int | None = None) -> dict[str, int]:
+    """Image files under each class folder: at least one where there is one, and in all at
+    least ``enough`` where there are that many (None: every file). The launcher's checks stop
+    there, so they take a moment whatever the number of images; the ranks list them all."""
+    counts = {}
+    needed = enough
+    for name in classes:
+        counts[name] = 0
+        for _ in image_files_in(folder / name):
+            counts[name] += 1
+            if needed is not None and counts[name] >= max(1, needed):
+                break
+        if needed is not None:
+            needed -= counts[name]
+    return counts
 
 
 def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str) -> None:

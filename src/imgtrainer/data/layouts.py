@@ -19,7 +19,7 @@ import numpy as np
 
 from imgtrainer.data.checks import class_difference, find_classes
 from imgtrainer.data.image_files import is_image_file
-from imgtrainer.data.table import FILES, PARQUET, TAR, ImageTable
+from imgtrainer.data.table import FILES, PARQUET, TAR, ImageTable, Strings
 from imgtrainer.errors import UserError
 
 FOLDER, LIST, PARQUET_LAYOUT, SHARDS = "folder", "list", "Parquet", "tar shards"
@@ -127,9 +127,11 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
     class folder walked in its own thread."""
     names = names or find_classes(root, role)
 
-    def walk(name: str) -> list[tuple[str, list[str]]]:
+    def walk(name: str) -> list[tuple[str, Strings]]:
+        # Each folder's names become compact arrays at once: a million names never live as
+        # Python strings together (their memory would stay with the process).
         return [
-            (where, [f for f in sorted(files) if is_image_file(f)])
+            (where, Strings.of([f for f in sorted(files) if is_image_file(f)]))
             for where, _, files in sorted(os.walk(root / name, followlinks=True))
         ]
 
@@ -145,7 +147,7 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
     rows = {
         "containers": [where for _, where, _ in folders],
         "container": np.repeat(np.arange(len(folders), dtype=np.int32), counts),
-        "members": [name for _, _, files in folders for name in files],
+        "members": Strings.joined([files for _, _, files in folders]),
         "labels": np.repeat(np.array([label for label, _, _ in folders], dtype=np.int64), counts),
     }
     present = {i for i, name in enumerate(names) if (root / name).is_dir()}

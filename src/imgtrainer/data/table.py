@@ -43,6 +43,15 @@ class Strings:
             lengths = np.fromiter((len(s.encode()) for s in strings), np.int64, len(strings))
         return cls(np.frombuffer(data, dtype=np.uint8).copy(), np.cumsum(lengths))
 
+    @classmethod
+    def joined(cls, parts: Sequence[Strings]) -> Strings:
+        """The strings of ``parts``, one after another."""
+        if not parts:
+            return cls.of([])
+        offsets = np.cumsum([0] + [len(part.data) for part in parts[:-1]])
+        ends = [part.ends + offset for part, offset in zip(parts, offsets, strict=True)]
+        return cls(np.concatenate([p.data for p in parts]), np.concatenate(ends).astype(np.int64))
+
     def __len__(self) -> int:
         return len(self.ends)
 
@@ -93,7 +102,7 @@ class ImageTable:
             classes=list(classes),
             containers=list(rows["containers"]),
             container=np.asarray(rows["container"], dtype=np.int32),
-            members=Strings.of(rows.get("members", [""] * n)),
+            members=_strings(rows.get("members", [""] * n)),
             offsets=np.asarray(rows.get("offsets", unused), dtype=np.int64),
             sizes=np.asarray(rows.get("sizes", unused), dtype=np.int64),
             labels=labels,
@@ -181,6 +190,10 @@ class ImageTable:
         """Classes the layout shows that hold no image (left out as unreadable, say)."""
         counts = np.bincount(self.labels, minlength=len(self.classes))
         return [self.classes[c] for c in sorted(self.present) if counts[c] == 0]
+
+
+def _strings(members: Strings | Sequence[str]) -> Strings:
+    return members if isinstance(members, Strings) else Strings.of(members)
 
 
 class ParquetRows:
