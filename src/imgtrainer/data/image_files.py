@@ -161,18 +161,19 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     return results
 
 
-def forked_pool(workers: int, nice: int = 0) -> multiprocessing.pool.Pool:
+def forked_pool(workers: int, background: bool = False) -> multiprocessing.pool.Pool:
     """A pool of ``workers`` forked processes that take the default signal actions: a
     training process's stop handlers, inherited, would keep them alive through the pool's
     own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
     so one that arrives meanwhile ends the child rather than run the parent's handler (that
     race once left a start waiting forever on a child that outlived the signal). They die
-    with this process, however it ends. ``nice``: how much lower the children's CPU priority
-    is (a check that runs beside training)."""
+    with this process, however it ends. ``background``: the children run only on CPU time
+    that nothing else wants (Linux's SCHED_IDLE; else the lowest nice level), as a check that
+    runs beside training should."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return multiprocessing.get_context("fork").Pool(
-            workers, initializer=_child_start, initargs=(nice,)
+            workers, initializer=_child_start, initargs=(background,)
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -185,13 +186,16 @@ def _call(item):
     return _FUNCTION(item)
 
 
-def _child_start(nice: int) -> None:
+def _child_start(background: bool) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     die_with_parent(signal.SIGKILL)
-    if nice:
-        os.nice(nice)
+    if background:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            os.nice(19)
 
 
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:

@@ -32,15 +32,15 @@ from imgtrainer.files import atomic_write
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # images a forked process checks per task
-NICENESS = 10  # the check's processes yield the CPU to training's
 
 
 class DecodeCheck:
     """The decode check of some datasets (``{role: TableImages}``), started here in the
-    background. Forked processes, at a lower CPU priority than training, read the size and
-    modification time of every image's file, and decode (at 1/8 scale, JPEG's DCT scaling:
-    every byte is still read and entropy-decoded) this rank's share of them, every
-    ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged file.
+    background. Forked processes, on CPU time that training leaves (``forked_pool``), read
+    the size and modification time of every image's file, and decode (at 1/8 scale, JPEG's
+    DCT scaling: every byte is still read and entropy-decoded) this rank's share of them,
+    every ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged
+    file.
     Results go into each dataset's ``states`` as they come. ``finish`` waits for the rest and
     gathers the ranks' results. Every rank must make one and call ``finish`` at the same point.
     """
@@ -71,7 +71,7 @@ class DecodeCheck:
         if tasks:
             global _CHECK
             _CHECK = self  # the forked processes inherit it: the tables are never pickled
-            self.pool = forked_pool(workers or torch.get_num_threads(), nice=NICENESS)
+            self.pool = forked_pool(workers or torch.get_num_threads(), background=True)
             results = self.pool.imap_unordered(_check_rows, tasks)
             self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
             self.thread.start()
