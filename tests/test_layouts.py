@@ -25,7 +25,7 @@ from conftest import (
     write_image_folder,
 )
 from imgtrainer.config import parse_config
-from imgtrainer.data.layouts import open_datasets
+from imgtrainer.data.layouts import expand_pattern, open_datasets
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.errors import UserError
 from imgtrainer.run.preflight import launcher_checks
@@ -298,9 +298,23 @@ def test_a_shard_index_is_built_once_and_pax_shards_with_long_names_read_alike(
     monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path) or real_scan(path))
     plain = open_datasets(pack_folder(folder, tmp_path / "plain", "shards", 4), str(folder))[0]
     pax = open_datasets(str(tmp_path / "pax" / "*.tar"), str(folder))[0]
-    assert len(scans) == 2 + 1  # 6 images, 4 a shard: 2 shards, and the pax one
+    assert len(scans) == 1  # the pax one: prepare_data kept its 2 shards' indices
     again = open_datasets(str(tmp_path / "pax" / "*.tar"), str(folder))[0]
-    assert len(scans) == 3 and again.labels.tolist() == pax.labels.tolist()
+    assert len(scans) == 1 and again.labels.tolist() == pax.labels.tolist()
     assert pax.labels.tolist() == plain.labels.tolist() == [label for _, label in entries]
     assert [pax.read(i) for i in range(len(pax))] == [p.read_bytes() for p, _ in entries]
     assert pax.location(0) == f"{tmp_path / 'pax' / 'a.tar'}:{'long' * 30}/000.jpg"
+
+
+def test_prepare_data_keeps_each_shards_index_as_a_scan_would_build_it(tmp_path: Path, monkeypatch):
+    import imgtrainer.data.shards as shards
+
+    folder = write_image_folder(tmp_path / "train", CLASSES, 3)
+    pattern = pack_folder(folder, tmp_path / "tar", "shards", 4)
+    scans = []
+    monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path))
+    kept = [shards.shard_index(path, None) for path in expand_pattern(pattern)]
+    assert scans == [] and sum(map(len, kept)) == 9  # read as kept: nothing scanned
+    monkeypatch.undo()
+    for path, rows in zip(expand_pattern(pattern), kept, strict=True):
+        assert shards.scan_shard(path) == rows

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
-from imgtrainer.data.image_files import IMAGE_EXTENSIONS
+import numpy as np
+
+from imgtrainer.data.image_files import IMAGE_EXTENSIONS, process_map
 from imgtrainer.data.layouts import expand_pattern, labels_of, read_class_names
-from imgtrainer.data.table import TAR, ImageTable
+from imgtrainer.data.table import TAR, ImageTable, Strings
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 
@@ -29,36 +31,59 @@ IndexRow = tuple[int, int, int, str]  # (data offset, size, class index, image m
 
 def split_key(name: str) -> tuple[str, str]:
     """WebDataset's (key, extension) of a member name: ``a/b.x.jpg`` is (``a/b``, ``x.jpg``)."""
-    folder, base = os.path.split(name)
+    folder, slash, base = name.rpartition("/")
     stem, _, ext = base.partition(".")
-    return os.path.join(folder, stem) if folder else stem, ext.lower()
+    return folder + slash + stem, ext.lower()
 
 
 Member = tuple[str, int, int]  # (name, data offset, size)
 
 
+HEADER_WINDOW = 1 << 16  # bytes read at a time to find the headers: several small members
+
+
 def ustar_members(fd: int) -> list[Member] | None:
     """The regular files of a plain ustar/GNU tar (what tarfile and webdataset's writers make),
-    from their 512-byte headers alone, several times faster than ``tarfile``. None for anything
-    else (long names, pax headers, a damaged header): ``tarfile`` reads those."""
-    members, offset = [], 0
+    from their 512-byte headers alone, several times faster than ``tarfile``: each read takes
+    the next window of the file, the checksums are verified together at the end. None for
+    anything else (long names, pax headers, a damaged header): ``tarfile`` reads those."""
+    members, blocks, offset = [], [], 0
+    window, start = b"", 0
     while True:
-        block = os.pread(fd, 512, offset)
-        if len(block) < 512 or block == bytes(512):
-            return members if block == bytes(512) or not block else None
-        stored = block[148:156].strip(b"\0 ")
-        checksum = sum(block[:148]) + 8 * 32 + sum(block[156:])
-        if not stored.isdigit() or int(stored, 8) != checksum or block[124] & 0x80:
-            return None
-        kind, size = block[156:157], int(block[124:136].strip(b"\0 ") or b"0", 8)
-        if kind not in (b"0", b"\0", b"5", b"1", b"2"):
-            return None  # pax or GNU long-name headers
-        name = block[:100].split(b"\0", 1)[0]
-        if block[257:262] == b"ustar" and block[345] != 0:
-            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
-        if kind in (b"0", b"\0"):
+        at = offset - start
+        if at + 512 > len(window):
+            start, window, at = offset, os.pread(fd, HEADER_WINDOW, offset), 0
+        block = window[at : at + 512]
+        if len(block) < 512 or block == ZERO_BLOCK:
+            ended = len(block) == 512 or not block  # the end marker, or the file's end
+            return members if ended and checksums_hold(blocks) else None
+        kind = block[156]
+        if block[124] & 0x80 or kind not in b"0\x00512":
+            return None  # base-256 sizes, pax or GNU long-name headers
+        size = int(block[124:136].strip(b"\0 ") or b"0", 8)
+        blocks.append(block)
+        if kind in b"0\x00":
+            name = block[:100].split(b"\0", 1)[0]
+            if block[257:262] == b"ustar" and block[345] != 0:
+                name = block[345:500].split(b"\0", 1)[0] + b"/" + name
             members.append((name.decode(errors="surrogateescape"), offset + 512, size))
         offset += 512 + -(-size // 512) * 512
+
+
+ZERO_BLOCK = bytes(512)
+
+
+def checksums_hold(blocks: list[bytes]) -> bool:
+    """Whether each header's stored checksum is the sum of its bytes, its checksum field
+    counted as spaces."""
+    if not blocks:
+        return True
+    heads = np.frombuffer(b"".join(blocks), np.uint8).reshape(-1, 512)
+    sums = heads[:, :148].sum(1, dtype=np.int64) + heads[:, 156:].sum(1, dtype=np.int64) + 256
+    stored = [block[148:156].strip(b"\0 ") for block in blocks]
+    if not all(field.isdigit() for field in stored):
+        return False
+    return bool((np.array([int(field, 8) for field in stored], np.int64) == sums).all())
 
 
 def tarfile_members(path: str) -> list[Member]:
@@ -140,8 +165,18 @@ def shard_index(path: str, index_dir: Path | None) -> list[IndexRow]:
         if rows is not None:
             return rows
     rows = scan_shard(path)
+    keep_index(path, rows, index_dir, stamp)
+    return rows
+
+
+def keep_index(
+    path: str, rows: list[IndexRow], index_dir: Path | None = None, stamp: str | None = None
+) -> None:
+    """Keep ``rows``, the index of the (finished) shard at ``path``, beside it (or in
+    ``index_dir`` when that fails: a read-only share)."""
+    stamp = stamp or _stamp(path)
     text = (stamp + "\n" + "".join(f"{o}\t{s}\t{c}\t{n}\n" for o, s, c, n in rows)).encode()
-    for place in places:
+    for place in _index_places(path, index_dir):
         try:
             place.parent.mkdir(parents=True, exist_ok=True)
             tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
@@ -149,7 +184,6 @@ def shard_index(path: str, index_dir: Path | None) -> list[IndexRow]:
             break
         except (OSError, UserError):
             continue  # read-only: the next place, or build it again next time
-    return rows
 
 
 def shard_table(
@@ -173,22 +207,31 @@ def shard_table(
             f"tar shards {spec}: no class names; put {CLASSES_FILE} beside the shards (one "
             "name a line, in index order) or pass --class_names FILE"
         )
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        indices = list(pool.map(lambda shard: shard_index(shard, index_dir), shards))
-    rows: dict[str, list] = {
+    scan = partial(shard_arrays, index_dir=index_dir)
+    if threads > 1 and len(shards) > 1:  # Python-bound (headers, index lines): processes
+        parts = process_map(scan, shards, min(threads, len(shards)))
+    else:
+        parts = [scan(shard) for shard in shards]
+    labels = np.concatenate([part[2] for part in parts])
+    wrong = np.flatnonzero((labels < 0) | (labels >= len(names)))
+    if len(wrong):
+        labels_of([int(labels[wrong[0]])], names, f"tar shards {spec} (row {wrong[0]})")
+    rows = {
         "containers": shards,
-        "container": [],
-        "members": [],
-        "offsets": [],
-        "sizes": [],
+        "container": np.repeat(np.arange(len(shards), dtype=np.int32), [len(p[2]) for p in parts]),
+        "offsets": np.concatenate([part[0] for part in parts]),
+        "sizes": np.concatenate([part[1] for part in parts]),
+        "members": Strings.joined([part[3] for part in parts]),
+        "labels": labels,
     }
-    labels = []
-    for n, index in enumerate(indices):
-        for offset, size, label, name in index:
-            rows["container"].append(n)
-            rows["offsets"].append(offset)
-            rows["sizes"].append(size)
-            rows["members"].append(name)
-            labels.append(label)
-    names, rows["labels"] = labels_of(labels, names, f"tar shards {spec}")
     return ImageTable.build(TAR, spec, names, rows)
+
+
+def shard_arrays(
+    shard: str, index_dir: Path | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Strings]:
+    """A shard's index (``shard_index``) as compact arrays: (offsets, sizes, labels, member
+    names): what a process scanning it hands back."""
+    rows = shard_index(shard, index_dir)
+    numbers = np.array([row[:3] for row in rows], dtype=np.int64).reshape(-1, 3)
+    return numbers[:, 0], numbers[:, 1], numbers[:, 2], Strings.of([row[3] for row in rows])

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from imgtrainer.data.image_files import find_unreadable
+from imgtrainer.data.shards import keep_index
 
 # Rows per Parquet row group: the trainer reads a whole group for one image, so keep them small
 # (the Hub's image datasets use 100).
@@ -87,26 +88,32 @@ def write_shards(
     shard_size: int,
     workers: int,
 ) -> str:
-    """``folder/shard-NNNNNN.tar`` of ``shard_size`` images each and ``folder/classes.txt``;
-    returns the shard pattern to train on, relative to ``folder``."""
+    """``folder/shard-NNNNNN.tar`` of ``shard_size`` images each, with the index of each
+    beside it (training never scans them), and ``folder/classes.txt``; returns the shard
+    pattern to train on, relative to ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "classes.txt").write_text("".join(f"{name}\n" for name in class_names))
     count = 0
     for n, chunk in _chunks(entries, shard_size):
         data = _read_all([path for path, _ in chunk], workers)
-        with tarfile.open(folder / f"shard-{n:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        shard, index = folder / f"shard-{n:06d}.tar", []
+        with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
             for k, (raw, (path, label)) in enumerate(zip(data, chunk, strict=True)):
                 key = f"{n * shard_size + k:09d}"
-                _add(tar, f"{key}{path.suffix.lower()}", raw)
+                name = f"{key}{path.suffix.lower()}"
+                index.append((_add(tar, name, raw), len(raw), label, name))
                 _add(tar, f"{key}.cls", str(label).encode())
+        keep_index(str(shard), index)
         count = n + 1
     return f"shard-{{000000..{count - 1:06d}}}.tar"
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Add a member; where its data starts in the file."""
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o644, 0  # reproducible shards
     tar.addfile(info, io.BytesIO(data))
+    return tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE  # after its header
 
 
 def default_workers() -> int:
