@@ -20,6 +20,7 @@ import imgtrainer.run.train as train_ddp
 from conftest import (
     ROOT,
     TINY_FLAGS,
+    pack_folder,
     run_cli,
     run_main,
     run_train,
@@ -249,20 +250,26 @@ def run_recorded(
 
 
 @pytest.mark.slow
-def test_two_one_two_processes_resume_sample_exact(elastic_dataset, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["tar shards", "Parquet"])
+def test_two_one_two_processes_resume_sample_exact(layout, elastic_dataset, tmp_path, monkeypatch):
     """2 processes (killed in epoch 1), 1 (stopped by SIGUSR1 in epoch 2), 2 again, at the same
     global batch of 16: every training index once per epoch, the uninterrupted run's step
-    count, and its weights to float tolerance."""
-    train, val = elastic_dataset
+    count, and its weights to float tolerance. Trained from tar shards or Parquet (the folder:
+    the two agents' tests below); the uninterrupted run reads the folder the layout was packed
+    from, so the two layouts agree on the samples behind each index too."""
+    folder, val = elastic_dataset
+    fmt = "shards" if layout == "tar shards" else "parquet"
+    train = pack_folder(folder, tmp_path / "data" / fmt, fmt, shard_size=10)
     clean, elastic = tmp_path / "clean", tmp_path / "elastic"
     clean.mkdir(), elastic.mkdir()
-    assert run_recorded(vit_flags(train, val, "--accum_steps", "2"), clean, monkeypatch) == 0
+    assert run_recorded(vit_flags(folder, val, "--accum_steps", "2"), clean, monkeypatch) == 0
 
     flags = vit_flags(train, val, "--resume", "auto")
     killed = launch(elastic, flags, recording_env(elastic, TRAIN_DDP_KILL_AT="1:2"), "--nproc", "2")
     assert killed.returncode != 0 and latest(elastic)["step"] == 1
     assert run_recorded(flags, elastic, monkeypatch, stop_at=(1, 1)) == 143
     log = (elastic / "logs" / "train_rank_0.log").read_text()
+    assert f"Training data: 32 images in 2 classes from {layout} {train} (4 files)" in log
     assert "epoch 1, step 1 of 2 (sample 16 of the epoch's order)" in log
     assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es) = 16" in log
     assert (latest(elastic)["epoch"], latest(elastic)["epoch_position"]) == (1, 16)
