@@ -21,6 +21,7 @@ from imgtrainer.data.checks import class_difference, find_classes
 from imgtrainer.data.image_files import is_image_file
 from imgtrainer.data.table import FILES, PARQUET, TAR, ImageTable, Strings
 from imgtrainer.errors import UserError
+from imgtrainer.process import return_free_memory
 
 FOLDER, LIST, PARQUET_LAYOUT, SHARDS = "folder", "list", "Parquet", "tar shards"
 
@@ -301,10 +302,12 @@ def open_datasets(
         from imgtrainer.data.checks import check_data_folders
 
         names = check_data_folders(Path(train), Path(val))
-        return (
+        tables = (
             folder_table(Path(train), "training", names, threads),
             folder_table(Path(val), "validation", names, threads),
         )
+        return_free_memory()
+        return tables
     if layout_of(train) == FOLDER and not Path(train).is_dir():
         raise UserError(f"training data {train} does not exist (a folder, list, Parquet or shards)")
     train_table = open_table(train, "training", given, index_dir, threads)
@@ -321,4 +324,5 @@ def open_datasets(
             f"the classes of {train} and {val} differ: "
             + class_difference(train_table.classes, val_table.classes, ("training", "validation"))
         )
+    return_free_memory()
     return train_table, val_table
