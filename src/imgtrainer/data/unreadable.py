@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from imgtrainer.data.checks import refuse_empty_classes
 from imgtrainer.data.image_files import forked_pool, write_unreadable_list
 from imgtrainer.data.table import FILES, READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
+from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
@@ -67,7 +68,7 @@ class DecodeCheck:
             for role, table in self.tables.items()
             for start in range(0, len(table), CHUNK)
         ]
-        self.pool, self.error = None, None
+        self.pool, self.error, self.collected = None, None, 0
         if tasks:
             global _CHECK
             _CHECK = self  # the forked processes inherit it: the tables are never pickled
@@ -86,6 +87,7 @@ class DecodeCheck:
                 states = self.folders[role].states.array[start : start + len(stats)]
                 states[checked & (states == UNKNOWN)] = READABLE
                 states[[i - start for i in problems]] = UNREADABLE
+                self.collected += 1
         except Exception as err:  # raised again by finish, in the training process's thread
             self.error = err
         self.pool.close()  # the children leave once the queue is empty: no process idles
@@ -132,11 +134,7 @@ class DecodeCheck:
         Every rank must call this at the same point; later calls return the same."""
         if self.unreadable is not None:
             return self.unreadable
-        if self.pool is not None:
-            self.thread.join()
-            self.pool.join()
-        if self.error is not None:
-            raise self.error
+        self.wait()
         found = {role: dict(problems) for role, problems in self.problems.items()}
         if self.world_size > 1:
             found = {role: {} for role in self.tables}
@@ -160,12 +158,27 @@ class DecodeCheck:
         for role, view in self.views.items():
             view.keep(self.readable_rows(role))
         for role, table in self.tables.items():
-            keep = np.ones(len(table), bool)
-            keep[list(found[role])] = False
-            counts = np.bincount(table.labels[keep], minlength=len(table.classes))
+            counts = np.bincount(
+                table.labels[self.readable_rows(role)], minlength=len(table.classes)
+            )
             empty = [table.classes[c] for c in sorted(table.present) if counts[c] == 0]
             refuse_empty_classes(table.source, empty, role, readable=True)
         return self.unreadable
+
+    def wait(self) -> None:
+        """Wait for this rank's share of the check, ticking the hang watchdog's heartbeat as
+        results come (a check of a million images may take minutes)."""
+        if self.pool is not None:
+            heartbeat.mark(heartbeat.Phase.DATA_CHECK)
+            seen = -1
+            while self.thread.is_alive():
+                if self.collected != seen:
+                    seen = self.collected
+                    heartbeat.tick()
+                self.thread.join(1.0)
+            self.pool.join()
+        if self.error is not None:
+            raise self.error
 
     def readable_rows(self, role: str) -> np.ndarray:
         keep = np.ones(len(self.tables[role]), bool)

@@ -29,6 +29,7 @@ class Phase(enum.IntEnum):
     VALIDATION = 4
     CHECKPOINT = 5
     DONE = 6
+    DATA_CHECK = 7  # waiting for the rest of the decode check (data.unreadable)
 
     @property
     def words(self) -> str:
@@ -43,6 +44,7 @@ PHASE_WORDS = {
     Phase.VALIDATION: "validation",
     Phase.CHECKPOINT: "checkpoint",
     Phase.DONE: "done",
+    Phase.DATA_CHECK: "waiting for the images' decode check",
 }
 
 # beat (phase changes: the same sequence on every rank), ticks (any other progress, such as a
