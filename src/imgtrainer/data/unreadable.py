@@ -41,9 +41,9 @@ class DecodeCheck:
     the size and modification time of every image's file, and decode (at 1/8 scale, JPEG's
     DCT scaling: every byte is still read and entropy-decoded) this rank's share of them,
     every ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged
-    file.
-    Results go into each dataset's ``states`` as they come. ``finish`` waits for the rest and
-    gathers the ranks' results. Every rank must make one and call ``finish`` at the same point.
+    file. Results go into each dataset's ``states`` as they come. ``finish`` waits for the
+    rest and gathers the ranks' results. Every rank must make one and call ``finish`` at the
+    same point; ``close`` ends the processes of a run that ends before.
     """
 
     def __init__(
