@@ -549,11 +549,13 @@ from imgtrainer.run.launcher import run_forwarding_signals
 
 ready = sys.argv[1]
 child = (
-    "import signal, sys, time\\n"
+    "import os, signal, sys, time\\n"
     "ignored = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN\\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\\n"
     "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\\n"
-    f"open({ready!r}, 'w').write(str(ignored))\\n"
+    # Written whole, then renamed: the signal may come as soon as the name exists.
+    f"open({ready!r} + '.tmp', 'w').write(str(ignored))\\n"
+    f"os.rename({ready!r} + '.tmp', {ready!r})\\n"
     "time.sleep(60)\\n"
 )
 
