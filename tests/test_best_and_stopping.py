@@ -315,6 +315,7 @@ def test_time_budget_validation_interval_and_balancing_through_the_launcher(
         *("--epochs", "3", "--val_every_epochs", "2"),
         *("--class_weights", "balanced", "--sampler", "balanced"),
         *TINY_FLAGS,
+        *("--model", "test_resnet"),  # timm's small ResNet: 3 epochs of cheap steps and saves
     ]
     stopped = run_cli([*flags, "--max_time", "1s"], cwd=tmp_path)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr

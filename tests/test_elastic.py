@@ -463,15 +463,23 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
     workdir = tmp_path / "run"
     workdir.mkdir()
     endpoint = f"localhost:{launch_ddp.free_port()}"
+    # The rendezvous drops a node whose keep-alive is keep_alive_interval x
+    # keep_alive_max_attempt seconds old (torch's default 5 x 3 = 15 s): 1 x 4 here, so the
+    # survivor's next round waits 4 s for the killed node to be declared gone, not 15 s. The
+    # last call (the wait for more nodes once one is in, each round): 4 s, for the second agent
+    # to join the first round (it joins within a second of the first: both start importing
+    # torch at about the same time).
+    conf = "last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=4"
     elastic = [
         *("--device", "cpu", "--nproc", "1", "--nnodes", "1:2", "--rdzv_endpoint", endpoint),
-        *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", "last_call_timeout=8"),
+        *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", conf),
     ]
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
-    # Held 6 s after each step at world size 2, so the kill lands after the mid-epoch
-    # checkpoint and before the epoch's end whatever the machine's speed (an epoch is 2 steps).
+    # Held 4 s after each step at world size 2, so the kill (at most a second after the
+    # checkpoint appears) lands after the mid-epoch checkpoint and before the epoch's end
+    # whatever the machine's speed (an epoch is 2 steps).
     # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="6:2", LOGLEVEL="INFO")
+    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="4:2", LOGLEVEL="INFO")
     first = start_launcher(flags, workdir, env=env)
     # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
     # its torchrun hosts it, whichever agent imports torch first; both join the first round.

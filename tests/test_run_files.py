@@ -135,7 +135,7 @@ def test_a_run_from_a_file_writes_the_config_that_repeats_it(tiny_dataset, tmp_p
         tmp_path,
         f"train_dir: {train}\nval_dir: {val}\nimage_size: 16\nbatch_size: 8\n"
         "num_workers: 0\nepochs: 3\nnproc: 2\ndevice: cpu\n"
-        "learning_rate: 0.01\n",
+        "learning_rate: 0.01\nmodel: test_resnet\n",  # timm's small ResNet: a quick epoch
     )
     result = run_cli([ROOT / "launch_ddp.py", "--config", run, "--epochs", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr

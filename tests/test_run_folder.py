@@ -434,6 +434,7 @@ def test_second_run_resume_override_disk_full_and_overwrite_in_one_folder(
         logs,
         "--epochs",
         "1",
+        *("--model", "test_resnet"),  # timm's small ResNet: 4 runs of cheap steps and saves
     ]
     assert train_main(flags, capsys)[0] == 0
     first = {

@@ -26,9 +26,12 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 # 120 train images, batch 4 on 2 processes: 15 steps per epoch, a few seconds, enough to signal
-# the run in the middle of its first epoch.
+# the run in the middle of its first epoch. timm's small ResNet (0.4 M parameters): a step and
+# its checkpoint cost a fraction of resnet18's, and how a run ends does not depend on the model.
 STOP_FLAGS = [
     *TINY_FLAGS,
+    "--model",
+    "test_resnet",
     "--batch_size",
     "4",
     "--num_workers",
@@ -64,12 +67,23 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
     return start_launcher(args, cwd, env={"PYTHONUNBUFFERED": "1"})
 
 
-def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
-    """Wait until the run wrote ``path`` (a checkpoint written inside the first epoch)."""
+def inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def wait_for_file(
+    path: Path, process: subprocess.Popen, timeout: float = 120, before: int | None = None
+) -> None:
+    """Wait until the run wrote ``path`` (a checkpoint written inside the first epoch); with
+    ``before`` (the inode of the file an earlier run left there), until it wrote it again (a
+    checkpoint replaces the file: a new inode)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while inode(path) in (None, before):
         assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
+        assert time.monotonic() < deadline, f"{path} never (re)written"
         time.sleep(0.05)
 
 
@@ -115,24 +129,34 @@ def saved_step(checkpoint: Path) -> tuple[int, int]:
     return state["epoch"], state["step"]
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_to_launcher_saves_and_resumes(stop_dataset, tmp_path: Path, signum, code):
+def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, tmp_path: Path):
+    """SIGTERM to a new run, then SIGINT to its resumed run (one run for both signals: a
+    launcher start fewer): each stops inside the first epoch at an agreed step with a
+    checkpoint and the code 143 or 130, the next start resumes there, and the last finishes."""
     latest = tmp_path / "checkpoints" / "checkpoint_latest.pth"
-    launcher = start([*STOP_FLAGS, *stop_dataset], tmp_path)
-    wait_for_file(latest, launcher)
-    launcher.send_signal(signum)
-    out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == code, (out, err)
-    assert_clean(out, err)
-    assert f"Received {signal.Signals(signum).name}" in out
-    assert "Resume with the same command plus --resume" in out
-    epoch, step = saved_step(latest)
-    assert epoch == 0 and 0 < step < 15  # stopped inside the first epoch, at an agreed step
-    assert "on 3 classes" in out  # __MACOSX and .cache are not classes
+    run = [*STOP_FLAGS, *stop_dataset]
+    step = 0
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        before = inode(latest)
+        launcher = start([*run, "--resume", "auto"] if step else run, tmp_path)
+        wait_for_file(latest, launcher, before=before)  # a checkpoint of this start
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == code, (out, err)
+        assert_clean(out, err)
+        assert f"Received {signal.Signals(signum).name}" in out
+        assert "Resume with the same command plus --resume" in out
+        if step:
+            assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in out
+        epoch, stopped = saved_step(latest)
+        # Stopped inside the first epoch, at an agreed step (after the one it resumed at).
+        assert epoch == 0 and step < stopped < 15, (step, stopped)
+        step = stopped
+        assert "on 3 classes" in out  # __MACOSX and .cache are not classes
 
-    # Checkpoints at the epochs' ends only, from here on: a save per step (134 MB) was half
-    # of this test's time, and the step-wise saving was checked above.
-    resume = [*STOP_FLAGS, *stop_dataset, "--resume", "auto", "--save_every_steps", "0"]
+    # Checkpoints at the epochs' ends only, from here on: a save per step was half of this
+    # test's time with resnet18, and the step-wise saving was checked above.
+    resume = [*run, "--resume", "auto", "--save_every_steps", "0"]
     resumed = run_cli([ROOT / "launch_ddp.py", *resume], cwd=tmp_path)
     assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
     assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in resumed.stdout
