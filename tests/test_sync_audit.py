@@ -46,8 +46,9 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def more_data(tmp_path_factory) -> tuple[Path, Path]:
-    """132 images: 4 steps of 32, 33 of 4."""
-    return image_folders(tmp_path_factory.mktemp("budget"), 44)
+    """102 images: 3 steps of 32 (two of them plain: neither the first nor a logging step),
+    25 of 4."""
+    return image_folders(tmp_path_factory.mktemp("budget"), 34)
 
 
 def gpu_cache_on_the_cpu(monkeypatch) -> None:
