@@ -27,7 +27,7 @@ import imgtrainer.run.quick_exit as quick_exit
 from conftest import ROOT, SRC, TINY_FLAGS, folder_images, run_cli, write_image_folder
 from imgtrainer.data.checks import find_classes
 from imgtrainer.data.image_files import class_folders
-from imgtrainer.data.table import ImageTable
+from imgtrainer.data.table import READABLE, UNKNOWN, UNREADABLE, ImageTable
 from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -225,20 +225,21 @@ def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
 
 
 def check_pass(folder: Path, cache: Path, monkeypatch, rank: int = 0, world_size: int = 1):
-    """One decode check of ``folder``'s images: (the rows it decodes, what it knows of each
-    row, ``{row: why}``), its pass over the rows run in this process to see what it decodes."""
+    """One decode check of ``folder``'s few images (checked by its thread, in this process):
+    (the rows it decodes, which rows it knows, ``{row: why}`` of its own results)."""
     decoded: list[int] = []
     real = ImageTable.problem
     monkeypatch.setattr(ImageTable, "problem", lambda self, i: decoded.append(i) or real(self, i))
     images = {"training": folder_images(folder)}
     check = unreadable.DecodeCheck(images, None, rank, world_size, cache_dir=cache)
-    _, known, problems = check.rows("training", 0, len(images["training"]))
+    check.wait()
+    known = (images["training"].states.array != UNKNOWN).tolist()
+    problems = dict(check.problems["training"])
     if world_size == 1:
         assert check.finish() == {
             images["training"].table.location(i): problems[i] for i in problems
         }
-    check.close()
-    return decoded, known.tolist(), problems
+    return sorted(decoded), known, problems
 
 
 def test_decode_check_is_remembered_per_image_and_shared_out(tmp_path: Path, monkeypatch):
@@ -265,6 +266,36 @@ def test_decode_check_is_remembered_per_image_and_shared_out(tmp_path: Path, mon
     decoded, known, problems = check_pass(folder, cache, monkeypatch, rank=1, world_size=2)
     assert decoded == [1, 3] and known == [False, True, False, True, False]
     assert list(problems) == [1]
+
+
+def test_a_check_of_many_images_runs_in_processes_and_is_remembered(tmp_path: Path, monkeypatch):
+    import multiprocessing
+
+    folder = write_image_folder(tmp_path / "train", ["a", "b"], 150, size=8)
+    for name in ("a/img_007.jpg", "b/img_100.jpg"):
+        (folder / name).write_bytes(b"broken")
+    decodes = multiprocessing.get_context("fork").Value("i", 0)  # counted in every process
+    real = ImageTable.problem
+
+    def counted(self, i):
+        with decodes.get_lock():
+            decodes.value += 1
+        return real(self, i)
+
+    monkeypatch.setattr(ImageTable, "problem", counted)
+    for start, decoded in (("cold", 300), ("warm", 0)):
+        images = {"training": folder_images(folder)}
+        check = unreadable.DecodeCheck(images, None, cache_dir=tmp_path / "logs", workers=2)
+        assert check.pool is not None, start  # forked processes, not this one's thread
+        found = check.finish()
+        assert sorted(Path(p).relative_to(folder).as_posix() for p in found) == [
+            "a/img_007.jpg",
+            "b/img_100.jpg",
+        ]
+        states = images["training"].states.array
+        assert (states == UNREADABLE).sum() == 2 and (states == READABLE).sum() == 298
+        assert decodes.value == decoded, start
+        decodes.value = 0
 
 
 def test_row_stats_of_files_and_shards(tmp_path: Path):

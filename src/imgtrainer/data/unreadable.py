@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from imgtrainer.data.checks import refuse_empty_classes
-from imgtrainer.data.image_files import forked_pool, write_unreadable_list
+from imgtrainer.data.image_files import PARALLEL_MIN_FILES, forked_pool, write_unreadable_list
 from imgtrainer.data.table import FILES, READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
@@ -41,7 +41,8 @@ class DecodeCheck:
     the size and modification time of every image's file, and decode (at 1/8 scale, JPEG's
     DCT scaling: every byte is still read and entropy-decoded) this rank's share of them,
     every ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged
-    file. Results go into each dataset's ``states`` as they come. ``finish`` waits for the
+    file (a few hundred images: a thread of this process does it). Results go into each
+    dataset's ``states`` as they come. ``finish`` waits for the
     rest and gathers the ranks' results. Every rank must make one and call ``finish`` at the
     same point; ``close`` ends the processes of a run that ends before.
     """
@@ -68,14 +69,19 @@ class DecodeCheck:
             for role, table in self.tables.items()
             for start in range(0, len(table), CHUNK)
         ]
-        self.pool, self.error, self.collected = None, None, 0
-        if tasks:
+        self.pool, self.error, self.collected, self.thread = None, None, 0, None
+        if not tasks:
+            return
+        if sum(map(len, self.tables.values())) < PARALLEL_MIN_FILES:
+            # A few images: the thread checks them itself, no processes are worth starting.
+            results = ((role, start, *self.rows(role, start, stop)) for role, start, stop in tasks)
+        else:
             global _CHECK
             _CHECK = self  # the forked processes inherit it: the tables are never pickled
             self.pool = forked_pool(workers or torch.get_num_threads(), background=True)
             results = self.pool.imap_unordered(_check_rows, tasks)
-            self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
-            self.thread.start()
+        self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
+        self.thread.start()
 
     def _collect(self, results) -> None:
         """Each task's results into the datasets' states, as they come (no logging here: the
@@ -90,7 +96,8 @@ class DecodeCheck:
                 self.collected += 1
         except Exception as err:  # raised again by finish, in the training process's thread
             self.error = err
-        self.pool.close()  # the children leave once the queue is empty: no process idles
+        if self.pool is not None:
+            self.pool.close()  # the children leave once the queue is empty: no process idles
 
     def close(self) -> None:
         """End the check's processes now (the run ends; ``finish`` may never come)."""
@@ -168,7 +175,7 @@ class DecodeCheck:
     def wait(self) -> None:
         """Wait for this rank's share of the check, ticking the hang watchdog's heartbeat as
         results come (a check of a million images may take minutes)."""
-        if self.pool is not None:
+        if self.thread is not None:
             heartbeat.mark(heartbeat.Phase.DATA_CHECK)
             seen = -1
             while self.thread.is_alive():
@@ -176,6 +183,7 @@ class DecodeCheck:
                     seen = self.collected
                     heartbeat.tick()
                 self.thread.join(1.0)
+        if self.pool is not None:
             self.pool.join()
         if self.error is not None:
             raise self.error
