@@ -186,9 +186,11 @@ class ImageTable:
         )
         return self if len(keep) == len(self) else self.take(keep)
 
-    def empty_classes(self) -> list[str]:
-        """Classes the layout shows that hold no image (left out as unreadable, say)."""
-        counts = np.bincount(self.labels, minlength=len(self.classes))
+    def empty_classes(self, rows: np.ndarray | None = None) -> list[str]:
+        """Classes the layout shows that hold no image (left out as unreadable, say), among
+        ``rows`` when given (the readable ones)."""
+        labels = self.labels if rows is None else self.labels[rows]
+        counts = np.bincount(labels, minlength=len(self.classes))
         return [self.classes[c] for c in sorted(self.present) if counts[c] == 0]
 
 

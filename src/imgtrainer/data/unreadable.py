@@ -142,18 +142,13 @@ class DecodeCheck:
         if self.unreadable is not None:
             return self.unreadable
         self.wait()
-        found = {role: dict(problems) for role, problems in self.problems.items()}
-        if self.world_size > 1:
-            found = {role: {} for role in self.tables}
-            for part in all_gather_objects(self.problems):
-                for role, problems in part.items():
-                    found[role].update(problems)
+        parts = all_gather_objects(self.problems) if self.world_size > 1 else [self.problems]
+        found: dict[str, dict[int, str]] = {role: {} for role in self.tables}
+        for part in parts:
+            for role, problems in part.items():
+                found[role].update(problems)
         self.problems = found
         self.cache.remember(self.stats, found)
-        for role, problems in found.items():
-            states = self.folders[role].states.array
-            states[states == UNKNOWN] = READABLE
-            states[list(problems)] = UNREADABLE
         self.unreadable = {
             self.tables[role].location(i): why
             for role, problems in found.items()
@@ -162,14 +157,14 @@ class DecodeCheck:
         if self.unreadable:
             total = sum(map(len, self.tables.values()))
             report_unreadable(self.unreadable, total, self.log_dir)
-        for role, view in self.views.items():
-            view.keep(self.readable_rows(role))
         for role, table in self.tables.items():
-            counts = np.bincount(
-                table.labels[self.readable_rows(role)], minlength=len(table.classes)
-            )
-            empty = [table.classes[c] for c in sorted(table.present) if counts[c] == 0]
-            refuse_empty_classes(table.source, empty, role, readable=True)
+            states = self.folders[role].states.array
+            states[states == UNKNOWN] = READABLE
+            states[list(found[role])] = UNREADABLE
+            rows = self.readable_rows(role)
+            if role in self.views:
+                self.views[role].keep(rows)
+            refuse_empty_classes(table.source, table.empty_classes(rows), role, readable=True)
         return self.unreadable
 
     def wait(self) -> None:
