@@ -41,16 +41,14 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from imgtrainer.data.batch_augment import (  # noqa: E402
-    AugmentDraws,
-    BatchAugment,
-    DeviceBatches,
-    collate_samples,
-)
-from imgtrainer.data.batch_policy import BatchPolicy  # noqa: E402
-from imgtrainer.data.jpeg_device import JpegBytes, JpegDecoder  # noqa: E402
-from imgtrainer.data.params import crop_of, set_whole_crop  # noqa: E402
-from imgtrainer.data.ragged import Ragged  # noqa: E402
+from imgtrainer.data.device.augment import BatchAugment  # noqa: E402
+from imgtrainer.data.device.batches import DeviceBatches  # noqa: E402
+from imgtrainer.data.device.jpeg import JpegDecoder  # noqa: E402
+from imgtrainer.data.device.policy import BatchPolicy  # noqa: E402
+from imgtrainer.data.host.collate import JpegBytes, collate_samples  # noqa: E402
+from imgtrainer.data.host.draws import AugmentDraws  # noqa: E402
+from imgtrainer.data.host.ragged import Ragged  # noqa: E402
+from imgtrainer.data.host.sample_row import crop_of, set_whole_crop  # noqa: E402
 
 META = torch.device("meta")
 SOURCES = ("ram", "gpu", "nvjpeg")

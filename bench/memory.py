@@ -36,6 +36,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import DistInfo
+    from imgtrainer.precision import configure_backends
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.loop import train_one_epoch
     from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
@@ -44,7 +45,6 @@ def worker(args: argparse.Namespace) -> dict:
         cpu_baseline,
         resident_training_state,
     )
-    from imgtrainer.training.precision import configure_backends
 
     resident = ResidentMemory()
     imports_mib = resident.current() / MIB if resident.available else None

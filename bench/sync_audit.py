@@ -298,9 +298,9 @@ def audit_run(
     from imgtrainer.checkpoints.periodic import CheckpointAndStop
     from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import DistInfo
+    from imgtrainer.precision import Precision
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.ema import ModelEma
-    from imgtrainer.training.precision import Precision
     from imgtrainer.training.stopping import StopRequest
 
     dist = DistInfo(0, 0, 1, 1, torch.device(device))
@@ -309,7 +309,8 @@ def audit_run(
     flags += ["--batch_size", str(batch), "--cache_images", source, "--optimizer", "sgd"]
     flags += ["--log_dir", str(train.parent / "logs"), *extra_flags]
     cfg = parse_config(flags)
-    train_loader, _, sampler, class_names, _ = loaders.build_loaders(cfg, dist)
+    built = loaders.build_loaders(cfg, dist)
+    train_loader, sampler, class_names = built.train, built.sampler, built.class_names
     parts = build_run_parts(cfg, dist, len(class_names), len(train_loader))
     if precision != "fp32":
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16

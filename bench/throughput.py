@@ -465,7 +465,7 @@ def worker_main(args: argparse.Namespace) -> int:
             *args.trainer_flags,
         ]
     )
-    from imgtrainer.training.precision import configure_backends
+    from imgtrainer.precision import configure_backends
 
     dist = setup_distributed(cfg.device)
     try:
@@ -843,8 +843,9 @@ def policy_times(image_size: int, batch_size: int, device: str, repeats: int = 5
     part included)."""
     import torch
 
-    from imgtrainer.data.batch_policy import BatchPolicy, draw_policy
-    from imgtrainer.data.sources import seeded_cpu_generator
+    from imgtrainer.data.device.policy import BatchPolicy
+    from imgtrainer.data.host.draws import draw_policy
+    from imgtrainer.data.host.samples import seeded_cpu_generator
 
     on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(0)

@@ -24,11 +24,11 @@ import torch  # noqa: E402
 from harness import run_cli, run_launcher, start_launcher, write_image_folder  # noqa: E402, F401
 
 from imgtrainer.config import TrainConfig  # noqa: E402
-from imgtrainer.data.layouts import folder_table  # noqa: E402
-from imgtrainer.data.table import TableImages  # noqa: E402
+from imgtrainer.data.layouts.files import folder_table  # noqa: E402
+from imgtrainer.data.layouts.table import TableImages  # noqa: E402
 from imgtrainer.distributed.setup import DistInfo  # noqa: E402
+from imgtrainer.precision import Precision  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
-from imgtrainer.training.precision import Precision  # noqa: E402
 from imgtrainer.training.step import RunParts  # noqa: E402
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling

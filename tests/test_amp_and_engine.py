@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from imgtrainer.config import parse_config
+from imgtrainer.precision import Precision, choose_precision
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
 from imgtrainer.training.optim import lr_factor
-from imgtrainer.training.precision import Precision, choose_precision
 from imgtrainer.training.step import RunParts
 
 

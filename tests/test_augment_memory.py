@@ -9,15 +9,13 @@ import logging
 import pytest
 import torch
 
-from imgtrainer.data.augment_memory import (
-    augment_bytes_per_image,
-    augment_chunk,
-    canvas_side_bound,
-)
-from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches
-from imgtrainer.data.batch_policy import BatchPolicy
-from imgtrainer.data.ragged import Ragged
-from imgtrainer.data.sources import Source
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.memory import augment_bytes_per_image, augment_chunk, canvas_side_bound
+from imgtrainer.data.device.policy import BatchPolicy
+from imgtrainer.data.host.draws import AugmentDraws
+from imgtrainer.data.host.ragged import Ragged
+from imgtrainer.data.host.samples import Source
 from imgtrainer.errors import UserError
 
 HAS_CUDA = torch.cuda.is_available()

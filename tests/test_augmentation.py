@@ -24,23 +24,24 @@ from conftest import (
     user_error_line,
 )
 from imgtrainer.config import HELP_GROUPS, TrainConfig, parse_config
-from imgtrainer.data.batch_augment import (
-    BatchAugment,
-    DeviceBatches,
-    collate_samples,
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.mixing import BatchMixer, step_seed
+from imgtrainer.data.host.collate import collate_samples
+from imgtrainer.data.host.image_cache import DecodedImageCache
+from imgtrainer.data.host.samplers import EpochSampler
+from imgtrainer.data.host.samples import Source, TrainingSamples
+from imgtrainer.data.loaders import (
+    LoaderSpec,
+    batch_mixer,
+    build_datasets,
+    make_loader,
+    mixing_of,
     train_augmentation,
 )
-from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
-from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.sources import (
-    DecodedImageCache,
-    Source,
-    TrainingSamples,
-)
+from imgtrainer.precision import Precision
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.mixing import BatchMixer, step_seed
-from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import RunParts, train_step
 from test_resume import assert_same_tensors
 
@@ -61,7 +62,8 @@ def scramble_global_rngs(seed: int) -> None:
 def augmentation(image_size: int, crop_scale_min: float, hflip: float, **flags):
     """The (host draws, device augment) of a config with these augmentation settings."""
     return train_augmentation(
-        TrainConfig(image_size=image_size, crop_scale_min=crop_scale_min, hflip=hflip, **flags)
+        TrainConfig(image_size=image_size, crop_scale_min=crop_scale_min, hflip=hflip, **flags),
+        torch.device("cpu"),
     )
 
 
@@ -79,7 +81,7 @@ def first_batches(train: Path, val: Path, workers: int, epoch: int = 0, **augmen
     sampler.set_epoch(epoch)
     loader = DeviceBatches(
         make_loader(train_set, sampler, LoaderSpec(8, train=True, num_workers=workers)),
-        train_augmentation(cfg)[1],
+        train_augmentation(cfg, torch.device("cpu"))[1],
         torch.device("cpu"),
     )
     batches = []
@@ -111,7 +113,7 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
     a sample's augmentation depends on (seed, epoch, index) only, and leaves the process's
     random stream where it was."""
     train, _ = tiny_dataset
-    cache = DecodedImageCache(folder_images(train), 16, device="cpu")
+    cache = DecodedImageCache(folder_images(train).table, 16, device="cpu")
     draws, augment = augmentation(16, 0.3, 0.5, auto_augment=policy, random_erasing=1.0)
     assert (
         type(augment.policy.transform)
@@ -135,7 +137,7 @@ def test_cached_image_augmentation_is_a_function_of_the_sample_key(tiny_dataset,
 
 def test_random_erasing_sets_a_rectangle_to_the_mean_colour_per_sample(tiny_dataset):
     train, _ = tiny_dataset
-    cache = DecodedImageCache(folder_images(train), 32, device="cpu")
+    cache = DecodedImageCache(folder_images(train).table, 32, device="cpu")
     erase_draws, augment = augmentation(32, 1.0, 0.0, random_erasing=0.5)
     plain_draws, _ = augmentation(32, 1.0, 0.0)
     keys = [(i % len(cache), i // len(cache)) for i in range(40)]
@@ -165,7 +167,7 @@ def make_mixer(
 ) -> BatchMixer:
     """A BatchMixer with these mixing flags, over 1 epoch from seed 0 unless told."""
     cfg = TrainConfig(**{"epochs": 1, "seed": 0, "mixup": mixup, "cutmix": cutmix, **flags})
-    return BatchMixer(cfg, num_classes, rank, device)
+    return BatchMixer(mixing_of(cfg, world_size=1), num_classes, rank, device)
 
 
 def test_mixing_is_a_function_of_seed_epoch_step_and_rank():
@@ -207,9 +209,9 @@ def test_mix_off_epochs_turns_mixing_off_for_the_last_epochs():
     mixer = make_mixer(3, 0.2, 0.0, mix_off_epochs=2, epochs=5)
     assert [mixer.for_epoch(e) is not None for e in range(5)] == [True, True, True, False, False]
     cfg = parse_config(["--epochs", "4", "--cutmix", "1.0", "--mix_off_epochs", "1"])
-    built = BatchMixer.from_config(cfg, 3, rank=0, device=torch.device("cpu"))
+    built = batch_mixer(cfg, 3, ONE_CPU_PROCESS)
     assert [built.for_epoch(e) is not None for e in range(4)] == [True, True, True, False]
-    assert BatchMixer.from_config(parse_config([]), 3, 0, torch.device("cpu")) is None
+    assert batch_mixer(parse_config([]), 3, ONE_CPU_PROCESS) is None
 
     # Without a mixer the engine trains on the hard labels: the loss is plain cross entropy.
     images, labels = batch()
@@ -373,15 +375,15 @@ def test_cuda_cache_augments_and_mixes_on_the_device_with_the_cpu_draws(tiny_dat
     mixing, with the same random draws as on the CPU (the generator seeded is the CPU one)."""
     train, _ = tiny_dataset
     draws, augment = augmentation(16, 0.3, 0.5, auto_augment="trivialaugment", random_erasing=1.0)
-    cache = DecodedImageCache(folder_images(train), 16, "cuda")
+    cache = DecodedImageCache(folder_images(train).table, 16, "cuda")
     on_gpu = TrainingSamples(cache, draws, 3, Source.GPU)
     assert on_gpu.canvas is cache.canvas and on_gpu.canvas.is_cuda
     keys = [(i, 0) for i in range(8)]
     indices, params, _ = collate_samples([on_gpu[key] for key in keys])
-    first = augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params)
+    first = augment(on_gpu.images.canvas.index_select(0, indices.cuda()), params)
     assert first.is_cuda
-    assert torch.equal(first, augment(on_gpu.folder.canvas.index_select(0, indices.cuda()), params))
-    on_cpu = TrainingSamples(DecodedImageCache(folder_images(train), 16, "cpu"), draws, 3)
+    assert torch.equal(first, augment(on_gpu.images.canvas.index_select(0, indices.cuda()), params))
+    on_cpu = TrainingSamples(DecodedImageCache(folder_images(train).table, 16, "cpu"), draws, 3)
     cpu_batch = augment_keys(on_cpu, augment, keys)
     # The same draws; the policies' ops may round differently on the device.
     assert (first.cpu() - cpu_batch).abs().mean() < 0.05

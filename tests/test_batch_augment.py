@@ -11,16 +11,13 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-from imgtrainer.data import params as layout
-from imgtrainer.data.batch_augment import (
-    AugmentDraws,
-    BatchAugment,
-    DeviceBatches,
-    collate_samples,
-    crop_box,
-    one_ahead,
-)
-from imgtrainer.data.params import CROP, ERASE, FLIP, PARAMS, crop_of, crop_size_of
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.device.batches import DeviceBatches, one_ahead
+from imgtrainer.data.host import sample_row as layout
+from imgtrainer.data.host.collate import collate_samples
+from imgtrainer.data.host.draws import AugmentDraws, crop_box
+from imgtrainer.data.host.sample_row import CROP, ERASE, FLIP, ROW_WIDTH, crop_of, crop_size_of
+from imgtrainer.precision import Precision
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -39,7 +36,7 @@ def smooth_image(height: int, width: int, seed: int = 0) -> torch.Tensor:
 
 
 def box_params(boxes: list[tuple[int, int, int, int]], flips: list[int] | None = None):
-    rows = torch.zeros(len(boxes), PARAMS, dtype=torch.int64)
+    rows = torch.zeros(len(boxes), ROW_WIDTH, dtype=torch.int64)
     rows[:, CROP] = torch.tensor(boxes)
     if flips is not None:
         rows[:, FLIP] = torch.tensor(flips)
@@ -140,7 +137,7 @@ def test_the_banded_matrix_resample_is_the_gathered_one_within_float_rounding(mo
                 reference = reference.flip(-1)
             assert (ours[n] - reference).abs().max() < 1e-3
     # Large canvases go in groups of samples (here one at a time): the same images.
-    from imgtrainer.data import resample
+    from imgtrainer.data.device import resample
 
     monkeypatch.setattr(resample, "CHUNK_BYTES", 1)
     assert (banded.resample(pixels, params) - ours).abs().max() < 1e-5
@@ -158,7 +155,7 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     # The model's layout (no copy in the engine): contiguous NCHW on the CPU, where the model
     # ignores --channels_last, whatever the flag says.
     assert augment(pixels, box_params(boxes)).is_contiguous()
-    flagged = BatchAugment(16, channels_last=True, bfloat16=True)
+    flagged = BatchAugment(16, channels_last=True, precision=Precision(True, torch.bfloat16))
     assert flagged(pixels, box_params(boxes)).is_contiguous()
     assert torch.equal(flagged(pixels, box_params(boxes)), augment(pixels, box_params(boxes)))
     # On a larger canvas with garbage around the image: the same result.
@@ -178,26 +175,27 @@ def test_the_config_chooses_the_batchs_layout_and_dtype():
     """--no_channels_last reaches the augmentation (defect 8); bfloat16 batches only under
     --use_amp --amp_dtype bfloat16 (float16 autocast keeps float32 inputs)."""
     from imgtrainer.config import TrainConfig
-    from imgtrainer.data.batch_augment import train_augmentation
+    from imgtrainer.data.loaders import train_augmentation
 
-    def augment(**flags) -> BatchAugment:
-        return train_augmentation(TrainConfig(image_size=16, **flags))[1]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only compared, never used
+
+    def augment(device: torch.device = cuda, **flags) -> BatchAugment:
+        return train_augmentation(TrainConfig(image_size=16, **flags), device)[1]
 
     assert augment(channels_last=True).channels_last
     assert not augment(channels_last=False).channels_last
-    assert augment(use_amp=True, amp_dtype="bfloat16").bfloat16
-    assert not augment(use_amp=True, amp_dtype="float16").bfloat16
-    assert not augment(use_amp=False, amp_dtype="bfloat16").bfloat16
-    cuda = torch.device("cuda")  # only compared, never used
     assert augment(use_amp=True, amp_dtype="bfloat16").dtype(cuda) == torch.bfloat16
-    assert augment(use_amp=True, amp_dtype="bfloat16").dtype(torch.device("cpu")) == torch.float32
+    assert augment(use_amp=True, amp_dtype="float16").dtype(cuda) == torch.float32
+    assert augment(use_amp=False, amp_dtype="bfloat16").dtype(cuda) == torch.float32
+    assert augment(cpu, use_amp=True, amp_dtype="bfloat16").dtype(cpu) == torch.float32
     assert augment(channels_last=False).layout(cuda) == torch.contiguous_format
     assert augment(channels_last=True).layout(cuda) == torch.channels_last
+    assert augment(cpu, channels_last=True).layout(cpu) == torch.contiguous_format
 
 
 def test_host_sources_hand_over_only_the_crop():
     """The sample's pixels are its crop box alone; the box then spans them."""
-    from imgtrainer.data.sources import TrainingSamples
+    from imgtrainer.data.host.samples import TrainingSamples
 
     image = smooth_image(40, 50)
     samples = TrainingSamples([(image, 1)], AugmentDraws(16, scale=(0.1, 0.3)), seed=5)
@@ -219,29 +217,22 @@ def test_host_sources_hand_over_only_the_crop():
         assert crop_size_of(params).tolist() == [*pixels.shape[-2:]]
 
 
-def test_the_row_layout_holds_ints_and_float_factors_bit_for_bit(monkeypatch):
-    """A row is its int columns then its float factors; a factor survives the collate, the
-    pinning and the copies unchanged (float64 bits in an int64 slot)."""
-    row = layout.row_of((1, 2, 3, 4), 1, (5, 6, 7, 8), tuple(range(10, 10 + layout.COLUMNS)))
-    assert row.dtype == torch.int64 and len(row) == PARAMS == layout.FACTORS
+def test_the_sample_row_is_one_int64_row_that_survives_the_collate():
+    """A row is its crop, flip, erasing box and policy slots, in that order; the collate stacks
+    the rows unchanged."""
+    row = layout.row_of((1, 2, 3, 4), 1, (5, 6, 7, 8), tuple(range(10, 10 + layout.POLICY_WIDTH)))
+    assert row.dtype == torch.int64 and len(row) == ROW_WIDTH
     assert crop_of(row).tolist() == [1, 2, 3, 4] and row[FLIP] == 1
     assert layout.erase_of(row).tolist() == [5, 6, 7, 8]
-    assert layout.policy_of(row).tolist() == list(range(10, 10 + layout.COLUMNS))
+    assert layout.policy_of(row).tolist() == list(range(10, 10 + layout.POLICY_WIDTH))
     assert layout.slot_of(layout.policy_of(row), 1).tolist() == [13, 14, 15]
     layout.set_whole_crop(row, 30, 40)
     assert crop_of(row).tolist() == [0, 0, 30, 40]
-    with pytest.raises(ValueError, match="int columns"):
-        layout.row_of((1, 2, 3, 4), 0, factors=(0.5,))
-    monkeypatch.setattr(layout, "FACTOR_COUNT", 2)
-    monkeypatch.setattr(layout, "PARAMS", layout.FACTORS + 2)
-    factors = (0.1, -1e-300)
-    rows = [layout.row_of((0, 0, 5, 5), 0, factors=factors) for _ in range(3)]
-    _, params, _ = collate_samples([(torch.zeros(3, 5, 5, dtype=torch.uint8), r, 0) for r in rows])
-    assert params.shape == (3, layout.FACTORS + 2)
-    assert layout.factor_of(params, layout.FACTORS).tolist() == [factors[0]] * 3
-    assert layout.factor_of(params[1], layout.FACTORS + 1).item() == factors[1]
-    with pytest.raises(IndexError):
-        layout.factor_of(params, layout.FLIP)
+    with pytest.raises(ValueError, match="columns"):
+        layout.row_of((1, 2, 3, 4), 0, policy=(0,))
+    rows = [layout.row_of((0, 0, 5, n), 0) for n in range(3)]
+    _, stacked, _ = collate_samples([(torch.zeros(3, 5, 5, dtype=torch.uint8), r, 0) for r in rows])
+    assert torch.equal(stacked, torch.stack(rows))
 
 
 def test_erasing_draws_follow_torchvisions_rule():
@@ -287,7 +278,8 @@ def test_prefetched_batches_on_cuda_are_the_batches_made_one_at_a_time():
 
     from torchvision.io import decode_jpeg, encode_jpeg
 
-    from imgtrainer.data.jpeg_device import JpegBytes, JpegDecoder
+    from imgtrainer.data.device.jpeg import JpegDecoder
+    from imgtrainer.data.host.collate import JpegBytes
 
     draws, cuda = AugmentDraws(16), torch.device("cuda")
     torch.manual_seed(0)
@@ -347,7 +339,8 @@ def test_on_cuda_the_batch_comes_in_the_layout_the_flag_asks_for():
         assert out.is_contiguous(memory_format=layout_) and out.dtype == torch.float32
         assert (out.cpu() - on_cpu).abs().max() < 0.01  # TF32 bmm where enabled
         # Training under bfloat16 autocast: bfloat16 batches, in the same layout.
-        half = BatchAugment(16, channels_last=flag, bfloat16=True)(pixels, params)
+        bf16 = Precision(True, torch.bfloat16)
+        half = BatchAugment(16, channels_last=flag, precision=bf16)(pixels, params)
         assert half.dtype == torch.bfloat16 and half.is_contiguous(memory_format=layout_)
         assert (half.float().cpu() - on_cpu).abs().max() < 0.02  # bfloat16: 8 bits
 
@@ -360,9 +353,8 @@ def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset
     from dataclasses import replace
 
     from conftest import ONE_CPU_PROCESS, data_config
-    from imgtrainer.data.batch_augment import train_augmentation
-    from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
-    from imgtrainer.data.samplers import EpochSampler
+    from imgtrainer.data.host.samplers import EpochSampler
+    from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader, train_augmentation
 
     train, val = tiny_dataset
     batches = {}
@@ -374,7 +366,7 @@ def test_gpu_cache_loader_gives_the_ram_cache_batches_on_the_device(tiny_dataset
         sampler = EpochSampler(len(train_set), 0, 1, seed=3)
         loader = DeviceBatches(
             make_loader(train_set, sampler, LoaderSpec(8, train=True)),
-            train_augmentation(cfg)[1],
+            train_augmentation(cfg, torch.device(device))[1],
             torch.device(device),
             train_set.canvas,
         )

@@ -8,25 +8,13 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from imgtrainer.data.batch_augment import (
-    CROP_TRIES,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    AugmentDraws,
-    BatchAugment,
-    collate_samples,
-    erase,
-)
-from imgtrainer.data.batch_policy import (
-    GEOMETRIC,
-    OPS,
-    BatchPolicy,
-    autocontrast,
-    draw_policy,
-)
-from imgtrainer.data.params import COLUMNS, POLICY, SLOTS
-from imgtrainer.data.sources import seeded_cpu_generator
-from imgtrainer.data.transforms import AUTO_AUGMENT
+from imgtrainer.data.device.augment import BatchAugment, erase
+from imgtrainer.data.device.policy import BatchPolicy, autocontrast
+from imgtrainer.data.host.collate import collate_samples
+from imgtrainer.data.host.draws import CROP_TRIES, GEOMETRIC, OPS, AugmentDraws, draw_policy
+from imgtrainer.data.host.sample_row import POLICY, POLICY_WIDTH, SLOTS
+from imgtrainer.data.host.samples import seeded_cpu_generator
+from imgtrainer.data.host.transforms import AUTO_AUGMENT, IMAGENET_MEAN, IMAGENET_STD
 from test_batch_augment import smooth_image
 
 POLICIES = ["trivialaugment", "randaugment"]
@@ -75,7 +63,7 @@ def every_op_against_torchvision(name: str, size: int, device: str) -> tuple[dic
         for negative in ((0, 1) if tv._AUGMENTATION_SPACE[op_name][1] else (0,))
         if b == 0 or tv._AUGMENTATION_SPACE[op_name][0](2, 1, 1) is not None
     ]
-    choices = torch.zeros(len(rows), COLUMNS, dtype=torch.int64)
+    choices = torch.zeros(len(rows), POLICY_WIDTH, dtype=torch.int64)
     choices[:, :3] = torch.tensor(rows)
     images = sample_images(len(rows), size).to(device)
     out = policy(images.clone(), choices)

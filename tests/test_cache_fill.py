@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from conftest import CLASSES, ONE_CPU_PROCESS, data_config, folder_images, write_image_folder
-from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
-from imgtrainer.data.cache_fill import SharedImageCache, decode_resized
-from imgtrainer.data.image_files import process_map
-from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
-from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.table import READABLE
-from imgtrainer.data.transforms import eval_resize_side
+from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.host.image_cache import SharedImageCache, decode_resized
+from imgtrainer.data.host.samplers import EpochSampler
+from imgtrainer.data.host.transforms import eval_resize_side
+from imgtrainer.data.layouts.table import READABLE
+from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader, train_augmentation
+from imgtrainer.process import process_map
 
 SIZE = 16
 
@@ -42,14 +42,14 @@ def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path
     train, val = folders(tmp_path)
     cfg = data_config(train, val, image_size=SIZE, seed=0, cache_images="ram")
     train_set, val_set, *_ = build_datasets(cfg, ONE_CPU_PROCESS)
-    cache = train_set.folder
+    cache = train_set.images
     assert isinstance(cache, SharedImageCache) and cache.filled == 0 == cache.nbytes
     sampler = EpochSampler(len(train_set), 0, 1, seed=0)
     sampler.set_epoch(1)
     batches = iter(
         DeviceBatches(
             make_loader(train_set, sampler, LoaderSpec(4, train=True)),
-            train_augmentation(cfg)[1],
+            train_augmentation(cfg, torch.device("cpu"))[1],
             torch.device("cpu"),
         )
     )
@@ -57,7 +57,7 @@ def test_the_first_step_waits_for_no_cache_and_epoch_one_fills_it(tmp_path: Path
     assert cache.filled == 4  # the first step's images only
     for _ in batches:
         pass
-    assert cache.filled == len(cache) == 24 and val_set.folder.filled == 0
+    assert cache.filled == len(cache) == 24 and val_set.images.filled == 0
     assert_holds_the_files_decode(cache)
 
 

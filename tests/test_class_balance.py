@@ -16,9 +16,10 @@ from conftest import ONE_CPU_PROCESS, data_config, write_image_folder
 from imgtrainer.checkpoints.resume import changed_settings
 from imgtrainer.config import TrainConfig, parse_config
 from imgtrainer.data.balance import balanced_class_weights, class_counts, imbalance_note
-from imgtrainer.data.samplers import BalancedClassSampler, EpochSampler
+from imgtrainer.data.device.mixing import BatchMixer
+from imgtrainer.data.host.samplers import BalancedClassSampler, EpochSampler
+from imgtrainer.data.loaders import mixing_of
 from imgtrainer.training.loss import ClassWeightedCrossEntropy, build_criterion
-from imgtrainer.training.mixing import BatchMixer
 
 TARGETS = [0] * 30 + [1] * 6 + [2] * 4  # 40 images, the largest class 7.5x the smallest
 
@@ -73,7 +74,7 @@ def test_weighted_loss_on_batches_from_the_mixer():
     criterion = build_criterion(cfg, [30, 6, 4])
     assert isinstance(criterion, ClassWeightedCrossEntropy)
     images, labels = torch.rand(8, 3, 8, 8), torch.tensor([0, 1, 2, 0, 0, 0, 1, 2])
-    _, soft = BatchMixer(cfg, 3).mix(images, labels, epoch=0, step=0)
+    _, soft = BatchMixer(mixing_of(cfg, world_size=1), 3).mix(images, labels, epoch=0, step=0)
     assert soft.shape == (8, 3) and (soft.max(1).values < 1).any()  # mixed pairs
     logits = torch.randn(8, 3)
     expected = manual_loss(logits, soft, criterion.weight, 0.1)
@@ -143,14 +144,16 @@ def test_a_run_logs_the_counts_and_builds_its_sampler_and_loss(tmp_path: Path, c
         train, val, image_size=16, batch_size=4, sampler="balanced", class_weights="balanced"
     )
     with caplog.at_level(logging.WARNING):
-        loader, _, sampler, names, _ = build_loaders(cfg, ONE_CPU_PROCESS)
+        built = build_loaders(cfg, ONE_CPU_PROCESS)
+    loader, sampler, names = built.train, built.sampler, built.class_names
     assert isinstance(sampler, BalancedClassSampler) and "may help" not in caplog.text
     assert "corrects the imbalance twice" in caplog.text
     sampler.set_epoch(0)
     assert sorted(
-        Counter(loader.dataset.folder.targets[i] for i in sampler.epoch_order()).values()
+        Counter(loader.dataset.images.targets[i] for i in sampler.epoch_order()).values()
     ) == [6, 7]
-    counts = class_counts(loader.dataset.folder.targets, len(names))
+    counts = class_counts(loader.dataset.images.targets, len(names))
+    assert counts == built.class_counts
     parts = build_run_parts(cfg, ONE_CPU_PROCESS, len(names), len(loader), counts)
     assert parts.criterion.weight.tolist() == pytest.approx([13 / 24, 13 / 2])
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import imgtrainer.data.image_files as image_files
+import imgtrainer.data.layouts.image_files as image_files
+import imgtrainer.data.layouts.table as table
 import imgtrainer.data.loaders as data
-import imgtrainer.data.table as table
 from conftest import CLASSES, ONE_CPU_PROCESS, data_config, write_image_folder
 
 
@@ -27,7 +27,8 @@ def decodes(monkeypatch) -> dict[str, int]:
             counts["cache"] += 1
         return real_open(path, draft)
 
-    monkeypatch.setattr(table, "open_rgb", counted_open)
+    monkeypatch.setattr(table, "open_rgb", counted_open)  # a table's images: the caches
+    monkeypatch.setattr(image_files, "open_rgb", counted_open)  # one image's check
     return counts
 
 
@@ -55,9 +56,9 @@ def test_each_image_is_checked_beside_training_cached_once_and_a_broken_one_left
     assert len(train_set) == 13 and len(val_set) == 6  # the broken image's place stays
     for _ in range(2):
         for index in range(13):
-            train_set.folder[index]  # the broken one (index 0) gives the next image
+            train_set.images[index]  # the broken one (index 0) gives the next image
         for index in range(6):
-            val_set.folder[index]
+            val_set.images[index]
     assert decodes["cache"] == (18 if cache == "ram" else 0)  # once each, then from memory
     assert decodes["check"] == files  # still once each; ram: the broken one never tried (18)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

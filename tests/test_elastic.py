@@ -30,7 +30,7 @@ from conftest import (
 )
 from imgtrainer.checkpoints.resume import changed_settings
 from imgtrainer.config import TrainConfig, choose_layout, parse_config
-from imgtrainer.data.samplers import EpochSampler
+from imgtrainer.data.host.samplers import EpochSampler
 from imgtrainer.errors import UserError
 from imgtrainer.hooks import HOOKS_ENV, Hook
 from imgtrainer.process import TorchrunEnv

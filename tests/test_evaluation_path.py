@@ -12,14 +12,14 @@ import torch
 
 from conftest import TrainedRun, folder_images, run_main, user_error_line
 from imgtrainer.config import TrainConfig
+from imgtrainer.data.host.samplers import ShardSampler
+from imgtrainer.data.host.samples import SeededImageDataset
 from imgtrainer.data.loaders import LoaderSpec, make_loader
-from imgtrainer.data.samplers import ShardSampler
-from imgtrainer.data.sources import SeededImageDataset
+from imgtrainer.precision import Precision, choose_precision
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.inference import load_classifier, training_precision
 from imgtrainer.tools.predict import main as predict_main
 from imgtrainer.training.evaluation import EvalSettings, evaluate
-from imgtrainer.training.precision import Precision, choose_precision
 
 
 def evaluate_report(checkpoint: Path, data_dir: Path, output: Path) -> dict:

@@ -32,14 +32,14 @@ from conftest import (
 )
 from imgtrainer.checkpoints.resume import changed_settings
 from imgtrainer.config import TrainConfig
+from imgtrainer.data.host.transforms import eval_transforms, normalize_batch
 from imgtrainer.data.loaders import build_datasets
-from imgtrainer.data.transforms import eval_transforms, normalize_batch
 from imgtrainer.errors import UserError
+from imgtrainer.precision import Precision
 from imgtrainer.tools.evaluate import main as evaluate_main
 from imgtrainer.tools.predict import main as predict_main
 from imgtrainer.training.build import seed_everything
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import RunParts, train_step
 
 # timm's smallest ResNet (0.4 M parameters, BatchNorm, a Linear head ``fc``): the end-to-end
@@ -481,7 +481,7 @@ def test_training_validates_with_the_ratio_cached_or_not(tiny_dataset):
         image, _ = val_set[0]
         assert image.shape == (3, 16, 16)
         if cache == "ram":  # kept at the evaluation resize: the transform only crops
-            assert min(val_set.folder.cached(0).shape[1:]) == 32
+            assert min(val_set.images.cached(0).shape[1:]) == 32
 
 
 def with_config(checkpoint: Path, path: Path, **changes) -> Path:

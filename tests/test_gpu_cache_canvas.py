@@ -15,22 +15,20 @@ import torch
 from PIL import Image
 
 from conftest import ONE_CPU_PROCESS, data_config, folder_images
-from imgtrainer.data.batch_augment import AugmentDraws
+from imgtrainer.data.host.draws import AugmentDraws
+from imgtrainer.data.host.image_cache import DecodedImageCache, canvas_bytes, stored_window
+from imgtrainer.data.host.samplers import EpochSampler
+from imgtrainer.data.host.samples import CachedImageSizes, Source, TrainingSamples
+from imgtrainer.data.host.transforms import eval_transforms
+from imgtrainer.data.image_plan import Budgets, estimated_canvas_bytes, fit_device_cache
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
-from imgtrainer.data.samplers import EpochSampler
-from imgtrainer.data.sources import (
-    CachedImageSizes,
-    DecodedImageCache,
-    Source,
-    TrainingSamples,
-    canvas_bytes,
-    estimated_canvas_bytes,
-    fit_device_cache,
-    padded_bytes,
-    stored_window,
-)
-from imgtrainer.data.transforms import eval_transforms
 from imgtrainer.errors import UserError
+
+
+def padded_bytes(sizes) -> int:
+    """A canvas of the whole images: num x 3 x the tallest x the widest."""
+    return len(sizes) * 3 * max(h for h, _ in sizes) * max(w for _, w in sizes)
+
 
 SIZE = 16  # the training cache's short side S = ceil(16 / 0.875) = 19, L = ceil(4/3 S) = 26
 # (width, height): 16:9 in both orientations, 4:3, and (first class only) a 4:1 panorama
@@ -58,7 +56,7 @@ def mixed(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_canvas_is_bounded_whatever_the_aspects(mixed):
     """Unbounded, the canvas is the tallest x the widest image (34 x 76 here: 3.8x the
     estimate); cut to the stored windows it is L x L, the estimate."""
-    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]).table, SIZE)
     whole = [image.clone() for image in cache.images]
     sizes = list(cache.sizes)
     assert cache.canvas is None and min(map(min, sizes)) == 19 and (19, 76) in sizes
@@ -81,7 +79,7 @@ def test_the_canvas_is_bounded_whatever_the_aspects(mixed):
 def test_the_window_keeps_the_evaluation_centre_crop(mixed):
     """Validation images packed on the device evaluate exactly as before."""
     transform = eval_transforms(SIZE, 0.8)
-    cache = DecodedImageCache(folder_images(mixed[1]), SIZE, ratio=0.8)
+    cache = DecodedImageCache(folder_images(mixed[1]).table, SIZE, ratio=0.8)
     before = [transform(image) for image in cache.images]
     cache.pack("cpu")
     for expected, image in zip(before, cache.images, strict=True):
@@ -93,7 +91,7 @@ def test_the_window_keeps_the_evaluation_centre_crop(mixed):
 
 def test_the_ram_cache_keeps_every_image_whole(mixed):
     """No window is cut for RAM: its crops are bit for bit the ones drawn before."""
-    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]).table, SIZE)
     assert cache.canvas is None and max(w for _, w in cache.sizes) == 76
 
 
@@ -105,10 +103,8 @@ def test_auto_falls_back_to_ram_when_the_real_canvas_is_over_the_budget(mixed, c
     on_cuda = replace(ONE_CPU_PROCESS, device=torch.device("cuda"))  # never touched: no packing
     budget = estimated_canvas_bytes(len(SHAPES) * 4 + 2, SIZE)
     with caplog.at_level(logging.INFO, logger="imgtrainer"):
-        train_set, *_ = build_datasets(
-            cfg, on_cuda, cache_budget_bytes=2**30, device_budget_bytes=budget
-        )
-    assert train_set.source is Source.RAM and train_set.folder.canvas is None
+        train_set, *_ = build_datasets(cfg, on_cuda, budgets=Budgets(ram=2**30, device=budget))
+    assert train_set.source is Source.RAM and train_set.images.canvas is None
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Image cache"))
     assert "Image cache: ram (auto: the GPU cache would take" in line
     assert "x the estimate), over" in line and line.endswith("; using ram)")
@@ -119,7 +115,7 @@ def test_an_explicit_gpu_cache_that_cannot_fit_is_one_error_before_packing(mixed
     cfg = data_config(train, val, image_size=SIZE, cache_images="gpu")
     on_cuda = replace(ONE_CPU_PROCESS, device=torch.device("cuda"))  # packing would fail here
     with pytest.raises(UserError, match=r"^--cache_images gpu: the decoded images need") as err:
-        build_datasets(cfg, on_cuda, device_budget_bytes=10_000)
+        build_datasets(cfg, on_cuda, budgets=Budgets(device=10_000))
     assert "\n" not in str(err.value) and "use --cache_images ram" in str(err.value)
 
 
@@ -135,12 +131,12 @@ def test_the_device_cache_decision():
 def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed):
     """The loader's copy holds sizes and labels, not the canvas; 0 and 2 workers give the same
     batches (indices, every drawn parameter, labels) in the same order."""
-    cache = DecodedImageCache(folder_images(mixed[0]), SIZE)
+    cache = DecodedImageCache(folder_images(mixed[0]).table, SIZE)
     cache.pack("cpu")
     draws = AugmentDraws(SIZE, random_erasing=0.5, policy="trivialaugment")
     samples = TrainingSamples(cache, draws, 7, Source.GPU)
     light = samples.for_loader()
-    assert isinstance(light.folder, CachedImageSizes) and light.canvas is None
+    assert isinstance(light.images, CachedImageSizes) and light.canvas is None
     assert samples.canvas is cache.canvas
     batches = {}
     for workers in (0, 2):
@@ -179,7 +175,7 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     assert any(abs(w / h - 16 / 9) < 0.01 for w, h in sizes)
     assert any(abs(h / w - 16 / 9) < 0.01 for w, h in sizes)
     assert sum(w == 4 * h for w, h in sizes) == 1
-    cache = DecodedImageCache(folder_images(root), 224, threads=2)
+    cache = DecodedImageCache(folder_images(root).table, 224, threads=2)
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
     assert canvas_bytes(cache.sizes, 224) == estimate

@@ -25,6 +25,7 @@ import imgtrainer.distributed.setup as dist_setup
 import imgtrainer.training.step as engine
 from conftest import CPU, FP32, ROOT, cpu_run_parts
 from imgtrainer.models import strip_wrapper_prefixes
+from imgtrainer.precision import configure_backends
 from imgtrainer.torch_compat import is_out_of_memory
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
@@ -36,7 +37,6 @@ from imgtrainer.training.memory_fit import (
 )
 from imgtrainer.training.memory_probes import ResidentMemory, batch_input_bytes, cpu_baseline
 from imgtrainer.training.optim import restore_optimizer_state
-from imgtrainer.training.precision import configure_backends
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -408,7 +408,7 @@ class FixedLogits(nn.Module):
 def _indexed_loader(targets: torch.Tensor, batch_size: int):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from imgtrainer.data.samplers import ShardSampler
+    from imgtrainer.data.host.samplers import ShardSampler
 
     images = torch.arange(len(targets), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 3, 2, 2)
     dataset = TensorDataset(images.contiguous(), targets)

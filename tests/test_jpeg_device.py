@@ -14,10 +14,13 @@ import torch
 from PIL import Image
 
 from conftest import folder_images
-from imgtrainer.data.batch_augment import AugmentDraws, BatchAugment, DeviceBatches, collate_samples
-from imgtrainer.data.image_files import EXIF_ORIENTATION, nvjpeg_size
-from imgtrainer.data.jpeg_device import EncodedBatch, JpegBytes, JpegDecoder, device_decoder
-from imgtrainer.data.sources import Source, TrainingSamples
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.jpeg import JpegDecoder, device_decoder
+from imgtrainer.data.host.collate import EncodedBatch, JpegBytes, collate_samples
+from imgtrainer.data.host.draws import AugmentDraws
+from imgtrainer.data.host.samples import Source, TrainingSamples
+from imgtrainer.data.layouts.image_files import EXIF_ORIENTATION, nvjpeg_size
 
 HAS_CUDA = torch.cuda.is_available()
 SIZE = 16
@@ -102,7 +105,7 @@ def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
     # as pixels.
     kinds = [type(on_device[k][0]) for k in KEYS[:7]]
     assert kinds.count(JpegBytes) == 5 and kinds.count(torch.Tensor) == 2
-    assert sorted(batch.pixel_rows + batch.jpeg_rows) == list(range(len(KEYS)))
+    assert sorted(batch.pixel_positions + batch.jpeg_positions) == list(range(len(KEYS)))
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, device_decoder("cpu"))
     canvas, params, labels = decoder(batch, params, labels)
     assert labels.tolist() == [s[2] for s in cpu_samples]
@@ -114,7 +117,7 @@ def test_mixed_batches_are_decoded_cropped_and_placed_like_the_cpu_path(folder):
         # The same libjpeg on the CPU; the shrink rounds halves to even, PIL up.
         assert (piece - pixels.int()).abs().max() <= 1
         assert canvas[row, :, h:].sum() == 0 and canvas[row, :, :, w:].sum() == 0
-        shrunk += int(max(h, w) < max(on_device.folder[KEYS[row][0]][0].size) // 2)
+        shrunk += int(max(h, w) < max(on_device.images[KEYS[row][0]][0].size) // 2)
     assert shrunk > 0  # some crops went through the block shrink
     cpu_canvas, cpu_params, _ = collate_samples(cpu_samples)
     cpu_canvas = cpu_canvas.canvas()
@@ -156,7 +159,7 @@ def test_a_jpeg_the_device_fails_on_is_found_by_halves_then_made_by_the_cpu_path
     # The batch, its halves down to the bad file; then, remembered, it never reaches the device.
     assert calls == [4, 2, 1, 1, 2] + [3]
     assert decoder.failures.bad == {0}
-    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    warned = [r.message for r in caplog.records if r.name == "imgtrainer.data.device.jpeg"]
     assert len(warned) == 1 and "failed on 1 more file(s), 1 so far" in warned[0]
     assert "bad bitstream" in warned[0] and "decoded on the CPU" in warned[0]
 
@@ -181,7 +184,7 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
         images, labels = next(iter(batches))
         assert labels.tolist() == [s[2] for s in cpu_samples]
     assert calls == [4, 2, 1, 1, 2, 1, 1]  # the second batch never reached the device decoder
-    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    warned = [r.message for r in caplog.records if r.name == "imgtrainer.data.device.jpeg"]
     assert len(warned) == 1 and "decoding every JPEG on the CPU from here on" in warned[0]
     assert "nvjpeg: not available" in warned[0] and "slower" in warned[0]
     assert not decoder.failures.bad  # not the files' fault
@@ -279,7 +282,7 @@ def test_decoding_goes_in_chunks_and_warns_once_per_new_count_of_bad_files(folde
     calls.clear()
     decoder(batch, params, labels)
     assert calls == [4, 4]  # file 1 never reaches the device again
-    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    warned = [r.message for r in caplog.records if r.name == "imgtrainer.data.device.jpeg"]
     assert len(warned) == 1  # one warning for the new count, none for the batch that followed
 
 
@@ -299,7 +302,7 @@ class Recorder:
 
 
 def test_cpu_pixels_go_to_cuda_pinned_and_without_blocking_and_stay_put_elsewhere():
-    from imgtrainer.data.jpeg_device import upload
+    from imgtrainer.data.device.jpeg import upload
 
     for device, expected in (
         ("cuda", ["pin_memory", ("to", "cuda", True)]),
@@ -330,9 +333,10 @@ def test_a_batch_is_decoded_once_and_previewed_as_trained(folder):
 
 
 def test_cache_sources_never_hand_over_bytes(folder):
-    from imgtrainer.data.sources import DecodedImageCache, choose_source
+    from imgtrainer.data.host.image_cache import DecodedImageCache
+    from imgtrainer.data.host.samples import choose_source
 
-    cache = DecodedImageCache(folder_images(folder), SIZE)
+    cache = DecodedImageCache(folder_images(folder).table, SIZE)
     with pytest.raises(ValueError, match="images from nvjpeg do not fit a DecodedImageCache"):
         TrainingSamples(cache, AugmentDraws(SIZE), seed=0, source=Source.NVJPEG)
     cuda = torch.device("cuda")
@@ -449,7 +453,8 @@ def test_nvjpeg_decoding_in_another_thread_for_the_training_stream(folder):
 def test_large_crops_shrink_to_a_short_side_between_the_output_size_and_one_and_a_half_times():
     """Both paths use shrink_factor; the device's shrink, the canvas's planned size and PIL's
     reduce agree on the size."""
-    from imgtrainer.data.jpeg_device import shrink, shrink_factor, shrunk_size
+    from imgtrainer.data.device.jpeg import shrink
+    from imgtrainer.data.host.samples import shrink_factor, shrunk_size
 
     for h, w in [(31, 40), (32, 40), (47, 100), (48, 48), (200, 33), (1000, 700), (63, 64)]:
         factor = shrink_factor(h, w, SIZE)
@@ -486,7 +491,7 @@ def test_an_image_smaller_than_its_header_said_is_made_by_the_cpu_path_and_remem
     assert decoder.failures.bad == {2}
     decoder(batch, params, labels)
     assert calls == [4, 3]
-    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    warned = [r.message for r in caplog.records if r.name == "imgtrainer.data.device.jpeg"]
     assert len(warned) == 1 and "decoded (1, 1), box" in warned[0]
 
 
@@ -506,7 +511,7 @@ def test_a_call_too_large_for_the_decoder_makes_the_chunks_smaller(caplog):
     assert decode_numbers(decoder, list(range(8))) == list(range(8))
     assert [len(c) for c in calls] == [8, 4, 4] and decoder.chunk == 4
     assert not decoder.failures.bad
-    warned = [r.message for r in caplog.records if r.name.endswith("jpeg_device")]
+    warned = [r.message for r in caplog.records if r.name == "imgtrainer.data.device.jpeg"]
     assert len(warned) == 1 and "4 at a time" in warned[0] and "out of memory" in warned[0]
 
 
@@ -574,7 +579,7 @@ def test_seeded_draws_in_two_threads_are_each_seeds_own():
     generator: each seeded block draws what its seed draws, however the threads interleave."""
     import threading
 
-    from imgtrainer.data.sources import seeded_cpu_generator
+    from imgtrainer.data.host.samples import seeded_cpu_generator
 
     def draw(seed: int) -> torch.Tensor:
         with seeded_cpu_generator(seed):

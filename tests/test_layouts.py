@@ -25,7 +25,8 @@ from conftest import (
     write_image_folder,
 )
 from imgtrainer.config import parse_config
-from imgtrainer.data.layouts import expand_pattern, open_datasets
+from imgtrainer.data.layouts import open_datasets
+from imgtrainer.data.layouts.names import expand_pattern
 from imgtrainer.data.loaders import build_datasets
 from imgtrainer.errors import UserError
 from imgtrainer.run.preflight import launcher_checks
@@ -78,7 +79,7 @@ def test_every_layout_gives_the_same_samples_and_pixels(tmp_path: Path):
         check.finish()
         samples = [train_set[(i, 1)] for i in range(len(train_set))]
         images = [val_set[i] for i in range(len(val_set))]
-        seen[name] = (classes, samples, images, list(train_set.folder.targets))
+        seen[name] = (classes, samples, images, list(train_set.images.targets))
     classes, samples, images, targets = seen.pop("folder")
     assert classes == CLASSES and len(samples) == 18 and len(images) == 6
     for name, (other_classes, other_samples, other_images, other_targets) in seen.items():
@@ -157,7 +158,7 @@ def test_a_corrupt_row_or_member_is_left_out_with_one_line(layout, cache, tmp_pa
     cfg = data_config(train, val, image_size=16, cache_images=cache, log_dir=str(tmp_path / "logs"))
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         train_set, _, _, check = build_datasets(cfg, ONE_CPU_PROCESS, threads=1)
-        at = next(i for i in range(len(train_set)) if train_set.folder.table.location(i) == bad)
+        at = next(i for i in range(len(train_set)) if train_set.images.table.location(i) == bad)
         stand_in = train_set[(at, 0)]  # before the check is in: the next image, silently
         assert not caplog.records
         assert list(check.finish()) == [bad]
@@ -167,7 +168,7 @@ def test_a_corrupt_row_or_member_is_left_out_with_one_line(layout, cache, tmp_pa
     assert len(train_set) == 18  # its place in the order stays; the next image takes it
     pixels, params, label = train_set[(at, 0)]
     assert torch.equal(pixels, stand_in[0]) and torch.equal(params, stand_in[1])
-    assert label == stand_in[2] == train_set.folder.targets[at + 1]
+    assert label == stand_in[2] == train_set.images.targets[at + 1]
 
 
 def bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
@@ -280,7 +281,7 @@ def test_a_shard_index_is_built_once_and_pax_shards_with_long_names_read_alike(
 ):
     import io
 
-    import imgtrainer.data.shards as shards
+    import imgtrainer.data.layouts.shards as shards
 
     folder = write_image_folder(tmp_path / "train", CLASSES, 2)
     entries, classes = entries_of(folder)
@@ -307,14 +308,14 @@ def test_a_shard_index_is_built_once_and_pax_shards_with_long_names_read_alike(
 
 
 def test_prepare_data_keeps_each_shards_index_as_a_scan_would_build_it(tmp_path: Path, monkeypatch):
-    import imgtrainer.data.shards as shards
+    import imgtrainer.data.layouts.shards as shards
 
     folder = write_image_folder(tmp_path / "train", CLASSES, 3)
     pattern = pack_folder(folder, tmp_path / "tar", "shards", 4)
     scans = []
     monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path))
-    kept = [shards.shard_index(path, None) for path in expand_pattern(pattern)]
+    kept = [shards.shard_index(path, None) for path in expand_pattern(pattern, ".tar")]
     assert scans == [] and sum(map(len, kept)) == 9  # read as kept: nothing scanned
     monkeypatch.undo()
-    for path, rows in zip(expand_pattern(pattern), kept, strict=True):
+    for path, rows in zip(expand_pattern(pattern, ".tar"), kept, strict=True):
         assert shards.scan_shard(path) == rows

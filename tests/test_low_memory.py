@@ -22,6 +22,7 @@ import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
+from imgtrainer.precision import Precision
 from imgtrainer.torch_compat import is_out_of_memory
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
@@ -39,7 +40,6 @@ from imgtrainer.training.memory_fit import (
     measure_micro_batch,
 )
 from imgtrainer.training.memory_probes import StepCost
-from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import RunParts
 
 HUGE = 2**40  # a budget nothing reaches
@@ -157,7 +157,7 @@ def test_evaluation_in_micro_batches_gives_the_same_metrics():
 
 
 def test_low_memory_preset_and_explicit_flags_win(caplog):
-    from imgtrainer.training.precision import choose_precision
+    from imgtrainer.precision import choose_precision
 
     cfg = parse_config(["--low_memory"])
     assert (

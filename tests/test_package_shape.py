@@ -3,6 +3,7 @@ docstrings say what a module is in a few lines; the long explanations live in do
 
 import ast
 import functools
+import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,13 +73,13 @@ def test_module_docstrings_are_a_few_lines():
 
 
 # The floors of the house, lowest first: a module imports only from its own floor or below.
-# Within a floor, rooms may import each other (no circle: Python would fail at import).
+# Within a floor, rooms may import each other, but never in a circle (test_no_import_cycle).
 LAYERS = [
     {"errors"},
     {"files", "process", "torch_compat"},
     {"distributed"},
     {"config"},
-    {"hooks"},
+    {"hooks", "precision"},
     {"data", "reports", "checkpoints"},
     {"models"},
     {"training"},
@@ -151,3 +152,145 @@ def test_no_class_or_module_is_too_long():
         f"classes over {MAX_CLASS_LINES} lines or modules over {MAX_MODULE_LINES}:\n"
         + "\n".join(long)
     )
+
+
+# ----------------------------------------------------------------------------- imports, by module
+
+
+PACKAGE = ROOT / "src" / "imgtrainer"
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT / "src").with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_of(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _entrance_homes() -> dict[str, str]:
+    """The module of each name ``imgtrainer.data`` exports (it imports them on first use)."""
+    import imgtrainer.data
+
+    return {name: f"imgtrainer.data.{home}" for name, home in imgtrainer.data._HOME.items()}
+
+
+def _imports(tree: ast.Module, modules: dict[str, Path]) -> set[str]:
+    """The package's modules a module imports, at its top or inside a function: a name from a
+    package is its submodule where it is one, its home where the data entrance exports it."""
+    homes = _entrance_homes()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in modules:
+                    found.add(sub)
+                elif node.module == "imgtrainer.data" and alias.name in homes:
+                    found.add(homes[alias.name])
+                else:
+                    found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(_tree(path), modules) - {name} for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one
+    module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_even_inside_a_function():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "modules that import each other in a circle:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_the_cycle_check_sees_a_function_local_import():
+    modules = {"imgtrainer.a": Path("a.py"), "imgtrainer.b": Path("b.py")}
+    graph = {
+        "imgtrainer.a": _imports(ast.parse("from imgtrainer.b import x\n"), modules),
+        "imgtrainer.b": _imports(ast.parse("def f():\n    from imgtrainer.a import y\n"), modules),
+    }
+    assert _cycles(graph) == [["imgtrainer.a", "imgtrainer.b"]]
+
+
+# The floors of data/, in the order the bytes travel: storage to a table, one sample in a
+# loader worker, a batch on the device, then the top (the loaders, the plan, the checks).
+DATA_FLOORS = ["layouts", "host", "device", ""]
+
+
+def _data_floor(module: str) -> int:
+    inner = module.removeprefix("imgtrainer.data").lstrip(".").split(".")[0]
+    return DATA_FLOORS.index(inner if inner in DATA_FLOORS else "")
+
+
+def test_the_data_floors_import_only_downwards_and_only_the_top_reads_the_config():
+    bends, config = [], []
+    for module, targets in _import_graph().items():
+        if not module.startswith("imgtrainer.data."):
+            continue
+        for target in targets:
+            if target.startswith("imgtrainer.data.") and _data_floor(target) > _data_floor(module):
+                bends.append(f"{module} -> {target}")
+            if (
+                target.startswith("imgtrainer.config")
+                and _data_floor(module) < len(DATA_FLOORS) - 1
+            ):
+                config.append(module)
+    assert not bends, "data floors importing a floor above:\n" + "\n".join(sorted(bends))
+    assert not config, "data floors that read the config (only the top may):\n" + "\n".join(config)
+
+
+def test_other_rooms_enter_data_by_its_entrance():
+    """Outside ``data`` the package imports ``imgtrainer.data`` only, never an inner module;
+    inside, nothing imports the entrance (its names would hide a circle)."""
+    homes = _entrance_homes()
+    strays = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_of(path)
+        inside = module.startswith("imgtrainer.data")
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if not inside and node.module.startswith("imgtrainer.data."):
+                strays.append(f"{module} imports {node.module}")
+            if inside and node.module == "imgtrainer.data":
+                strays.append(f"{module} imports the entrance")
+    assert not strays, "\n".join(strays)
+    assert homes and all(name in dir(importlib.import_module(home)) for name, home in homes.items())

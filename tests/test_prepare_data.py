@@ -135,6 +135,6 @@ def test_force_never_deletes_the_source(tmp_path: Path, capsys):
 def test_extension_list_matches_torchvision():
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    from imgtrainer.data.image_files import IMAGE_EXTENSIONS
+    from imgtrainer.data.layouts.image_files import IMAGE_EXTENSIONS
 
     assert tuple(IMAGE_EXTENSIONS) == tuple(IMG_EXTENSIONS)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from imgtrainer.data.jpeg_device import shrink, shrink_group
-from imgtrainer.data.ragged import Ragged
+from imgtrainer.data.device.jpeg import shrink, shrink_group
+from imgtrainer.data.host.ragged import Ragged
 
 
 def images(count: int, seed: int = 0) -> list[torch.Tensor]:

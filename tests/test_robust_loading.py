@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import imgtrainer.run.train as train_ddp
@@ -21,10 +22,9 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
-from imgtrainer.data.batch_augment import train_augmentation
-from imgtrainer.data.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
-from imgtrainer.data.loaders import build_datasets
-from imgtrainer.data.table import READABLE, UNREADABLE
+from imgtrainer.data.layouts.image_files import UNREADABLE_LIST, find_unreadable, open_rgb
+from imgtrainer.data.layouts.table import READABLE, UNREADABLE
+from imgtrainer.data.loaders import build_datasets, train_augmentation
 from imgtrainer.errors import UserError
 
 
@@ -111,7 +111,7 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
         )
         datasets = build_datasets(cfg, ONE_CPU_PROCESS)
         train_set, val_set = datasets.train, datasets.val
-        folder = train_set.folder  # cat: 4 images; dog: cmyk, garbage, 4 images, truncated
+        folder = train_set.images  # cat: 4 images; dog: cmyk, garbage, 4 images, truncated
         assert len(train_set) == 11  # every listed image keeps its place in the order
         # Before the check is in (or after), a bad image gives the next one, silently.
         assert np.array_equal(np.asarray(folder[5][0]), np.asarray(folder[6][0]))
@@ -132,7 +132,7 @@ def test_datasets_leave_out_bad_files_with_one_warning(tmp_path: Path, caplog):
     listed = (tmp_path / "logs" / UNREADABLE_LIST).read_text().splitlines()
     assert [Path(line.split("\t")[0]).name for line in listed] == ["garbage.jpg", "truncated.jpg"]
     pixels, params, label = train_set[(4, 0)]  # the CMYK image, as RGB
-    image = train_augmentation(cfg)[1](pixels[None], params[None])[0]
+    image = train_augmentation(cfg, torch.device("cpu"))[1](pixels[None], params[None])[0]
     assert pixels.shape[0] == 3 and tuple(image.shape) == (3, 16, 16)
 
 

@@ -19,11 +19,11 @@ from imgtrainer.checkpoints.files import (
 from imgtrainer.config import parse_config
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.hooks import Hook
+from imgtrainer.precision import Precision, make_grad_scaler
 from imgtrainer.torch_compat import check_ddp_internals, reset_ddp_after_failed_attempt
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.loop import EpochPlan, train_one_epoch
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.precision import Precision, make_grad_scaler
 from imgtrainer.training.step import RunParts
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)

@@ -130,7 +130,7 @@ def test_budget_and_gpu_cache_count_the_processes_sharing_the_gpu(monkeypatch):
     total) and --cache_images auto's GPU budget (a quarter of the free memory), per process;
     an explicit gpu's limit (all of its share)."""
     from imgtrainer.config import TrainConfig
-    from imgtrainer.data.loaders import device_cache_budget
+    from imgtrainer.data.image_plan import device_cache_budget
     from imgtrainer.training.memory import memory_budget
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

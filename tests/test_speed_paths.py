@@ -20,12 +20,17 @@ from conftest import (
     user_error_line,
 )
 from imgtrainer.config import parse_config
-from imgtrainer.data.batch_augment import DeviceBatches, train_augmentation
-from imgtrainer.data.cache_fill import SharedImageCache
-from imgtrainer.data.loaders import LoaderSpec, build_datasets, loader_workers, make_loader
-from imgtrainer.data.samplers import EpochSampler, ShardSampler
-from imgtrainer.data.sources import DecodedImageCache
-from imgtrainer.data.transforms import eval_resize_side
+from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.host.image_cache import DecodedImageCache, SharedImageCache
+from imgtrainer.data.host.samplers import EpochSampler, ShardSampler
+from imgtrainer.data.host.transforms import eval_resize_side
+from imgtrainer.data.loaders import (
+    LoaderSpec,
+    build_datasets,
+    loader_workers,
+    make_loader,
+    train_augmentation,
+)
 
 
 def write_noise_images(root: Path, per_class: int, seed: int) -> Path:
@@ -52,7 +57,7 @@ def two_epochs_of_batches(train: Path, val: Path, cache: str) -> tuple[list, obj
     sampler = EpochSampler(len(train_set), rank=0, world_size=1, seed=0)
     train_loader = DeviceBatches(
         make_loader(train_set, sampler, LoaderSpec(4, train=True)),
-        train_augmentation(cfg)[1],
+        train_augmentation(cfg, torch.device("cpu"))[1],
         torch.device("cpu"),
     )
     val_loader = make_loader(val_set, ShardSampler(len(val_set), 0, 1), LoaderSpec(4, train=False))
@@ -60,7 +65,7 @@ def two_epochs_of_batches(train: Path, val: Path, cache: str) -> tuple[list, obj
     for epoch in (1, 2):
         sampler.set_epoch(epoch)
         batches += [*train_loader, *val_loader]
-    return batches, train_set.folder
+    return batches, train_set.images
 
 
 def test_cached_batches_are_the_uncached_ones_bitwise(tmp_path: Path):
@@ -82,7 +87,7 @@ def test_cache_keeps_the_evaluation_resize_of_larger_images(tmp_path: Path):
     for name, size in (("wide", (40, 30)), ("tall", (20, 60)), ("small", (8, 8))):
         (tmp_path / "a").mkdir(exist_ok=True)
         Image.new("RGB", size, (90, 20, 200)).save(tmp_path / "a" / f"{name}.png")
-    cache = DecodedImageCache(folder_images(tmp_path), image_size=16)
+    cache = DecodedImageCache(folder_images(tmp_path).table, image_size=16)
     shapes = {
         Path(cache.table.location(i)).stem: tuple(image.shape)
         for i, image in enumerate(cache.images)
@@ -196,17 +201,17 @@ def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
 
 
 def test_auto_cache_picks_the_device_then_ram_then_files():
-    from imgtrainer.data.sources import choose_cache
+    from imgtrainer.data.image_plan import Budgets, choose_cache
 
-    assert choose_cache("auto", 5400, 224, budget_bytes=2 * 2**30)[0] == "ram"  # ~1.4 GB
-    assert choose_cache("auto", 5400, 224, budget_bytes=2**30)[0] == "none"
+    assert choose_cache("auto", 5400, 224, Budgets(ram=2 * 2**30))[0] == "ram"  # ~1.4 GB
+    assert choose_cache("auto", 5400, 224, Budgets(ram=2**30))[0] == "none"
     # The device canvas (a square of the longer side, ~1.8 GB) when it fits the device budget.
-    choice, why = choose_cache("auto", 5400, 224, 2 * 2**30, device_budget_bytes=2 * 2**30)
+    choice, why = choose_cache("auto", 5400, 224, Budgets(2 * 2**30, device=2 * 2**30))
     assert choice == "gpu" and "MiB fit in 25% of the free device memory" in why
-    choice, why = choose_cache("auto", 5400, 224, 2 * 2**30, device_budget_bytes=2**30)
+    choice, why = choose_cache("auto", 5400, 224, Budgets(2 * 2**30, device=2**30))
     assert choice == "ram" and "too large for the device" in why
-    assert choose_cache("none", 10, 32, budget_bytes=2**40)[0] == "none"
-    assert choose_cache("ram", 10**9, 224, budget_bytes=0) == ("ram", "--cache_images ram")
+    assert choose_cache("none", 10, 32, Budgets(ram=2**40))[0] == "none"
+    assert choose_cache("ram", 10**9, 224) == ("ram", "--cache_images ram")
 
 
 def test_loader_workers_rule():

@@ -18,16 +18,17 @@ from unittest.mock import ANY
 import instrument.sitecustomize as instrument
 import pytest
 
-import imgtrainer.data.unreadable as unreadable
+import imgtrainer.data.layouts.decode_check as unreadable
 import imgtrainer.process as process
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.lifecycle as lifecycle
 import imgtrainer.run.preflight as preflight
 import imgtrainer.run.quick_exit as quick_exit
 from conftest import ROOT, SRC, TINY_FLAGS, folder_images, run_cli, write_image_folder
-from imgtrainer.data.checks import find_classes
-from imgtrainer.data.image_files import class_folders
-from imgtrainer.data.table import READABLE, UNKNOWN, UNREADABLE, ImageTable
+from imgtrainer.data.layouts.folder_checks import find_classes
+from imgtrainer.data.layouts.image_files import class_folders
+from imgtrainer.data.layouts.shards import TAR
+from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable
 from imgtrainer.errors import UserError
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -307,7 +308,7 @@ def test_row_stats_of_files_and_shards(tmp_path: Path):
         st = os.stat(table.location(i))
         assert list(stats[i]) == [st.st_size, st.st_mtime_ns]
     assert list(stats[2]) == [-1, -1]
-    shard = replace(table, kind="tar", containers=[str(tmp_path / "s.tar")])
+    shard = replace(table, kind=TAR, containers=[str(tmp_path / "s.tar")])
     (tmp_path / "s.tar").write_bytes(b"x" * 7)
     assert unreadable.row_stats(shard, 0, 3)[:, 0].tolist() == [7, 7, 7]
 
@@ -533,7 +534,7 @@ def test_a_stop_signal_after_training_lets_the_run_finish_its_files(caplog):
 
 
 def test_the_launcher_counts_images_only_as_far_as_its_checks_need(tmp_path: Path):
-    from imgtrainer.data.checks import count_images
+    from imgtrainer.data.layouts.folder_checks import count_images
 
     folder = write_image_folder(tmp_path / "train", ["a", "b", "c"], 5)
     (folder / "d").mkdir()

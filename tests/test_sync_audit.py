@@ -14,9 +14,10 @@ import torch
 from harness import write_image_folder
 from sync_audit import audit_run
 
+import imgtrainer.data.image_plan as image_plan
 import imgtrainer.data.loaders as loaders
 from conftest import CPU
-from imgtrainer.data.sources import Source
+from imgtrainer.data.host.samples import Source
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.training.memory import BufferSnapshot
 from imgtrainer.training.stopping import AGREE_EVERY, StopRequest
@@ -56,12 +57,12 @@ def gpu_cache_on_the_cpu(monkeypatch) -> None:
     augmentation as on CUDA."""
     monkeypatch.setattr(loaders, "check_device_options", lambda cfg, device_type: None)
     monkeypatch.setattr(
-        loaders, "choose_source", lambda cache, device: Source.GPU if cache == "gpu" else (
+        image_plan, "choose_source", lambda cache, device: Source.GPU if cache == "gpu" else (
             Source.RAM if cache == "ram" else Source.FILES)
     )  # fmt: skip
-    # The canvas fits: build_datasets packs it on the (CPU) device, as on CUDA.
+    # The canvas fits: the plan packs it on the (CPU) device, as on CUDA.
     monkeypatch.setattr(
-        loaders, "settle_device_cache", lambda cfg, folders, budget, why: ("gpu", why)
+        image_plan, "settle_device_cache", lambda cfg, cached, budget, why: ("gpu", why)
     )
 
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FP32, ONE_CPU_PROCESS, data_config, write_image_folder
+from imgtrainer.data.host.samplers import ShardSampler
 from imgtrainer.data.loaders import LoaderSpec, build_datasets, make_loader
-from imgtrainer.data.samplers import ShardSampler
 from imgtrainer.models import build_model
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 

@@ -90,11 +90,11 @@ def install_train(module) -> None:
     wrap(module, "exit_now", before="worker exit")
 
 
-def install_loaders(module) -> None:
+def install_image_plan(module) -> None:
     # The decode check starts in the background (the first step does not wait for it); the
     # GPU cache decodes every image first, which is its check (the RAM cache fills during the
     # first epoch).
-    wrap(module, "cache_decoded", after="images cached")
+    wrap(module, "decode_up_front", after="images cached")
     wrap(module, "DecodeCheck", after="data check started")
 
 
@@ -127,7 +127,7 @@ INSTALLERS = {
     "imgtrainer.run.launcher": install_launcher,
     "imgtrainer.run.quick_exit": install_agent,
     "imgtrainer.run.train": install_train,
-    "imgtrainer.data.loaders": install_loaders,
+    "imgtrainer.data.image_plan": install_image_plan,
 }
 
 

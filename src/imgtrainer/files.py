@@ -26,12 +26,12 @@ def atomic_write(
 
     A crash leaves the old file or the new one, never a torn one. With ``keep_previous_as`` the
     file being replaced is kept under that name. ``tmp``: the temporary file (default
-    ``.<name>.tmp``), e.g. one per process where several write the same file. When the disk (or quota) is full, the partial
-    temporary file is removed, the existing files are left as they were, and the error is one
+    ``.<name>.<pid>.tmp``: several processes may write the same file, the last rename wins
+    whole). When the disk (or quota) is full, the partial temporary file is removed, the existing files are left as they were, and the error is one
     line naming the file, the space it needs (``needed_bytes()``) and the space free.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp or path.with_name(f".{path.name}.tmp")
+    tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -1,16 +1,19 @@
-"""Process helpers below every layer, without torch (the launcher imports them): what torchrun tells
-a worker through its environment (read once), the signals that stop a run and their exit codes, the parent-death signal that ends a chain of processes together,
-and the GPUs a process started from here would see.
+"""Process helpers below every layer, without torch (the launcher imports them): what torchrun
+tells a worker through its environment (read once), the signals that stop a run and their exit
+codes, the parent-death signal that ends a chain of processes together, pools of forked
+processes, and the GPUs a process started from here would see.
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -141,3 +144,60 @@ def return_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         return
+
+
+def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
+    """``[function(item) for item in items]`` in ``workers`` forked processes
+    (``forked_pool``)."""
+    global _FUNCTION
+    _FUNCTION = function  # inherited by the forked children: never pickled (a bound method
+    # would carry its whole object, e.g. a table of a million images, with every chunk)
+    pool = forked_pool(workers)
+    try:
+        results = pool.map(_call, items, chunksize=chunksize)
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    finally:
+        _FUNCTION = None
+    pool.close()  # the children leave on their own once the queue is empty
+    pool.join()
+    return results
+
+
+def forked_pool(workers: int, background: bool = False) -> multiprocessing.pool.Pool:
+    """A pool of ``workers`` forked processes that take the default signal actions: a
+    training process's stop handlers, inherited, would keep them alive through the pool's
+    own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
+    so one that arrives meanwhile ends the child rather than run the parent's handler (which
+    would leave a start waiting forever on a child that outlived the signal). They die
+    with this process, however it ends. ``background``: the children run only on CPU time
+    that nothing else wants (Linux's SCHED_IDLE; else the lowest nice level), as a check that
+    runs beside training should."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return multiprocessing.get_context("fork").Pool(
+            workers, initializer=_child_start, initargs=(background,)
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_FUNCTION = None  # process_map's function, in its forked children
+
+
+def _call(item):
+    return _FUNCTION(item)
+
+
+def _child_start(background: bool) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent(signal.SIGKILL)
+    if background:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            os.nice(19)

@@ -15,7 +15,7 @@ from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import CheckpointError, previous_path
 from imgtrainer.checkpoints.run_folder import LATEST_NAME, explicit_resume_file
 from imgtrainer.config import RESUME_CHECKED_FLAGS
-from imgtrainer.data.checks import class_difference
+from imgtrainer.data import class_difference
 
 log = logging.getLogger(__name__)
 

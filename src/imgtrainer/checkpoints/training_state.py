@@ -25,7 +25,7 @@ from imgtrainer.checkpoints.resume import (
     saved_world_size,
 )
 from imgtrainer.config import Layout, TrainConfig, choose_layout, effective_batch
-from imgtrainer.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError

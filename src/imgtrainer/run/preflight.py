@@ -9,14 +9,16 @@ from pathlib import Path
 
 from imgtrainer.checkpoints.run_folder import check_checkpoint_dir, explicit_resume_file
 from imgtrainer.config import TrainConfig, optimizer_batch
-from imgtrainer.data.checks import (
+from imgtrainer.data import (
+    FOLDER,
     check_batch_fits,
     check_data_folders,
     check_device_options,
     check_no_empty_class_folder,
     count_images,
+    layout_of,
+    open_datasets,
 )
-from imgtrainer.data.layouts import FOLDER, layout_of, open_datasets
 from imgtrainer.errors import UserError
 
 

@@ -26,7 +26,7 @@ from imgtrainer.config import (
     preset_summary,
     print_config_requested,
 )
-from imgtrainer.data.demo import prepare_demo_data
+from imgtrainer.data import prepare_demo_data
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
@@ -39,10 +39,10 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.errors import exit_on_user_error
 from imgtrainer.files import atomic_write
+from imgtrainer.precision import configure_backends
 from imgtrainer.process import TorchrunEnv
 from imgtrainer.run.lifecycle import exit_now, run_reporting
 from imgtrainer.run.summary import log_run_start, log_summary
-from imgtrainer.training.precision import configure_backends
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
         trainer.end_hooks(finished)
     finally:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
-        trainer.data_check.close()  # a run that ends before the first epoch's end
+        trainer.decode_check.close()  # a run that ends before the first epoch's end
     log_summary(trainer, finished)
     return 0 if finished else trainer.stop.exit_code
 

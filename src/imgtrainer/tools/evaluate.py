@@ -22,13 +22,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgtrainer.data.checks import find_classes
-from imgtrainer.data.layouts import FOLDER, layout_of, open_table
-from imgtrainer.data.loaders import LoaderSpec, loader_workers, make_loader
-from imgtrainer.data.samplers import ShardSampler
-from imgtrainer.data.sources import SeededImageDataset
-from imgtrainer.data.table import TableImages
-from imgtrainer.data.unreadable import leave_out_unreadable
+from imgtrainer.data import (
+    FOLDER,
+    LoaderSpec,
+    SeededImageDataset,
+    ShardSampler,
+    TableImages,
+    find_classes,
+    layout_of,
+    leave_out_unreadable,
+    loader_workers,
+    make_loader,
+    open_table,
+)
 from imgtrainer.distributed.collectives import all_gather_objects, all_reduce_sum
 from imgtrainer.distributed.logs import logging_for_run
 from imgtrainer.distributed.setup import (

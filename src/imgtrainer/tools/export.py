@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from imgtrainer import torch_compat
-from imgtrainer.data.image_files import open_rgb
-from imgtrainer.data.transforms import eval_resize_side, normalize_batch
+from imgtrainer.data import eval_resize_side, normalize_batch, open_rgb
 from imgtrainer.errors import UserError, exit_on_user_error, first_line
 from imgtrainer.files import atomic_write
 from imgtrainer.models import build_model

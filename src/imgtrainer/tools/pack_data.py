@@ -16,8 +16,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from imgtrainer.data.image_files import find_unreadable
-from imgtrainer.data.shards import keep_index
+from imgtrainer.data import find_unreadable, keep_index
 
 # Rows per Parquet row group: the trainer reads a whole group for one image, so keep them small
 # (the Hub's image datasets use 100).

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrainer.data.image_files import (
+from imgtrainer.data import (
     IMAGE_EXTENSIONS,
     class_folders,
     is_hidden_folder_name,

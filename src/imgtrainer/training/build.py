@@ -18,10 +18,10 @@ from imgtrainer.config import TrainConfig
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.models import build_model, unwrap_model
+from imgtrainer.precision import choose_precision, make_grad_scaler, uses_channels_last
 from imgtrainer.training.loss import build_criterion
 from imgtrainer.training.memory import MemoryPlan, enable_memory_savers
 from imgtrainer.training.optim import build_optimizer, build_scheduler
-from imgtrainer.training.precision import choose_precision, make_grad_scaler
 from imgtrainer.training.step import RunParts
 
 
@@ -78,7 +78,7 @@ def build_run_parts(
     enable_memory_savers(
         model,
         grad_checkpointing=cfg.grad_checkpointing,
-        channels_last=cfg.channels_last and dist.device.type == "cuda",
+        channels_last=uses_channels_last(cfg.channels_last, dist.device),
         early_only=cfg.low_memory,
     )
     wrapped = wrap_model(model, cfg, dist)

@@ -14,9 +14,9 @@ from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, broadcast_buffers
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.distributed.setup import DistInfo
+from imgtrainer.precision import Precision
 from imgtrainer.training.ema import ModelEma, ema_metrics
 from imgtrainer.training.memory import MemoryPlan
-from imgtrainer.training.precision import Precision
 from imgtrainer.training.step import (
     CORRECT,
     COUNT,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from imgtrainer.config import TrainConfig
-from imgtrainer.data.balance import balanced_class_weights
+from imgtrainer.data import balanced_class_weights
 
 
 class ClassWeightedCrossEntropy(nn.Module):

@@ -13,14 +13,10 @@ from torch import nn
 
 from imgtrainer.checkpoints.files import tensor_bytes
 from imgtrainer.config import TrainConfig, optimizer_batch
-from imgtrainer.data.augment_memory import (
-    augment_bytes_per_image,
-    augment_chunk,
-    canvas_side_bound,
-)
-from imgtrainer.data.sources import Source
+from imgtrainer.data import Source, augment_bytes_per_image, augment_chunk, canvas_side_bound
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
+from imgtrainer.precision import uses_channels_last
 from imgtrainer.torch_compat import is_out_of_memory, release_memory
 from imgtrainer.training.memory import (
     OOM_HELP,
@@ -234,7 +230,7 @@ def build_memory_plan(
     call it."""
     device, model = parts.device, parts.model
     start, step_batch = cfg.batch_size, optimizer_batch(cfg)
-    channels_last = cfg.channels_last and device.type == "cuda"
+    channels_last = uses_channels_last(cfg.channels_last, device)
     plan = MemoryPlan(start, retry_on_oom=cfg.auto_micro_batch, channels_last=channels_last)
     if cfg.auto_micro_batch:
         budget = memory_budget(cfg.max_memory_gb, device, processes_on_device)

@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from imgtrainer import torch_compat
 from imgtrainer.distributed.collectives import any_rank
+from imgtrainer.precision import Precision
 from imgtrainer.torch_compat import is_out_of_memory, release_memory
 from imgtrainer.training.memory import BufferSnapshot, MemoryPlan
-from imgtrainer.training.precision import Precision
 
 log = logging.getLogger(__name__)
 

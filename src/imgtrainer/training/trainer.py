@@ -25,8 +25,7 @@ from imgtrainer.checkpoints.training_state import (
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
-from imgtrainer.data.balance import class_counts
-from imgtrainer.data.loaders import build_loaders
+from imgtrainer.data import build_loaders
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
@@ -44,7 +43,6 @@ from imgtrainer.training.ema import ModelEma, record_metrics
 from imgtrainer.training.evaluation import validate_run, validated
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
-from imgtrainer.training.mixing import BatchMixer
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
 from imgtrainer.training.stopping import StopRequest, TimeBudget
@@ -127,7 +125,7 @@ class Trainer:
         self.requested, self.dist = cfg, dist
         # --max_time counts from here: loading and caching the data count too.
         self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
-        self.source, cfg = find_resume(cfg, dist)
+        self.resume_from, cfg = find_resume(cfg, dist)
         self.cfg = cfg
         loaders = build_loaders(cfg, dist)
         self.train_loader, self.val_loader, self.sampler = (
@@ -135,9 +133,9 @@ class Trainer:
             loaders.val,
             loaders.sampler,
         )
-        self.class_names, self.data_check = loaders.class_names, loaders.check
+        self.class_names, self.decode_check = loaders.class_names, loaders.check
         self.steps_per_epoch = steps = len(self.train_loader)
-        counts = class_counts(self.train_loader.dataset.folder.targets, len(self.class_names))
+        counts = loaders.class_counts
         self.parts = parts = build_run_parts(cfg, dist, len(self.class_names), steps, counts)
         # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
         self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
@@ -152,10 +150,8 @@ class Trainer:
         # The augmentation runs before the step, in the plan's chunks, retried like the step.
         self.train_loader.chunk = parts.plan.augment_chunk
         self.train_loader.retry_on_oom = parts.plan.retry_on_oom
-        # --mixup/--cutmix: applied by the engine to each batch (None when both are off).
-        self.mixer = BatchMixer.from_config(
-            cfg, len(self.class_names), dist.rank, dist.device, dist.world_size
-        )
+        # --mixup/--cutmix: applied by the loop to each batch (None when both are off).
+        self.mixer = loaders.mixer
         self.checkpoints = CheckpointWriter(
             Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
         )
@@ -206,9 +202,9 @@ class Trainer:
     def resume(self) -> None:
         """The checkpoint found at the start (if any) into the built parts; then the hooks."""
         self.progress, self.resumed_sums = restore(
-            self.source, self.run_state, self.dist, self.layout, self.steps_per_epoch
+            self.resume_from, self.run_state, self.dist, self.layout, self.steps_per_epoch
         )
-        self.source = None  # the weights are in the model now
+        self.resume_from = None  # the weights are in the model now
         self.register_hooks()
 
     def register_hooks(self) -> None:
@@ -278,7 +274,7 @@ class Trainer:
         train_seconds = time.perf_counter() - started
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
-        self.data_check.finish()
+        self.decode_check.finish()
         val = self.validate_epoch() if validated(self.cfg, self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)

@@ -1,5 +1,5 @@
-"""Reading one image file robustly: which files count as images, decoding to upright RGB, and the
-start-up check that finds the files that do not decode.
+"""One image file read robustly: which files count as images, decoding to upright RGB, which
+JPEGs the device decodes as they are, and the decode check of one image.
 
 No torch here: ``src/prepare_data.py`` imports this module and starts in a fraction of a second.
 """
@@ -7,18 +7,16 @@ No torch here: ``src/prepare_data.py`` imports this module and starts in a fract
 from __future__ import annotations
 
 import io
-import multiprocessing
-import multiprocessing.pool
 import os
-import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 from PIL import Image, ImageOps
 
 from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
-from imgtrainer.process import STOP_SIGNALS, die_with_parent
+from imgtrainer.process import process_map
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
@@ -60,8 +58,8 @@ def is_image_file(path: str | Path) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def open_rgb(path: str | Path, draft: int | None = None) -> Image.Image:
-    """The image at ``path`` as RGB, turned upright according to its EXIF orientation.
+def open_rgb(path: str | Path | IO[bytes], draft: int | None = None) -> Image.Image:
+    """The image at ``path`` (or in a file object) as RGB, turned upright according to its EXIF orientation.
 
     Cameras store portrait photos sideways with an orientation tag; without honouring it the
     model would train on rotated animals. ``draft`` lets JPEGs decode at a reduced scale.
@@ -112,10 +110,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return background
 
 
-def image_problem(path: str) -> str | None:
-    """None if ``path`` decodes to an RGB image, otherwise why it does not (one line)."""
+def image_problem(image: str | Path | IO[bytes]) -> str | None:
+    """None if ``image`` (a path, or the bytes as a file) decodes to an RGB image, otherwise why
+    it does not (one line): the decode check of one image."""
     try:
-        open_rgb(path, draft=CHECK_DRAFT_SIZE)
+        open_rgb(image, draft=CHECK_DRAFT_SIZE)
     except Exception as err:  # any failure of a decoder on a user's file means "unreadable"
         return first_line(err)
     return None
@@ -141,63 +140,6 @@ def find_unreadable(
     }
 
 
-def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
-    """``[function(item) for item in items]`` in ``workers`` forked processes
-    (``forked_pool``)."""
-    global _FUNCTION
-    _FUNCTION = function  # inherited by the forked children: never pickled (a bound method
-    # would carry its whole object, e.g. a table of a million images, with every chunk)
-    pool = forked_pool(workers)
-    try:
-        results = pool.map(_call, items, chunksize=chunksize)
-    except BaseException:
-        pool.terminate()
-        pool.join()
-        raise
-    finally:
-        _FUNCTION = None
-    pool.close()  # the children leave on their own once the queue is empty
-    pool.join()
-    return results
-
-
-def forked_pool(workers: int, background: bool = False) -> multiprocessing.pool.Pool:
-    """A pool of ``workers`` forked processes that take the default signal actions: a
-    training process's stop handlers, inherited, would keep them alive through the pool's
-    own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
-    so one that arrives meanwhile ends the child rather than run the parent's handler (that
-    race once left a start waiting forever on a child that outlived the signal). They die
-    with this process, however it ends. ``background``: the children run only on CPU time
-    that nothing else wants (Linux's SCHED_IDLE; else the lowest nice level), as a check that
-    runs beside training should."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return multiprocessing.get_context("fork").Pool(
-            workers, initializer=_child_start, initargs=(background,)
-        )
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-_FUNCTION = None  # process_map's function, in its forked children
-
-
-def _call(item):
-    return _FUNCTION(item)
-
-
-def _child_start(background: bool) -> None:
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    die_with_parent(signal.SIGKILL)
-    if background:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):
-            os.nice(19)
-
-
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
     """Write ``folder/unreadable_images.txt`` (one ``path<TAB>reason`` line per file).
 
@@ -207,6 +149,5 @@ def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / UNREADABLE_LIST
     text = "".join(f"{p}\t{reason}\n" for p, reason in sorted(unreadable.items())).encode()
-    tmp = folder / f".{UNREADABLE_LIST}.{os.getpid()}.tmp"
-    atomic_write(path, lambda f: f.write(text), lambda: len(text), tmp=tmp)
+    atomic_write(path, lambda f: f.write(text), lambda: len(text))
     return path

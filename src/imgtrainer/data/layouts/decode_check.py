@@ -22,13 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from imgtrainer.data.checks import refuse_empty_classes
-from imgtrainer.data.image_files import PARALLEL_MIN_FILES, forked_pool, write_unreadable_list
-from imgtrainer.data.table import FILES, READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
+from imgtrainer.data.layouts.folder_checks import refuse_empty_classes
+from imgtrainer.data.layouts.image_files import PARALLEL_MIN_FILES, write_unreadable_list
+from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
+from imgtrainer.process import forked_pool
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,16 @@ class DecodeCheck:
 
     def __init__(
         self,
-        folders: dict[str, TableImages],
+        images: dict[str, TableImages],
         log_dir: Path | None,
         rank: int = 0,
         world_size: int = 1,
         cache_dir: Path | None = None,
         workers: int | None = None,
     ):
-        self.folders, self.log_dir = folders, log_dir
+        self.images, self.log_dir = images, log_dir
         self.rank, self.world_size = rank, world_size
-        self.tables = {role: folder.table for role, folder in folders.items()}
+        self.tables = {role: dataset.table for role, dataset in images.items()}
         self.cache = DecodeCheckCache(cache_dir, self.tables)
         self.stats = {role: np.full((len(t), 2), -1, np.int64) for role, t in self.tables.items()}
         self.problems: dict[str, dict[int, str]] = {role: {} for role in self.tables}
@@ -90,7 +91,7 @@ class DecodeCheck:
             for role, start, stats, checked, problems in results:
                 self.stats[role][start : start + len(stats)] = stats
                 self.problems[role].update(problems)
-                states = self.folders[role].states.array[start : start + len(stats)]
+                states = self.images[role].states.array[start : start + len(stats)]
                 states[checked & (states == UNKNOWN)] = READABLE
                 states[[i - start for i in problems]] = UNREADABLE
                 self.collected += 1
@@ -142,29 +143,16 @@ class DecodeCheck:
         if self.unreadable is not None:
             return self.unreadable
         self.wait()
-        parts = all_gather_objects(self.problems) if self.world_size > 1 else [self.problems]
-        found: dict[str, dict[int, str]] = {role: {} for role in self.tables}
-        for part in parts:
-            for role, problems in part.items():
-                found[role].update(problems)
+        found = gather_unreadable(self.problems, self.world_size)
         self.problems = found
         self.cache.remember(self.stats, found)
-        self.unreadable = {
-            self.tables[role].location(i): why
-            for role, problems in found.items()
-            for i, why in sorted(problems.items())
-        }
-        if self.unreadable:
-            total = sum(map(len, self.tables.values()))
-            report_unreadable(self.unreadable, total, self.log_dir)
-        for role, table in self.tables.items():
-            states = self.folders[role].states.array
+        self.unreadable = settle_unreadable(self.tables, found, self.log_dir)
+        for role in self.tables:
+            states = self.images[role].states.array
             states[states == UNKNOWN] = READABLE
             states[list(found[role])] = UNREADABLE
-            rows = self.readable_rows(role)
             if role in self.views:
-                self.views[role].keep(rows)
-            refuse_empty_classes(table.source, table.empty_classes(rows), role, readable=True)
+                self.views[role].keep(self.readable_rows(role))
         return self.unreadable
 
     def wait(self) -> None:
@@ -198,18 +186,51 @@ def _check_rows(task: tuple[str, int, int]):
 
 
 def leave_out_unreadable(
-    folders: dict[str, TableImages],
+    images: dict[str, TableImages],
     log_dir: Path | None,
     rank: int = 0,
     world_size: int = 1,
     cache_dir: Path | None = None,
 ) -> dict[str, str]:
-    """The decode check, waited for: the unreadable images left out of ``folders`` (one
+    """The decode check, waited for: the unreadable images left out of ``images`` (one
     warning, the list in ``log_dir``; an error for a class left without images);
     ``{location: why}``. Every rank must call this."""
-    unreadable = DecodeCheck(folders, log_dir, rank, world_size, cache_dir).finish()
-    for folder in folders.values():
-        folder.leave_out(unreadable)
+    unreadable = DecodeCheck(images, log_dir, rank, world_size, cache_dir).finish()
+    for dataset in images.values():
+        dataset.leave_out(unreadable)
+    return unreadable
+
+
+def gather_unreadable(
+    found: dict[str, dict[int, str]], world_size: int
+) -> dict[str, dict[int, str]]:
+    """Every rank's ``{role: {row: why}}`` of unreadable images merged: a file that fails on
+    one rank is left out on all of them (the ranks must shuffle the same dataset). Every rank
+    must call this."""
+    parts = all_gather_objects(found) if world_size > 1 else [found]
+    merged: dict[str, dict[int, str]] = {role: {} for role in found}
+    for part in parts:
+        for role, problems in part.items():
+            merged[role].update(problems)
+    return merged
+
+
+def settle_unreadable(
+    tables: dict[str, ImageTable], found: dict[str, dict[int, str]], log_dir: Path | None
+) -> dict[str, str]:
+    """Report the unreadable images of ``tables`` (``{role: {row: why}}``, every rank's) in
+    one warning, their list in ``log_dir``, and refuse a class left without a readable image;
+    ``{location: why}``."""
+    unreadable = {
+        tables[role].location(i): why
+        for role, problems in found.items()
+        for i, why in sorted(problems.items())
+    }
+    if unreadable:
+        report_unreadable(unreadable, sum(map(len, tables.values())), log_dir)
+    for role, table in tables.items():
+        readable = np.setdiff1d(np.arange(len(table)), np.fromiter(found[role], np.int64))
+        refuse_empty_classes(table.source, table.empty_classes(readable), role, readable=True)
     return unreadable
 
 
@@ -249,17 +270,16 @@ def row_stats(table: ImageTable, start: int, stop: int) -> np.ndarray:
     """(size, modification time in ns) of the file of each row ``start:stop`` (the image
     file, or its shard or Parquet file, each stat'ed once), (-1, -1) where it cannot be read."""
     out = np.full((stop - start, 2), -1, dtype=np.int64)
-    containers: dict[int, tuple[int, int]] = {}  # a shard's or Parquet file's, by its index
+    seen: dict[str, tuple[int, int]] = {}  # a shard's or Parquet file's, stat'ed once
     for i in range(start, stop):
-        if table.kind != FILES and int(table.container[i]) in containers:
-            out[i - start] = containers[int(table.container[i])]
-            continue
-        try:
-            st = os.stat(table.file_of(i))
-            out[i - start] = st.st_size, st.st_mtime_ns
-        except OSError:
-            pass
-        containers[int(table.container[i])] = tuple(out[i - start])
+        file = table.file_of(i)
+        if file not in seen:
+            try:
+                st = os.stat(file)
+                seen[file] = st.st_size, st.st_mtime_ns
+            except OSError:
+                seen[file] = -1, -1
+        out[i - start] = seen[file]
     return out
 
 
@@ -267,7 +287,7 @@ def fingerprint(table: ImageTable) -> str:
     """A digest of which images a table holds, in which order: the cache's results by row
     apply to a table with the same digest only."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps([table.kind, table.column, table.containers]).encode())
+    digest.update(json.dumps([table.kind.name, table.column, table.containers]).encode())
     for array in (table.container, table.members.data, table.members.ends, table.offsets):
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
@@ -331,11 +351,8 @@ class DecodeCheckCache:
         }
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.folder / f".{self.NAME}.{os.getpid()}.tmp"
             size = sum(a.nbytes for a in arrays.values())
-            atomic_write(
-                self.folder / self.NAME, lambda f: np.savez(f, **arrays), lambda: size, tmp=tmp
-            )
+            atomic_write(self.folder / self.NAME, lambda f: np.savez(f, **arrays), lambda: size)
         except (OSError, UserError) as err:  # only a cache: the next start checks again
             log.warning(f"could not write {self.folder / self.NAME} ({err})")
 
@@ -349,7 +366,3 @@ def report_unreadable(unreadable: dict[str, str], total: int, log_dir: Path | No
     log.warning(
         f"{len(unreadable)} of {total} image files cannot be decoded and are left out ({where})"
     )
-
-
-def check_no_empty_class(folder: TableImages, role: str) -> None:
-    refuse_empty_classes(folder.root, folder.empty_classes(), role, readable=True)

@@ -17,7 +17,8 @@ import torch
 
 # Columns of a box table: where an image starts in the buffer, its height and width, then the
 # box cut from it (top, left, height, width).
-OFFSET, FULL_H, FULL_W, TOP, LEFT, HEIGHT, WIDTH = range(7)
+OFFSET, FULL_H, FULL_W, BOX_TOP, BOX_LEFT, BOX_H, BOX_W = range(7)
+BOX = slice(BOX_TOP, BOX_W + 1)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Ragged:
         """(N, 3, H, W) with each image's box (``boxes``: (N, 4) top, left, height, width, on
         the host) at the top left, zeros elsewhere; H, W the largest box's."""
         table = whole_boxes(self.sizes)
-        table[:, TOP:] = boxes
+        table[:, BOX] = boxes
         return gather_boxes(self.data, table)
 
 
@@ -63,18 +64,25 @@ def whole_boxes(sizes: torch.Tensor) -> torch.Tensor:
     heights, widths = sizes.unbind(1)
     offsets = torch.cumsum(3 * heights * widths, 0) - 3 * heights * widths
     zero = torch.zeros_like(heights)
+    # OFFSET, FULL_H, FULL_W, then the box: all of the image
     return torch.stack([offsets, heights, widths, zero, zero, heights, widths], 1)
 
 
 def gather_boxes(data: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     """(N, 3, H, W) uint8 on ``data``'s device: row n holds box n (``boxes``: the (N, 7) host
-    table of ``OFFSET``...``WIDTH``) of the CHW image at its offset in ``data``, at the top left,
+    table of ``OFFSET``...``BOX_W``) of the CHW image at its offset in ``data``, at the top left,
     zeros elsewhere; H, W the largest box's. ``data`` must run on at least W bytes past the
     last image (``Ragged.of`` adds them). The table is on the host: the canvas's size is known
     without a device sync."""
-    height, width = int(boxes[:, HEIGHT].max()), int(boxes[:, WIDTH].max())
-    table = boxes.to(data.device, non_blocking=True)
-    offset, full_h, full_w, top, left, box_h, box_w = (c[:, None, None] for c in table.unbind(1))
+    height, width = int(boxes[:, BOX_H].max()), int(boxes[:, BOX_W].max())
+    table = boxes.to(data.device, non_blocking=True)[:, :, None, None]
+    offset, full_h, full_w = table[:, OFFSET], table[:, FULL_H], table[:, FULL_W]
+    top, left, box_h, box_w = (
+        table[:, BOX_TOP],
+        table[:, BOX_LEFT],
+        table[:, BOX_H],
+        table[:, BOX_W],
+    )
     y = torch.arange(height, device=data.device)
     channel = torch.arange(3, device=data.device)[None, :, None]
     # Where each canvas row starts in data: (N, 3, H); rows below a box start at 0 (masked).

@@ -16,15 +16,40 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrainer.data.image_files import IMAGE_EXTENSIONS, process_map
-from imgtrainer.data.layouts import expand_pattern, labels_of, read_class_names
-from imgtrainer.data.table import TAR, ImageTable, Strings
+from imgtrainer.data.layouts.image_files import IMAGE_EXTENSIONS
+from imgtrainer.data.layouts.names import expand_pattern, labels_of, read_class_names
+from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
+from imgtrainer.process import process_map
 
 INDEX_SUFFIX = ".imgtrainer-index"
 INDEX_VERSION = "imgtrainer-tar-index 1"
 CLASSES_FILE = "classes.txt"
+
+
+class TarRows(RowKind):
+    """A row is the member ``members[i]`` of a tar shard, its data ``sizes[i]`` bytes at
+    ``offsets[i]``: one ``pread``."""
+
+    name = "tar"
+
+    def location(self, table: ImageTable, i: int) -> str:
+        return f"{table.containers[int(table.container[i])]}:{table.members[i]}"
+
+    def read(self, table: ImageTable, i: int) -> bytes:
+        path, size = table.containers[int(table.container[i])], int(table.sizes[i])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, size, int(table.offsets[i]))
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise OSError(f"{path} is shorter than its index says: rebuild the index")
+        return data
+
+
+TAR = TarRows()
 
 IndexRow = tuple[int, int, int, str]  # (data offset, size, class index, image member name)
 
@@ -184,8 +209,7 @@ def keep_index(
     for place in _index_places(path, index_dir):
         try:
             place.parent.mkdir(parents=True, exist_ok=True)
-            tmp = place.parent / f".{place.name}.{os.getpid()}.tmp"
-            atomic_write(place, lambda f: f.write(text), lambda: len(text), tmp=tmp)
+            atomic_write(place, lambda f: f.write(text), lambda: len(text))
             break
         except (OSError, UserError):
             continue  # read-only: the next place, or build it again next time
@@ -200,7 +224,7 @@ def shard_table(
 ) -> ImageTable:
     """The samples of every shard ``spec`` names, in shard order then member order; class
     names from ``names``, else ``classes.txt`` beside the first shard, else ``fallback``."""
-    shards = expand_pattern(spec)
+    shards = expand_pattern(spec, ".tar")
     if not shards:
         raise UserError(f"tar shards {spec}: the pattern matches no file")
     beside = Path(shards[0]).parent / CLASSES_FILE

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from imgtrainer.data.params import FLIP, HEIGHT, LEFT, TOP, WIDTH
+from imgtrainer.data.host.sample_row import FLIP, HEIGHT, LEFT, TOP, WIDTH
 
 CHUNK_BYTES = 2**30  # the banded resample's float canvas per group of samples at most (1 GiB)
 

@@ -1,25 +1,20 @@
-"""The dataset of every layout: a table of (where each image is, its label) and the class names,
-in compact arrays, and ``TableImages``, the dataset over it that the samplers, caches and
-loaders use whatever the layout (a folder, a list file, Parquet, tar shards: ``data.layouts``).
-
-No torch here (numpy only; pyarrow when a Parquet row is read), so the tools start fast.
-"""
+"""The table of every layout: (where each image is, its label) and the class names in compact
+arrays, read through its ``RowKind``; ``TableImages``, the dataset of (upright RGB image, label)
+over it that the caches and loaders use whatever the layout. No torch here (numpy only)."""
 
 from __future__ import annotations
 
 import io
 import logging
 import mmap
-import os
-import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from PIL import Image
 
-from imgtrainer.data.image_files import CHECK_DRAFT_SIZE, open_rgb
+from imgtrainer.data.layouts.image_files import image_problem, open_rgb
 from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import first_line
 
@@ -63,9 +58,28 @@ class Strings:
         return Strings.of([self[int(i)] for i in indices])
 
 
-# How the bytes of an entry are read: its member is a file of its own (``os.path.join(container,
-# member)``), a tar member at (offset, size) of the container file, or a row of a Parquet file.
-FILES, TAR, PARQUET = "files", "tar", "parquet"
+class RowKind:
+    """How a table's row names its image and how its bytes are read: one small object per
+    storage kind (a file per image, a tar member, a Parquet row), kept in its layout's module
+    and held by the tables of that kind. ``name`` goes into the table's fingerprint."""
+
+    name = ""
+
+    def location(self, table: ImageTable, i: int) -> str:
+        """The image's name for people and reports, and the key of the decode check's results."""
+        raise NotImplementedError
+
+    def file_of(self, table: ImageTable, i: int) -> str:
+        """The file whose size and modification time stand for the image's: its container."""
+        return table.containers[int(table.container[i])]
+
+    def read(self, table: ImageTable, i: int) -> bytes:
+        """The encoded image's bytes."""
+        raise NotImplementedError
+
+    def image_file(self, table: ImageTable, i: int) -> str | IO[bytes]:
+        """What the image decoder opens: the bytes as a file (a path, for a file of its own)."""
+        return io.BytesIO(self.read(table, i))
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +90,7 @@ class ImageTable:
     ``labels[i]`` (an index into ``classes``). ``present`` are the classes the layout itself
     shows (a class folder, a label seen): one that ends up without images is an error."""
 
-    kind: str
+    kind: RowKind
     classes: list[str]
     containers: list[str]
     container: np.ndarray  # int32
@@ -90,7 +104,7 @@ class ImageTable:
 
     @classmethod
     def build(
-        cls, kind: str, source: str, classes: list[str], rows: dict[str, Any], **extra: Any
+        cls, kind: RowKind, source: str, classes: list[str], rows: dict[str, Any], **extra: Any
     ) -> ImageTable:
         """A table from per-row lists (``container``, ``labels``, and ``members``, ``offsets``,
         ``sizes`` as the kind needs), ``containers`` the container names."""
@@ -120,50 +134,28 @@ class ImageTable:
     def location(self, i: int) -> str:
         """The image's name for people and reports: a path, ``shard.tar:member`` or
         ``file.parquet[row N]``; also the key of the decode check's results."""
-        where = self.containers[int(self.container[i])]
-        if self.kind == FILES:
-            return os.path.join(where, self.members[i])
-        if self.kind == TAR:
-            return f"{where}:{self.members[i]}"
-        return f"{where}[row {int(self.offsets[i])}]"
+        return self.kind.location(self, i)
 
     def file_of(self, i: int) -> str:
         """The file whose size and modification time stand for the image's (the decode check's
         cache): the image file itself, or its shard or Parquet file."""
-        if self.kind == FILES:
-            return self.location(i)
-        return self.containers[int(self.container[i])]
+        return self.kind.file_of(self, i)
 
     def read(self, i: int) -> bytes:
         """The encoded image's bytes."""
-        if self.kind == FILES:
-            with open(self.location(i), "rb") as f:
-                return f.read()
-        path = self.containers[int(self.container[i])]
-        if self.kind == TAR:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                data = os.pread(fd, int(self.sizes[i]), int(self.offsets[i]))
-            finally:
-                os.close(fd)
-            if len(data) != int(self.sizes[i]):
-                raise OSError(f"{path} is shorter than its index says: rebuild the index")
-            return data
-        return _PARQUET_ROWS.read(path, self.column, int(self.offsets[i]))
+        return self.kind.read(self, i)
 
     def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
         """The image as upright RGB (``image_files.open_rgb``)."""
-        if self.kind == FILES:
-            return open_rgb(self.location(i), draft=draft)
-        return open_rgb(io.BytesIO(self.read(i)), draft=draft)
+        return open_rgb(self.kind.image_file(self, i), draft=draft)
 
     def problem(self, i: int) -> str | None:
-        """None if the image decodes, else why not (one line): the start-up check."""
+        """None if the image decodes, else why not (one line): the decode check."""
         try:
-            self.open_rgb(i, draft=CHECK_DRAFT_SIZE)
-        except Exception as err:  # any failure of a decoder on a user's file: unreadable
+            image = self.kind.image_file(self, i)
+        except Exception as err:  # gone, or a damaged container: unreadable
             return first_line(err)
-        return None
+        return image_problem(image)
 
     def take(self, indices: np.ndarray) -> ImageTable:
         """The rows ``indices``, in that order."""
@@ -198,65 +190,13 @@ def _strings(members: Strings | Sequence[str]) -> Strings:
     return members if isinstance(members, Strings) else Strings.of(members)
 
 
-class ParquetRows:
-    """Parquet images read a row group at a time, on demand, the last few groups kept per
-    process (each loader worker has its own): never the whole file per worker. Threads (the
-    decode check, the image cache) share it under a lock; they decode outside it."""
-
-    KEPT_GROUPS = 4
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.lock = threading.Lock()  # a new one in a forked worker: never one held at the fork
-        self.files: dict[str, Any] = {}
-        self.starts: dict[str, np.ndarray] = {}
-        self.groups: dict[tuple[str, str, int], Any] = {}
-
-    def read(self, path: str, column: str, row: int) -> bytes:
-        if self.pid != os.getpid():  # a forked worker: its own files and groups
-            self.__init__()
-        with self.lock:
-            value = self._cell(path, column, row)
-        return image_bytes(value, f"{path}[row {row}]")
-
-    def _cell(self, path: str, column: str, row: int) -> Any:
-        if path not in self.files:
-            import pyarrow.parquet as pq
-
-            file = pq.ParquetFile(path)
-            meta = file.metadata
-            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-            self.files[path] = file
-            self.starts[path] = np.cumsum([0, *sizes])
-        starts = self.starts[path]
-        group = int(np.searchsorted(starts, row, side="right")) - 1
-        key = (path, column, group)
-        if key not in self.groups:
-            if len(self.groups) >= self.KEPT_GROUPS:
-                self.groups.pop(next(iter(self.groups)))
-            self.groups[key] = self.files[path].read_row_group(group, columns=[column]).column(0)
-        return self.groups[key][row - int(starts[group])].as_py()
-
-
-def image_bytes(value: Any, where: str) -> bytes:
-    """The encoded image of a Parquet cell: plain bytes, or the Hub's ``{bytes, path}``."""
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    if not isinstance(value, bytes | bytearray) or not value:
-        raise OSError(f"{where} holds no image bytes")
-    return bytes(value)
-
-
-_PARQUET_ROWS = ParquetRows()
-
-
 UNKNOWN, READABLE, UNREADABLE = 0, 1, 2  # what is known of whether an image decodes
 
 
 class ReadStates:
     """Whether each image of a table decodes, as far as is known: one byte an image in memory
     shared with the loader workers forked after it is made (an anonymous shared mapping). The
-    decode check writes it as its results come in (``data.unreadable.DecodeCheck``); a worker
+    decode check writes it as its results come in (``decode_check.DecodeCheck``); a worker
     that fails on an image marks it. Training never waits for it: ``read_or_next`` gives the
     same image for an index whatever it holds."""
 
@@ -300,10 +240,6 @@ class TableImages:
     @property
     def classes(self) -> list[str]:
         return self.table.classes
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.table.classes)}
 
     @property
     def targets(self) -> np.ndarray:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 
-from imgtrainer.data.sources import CANVAS_ASPECT, Source
-from imgtrainer.data.transforms import EVAL_RESIZE_RATIO
+from imgtrainer.data.host.image_cache import CANVAS_ASPECT
+from imgtrainer.data.host.samples import Source
+from imgtrainer.data.host.transforms import EVAL_RESIZE_RATIO
 
 
 def canvas_side_bound(size: int, source: Source) -> int:

@@ -1,5 +1,5 @@
 """JPEG files decoded on the training device: loader workers hand over a JPEG's raw bytes
-(``JpegBytes``) with the parameters drawn for its header size; ``JpegDecoder`` decodes a batch's
+(``JpegBytes``) with the sample row drawn for its header size; ``JpegDecoder`` decodes a batch's
 JPEGs on the device in a few ``decode_jpeg`` calls (chunks), crops each to its box (shrunk like
 the CPU path's PIL ``reduce``) and places them with the batch's CPU-decoded samples on one
 canvas. What the device decoder fails on is decoded on the CPU exactly as the CPU path does it,
@@ -9,43 +9,19 @@ and a file it failed on is sent there directly from then on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from imgtrainer.data.params import crop_of, crop_size_of
-from imgtrainer.data.ragged import Ragged
+from imgtrainer.data.host.collate import EncodedBatch, JpegBytes
+from imgtrainer.data.host.ragged import Ragged
+from imgtrainer.data.host.sample_row import crop_of, crop_size_of
+from imgtrainer.data.host.samples import shrink_factor, shrunk_size
 from imgtrainer.errors import first_line
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class JpegBytes:
-    """One sample's JPEG file, undecoded: its bytes (uint8, 1-D) and its (index, epoch) key,
-    with which the CPU path can make the sample again."""
-
-    data: torch.Tensor
-    key: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class EncodedBatch:
-    """A collated batch with JPEG bytes in it: ``canvas`` holds the CPU-decoded samples (rows
-    ``pixel_rows`` of the batch) as ``collate_samples`` packs them, ``jpegs`` the others (rows
-    ``jpeg_rows``)."""
-
-    pixels: Ragged | None
-    pixel_rows: list[int]
-    jpegs: list[JpegBytes]
-    jpeg_rows: list[int]
-
-    def pin_memory(self) -> EncodedBatch:  # the DataLoader's pin_memory calls this
-        if self.pixels is None:
-            return self
-        return replace(self, pixels=self.pixels.pin_memory())
 
 
 def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
@@ -63,14 +39,6 @@ def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[
 # JPEGs per decoder call: bounds the full-resolution outputs alive at once (a 12 MP photo
 # decodes to 36 MB), each chunk cropped and shrunk before the next is decoded.
 DECODE_CHUNK = 64
-
-
-def shrink_factor(height: int, width: int, size: int) -> int:
-    """The integer factor a crop of ``height`` x ``width`` is shrunk by before the resample to
-    ``size``, on the device and on the CPU path alike (PIL's ``reduce``; under 2: none): the
-    largest that keeps its short side at least ``size``, so the canvas and the resample's taps
-    stay small (the shrunk side, rounded up, is at least min(height, width) / factor)."""
-    return min(height, width) // size
 
 
 def shrink(crop: torch.Tensor, factor: int) -> torch.Tensor:
@@ -103,13 +71,13 @@ class DecodeFailures:
 
 
 class JpegDecoder:
-    """(EncodedBatch, params, labels) -> (uint8 canvas on ``device``, params, labels), the
-    params' boxes then spanning each sample's pixels as on the CPU path.
+    """(EncodedBatch, sample rows, labels) -> (uint8 canvas on ``device``, sample rows, labels),
+    the rows' crop boxes then spanning each sample's pixels as on the CPU path.
 
     ``decode`` maps a list of JPEG byte tensors to RGB uint8 images on the device (default:
     ``decode_jpeg`` there), called with at most ``chunk`` JPEGs. A failing call is split in
     halves until the files it fails on alone are found; those are remembered (by dataset
-    index) and made by ``fallback(key)`` -> (pixels, params, label), the CPU path with its
+    index) and made by ``fallback(key)`` -> (pixels, sample row, label), the CPU path with its
     handling of unreadable files, from then on without trying the device. ``size`` is the
     output size (large crops are shrunk by ``shrink_factor`` first, as the loader workers do).
 
@@ -142,13 +110,13 @@ class JpegDecoder:
     def __call__(
         self,
         batch: EncodedBatch,
-        params: torch.Tensor,
+        rows: torch.Tensor,
         labels: torch.Tensor,
         stream: torch.cuda.Stream | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        params, labels = params.clone(), labels.clone()
+        rows, labels = rows.clone(), labels.clone()
         if self.stream is None:  # not CUDA: no streams
-            return self.assemble(batch, params, labels), params, labels
+            return self.assemble(batch, rows, labels), rows, labels
         consumer = stream or torch.cuda.current_stream(self.device)
         # Ordering of the nvjpeg decode (torchvision's decode_jpegs_cuda, read for 0.29):
         # - it allocates its outputs on the current stream, here self.stream, and decodes
@@ -163,42 +131,43 @@ class JpegDecoder:
         #   keeps its block from reuse until the consumer's queued work is done.
         # self.stream never waits on the consumer, so draining it never waits for a step.
         with torch.cuda.stream(self.stream):
-            canvas = self.assemble(batch, params, labels)
+            canvas = self.assemble(batch, rows, labels)
         consumer.wait_stream(self.stream)
         canvas.record_stream(consumer)
-        return canvas, params, labels
+        return canvas, rows, labels
 
     def assemble(
-        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+        self, batch: EncodedBatch, rows: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
-        """The batch's canvas on the device (rows the CPU path makes get its params, label).
+        """The batch's canvas on the device (a sample the CPU path makes gets its row, label).
         Its work per image is the decoder's own and one view: crops, shrinks and placing run
         on whole chunks (``decode_chunk``)."""
         on_device = [
-            (row, jpeg)
-            for row, jpeg in zip(batch.jpeg_rows, batch.jpegs, strict=True)
+            (at, jpeg)
+            for at, jpeg in zip(batch.jpeg_positions, batch.jpegs, strict=True)
             if self.enabled and jpeg.key[0] not in self.failures.bad
         ]
-        sizes = {row: tuple(crop_size_of(params[row]).tolist()) for row in batch.pixel_rows}
-        boxes = crop_of(params[[row for row, _ in on_device]]).tolist()
-        for (row, _), (_, _, h, w) in zip(on_device, boxes, strict=True):
-            sizes[row] = shrunk_size(h, w, self.size)
+        sizes = {at: tuple(crop_size_of(rows[at]).tolist()) for at in batch.pixel_positions}
+        boxes = crop_of(rows[[at for at, _ in on_device]]).tolist()
+        for (at, _), (_, _, h, w) in zip(on_device, boxes, strict=True):
+            sizes[at] = shrunk_size(h, w, self.size)
         canvas = torch.zeros(
             len(labels), 3, *canvas_size(sizes.values()), dtype=torch.uint8, device=self.device
         )
         if batch.pixels is not None:
-            put(canvas, batch.pixel_rows, batch.pixels.to(self.device, non_blocking=True).canvas())
+            pixels = batch.pixels.to(self.device, non_blocking=True).canvas()
+            put(canvas, batch.pixel_positions, pixels)
         made: set[int] = set()
         for start in range(0, len(on_device), self.chunk):
             chunk = on_device[start : start + self.chunk]
-            made |= self.decode_chunk(canvas, chunk, boxes[start : start + self.chunk], params)
+            made |= self.decode_chunk(canvas, chunk, boxes[start : start + self.chunk], rows)
         self.report_failures()
-        for jpeg, row in zip(batch.jpegs, batch.jpeg_rows, strict=True):
-            if row not in made:  # the CPU path: its pixels, params and label
-                pixels, params[row], labels[row] = self.fallback(jpeg.key)
-                sizes[row] = tuple(pixels.shape[-2:])
-                canvas = grown(canvas, *sizes[row])
-                canvas[row, :, : sizes[row][0], : sizes[row][1]] = upload(pixels, self.device)
+        for jpeg, at in zip(batch.jpegs, batch.jpeg_positions, strict=True):
+            if at not in made:  # the CPU path: its pixels, sample row and label
+                pixels, rows[at], labels[at] = self.fallback(jpeg.key)
+                sizes[at] = tuple(pixels.shape[-2:])
+                canvas = grown(canvas, *sizes[at])
+                canvas[at, :, : sizes[at][0], : sizes[at][1]] = upload(pixels, self.device)
         height, width = canvas_size(sizes.values())  # as large as the largest piece
         return canvas[:, :, :height, :width]
 
@@ -207,24 +176,25 @@ class JpegDecoder:
         canvas: torch.Tensor,
         chunk: list[tuple[int, JpegBytes]],
         boxes: list[list[int]],
-        params: torch.Tensor,
+        rows: torch.Tensor,
     ) -> set[int]:
         """Decode ``chunk``'s JPEGs, crop them to their ``boxes``, shrink and place them; the
-        rows made. Crops are gathered in one go, then shrunk and placed a factor at a time."""
+        batch positions made. Crops are gathered in one go, then shrunk and placed a factor at
+        a time."""
         indices = [jpeg.key[0] for _, jpeg in chunk]
         images = self.decode_all([jpeg.data for _, jpeg in chunk], indices)
-        rows, kept, kept_boxes = [], [], []
-        for (row, _), index, image, box in zip(chunk, indices, images, boxes, strict=True):
+        placed, kept, kept_boxes = [], [], []
+        for (at, _), index, image, box in zip(chunk, indices, images, boxes, strict=True):
             top, left, h, w = box
             if image is not None and (image.shape[-2] < top + h or image.shape[-1] < left + w):
                 # Smaller than its header said: not this file's device decoding again.
                 self.failures.bad.add(index)
                 self.failures.error = f"decoded {tuple(image.shape[-2:])}, box {box}"
             elif image is not None:
-                rows.append(row)
+                placed.append(at)
                 kept.append(image)
                 kept_boxes.append(box)
-        if not rows:
+        if not placed:
             return set()
         crops = Ragged.of(kept).crops(torch.tensor(kept_boxes, dtype=torch.int64))
         del kept, images  # the full-resolution images are freed before the next chunk
@@ -235,10 +205,10 @@ class JpegDecoder:
         for factor, members in by_factor.items():
             group = crops.index_select(0, torch.tensor(members).to(self.device, non_blocking=True))
             sizes = torch.tensor([heights_widths[n] for n in members], dtype=torch.int64)
-            put(canvas, [rows[n] for n in members], shrink_group(group, sizes, factor))
+            put(canvas, [placed[n] for n in members], shrink_group(group, sizes, factor))
         made = [shrunk_size(h, w, self.size) for h, w in heights_widths]
-        crop_of(params)[rows] = torch.tensor([[0, 0, h, w] for h, w in made], dtype=params.dtype)
-        return set(rows)
+        crop_of(rows)[placed] = torch.tensor([[0, 0, h, w] for h, w in made], dtype=rows.dtype)
+        return set(placed)
 
     def decode_all(self, data: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor | None]:
         """The images decoded on the device, None for those the CPU path must make."""
@@ -305,14 +275,6 @@ class JpegDecoder:
         failures.reported = len(failures.bad)
 
 
-def shrunk_size(height: int, width: int, size: int) -> tuple[int, int]:
-    """The size of a ``height`` x ``width`` crop after ``shrink``."""
-    factor = shrink_factor(height, width, size)
-    if factor < 2:
-        return height, width
-    return -(-height // factor), -(-width // factor)
-
-
 def shrink_group(crops: torch.Tensor, sizes: torch.Tensor, factor: int) -> torch.Tensor:
     """``shrink`` by ``factor`` of each crop on a canvas (N, 3, H, W) whose (height, width) are
     ``sizes`` (N, 2, on the host), as one pooling over the canvas: block sums divided by the
@@ -350,16 +312,10 @@ def grown(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return larger
 
 
-def put(canvas: torch.Tensor, rows: list[int], pieces: torch.Tensor) -> None:
-    """``pieces`` (len(rows), 3, h, w) at the top left of these rows of ``canvas``, in one copy."""
-    if not rows:
+def put(canvas: torch.Tensor, positions: list[int], pieces: torch.Tensor) -> None:
+    """``pieces`` (len(positions), 3, h, w) at the top left of these images of ``canvas``, in
+    one copy."""
+    if not positions:
         return
-    index = torch.tensor(rows).to(canvas.device, non_blocking=True)
+    index = torch.tensor(positions).to(canvas.device, non_blocking=True)
     canvas[:, :, : pieces.shape[-2], : pieces.shape[-1]].index_copy_(0, index, pieces)
-
-
-def split_samples(pixels: Sequence[torch.Tensor | JpegBytes]) -> tuple[list[int], list[int]]:
-    """The rows of decoded pixels and the rows of JPEG bytes."""
-    jpeg_rows = [n for n, p in enumerate(pixels) if isinstance(p, JpegBytes)]
-    taken = set(jpeg_rows)
-    return [n for n in range(len(pixels)) if n not in taken], jpeg_rows

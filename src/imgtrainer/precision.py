@@ -1,4 +1,5 @@
-"""Numeric precision of a run: AMP's dtype, the gradient scaler, the backends' settings."""
+"""Numeric precision of a run: AMP's dtype, the gradient scaler, the backends' settings, and
+the dtype and memory layout the model and its batches share on a device."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ class Precision:
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, dtype=self.dtype, enabled=self.enabled)
+
+    def batch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the batches handed to the model on ``device``: bfloat16 where CUDA
+        trains under bfloat16 autocast, whose first layer would cast them so anyway (half the
+        bytes written and read); float32 otherwise."""
+        bfloat16 = self.enabled and self.dtype == torch.bfloat16 and device.type == "cuda"
+        return torch.bfloat16 if bfloat16 else torch.float32
+
+
+FLOAT32 = Precision(False, torch.float32)
+
+
+def uses_channels_last(requested: bool, device: torch.device) -> bool:
+    """Whether the model and its batches are channels_last in memory: where asked for
+    (--channels_last) and on CUDA, whose tensor-core convolutions want it."""
+    return requested and torch.device(device).type == "cuda"
 
 
 def configure_backends(device: torch.device, deterministic: bool) -> None:
@@ -59,7 +76,7 @@ def precision_rule(
     float32 without --use_amp; on the CPU bfloat16, or float32 under --low_memory (bfloat16
     autocast is much slower there, and the micro-batches already bound the memory)."""
     if not use_amp or (device.type == "cpu" and low_memory):
-        return Precision(False, torch.float32)
+        return FLOAT32
     if device.type == "cpu":
         return Precision(True, torch.bfloat16)
     return Precision(True, getattr(torch, amp_dtype))

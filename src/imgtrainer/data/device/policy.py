@@ -1,8 +1,9 @@
-"""TrivialAugment and RandAugment on whole batches. The host draws each sample's ops and
-magnitude bins (``draw_policy``) with the calls of torchvision's own ``forward``, in its order;
-on the device ``BatchPolicy`` groups the batch by op and applies each op to all the samples that
-drew it at once, with torchvision's arithmetic (uint8, nearest interpolation, fill 0): a sample
-comes out as torchvision's policy, drawing the same ops, would make it."""
+"""TrivialAugment and RandAugment on whole batches, the device half: ``BatchPolicy`` groups the
+batch by the ops its samples drew (``host.draws.draw_policy``) and applies each op to all the
+samples that drew it at once, with torchvision's arithmetic (uint8, nearest interpolation, fill
+0): a sample comes out as torchvision's policy, drawing the same ops, would make it. Two
+torchvision privates, ``_get_inverse_affine_matrix`` and the policies' ``_AUGMENTATION_SPACE``,
+give the numbers (tests/test_batch_policy.py checks them against the installed torchvision)."""
 
 from __future__ import annotations
 
@@ -11,60 +12,17 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
 
-from imgtrainer.data.params import BIN, COLUMNS, NEGATIVE, OP, SLOTS, slot_of
-from imgtrainer.data.transforms import AUTO_AUGMENT
-
-# Two torchvision privates, _get_inverse_affine_matrix and the policies' _AUGMENTATION_SPACE, give
-# the numbers its per-image ops use (tests/test_batch_policy.py checks them against the installed
-# torchvision).
-# The ops in the order of both policies' augmentation spaces (the op index is its position).
-OPS = (
-    *("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"),
-    *("Brightness", "Color", "Contrast", "Sharpness", "Posterize", "Solarize"),
-    *("AutoContrast", "Equalize"),
-)
-GEOMETRIC = range(1, 6)  # ShearX .. Rotate: one batched affine for all of them
+from imgtrainer.data.host.draws import GEOMETRIC, OPS, policy_transform
+from imgtrainer.data.host.sample_row import OP, slot_of
 
 # What one slot's ops need per sample, worked out on the host from the row's choices (not
 # drawn: no home in the row), as float32 columns moved to the device together.
 FACTOR, ALPHA, THRESHOLD, MASK = range(4)  # 1 + m and 1 - (1 + m); 255 m; posterize's bits
 THETA = 4  # and six more: the affine ops' inverse matrix
 VALUES = THETA + 6
-
-
-@functools.cache
-def policy_transform(name: str) -> v2.Transform:
-    """torchvision's policy of ``--auto_augment name``: its augmentation space and settings."""
-    policy = AUTO_AUGMENT[name]()
-    if tuple(policy._AUGMENTATION_SPACE) != OPS or getattr(policy, "num_ops", 1) > SLOTS:
-        raise ValueError(f"{type(policy).__name__}: not the ops this module batches")
-    return policy
-
-
-def draw_policy(name: str) -> list[int]:
-    """One sample's choices as ``COLUMNS`` ints, from torch's CPU generator with the calls of
-    torchvision's ``forward`` in its order: per op, ``randint(len(ops), ())``, TrivialAugment's
-    magnitude bin ``randint(num_bins, ())``, then ``rand(()) <= 0.5`` negates a signed op."""
-    policy = policy_transform(name)
-    fixed_bin = policy.magnitude if isinstance(policy, v2.RandAugment) else None
-    row = [0] * COLUMNS
-    for slot in range(getattr(policy, "num_ops", 1)):
-        op = int(torch.randint(len(OPS), ()))
-        magnitudes_fn, signed = policy._AUGMENTATION_SPACE[OPS[op]]
-        row[3 * slot + OP] = op
-        if magnitudes_fn(2, 1, 1) is None:  # no magnitude: nothing more drawn
-            continue
-        if fixed_bin is None:
-            row[3 * slot + BIN] = int(torch.randint(policy.num_magnitude_bins, ()))
-        else:
-            row[3 * slot + BIN] = fixed_bin
-        if signed and torch.rand(()) <= 0.5:
-            row[3 * slot + NEGATIVE] = 1
-    return row
 
 
 def magnitude_table(name: str, size: int) -> torch.Tensor:
@@ -125,8 +83,10 @@ def blend(
     return scaled.add_(other).float().clamp_(0, 255).to(torch.uint8)
 
 
+@functools.cache
 def sharpen_kernel(device: torch.device) -> torch.Tensor:
-    """torchvision's sharpness blur: 3x3 13ths, 5 in the middle, per channel (3, 1, 3, 3)."""
+    """torchvision's sharpness blur: 3x3 13ths, 5 in the middle, per channel (3, 1, 3, 3);
+    made once per device."""
     kernel = torch.full((3, 3), 1.0 / 13.0, device=device)
     kernel[1, 1] = 5.0 / 13.0
     return kernel.expand(3, 1, 3, 3)
@@ -162,22 +122,14 @@ def autocontrast(images: torch.Tensor) -> torch.Tensor:
 
 
 class BatchPolicy:
-    """The device half: (uint8 images (N, 3, size, size) on any device, the host's int64
-    choices (N, COLUMNS)) -> the images with each sample's drawn ops applied, slot by slot."""
+    """(uint8 images (N, 3, size, size) on any device, the host's int64 choices (N,
+    POLICY_WIDTH)) -> the images with each sample's drawn ops applied, slot by slot."""
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
         self.transform = policy_transform(name)
         self.num_ops = getattr(self.transform, "num_ops", 1)
         self.table = magnitude_table(name, size)
-        self._grids: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._constants: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-    def constant(self, name: str, device: torch.device, make) -> torch.Tensor:
-        """``make(device)``, made once per device: no rebuilding and copying every batch."""
-        if (name, device) not in self._constants:
-            self._constants[name, device] = make(device)
-        return self._constants[name, device]
 
     def magnitudes(self, choices: torch.Tensor, slot: int) -> torch.Tensor:
         """(N,) float64: each sample's signed magnitude in ``slot``, as torchvision's float."""
@@ -218,7 +170,7 @@ class BatchPolicy:
             grey = TF.rgb_to_grayscale(images).float()
             return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), factor, alpha)
         if op == "Sharpness":
-            return sharpen(images, alpha, self.constant("sharpen", images.device, sharpen_kernel))
+            return sharpen(images, alpha, sharpen_kernel(images.device))
         if op == "Posterize":
             return images.bitwise_and_(per_image(values[:, MASK]).to(torch.uint8))
         if op == "Solarize":  # compared in float32, as uint8 >= a Python float is
@@ -234,7 +186,7 @@ class BatchPolicy:
         """One nearest ``grid_sample`` for the group, each sample with its own inverse matrix,
         the grid made as torchvision's ``_affine_grid`` makes it (zeros outside: fill 0)."""
         n, size = len(images), self.size
-        base, half = self.grid_constants(images.device)
+        base, half = affine_grid(size, images.device)
         rescaled = (theta.view(n, 2, 3).transpose(1, 2) / half).contiguous()
         grid = base.expand(n, -1, -1).bmm(rescaled)
         grid = grid.view(n, size, size, 2)
@@ -243,17 +195,16 @@ class BatchPolicy:
         )
         return out.round_().to(torch.uint8)
 
-    def grid_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Made once per device: the base grid (1, size * size, 3) float32, the output pixels'
-        centres with the origin at the centre, and the half size (2,) that scales the matrices
-        to [-1, 1]."""
-        if device not in self._grids:
-            size = self.size
-            grid = torch.empty(1, size, size, 3, device=device)
-            steps = torch.linspace((1.0 - size) * 0.5, (size - 1.0) * 0.5, size, device=device)
-            grid[..., 0].copy_(steps)
-            grid[..., 1].copy_(steps.unsqueeze(-1))
-            grid[..., 2].fill_(1)
-            half = torch.full((2,), 0.5 * size, device=device)
-            self._grids[device] = grid.view(1, size * size, 3), half
-        return self._grids[device]
+
+@functools.cache
+def affine_grid(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Made once per size and device: the base grid (1, size * size, 3) float32, the output
+    pixels' centres with the origin at the centre, and the half size (2,) that scales the
+    matrices to [-1, 1]."""
+    grid = torch.empty(1, size, size, 3, device=device)
+    steps = torch.linspace((1.0 - size) * 0.5, (size - 1.0) * 0.5, size, device=device)
+    grid[..., 0].copy_(steps)
+    grid[..., 1].copy_(steps.unsqueeze(-1))
+    grid[..., 2].fill_(1)
+    half = torch.full((2,), 0.5 * size, device=device)
+    return grid.view(1, size * size, 3), half

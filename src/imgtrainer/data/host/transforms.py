@@ -1,5 +1,5 @@
 """Image transforms: evaluation's resize and crop, the augmentation policies, normalisation (the
-training crop, flip, policy and erasing run per batch: ``data.batch_augment``)."""
+training crop, flip, policy and erasing run per batch: ``device.augment``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -46,18 +45,12 @@ AUTO_AUGMENT = {
 
 
 def normalize_batch(
-    images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
+    images: torch.Tensor,
+    mean: Sequence[float] | torch.Tensor = IMAGENET_MEAN,
+    std: Sequence[float] | torch.Tensor = IMAGENET_STD,
 ) -> torch.Tensor:
-    """uint8 (N, 3, H, W) in 0..255 -> float32, normalized with ``mean`` and ``std``."""
-    mean_t = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
-    std_t = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    """uint8 (N, 3, H, W) in 0..255 -> float32 normalised with ``mean`` and ``std``, as
+    torchvision's Normalize does (in place when ``images`` is float32 already)."""
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
     return images.float().div_(255).sub_(mean_t).div_(std_t)
-
-
-def collate_normalized(
-    batch: list[tuple[torch.Tensor, int]],
-    mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    images, labels = default_collate(batch)
-    return normalize_batch(images, mean, std), labels

@@ -1,4 +1,4 @@
-"""Mixup and CutMix on whole training batches (``--mixup``, ``--cutmix``), seeded per step.
+"""Mixup and CutMix on whole training batches on the training device, seeded per step.
 
 Each batch runs torchvision's ``v2.MixUp``/``v2.CutMix`` with the global CPU generator seeded
 from (seed, epoch, step, position of its first sample in the epoch's order), then restored: the
@@ -13,66 +13,63 @@ from dataclasses import dataclass
 import torch
 from torchvision.transforms import v2
 
-from imgtrainer.config import TrainConfig, optimizer_batch
-from imgtrainer.data.sources import sample_seed, seeded_cpu_generator
+from imgtrainer.data.host.samples import sample_seed, seeded_cpu_generator
 
 
 def step_seed(seed: int, epoch: int, step: int, position: int) -> int:
     """The mixing seed of one process's batch of an optimizer step: a function of (seed, epoch,
     step, the position of its first sample in the epoch's global order) only. Offset from the
-    per-sample seeds (data.sample_seed) so the two never share a stream."""
+    per-sample seeds (``sample_seed``) so the two never share a stream."""
     return (sample_seed(seed, epoch, step) * 1_000_003 + position + 1) % (2**63)
 
 
+@dataclass(frozen=True)
+class Mixing:
+    """What the mixing of a run is: the Beta alphas of mixup and cutmix (0: off), the chance
+    a batch takes cutmix when both are on (timm's switch probability), the epochs that mix
+    (0 .. ``mixed_epochs`` - 1), the run's seed and its global batch (step s starts at
+    position s x global batch of the epoch's order)."""
+
+    mixup: float
+    cutmix: float
+    switch_prob: float = 0.5
+    mixed_epochs: int = 1
+    seed: int = 0
+    global_batch: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.mixup > 0 or self.cutmix > 0
+
+
 class BatchMixer:
-    """The run's mixup/cutmix; ``for_epoch`` gives the callable that the engine applies to each
-    loaded batch of an epoch, or None in the epochs without mixing (the last
-    ``--mix_off_epochs``)."""
+    """A run's mixup/cutmix; ``for_epoch`` gives the callable that the training loop applies to
+    each loaded batch of an epoch, or None in the epochs without mixing."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        mixing: Mixing,
         num_classes: int,
         rank: int = 0,
         device: torch.device | str = "cpu",
-        world_size: int = 1,
     ):
-        if cfg.mixup <= 0 and cfg.cutmix <= 0:
+        if not mixing.enabled:
             raise ValueError("BatchMixer needs --mixup or --cutmix above 0")
         mixers = []
-        if cfg.mixup > 0:
-            mixers.append(v2.MixUp(alpha=cfg.mixup, num_classes=num_classes))
-        if cfg.cutmix > 0:
-            mixers.append(v2.CutMix(alpha=cfg.cutmix, num_classes=num_classes))
-        # timm's switch probability: with both on, each batch takes cutmix with this chance.
-        switch = cfg.mix_switch_prob
+        if mixing.mixup > 0:
+            mixers.append(v2.MixUp(alpha=mixing.mixup, num_classes=num_classes))
+        if mixing.cutmix > 0:
+            mixers.append(v2.CutMix(alpha=mixing.cutmix, num_classes=num_classes))
+        switch = mixing.switch_prob
         self.transform = (
             v2.RandomChoice(mixers, p=[1 - switch, switch]) if len(mixers) == 2 else mixers[0]
         )
-        # Epochs count from 0: epochs 0 .. this - 1 mix.
-        self.last_mixed_epoch = cfg.epochs - cfg.mix_off_epochs
-        self.seed, self.rank = cfg.seed, rank
-        # Step s of an epoch starts at position s x global batch; rank r's share at + r.
-        self.global_batch = optimizer_batch(cfg) * world_size
+        self.mixing, self.rank = mixing, rank
         self.device = torch.device(device)
 
-    @classmethod
-    def from_config(
-        cls,
-        cfg: TrainConfig,
-        num_classes: int,
-        rank: int,
-        device: torch.device,
-        world_size: int = 1,
-    ) -> BatchMixer | None:
-        """The run's mixer, or None when neither --mixup nor --cutmix is on."""
-        if cfg.mixup <= 0 and cfg.cutmix <= 0:
-            return None
-        return cls(cfg, num_classes, rank, device, world_size)
-
     def for_epoch(self, epoch: int) -> EpochMixer | None:
-        """The mixing of ``epoch`` (counted from 0), or None in the last ``--mix_off_epochs``."""
-        return EpochMixer(self, epoch) if epoch < self.last_mixed_epoch else None
+        """The mixing of ``epoch`` (counted from 0), or None once the mixed epochs are over."""
+        return EpochMixer(self, epoch) if epoch < self.mixing.mixed_epochs else None
 
     def mix(
         self, images: torch.Tensor, targets: torch.Tensor, epoch: int, step: int
@@ -82,14 +79,15 @@ class BatchMixer:
         # On the device first: the blend runs there, and a pinned batch is copied as it is.
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        position = step * self.global_batch + self.rank
-        with seeded_cpu_generator(step_seed(self.seed, epoch, step, position)):
+        position = step * self.mixing.global_batch + self.rank
+        with seeded_cpu_generator(step_seed(self.mixing.seed, epoch, step, position)):
             return self.transform(images, targets)
 
 
 @dataclass(frozen=True)
 class EpochMixer:
-    """``BatchMixer.mix`` for one epoch: what ``engine.train_one_epoch`` calls per batch."""
+    """``BatchMixer.mix`` for one epoch: what ``training.loop.train_one_epoch`` calls per
+    batch."""
 
     mixer: BatchMixer
     epoch: int

@@ -1,0 +1,77 @@
+"""The sample row, the one home of its layout: what the host drew for one sample (``draws``) and
+the device applies to it (``device.augment``), one int64 row per sample, stacked (N, ROW_WIDTH)
+by the collate. Read and write it through these names and helpers only.
+
+Its columns: the crop box, the flip, the erasing box, then the ``--auto_augment`` policy's slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# The crop box (in the pixels the sample hands over), the horizontal flip (0 or 1), the
+# random-erasing rectangle in the output (h = w = 0: none), then the policy's choices.
+TOP, LEFT, HEIGHT, WIDTH, FLIP, ERASE_TOP, ERASE_LEFT, ERASE_H, ERASE_W, POLICY = range(10)
+CROP = slice(TOP, WIDTH + 1)
+ERASE = slice(ERASE_TOP, ERASE_W + 1)
+
+# The policy's columns: per op slot, the op's index (0: Identity), its magnitude bin, 1 where
+# negated (draws.draw_policy draws them; device.policy.BatchPolicy applies them).
+SLOTS = 2  # ops per sample at most: TrivialAugment applies 1, RandAugment (num_ops=2) 2
+OP, BIN, NEGATIVE = range(3)  # a slot's columns
+SLOT_WIDTH = 3
+POLICY_WIDTH = SLOT_WIDTH * SLOTS
+ROW_WIDTH = POLICY + POLICY_WIDTH
+
+NO_ERASE = (0, 0, 0, 0)
+NO_POLICY = (0,) * POLICY_WIDTH
+
+
+def row_of(
+    crop: Sequence[int],
+    flip: int,
+    erase: Sequence[int] = NO_ERASE,
+    policy: Sequence[int] = NO_POLICY,
+) -> torch.Tensor:
+    """One sample's row (ROW_WIDTH,) int64 from its parts."""
+    row = torch.tensor([*crop, flip, *erase, *policy], dtype=torch.int64)
+    if len(row) != ROW_WIDTH:
+        raise ValueError(f"a sample row has {ROW_WIDTH} columns, not {len(row)}")
+    return row
+
+
+def crop_of(rows: torch.Tensor) -> torch.Tensor:
+    """The crop boxes (..., 4): top, left, height, width; a view of the row(s)."""
+    return rows[..., CROP]
+
+
+def crop_size_of(rows: torch.Tensor) -> torch.Tensor:
+    """The crop boxes' (height, width) (..., 2); a view of the row(s)."""
+    return rows[..., HEIGHT : WIDTH + 1]
+
+
+def set_whole_crop(row: torch.Tensor, height: int, width: int) -> None:
+    """The box of a sample whose pixels are now its crop: all of them, from the top left."""
+    row[CROP] = torch.tensor([0, 0, height, width])
+
+
+def erase_of(rows: torch.Tensor) -> torch.Tensor:
+    """The erasing rectangles (..., 4): top, left, height, width; a view of the row(s)."""
+    return rows[..., ERASE]
+
+
+def policy_of(rows: torch.Tensor) -> torch.Tensor:
+    """The policy's choices (..., POLICY_WIDTH); a view of the row(s)."""
+    return rows[..., POLICY : POLICY + POLICY_WIDTH]
+
+
+def slot_columns(slot: int) -> slice:
+    """Where one slot's (op, bin, negative) are among the policy's choices."""
+    return slice(SLOT_WIDTH * slot, SLOT_WIDTH * (slot + 1))
+
+
+def slot_of(choices: torch.Tensor, slot: int) -> torch.Tensor:
+    """One slot's (op, bin, negative) columns of the policy's choices (..., SLOT_WIDTH); a view."""
+    return choices[..., slot_columns(slot)]

@@ -1,0 +1,100 @@
+"""Images as files of their own: a folder of class folders (ImageFolder's layout) and a
+``.csv``/``.tsv`` list of paths and labels, both tables of ``FILES`` rows."""
+
+from __future__ import annotations
+
+import csv
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from imgtrainer.data.layouts.folder_checks import find_classes
+from imgtrainer.data.layouts.image_files import is_image_file
+from imgtrainer.data.layouts.names import labels_of
+from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
+from imgtrainer.errors import UserError
+
+
+class FileRows(RowKind):
+    """A row is a file: ``os.path.join(container, member)``."""
+
+    name = "files"
+
+    def location(self, table: ImageTable, i: int) -> str:
+        return os.path.join(table.containers[int(table.container[i])], table.members[i])
+
+    def file_of(self, table: ImageTable, i: int) -> str:
+        return self.location(table, i)
+
+    def read(self, table: ImageTable, i: int) -> bytes:
+        with open(self.location(table, i), "rb") as f:
+            return f.read()
+
+    def image_file(self, table: ImageTable, i: int) -> str:
+        return self.location(table, i)
+
+
+FILES = FileRows()
+
+
+def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 4) -> ImageTable:
+    """ImageFolder's listing (``names`` fixes the labels, as a checkpoint's classes), each
+    class folder walked in its own thread."""
+    names = names or find_classes(root, role)
+
+    def walk(name: str) -> list[tuple[str, Strings]]:
+        # Each folder's names become compact arrays at once: a million names never live as
+        # Python strings together (their memory would stay with the process).
+        return [
+            (where, Strings.of([f for f in sorted(files) if is_image_file(f)]))
+            for where, _, files in sorted(os.walk(root / name, followlinks=True))
+        ]
+
+    wanted = sorted(range(len(names)), key=lambda i: names[i])
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        walked = list(pool.map(walk, [names[i] for i in wanted]))
+    folders = [
+        (label, where, files)
+        for label, found in zip(wanted, walked, strict=True)
+        for where, files in found
+    ]
+    counts = [len(files) for _, _, files in folders]
+    rows = {
+        "containers": [where for _, where, _ in folders],
+        "container": np.repeat(np.arange(len(folders), dtype=np.int32), counts),
+        "members": Strings.joined([files for _, _, files in folders]),
+        "labels": np.repeat(np.array([label for label, _, _ in folders], dtype=np.int64), counts),
+    }
+    present = {i for i, name in enumerate(names) if (root / name).is_dir()}
+    return ImageTable.build(FILES, str(root), names, rows, present=present)
+
+
+def list_table(path: Path, names: list[str] | None) -> ImageTable:
+    """A ``.csv``/``.tsv`` with a header holding ``path`` and ``label``; relative paths are
+    relative to the list file's folder."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+            header = reader.fieldnames or []
+            missing = [c for c in ("path", "label") if c not in header]
+            if missing:
+                raise UserError(
+                    f"list file {path}: no {' or '.join(repr(c) for c in missing)} column in "
+                    f"its header (found: {', '.join(header) or 'nothing'}); expected a header "
+                    "line with path and label"
+                )
+            entries = [(row["path"], row["label"]) for row in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise UserError(f"list file {path}: cannot be read ({err})") from None
+    names, labels = labels_of([label for _, label in entries], names, f"list file {path}")
+    folder = str(path.parent)
+    rows: dict[str, list] = {"containers": [], "container": [], "members": [], "labels": labels}
+    seen: dict[str, int] = {}
+    for name, _ in entries:
+        where, member = os.path.split(os.path.join(folder, name))
+        rows["container"].append(seen.setdefault(where, len(seen)))
+        rows["members"].append(member)
+    rows["containers"] = list(seen)
+    return ImageTable.build(FILES, str(path), names, rows)

@@ -1,0 +1,87 @@
+"""Names in a layout: file patterns with braces and globs, class-name files, labels given as
+names or indices."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from imgtrainer.errors import UserError
+
+
+def expand_pattern(spec: str, suffix: str) -> list[str]:
+    """The files a shard or Parquet pattern names: braces first (``{000000..000099}`` with its
+    zero padding, ``{a,b}``), then glob characters; a folder stands for its files ending in
+    ``suffix``."""
+    if Path(spec).is_dir():
+        return sorted(str(p) for p in Path(spec).rglob(f"*{suffix}"))
+    found = []
+    for name in expand_braces(spec):
+        if glob.has_magic(name):
+            found += sorted(glob.glob(name))
+        elif os.path.isfile(name):
+            found.append(name)
+        else:
+            raise UserError(f"{spec}: {name} does not exist")
+    return found
+
+
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    match = _BRACES.search(pattern)
+    if match is None:
+        return [pattern]
+    inside = match.group(1)
+    if ".." in inside:
+        first, last = inside.split("..", 1)
+        if not (first.isdigit() and last.isdigit()):
+            raise UserError(f"{pattern}: a brace range is {{FIRST..LAST}} of numbers")
+        width = len(first) if first.startswith("0") else 0
+        choices = [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
+    else:
+        choices = inside.split(",")
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for choice in choices for name in expand_braces(head + choice + tail)]
+
+
+def read_class_names(path: str | Path) -> list[str]:
+    """Class names one a line, in index order (--class_names, a shard set's classes.txt)."""
+    try:
+        names = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"class names file {path}: cannot be read ({err})") from None
+    if not names:
+        raise UserError(f"class names file {path} is empty; expected one class name a line")
+    if len(set(names)) != len(names):
+        raise UserError(f"class names file {path} names a class twice")
+    return names
+
+
+def labels_of(values: list[Any], names: list[str] | None, source: str) -> tuple[list[str], list]:
+    """(class names, label indices) of raw labels: with ``names``, each a name or an index into
+    them; without, the classes are the sorted set of the names (as a folder's class folders)."""
+    if names is None:
+        if any(not isinstance(v, str) for v in values):
+            raise UserError(
+                f"{source}: the labels are class indices; give their names with --class_names "
+                "FILE (one name a line, in index order)"
+            )
+        names = sorted(set(values))
+    index = {name: i for i, name in enumerate(names)}
+    labels = []
+    for row, value in enumerate(values):
+        label = index.get(value) if isinstance(value, str) else None
+        if label is None and (isinstance(value, int) or str(value).strip().isdigit()):
+            label = int(value) if 0 <= int(value) < len(names) else None
+        if label is None:
+            raise UserError(
+                f"{source}: the label {value!r} of row {row} is not one of the "
+                f"{len(names)} class names ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+            )
+        labels.append(label)
+    return names, labels
