@@ -1,4 +1,4 @@
-"""The batched augmentation (data.batch_augment): the host draws follow torchvision's
+"""The batched augmentation (data.host.draws, data.device.augment): the host draws follow torchvision's
 RandomResizedCrop, the batched resample is the per-image antialiased resize, flips are per
 sample, padding on the canvas is never read, and the device path agrees with the CPU one."""
 

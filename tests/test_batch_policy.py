@@ -1,4 +1,4 @@
-"""The policies grouped by op (data.batch_policy): every op at every magnitude is torchvision's
+"""The policies grouped by op (data.host.draws, data.device.policy): every op at every magnitude is torchvision's
 per-image result, bit for bit; the host draws are torchvision's own choices; and a batch through
 BatchAugment is torchvision's policy applied to each resampled image."""
 

@@ -56,3 +56,38 @@ def _anchors(page) -> set[str]:
     text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
     headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_package_map_is_generated_from_the_docstrings() -> None:
+    """docs/development.md's package map lists every module with its docstring's first
+    sentence, short enough for two lines of the map."""
+    from imgtrainer.run import module_map
+
+    doc = module_map.DOC_PATH.read_text(encoding="utf-8")
+    stale = f"docs/development.md's package map is stale; regenerate it: {module_map.REGENERATE}"
+    assert module_map.updated(doc) == doc, stale
+    unlisted = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "src" / "imgtrainer").rglob("*.py"))
+        if path.name != "__init__.py" and f" {path.name} " not in doc.replace("\n", " ")
+    ]
+    assert not unlisted, f"modules missing from the package map: {unlisted}"
+    assert not module_map.missing_summaries(), "modules without a docstring to list"
+    long = [f"{path} ({len(text)})" for path, text in module_map.summaries() if len(text) > 150]
+    assert not long, "first docstring sentences too long for the map (150 at most):\n" + "\n".join(
+        long
+    )
+
+
+def test_the_map_check_reports_a_stale_map(tmp_path, monkeypatch, capsys) -> None:
+    from imgtrainer.run import module_map
+
+    doc = tmp_path / "development.md"
+    doc.write_text(
+        f"# Development\n\n{module_map.BEGIN}\nold\n{module_map.END}\n", encoding="utf-8"
+    )
+    monkeypatch.setattr(module_map, "DOC_PATH", doc)
+    assert module_map.main(["--check"]) == 1
+    assert module_map.REGENERATE in capsys.readouterr().err
+    assert module_map.main([]) == 0 and module_map.main(["--check"]) == 0
+    assert "  data/ " in doc.read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""JPEG files decoded on the training device (data.jpeg_device): which files the header rule sends
+"""JPEG files decoded on the training device (data.device.jpeg): which files the header rule sends
 there, mixed batches of bytes and pixels, crops equal to the CPU path's up to the decoders'
 differences, and the fallback to the CPU path for what the device decoder fails on. The device
 is the CPU here (torchvision's decode_jpeg on the CPU injected); one test runs nvjpeg on CUDA."""

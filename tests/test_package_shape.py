@@ -6,6 +6,8 @@ import functools
 import importlib
 from pathlib import Path
 
+from imgtrainer.run import module_map
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PARAMS = 6
 MAX_DOCSTRING_LINES = 8
@@ -72,19 +74,9 @@ def test_module_docstrings_are_a_few_lines():
     )
 
 
-# The floors of the house, lowest first: a module imports only from its own floor or below.
-# Within a floor, rooms may import each other, but never in a circle (test_no_import_cycle).
-LAYERS = [
-    {"errors"},
-    {"files", "process", "torch_compat"},
-    {"distributed"},
-    {"config"},
-    {"hooks", "precision"},
-    {"data", "reports", "checkpoints"},
-    {"models"},
-    {"training"},
-    {"run", "tools"},
-]
+# The floors of the house, lowest first (the package map lists the rooms in this order): a module
+# imports only from its own floor or below; within a floor, never in a circle.
+LAYERS = module_map.FLOORS
 FLOOR = {room: floor for floor, rooms in enumerate(LAYERS) for room in rooms}
 MAX_CLASS_LINES = 250
 MAX_MODULE_LINES = 500
@@ -252,7 +244,7 @@ def test_the_cycle_check_sees_a_function_local_import():
 
 # The floors of data/, in the order the bytes travel: storage to a table, one sample in a
 # loader worker, a batch on the device, then the top (the loaders, the plan, the checks).
-DATA_FLOORS = ["layouts", "host", "device", ""]
+DATA_FLOORS = module_map.DATA_FLOORS
 
 
 def _data_floor(module: str) -> int:

@@ -18,7 +18,7 @@ from unittest.mock import ANY
 import instrument.sitecustomize as instrument
 import pytest
 
-import imgtrainer.data.layouts.decode_check as unreadable
+import imgtrainer.data.layouts.decode_check as decode_check
 import imgtrainer.process as process
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.lifecycle as lifecycle
@@ -232,7 +232,7 @@ def check_pass(folder: Path, cache: Path, monkeypatch, rank: int = 0, world_size
     real = ImageTable.problem
     monkeypatch.setattr(ImageTable, "problem", lambda self, i: decoded.append(i) or real(self, i))
     images = {"training": folder_images(folder)}
-    check = unreadable.DecodeCheck(images, None, rank, world_size, cache_dir=cache)
+    check = decode_check.DecodeCheck(images, None, rank, world_size, cache_dir=cache)
     check.wait()
     known = (images["training"].states.array != UNKNOWN).tolist()
     problems = dict(check.problems["training"])
@@ -256,14 +256,14 @@ def test_decode_check_is_remembered_per_image_and_shared_out(tmp_path: Path, mon
     image.write_bytes(b"broken too")  # a new size and time: checked again, alone
     assert check_pass(folder, cache, monkeypatch)[0::2] == ([1], {0: ANY, 1: ANY})
 
-    (cache / unreadable.DecodeCheckCache.NAME).write_text("{damaged")  # checked again, all
+    (cache / decode_check.DecodeCheckCache.NAME).write_text("{damaged")  # checked again, all
     assert check_pass(folder, cache, monkeypatch)[0] == [0, 1, 2, 3]
 
     shutil.copy(folder / "a" / "img_001.jpg", folder / "a" / "img_new.jpg")
     assert check_pass(folder, cache, monkeypatch)[0] == [0, 1, 2, 3, 4]  # a new listing
 
     # Rank 1 of 2, the cache gone: it decodes its share, every other row.
-    (cache / unreadable.DecodeCheckCache.NAME).unlink()
+    (cache / decode_check.DecodeCheckCache.NAME).unlink()
     decoded, known, problems = check_pass(folder, cache, monkeypatch, rank=1, world_size=2)
     assert decoded == [1, 3] and known == [False, True, False, True, False]
     assert list(problems) == [1]
@@ -286,7 +286,7 @@ def test_a_check_of_many_images_runs_in_processes_and_is_remembered(tmp_path: Pa
     monkeypatch.setattr(ImageTable, "problem", counted)
     for start, decoded in (("cold", 300), ("warm", 0)):
         images = {"training": folder_images(folder)}
-        check = unreadable.DecodeCheck(images, None, cache_dir=tmp_path / "logs", workers=2)
+        check = decode_check.DecodeCheck(images, None, cache_dir=tmp_path / "logs", workers=2)
         assert check.pool is not None, start  # forked processes, not this one's thread
         found = check.finish()
         assert sorted(Path(p).relative_to(folder).as_posix() for p in found) == [
@@ -303,14 +303,14 @@ def test_row_stats_of_files_and_shards(tmp_path: Path):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
     table = folder_images(folder).table
     (folder / "a" / "img_002.jpg").unlink()
-    stats = unreadable.row_stats(table, 0, 3)
+    stats = decode_check.row_stats(table, 0, 3)
     for i in range(2):
         st = os.stat(table.location(i))
         assert list(stats[i]) == [st.st_size, st.st_mtime_ns]
     assert list(stats[2]) == [-1, -1]
     shard = replace(table, kind=TAR, containers=[str(tmp_path / "s.tar")])
     (tmp_path / "s.tar").write_bytes(b"x" * 7)
-    assert unreadable.row_stats(shard, 0, 3)[:, 0].tolist() == [7, 7, 7]
+    assert decode_check.row_stats(shard, 0, 3)[:, 0].tolist() == [7, 7, 7]
 
 
 # ----------------------------------------------------------------------------- class folders

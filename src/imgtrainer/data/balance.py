@@ -1,5 +1,8 @@
-"""Class imbalance: the images per class, scikit-learn's "balanced" class weights, and the note
-a run logs at its start when its classes are far apart in size."""
+"""Class imbalance: images per class, balanced class weights, the note a run logs.
+
+scikit-learn's "balanced" class weights, and the note a run logs at its start when its classes
+are far apart in size.
+"""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""A collated batch to an augmented batch on the training device: batches and their prefetch,
-the JPEG decoder, the resample, policies, erasing, mixing, and the augmentation's memory bound."""
+"""A collated batch in, an augmented batch on the training device out."""

@@ -1,9 +1,10 @@
-"""JPEG files decoded on the training device: loader workers hand over a JPEG's raw bytes
-(``JpegBytes``) with the sample row drawn for its header size; ``JpegDecoder`` decodes a batch's
-JPEGs on the device in a few ``decode_jpeg`` calls (chunks), crops each to its box (shrunk like
-the CPU path's PIL ``reduce``) and places them with the batch's CPU-decoded samples on one
-canvas. What the device decoder fails on is decoded on the CPU exactly as the CPU path does it,
-and a file it failed on is sent there directly from then on.
+"""JPEG files decoded on the training device, with the CPU path where it fails.
+
+Loader workers hand over a JPEG's raw bytes (``JpegBytes``) with the sample row drawn for its
+header size; ``JpegDecoder`` decodes a batch's JPEGs in a few ``decode_jpeg`` calls (chunks),
+crops each to its box (shrunk like the CPU path's PIL ``reduce``) and places them with the
+batch's CPU-decoded samples on one canvas. What the device decoder fails on is decoded on the
+CPU exactly as the CPU path does it, and a file it failed on is sent there from then on.
 """
 
 from __future__ import annotations

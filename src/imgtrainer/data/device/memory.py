@@ -1,11 +1,11 @@
-"""The batched augmentation's device memory, for the memory plan: what it takes per image on top
-of its output, and the number of images augmented at a time that the plan leaves room for.
+"""The augmentation's device memory, for the memory plan.
 
-The augmentation runs on a whole loaded batch (``--accum_steps`` micro-batches) before the
-step's forward, while the model, its gradients and the optimizer's state are in memory; the
-step's trials (``training.memory_fit``) do not run it. Its transient tensors are counted here
-from their shapes, and ``DeviceBatches`` augments ``chunk`` images at a time (and halves that
-on an out-of-memory error, with ``--auto_micro_batch``).
+What it takes per image on top of its output, and the images augmented at a time that the
+plan leaves room for. It runs on a whole loaded batch before the step's forward, while the
+model, its gradients and the optimizer's state are in memory; the step's trials
+(``training.memory_fit``) do not run it, so its transient tensors are counted here from their
+shapes, and ``DeviceBatches`` augments ``chunk`` images at a time (halved on an out-of-memory
+error, with ``--auto_micro_batch``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def canvas_side_bound(size: int, source: Source) -> int:
 def augment_bytes_per_image(size: int, canvas_side: int, policy: bool) -> int:
     """Device bytes the augmentation of one image holds at its peak, beyond the canvas and the
     output it hands over, on a ``canvas_side`` square canvas (an upper bound: the tensors of
-    CUDA's banded resample, ``data.resample.banded_chunk``): the float canvas, the columns,
+    CUDA's banded resample, ``resample.banded_chunk``): the float canvas, the columns,
     the rows' and the columns' weights; then the float output, its dtype and layout pass, and
     with a ``policy`` its uint8 image and float copies."""
     c, s = canvas_side, size

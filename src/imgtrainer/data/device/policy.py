@@ -1,9 +1,11 @@
-"""TrivialAugment and RandAugment on whole batches, the device half: ``BatchPolicy`` groups the
-batch by the ops its samples drew (``host.draws.draw_policy``) and applies each op to all the
-samples that drew it at once, with torchvision's arithmetic (uint8, nearest interpolation, fill
-0): a sample comes out as torchvision's policy, drawing the same ops, would make it. Two
-torchvision privates, ``_get_inverse_affine_matrix`` and the policies' ``_AUGMENTATION_SPACE``,
-give the numbers (tests/test_batch_policy.py checks them against the installed torchvision)."""
+"""TrivialAugment and RandAugment on whole batches on the device, grouped by op.
+
+``BatchPolicy`` applies each op to all the samples that drew it (``host.draws.draw_policy``)
+at once, with torchvision's arithmetic (uint8, nearest interpolation, fill 0): a sample comes
+out as torchvision's policy, drawing the same ops, would make it. Two torchvision privates,
+``_get_inverse_affine_matrix`` and ``_AUGMENTATION_SPACE``, give the numbers
+(tests/test_batch_policy.py checks them against the installed torchvision).
+"""
 
 from __future__ import annotations
 

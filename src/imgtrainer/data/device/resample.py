@@ -1,7 +1,9 @@
-"""The batched resample of ``data.batch_augment``: every sample's crop box of a uint8 canvas
-(N, 3, H, W) resized to size x size with the weights of torch's antialiased bilinear
+"""The batched resample: every sample's crop box of a canvas resized at once.
+
+A uint8 canvas (N, 3, H, W) to size x size with the weights of torch's antialiased bilinear
 ``interpolate`` (clamped to the crop, as it clamps), in two forms: gathered taps (the CPU's,
-the reference) and two ``bmm`` with banded weight matrices (CUDA's)."""
+the reference) and two ``bmm`` with banded weight matrices (CUDA's).
+"""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""One sample in a loader worker: the datasets keyed by (index, epoch), the RAM and device image
-caches, each sample's seeded draws and its sample row, collate, ragged pixels, samplers."""
+"""One sample in a loader worker: (index, epoch) in, its pixels, sample row and label out."""

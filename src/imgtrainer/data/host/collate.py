@@ -1,6 +1,8 @@
-"""Samples to a batch in a loader worker: training samples as a ragged buffer of their pixels,
-device-cache indices, or an ``EncodedBatch`` with JPEG bytes for the device decoder, each with
-its sample rows and labels; evaluation images normalised as they are collated."""
+"""Samples to a batch in a loader worker, and evaluation images normalised as they are collated.
+
+Training samples become a ragged buffer of their pixels, device-cache indices, or an
+``EncodedBatch`` with JPEG bytes for the device decoder, each with their sample rows and labels.
+"""
 
 from __future__ import annotations
 

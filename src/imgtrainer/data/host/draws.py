@@ -1,6 +1,8 @@
-"""The host half of the augmentation: one sample's crop box, flip, erasing box and policy ops,
-drawn from torch's CPU generator with the calls of torchvision's own transforms, in their order,
-as its sample row."""
+"""The host half of the augmentation: one sample's draws as its sample row.
+
+Its crop box, flip, erasing box and policy ops, drawn from torch's CPU generator with the calls
+of torchvision's own transforms, in their order.
+"""
 
 from __future__ import annotations
 

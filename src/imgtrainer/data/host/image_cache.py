@@ -1,7 +1,9 @@
-"""Decoded images kept in memory, both resized once by ``decode_resized`` (a sample is the same
-from a file or a cache): ``SharedImageCache``, filled as the first epoch reads its images, in
-memory shared with the loader workers (``--cache_images ram``); ``DecodedImageCache``, every
-image decoded up front and packed into one canvas on the device (``--cache_images gpu``).
+"""Decoded images kept in memory: the RAM cache and the GPU cache's images.
+
+Both keep each image resized once by ``decode_resized`` (a sample is the same from a file or a
+cache): ``SharedImageCache`` fills as the first epoch reads its images, in memory shared with
+the loader workers (``--cache_images ram``); ``DecodedImageCache`` decodes every image up front
+and packs them into one canvas on the device (``--cache_images gpu``).
 """
 
 from __future__ import annotations

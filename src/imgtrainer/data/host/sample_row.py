@@ -1,8 +1,9 @@
-"""The sample row, the one home of its layout: what the host drew for one sample (``draws``) and
-the device applies to it (``device.augment``), one int64 row per sample, stacked (N, ROW_WIDTH)
-by the collate. Read and write it through these names and helpers only.
+"""The sample row: what the host drew for one sample and the device applies to it.
 
-Its columns: the crop box, the flip, the erasing box, then the ``--auto_augment`` policy's slots.
+One int64 row per sample (``draws`` writes it, ``device.augment`` reads it), stacked
+(N, ROW_WIDTH) by the collate. This is the one home of its layout: read and write it through
+these names and helpers only. Its columns: the crop box, the flip, the erasing box, then the
+``--auto_augment`` policy's slots.
 """
 
 from __future__ import annotations

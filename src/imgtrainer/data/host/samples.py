@@ -1,6 +1,8 @@
-"""Samples in a loader worker, by (index, epoch) keys: where the training images come from
-(``Source``), each sample's seeded draws, and what it hands over (pixels of its crop, JPEG
-bytes, or an index into the device cache) with its sample row and label."""
+"""Samples by (index, epoch) keys, and ``Source``: what a training sample hands over.
+
+Each sample's draws are seeded by (seed, epoch, index); it hands over the pixels of its crop,
+its JPEG bytes, or an index into the device cache, with its sample row and label.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Image transforms: evaluation's resize and crop, the augmentation policies, normalisation (the
-training crop, flip, policy and erasing run per batch: ``device.augment``)."""
+"""Evaluation's resize and crop, normalisation, and the augmentation policies' names.
+
+The training crop, flip, policy and erasing run per batch (``device.augment``).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Storage to an ``ImageTable``: which layout a ``--train_data`` / ``--val_data`` value names (a
-folder, a list file, Parquet, tar shards), its reader, and the run's two tables with the same
-classes; any problem is one ``UserError`` line."""
+"""Storage in, an ``ImageTable`` out: the layout a data flag names and the run's two tables.
+
+Which layout a ``--train_data`` / ``--val_data`` value names (a folder, a list file, Parquet,
+tar shards), its reader, and the training and validation tables with the same classes; any
+problem is one ``UserError`` line.
+"""
 
 from __future__ import annotations
 

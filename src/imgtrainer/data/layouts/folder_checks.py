@@ -1,5 +1,7 @@
-"""Checks of class folders, without decoding an image: the classes of a folder, the same classes
-in training and validation, classes without images; each problem is one ``UserError`` line."""
+"""Checks of class folders, without decoding an image; each problem is one ``UserError`` line.
+
+The classes of a folder, the same classes in training and validation, classes without images.
+"""
 
 from __future__ import annotations
 

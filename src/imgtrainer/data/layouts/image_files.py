@@ -1,7 +1,8 @@
-"""One image file read robustly: which files count as images, decoding to upright RGB, which
-JPEGs the device decodes as they are, and the decode check of one image.
+"""One image file read robustly, and the decode check of one image.
 
-No torch here: ``src/prepare_data.py`` imports this module and starts in a fraction of a second.
+Which files count as images, decoding to upright RGB, which JPEGs the device decodes as they
+are. No torch here: ``src/prepare_data.py`` imports this module and starts in a fraction of a
+second.
 """
 
 from __future__ import annotations

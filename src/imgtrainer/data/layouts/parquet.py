@@ -1,6 +1,8 @@
-"""Parquet files in the Hugging Face Hub's layout (an ``image`` column of bytes or ``{bytes,
-path}``, a ``label`` column): a table of ``PARQUET`` rows, each image read from its row group on
-demand."""
+"""Parquet files in the Hugging Face Hub's layout as a table of ``PARQUET`` rows.
+
+An ``image`` column of bytes or ``{bytes, path}``, a ``label`` column; each image is read from
+its row group on demand.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""WebDataset tar shards as a map-style table: each shard's index of member offsets is built
-once with ``tarfile`` and kept beside the shard (in ``index_dir`` when the shard folder is
-read-only), so an image is one ``pread`` at its offset, in any order, in any worker.
+"""WebDataset tar shards as a table of ``TAR`` rows: an image is one ``pread`` at its offset.
 
-Members follow WebDataset's names: ``key.jpg`` (or another image extension) and ``key.cls``
-holding the class index; the key is the member's name up to the first dot of its base name.
+Each shard's index of member offsets is built once and kept beside the shard (in ``index_dir``
+when the shard folder is read-only), so an image is read in any order, in any worker. Members
+follow WebDataset's names: ``key.jpg`` (or another image extension) and ``key.cls`` holding the
+class index; the key is the member's name up to the first dot of its base name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""The table of every layout: (where each image is, its label) and the class names in compact
-arrays, read through its ``RowKind``; ``TableImages``, the dataset of (upright RGB image, label)
-over it that the caches and loaders use whatever the layout. No torch here (numpy only)."""
+"""The table of every layout, and ``TableImages``, the dataset of its images.
+
+(where each image is, its label) and the class names in compact arrays, read through the
+table's ``RowKind``; ``TableImages`` gives (upright RGB image, label) whatever the layout. No
+torch here (numpy only).
+"""
 
 from __future__ import annotations
 
