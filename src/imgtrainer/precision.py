@@ -1,5 +1,7 @@
-"""Numeric precision of a run: AMP's dtype, the gradient scaler, the backends' settings, and
-the dtype and memory layout the model and its batches share on a device."""
+"""Numeric precision of a run: AMP's dtype, the gradient scaler, the backends' settings.
+
+Also the dtype and memory layout the model and its batches share on a device.
+"""
 
 from __future__ import annotations
 

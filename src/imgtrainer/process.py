@@ -1,7 +1,8 @@
-"""Process helpers below every layer, without torch (the launcher imports them): what torchrun
-tells a worker through its environment (read once), the signals that stop a run and their exit
-codes, the parent-death signal that ends a chain of processes together, pools of forked
-processes, and the GPUs a process started from here would see.
+"""Process helpers below every layer, without torch (the launcher imports them).
+
+What torchrun tells a worker through its environment (read once), the signals that stop a run
+and their exit codes, the parent-death signal that ends a chain of processes together, pools of
+forked processes, and the GPUs a process started from here would see.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe files, what they hold of a run, resuming from them."""

@@ -1,5 +1,8 @@
-"""What a training checkpoint holds of a run (``checkpoint_state``), and how a resume finds it
-and puts it back (``find_resume``, then ``restore`` once the run's parts are built)."""
+"""What a training checkpoint holds of a run, and how a resume puts it back.
+
+``checkpoint_state`` makes it; ``find_resume`` finds it, then ``restore`` puts it back once the
+run's parts are built.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The launcher's flags as ``LauncherConfig``: ``launch_ddp.py``'s parser and the launcher keys a
-run file may hold are generated from its fields (``config.parse``); a flag both read is declared
-once, in ``TrainConfig``."""
+"""The launcher's flags as ``LauncherConfig``, declared once like the trainer's.
+
+``launch_ddp.py``'s parser and the launcher keys a run file may hold are generated from its
+fields (``config.parse``); a flag both read is declared once, in ``TrainConfig``.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""How one optimizer step's global batch is made: passes of --batch_size images, --accum_steps of
-them per process, on the processes of this start (``Layout``), and the batch arithmetic of a
-config.
+"""How one optimizer step's global batch is made, and the batch arithmetic of a config.
+
+Passes of --batch_size images, --accum_steps of them per process, on the processes of this
+start (``Layout``).
 """
 
 from __future__ import annotations

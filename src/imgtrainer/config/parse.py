@@ -1,6 +1,8 @@
-"""From flags to a checked TrainConfig: the argparse parsers generated from the fields, YAML run
-files, the merge of defaults, presets, run file and command line, validation, durations, and
-the resolved configuration written back as a run file.
+"""From flags to a checked TrainConfig: parsers, run files, the merge, validation.
+
+The argparse parsers generated from the fields, YAML run files, the merge of defaults, presets,
+run file and command line, validation, durations, and the resolved configuration written back
+as a run file.
 """
 
 from __future__ import annotations

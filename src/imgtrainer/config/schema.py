@@ -1,6 +1,8 @@
-"""The knobs: every training flag as one field of ``TrainConfig`` (its help group, text, bounds and
-resume rule in the field's metadata), and the presets (the launcher's: ``launcher_flags``).
-Everything else about a flag (its ``--help`` group, bounds check, resume check) derives from them.
+"""The knobs: every training flag as one field of ``TrainConfig``, and the presets.
+
+A field's metadata holds its help group, text, bounds and resume rule; everything else about a
+flag (its ``--help`` group, bounds check, resume check) derives from them. The launcher's flags
+are in ``launcher_flags``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""What the ranks do together: reductions, gathers, broadcasts, barriers, the host-side (gloo)
-group for small agreements, and the checks built on them (peak memory, replicas in sync).
+"""What the ranks do together: reductions, gathers, broadcasts, barriers, agreements.
+
+The host-side (gloo) group serves small agreements; the checks built on them are peak memory
+and replicas in sync.
 
 Every rank must make each call, at the same point; with one process each is a no-op. The process
 group and the device are set up in ``setup.py``, the logging per rank in ``logs.py``.

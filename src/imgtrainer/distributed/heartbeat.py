@@ -1,8 +1,9 @@
-"""Progress beats for the hang watchdog (``run.watchdog``, in the launcher): each rank and loader
-worker owns a small memory-mapped file in $IMGTRAINER_HEARTBEAT_DIR and stores its progress
-there (a counter, the step, the phase, the file being read): memory stores, no system call, no
-collective. Another process reads the files, so a frozen process is seen by one that is not.
-No torch here: the launcher reads the slots.
+"""Progress beats for the hang watchdog: each process stores its progress in its own file.
+
+Each rank and loader worker owns a small memory-mapped file in $IMGTRAINER_HEARTBEAT_DIR and
+stores its progress there (a counter, the step, the phase, the file being read): memory stores,
+no system call, no collective. Another process (``run.watchdog``, in the launcher) reads the
+files, so a frozen process is seen by one that is not. No torch here: the launcher reads them.
 """
 
 from __future__ import annotations

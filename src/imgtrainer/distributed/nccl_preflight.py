@@ -1,9 +1,9 @@
-"""A pre-flight for the known causes of NCCL hangs, run by every rank of an NCCL job as it joins
-the process group: peer-to-peer access that the driver reports but that does not work (NCCL is
-told not to use it), NCCL or driver versions that differ between nodes (named), and a rank whose
-first all-reduce does not finish within seconds (named, instead of a 30-minute timeout). The
-device queries are parameters, so the logic runs on the CPU with them faked
-(docs/troubleshooting.md: NCCL).
+"""A pre-flight for the known causes of NCCL hangs, run by every rank as it joins the group.
+
+Peer-to-peer access that the driver reports but that does not work (NCCL is told not to use
+it), NCCL or driver versions that differ between nodes (named), and a rank whose first
+all-reduce does not finish within seconds (named, instead of a 30-minute timeout). The device
+queries are parameters, so the logic runs on the CPU with them faked (docs/troubleshooting.md).
 """
 
 from __future__ import annotations

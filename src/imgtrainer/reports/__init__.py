@@ -1,0 +1,1 @@
+"""What a run reports: its history, curves, confusion matrices, TensorBoard and trackers."""

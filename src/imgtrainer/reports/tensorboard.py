@@ -1,6 +1,7 @@
-"""TensorBoard event files for one run (``<log_dir>/tensorboard/``): per-step and per-epoch
-curves, hyper-parameters and a grid of augmented images, written by the main process only
-(a no-op object elsewhere), from Python numbers only, so it never waits for the GPU.
+"""TensorBoard event files for one run (``<log_dir>/tensorboard/``), written without a device sync.
+
+Per-step and per-epoch curves, hyper-parameters and a grid of augmented images, by the main
+process only (a no-op object elsewhere), from Python numbers only: it never waits for the GPU.
 
 Every series is written at the global optimizer step, so a resumed run purges what a crashed run
 wrote after its checkpoint in every series; since TensorBoard's Rust data server ignores the

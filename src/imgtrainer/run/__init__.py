@@ -1,0 +1,1 @@
+"""The entry points: the launcher, the trainer, and what they need to start and stop."""

@@ -1,7 +1,9 @@
-"""How the processes of one run stop together (a parent-death signal down the chain launcher ->
-torchrun -> ranks -> loader workers), how each rank reports its ending to the launcher (a JSON
-file in $TRAIN_DDP_REPORT_DIR), and a rank's exit without the interpreter's teardown
-(docs/development.md: the processes of a run). No torch here: the launcher imports this module.
+"""How the processes of one run stop together and report their endings to the launcher.
+
+A parent-death signal down the chain launcher -> torchrun -> ranks -> loader workers; each rank
+reports its ending in a JSON file in $TRAIN_DDP_REPORT_DIR; a rank exits without the
+interpreter's teardown (docs/development.md: the processes of a run). No torch here: the
+launcher imports this module.
 """
 
 from __future__ import annotations

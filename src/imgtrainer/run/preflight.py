@@ -1,5 +1,6 @@
-"""Checks that need no torch (data folders, flag combinations, output folders), run by the
-launcher before torchrun so the commonest mistakes are one line at once; the workers check the
+"""The launcher's checks that need no torch: data folders, flag combinations, output folders.
+
+They run before torchrun, so the commonest mistakes are one line at once; the workers check the
 data folders again and everything that needs torch.
 """
 

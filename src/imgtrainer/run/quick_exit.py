@@ -1,6 +1,7 @@
-"""``python src/quick_exit.py [--preload MODULES] MODULE:FUNCTION ARGS...``: call an entry point
-the way its console script does (the ``torchrun`` command is ``torch.distributed.run:main``), then
-exit without Python's interpreter teardown. The launcher runs torchrun's agent through it, with
+"""Call an entry point as its console script does, then exit without interpreter teardown.
+
+``python src/quick_exit.py [--preload MODULES] MODULE:FUNCTION ARGS...`` (the ``torchrun``
+command is ``torch.distributed.run:main``). The launcher runs torchrun's agent through it, with
 ``--preload imgtrainer.run.train`` so that workers forked from the agent find the trainer
 imported (docs/development.md: the processes of a run).
 """

@@ -1,9 +1,9 @@
-"""Which agent of an elastic job hosts torchrun's rendezvous store, decided by the launcher
-without torch: the first launcher on the endpoint's machine holds a lock for its port while it
-runs and says ``is_host=1``, the next ones ``is_host=0``; on other hosts torch's guess stands.
-torch's own choice among agents on one host is the first to reach that point after importing
-torch, and the agent that hosts the store is the one node an elastic job cannot lose
-(docs/multi-node.md: elastic runs).
+"""Which agent of an elastic job hosts torchrun's rendezvous store, decided without torch.
+
+The first launcher on the endpoint's machine holds a lock for its port while it runs and says
+``is_host=1``, the next ones ``is_host=0``; on other hosts torch's guess stands. torch's own
+choice among agents on one host is the first to reach that point after importing torch, and the
+agent that hosts the store is the one node an elastic job cannot lose (docs/multi-node.md).
 """
 
 from __future__ import annotations

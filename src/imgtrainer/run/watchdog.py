@@ -1,8 +1,10 @@
-"""The hang watchdog of launch_ddp.py: a thread of the launcher (a process that a frozen rank
-cannot freeze) reads the heartbeat slots of this node's ranks and loader workers
-(``distributed.heartbeat``); one that makes no progress for --hang_timeout is named in one line,
-the stacks of every rank go to <log_dir>/hang/, and the stuck process is killed so that torchrun
-ends the workers and restarts them (--max_restarts) from the newest checkpoint. No torch here.
+"""The hang watchdog of launch_ddp.py: a launcher thread that names and ends a stuck process.
+
+A thread of the launcher (a process that a frozen rank cannot freeze) reads the heartbeat slots
+of this node's ranks and loader workers (``distributed.heartbeat``); one that makes no progress
+for --hang_timeout is named in one line, the stacks of every rank go to <log_dir>/hang/, and the
+stuck process is killed so that torchrun restarts the workers (--max_restarts) from the newest
+checkpoint. No torch here.
 """
 
 from __future__ import annotations

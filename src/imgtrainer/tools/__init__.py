@@ -1,0 +1,1 @@
+"""The user's tools behind the src/*.py scripts: evaluate, predict, prepare, export, plot."""

@@ -1,11 +1,11 @@
-"""Export a checkpoint for deployment (ONNX, TorchScript or safetensors weights), with its
-preprocessing in a JSON file beside it, then check the exported model against the checkpoint.
+"""Export a checkpoint for deployment (ONNX, TorchScript or safetensors), checked against it.
 
     python src/export.py --checkpoint checkpoints/checkpoint_best.pth --format onnx
     python src/export.py --checkpoint checkpoints/checkpoint_best.pth --format safetensors --output deploy/model.safetensors
 
-The check runs the exported file on a few validation images and fails (exit 1, nothing written)
-when its logits differ from PyTorch's by more than atol + rtol x |logit| (docs/tools.md).
+Its preprocessing goes in a JSON file beside it. The check runs the exported file on a few
+validation images and fails (exit 1, nothing written) when its logits differ from PyTorch's by
+more than atol + rtol x |logit| (docs/tools.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""prepare_data's other formats: a split written as Parquet files or WebDataset tar shards, in
-the order the trainer reads the same images from a folder (so a run on either is the same run).
+"""prepare_data's other formats: a split written as Parquet files or WebDataset tar shards.
 
-Parquet follows the Hugging Face Hub: ``image`` a ``{bytes, path}`` struct, ``label`` the class
-index, the class names as a ``datasets`` ClassLabel in the schema's metadata. Shards hold
-``KEY.<ext>`` + ``KEY.cls`` per image, ``classes.txt`` beside them.
+Written in the order the trainer reads the same images from a folder, so a run on either is the
+same run. Parquet follows the Hugging Face Hub: ``image`` a ``{bytes, path}`` struct, ``label``
+the class index, the class names as a ``datasets`` ClassLabel in the schema's metadata. Shards
+hold ``KEY.<ext>`` + ``KEY.cls`` per image, ``classes.txt`` beside them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Split a folder of class folders into train/val, stratified per class: class folders, or
-Parquet files or tar shards (--format, unreadable images left out).
+"""Split a folder of class folders into train/val, stratified per class.
 
     python src/prepare_data.py --source ~/Downloads/animals --output data --val_ratio 0.2
 
 SOURCE/<class>/<images> (or one level deeper) becomes OUTPUT/{train,val}/. Each class is split on
 its own, in an order drawn from (--seed, class name): the same seed gives the same split, and
-adding a class moves no other file. Files are copied (--link: linked); non-images are counted.
+adding a class moves no other file. Files are copied (--link: linked), or packed as Parquet or
+tar shards (--format); non-images are counted, unreadable images left out.
 """
 
 from __future__ import annotations

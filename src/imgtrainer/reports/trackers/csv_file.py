@@ -1,5 +1,8 @@
-"""<log_dir>/metrics.csv: one row per epoch record of training_history.json, written with it
-(``reports.history.HistoryWriter``), so a resume drops the same rows the history drops."""
+"""``<log_dir>/metrics.csv``: one row per epoch record of training_history.json.
+
+Written with it (``reports.history.HistoryWriter``), so a resume drops the same rows the
+history drops.
+"""
 
 from __future__ import annotations
 

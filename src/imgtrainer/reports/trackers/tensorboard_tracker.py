@@ -1,5 +1,8 @@
-"""``--tensorboard`` (on by default): the run's curves, hyperparameters and a grid of augmented
-images in <log_dir>/tensorboard, through ``reports.tensorboard.TensorBoardLogger``."""
+"""``--tensorboard`` (on by default): the run's TensorBoard event files, as a tracker.
+
+Curves, hyperparameters and a grid of augmented images in <log_dir>/tensorboard, through
+``reports.tensorboard.TensorBoardLogger``.
+"""
 
 from __future__ import annotations
 
