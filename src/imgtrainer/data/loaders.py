@@ -261,7 +261,7 @@ def loader_workers(
     With a GPU, one core stays with the main process to drive it and the others decode: files
     ("files", "nvjpeg") get all of them (JPEG decoding is the costliest per-image work), "ram"
     (decoded images in memory) half, "gpu" (images cached on the device: the workers only draw
-    each sample's parameters and policy, from its size, never touching CUDA) half and at most
+    each sample's row from its size, never touching CUDA) half and at most
     GPU_CACHE_WORKERS, and each at least one so the draws overlap the step. On the CPU the
     model's threads already use every core: images in memory are cheapest to augment in the
     training process itself, files get up to 4."""
@@ -309,7 +309,7 @@ class LoaderSpec:
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoader:
-    """Training samples are collated as uint8 pixels and parameters for ``BatchAugment``;
+    """Training samples are collated as uint8 pixels and sample rows for ``BatchAugment``;
     evaluation images are normalised as they are collated."""
     if isinstance(dataset, TrainingSamples):
         collate = collate_samples
