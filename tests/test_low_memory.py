@@ -23,7 +23,7 @@ from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
 from imgtrainer.precision import Precision
-from imgtrainer.torch_compat import is_out_of_memory
+from imgtrainer.torch_compat import is_out_of_memory, none_if_out_of_memory
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
 from imgtrainer.training.memory import (
@@ -256,6 +256,24 @@ def test_out_of_memory_errors_are_recognised():
     )
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
+
+
+def test_an_attempt_out_of_memory_is_none_only_where_it_can_be_retried(caplog):
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    assert none_if_out_of_memory(lambda: 3) == 3
+    assert none_if_out_of_memory(out_of_memory, release=torch.device("cpu")) is None
+    for attempt, retry in ((out_of_memory, False), (broken, True)):
+        with pytest.raises(RuntimeError):
+            none_if_out_of_memory(attempt, retry)
+    with caplog.at_level(logging.ERROR, logger="imgtrainer"):
+        with pytest.raises(torch.OutOfMemoryError):
+            none_if_out_of_memory(out_of_memory, cannot_redo="cannot be redone here")
+    assert [r.getMessage() for r in caplog.records] == ["cannot be redone here"]
 
 
 # ----------------------------------------------------------------------------- fitting

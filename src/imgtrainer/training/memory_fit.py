@@ -17,7 +17,7 @@ from imgtrainer.data import Source, augment_bytes_per_image, augment_chunk, canv
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
 from imgtrainer.precision import uses_channels_last
-from imgtrainer.torch_compat import is_out_of_memory, release_memory
+from imgtrainer.torch_compat import none_if_out_of_memory
 from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
@@ -148,18 +148,6 @@ def resident_state_bytes(parts: TrialParts) -> int:
 # ----------------------------------------------------------------------------- fitting
 
 
-def _cost_or_oom(
-    measure: Callable[[int], StepCost], size: int, device: torch.device
-) -> StepCost | None:
-    try:
-        return measure(size)
-    except RuntimeError as err:
-        if not is_out_of_memory(err):
-            raise
-    release_memory(device)  # outside the except block: the traceback no longer pins tensors
-    return None
-
-
 def largest_fitting(
     measure: Callable[[int], StepCost],
     start: int,
@@ -170,7 +158,7 @@ def largest_fitting(
     """The largest size from ``halving_sizes(start, batch_size)`` whose measured cost fits in
     ``budget`` bytes, and ``(0, why)`` when not even 1 does. This rank only: no collective."""
     probe_size = min(2, start)
-    probe = _cost_or_oom(measure, probe_size, device)
+    probe = none_if_out_of_memory(partial(measure, probe_size), release=device)
     why = "out of memory"
     for size in halving_sizes(start, batch_size):
         if probe is None and size >= probe_size:
@@ -179,7 +167,11 @@ def largest_fitting(
             why = f"estimated {gib(probe.estimate(size))}"
             log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
             continue  # a trial would only overshoot the budget
-        cost = probe if size == probe_size else _cost_or_oom(measure, size, device)
+        cost = (
+            probe
+            if size == probe_size
+            else none_if_out_of_memory(partial(measure, size), release=device)
+        )
         if cost is not None and cost.total <= budget:
             log.info(
                 f"micro-batch {size}: needs {gib(cost.total)}, within the budget of {gib(budget)}"
