@@ -18,13 +18,7 @@ from torch import nn
 import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, TINY_FLAGS, cpu_run_parts, run_train, user_error_line
 from imgtrainer.checkpoints.resume import changed_settings, check_resume_settings, saved_step_batch
-from imgtrainer.config import (
-    TrainConfig,
-    effective_batch,
-    effective_batch_line,
-    optimizer_batch,
-    parse_config,
-)
+from imgtrainer.config import Layout, TrainConfig, optimizer_batch, parse_config
 from imgtrainer.data.checks import check_batch_fits
 from imgtrainer.errors import UserError
 from imgtrainer.training.loop import train_one_epoch
@@ -166,10 +160,11 @@ def test_fitting_starts_at_batch_size_and_keeps_a_divisor_of_the_step():
 
 def test_effective_batch_and_its_line():
     cfg = parse_config(["--batch_size", "32", "--accum_steps", "4"])
-    assert (optimizer_batch(cfg), effective_batch(cfg, 2)) == (128, 256)
-    assert effective_batch_line(cfg, 2) == (
-        "Effective batch: 32 x 4 step(s) x 2 process(es) = 256 images per optimizer step"
+    assert (optimizer_batch(cfg), Layout.of(cfg, 2).global_batch) == (128, 256)
+    assert Layout.of(cfg, 2).describe() == (
+        "--batch_size 32 x --accum_steps 4 x 2 process(es) = 256"
     )
+    assert Layout.of(cfg, 2).short() == "32x4x2=256"
     with pytest.raises(UserError, match="--accum_steps must be at least 1, got 0"):
         parse_config(["--accum_steps", "0"])
 
@@ -266,7 +261,10 @@ def test_effective_batch_in_checkpoint_history_and_log(tiny_dataset, tmp_path: P
     assert history["effective_batch_size"] == 8 and history["config"]["accum_steps"] == 2
     assert history["epochs"][0]["micro_batch"] == 4
     log = (tmp_path / "logs" / "train_rank_0.log").read_text()
-    assert "Effective batch: 4 x 2 step(s) x 1 process(es) = 8 images per optimizer step" in log
+    assert (
+        "Effective batch: --batch_size 4 x --accum_steps 2 x 1 process(es) = 8 images per "
+        "optimizer step"
+    ) in log
 
     # A resume that changes the effective batch is refused; one that keeps it continues.
     line = user_error_line(

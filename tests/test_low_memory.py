@@ -469,7 +469,10 @@ def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path
     assert "--low_memory chose: use_amp=True, channels_last=True, grad_checkpointing=True" in out
     assert "training in float32" in out
     assert "Memory: micro-batch 4 (2 forward/backward pass(es) per optimizer step of 8" in out
-    assert "Effective batch: 4 x 2 step(s) x 2 process(es) = 16 images per optimizer step" in out
+    assert (
+        "Effective batch: --batch_size 4 x --accum_steps 2 x 2 process(es) = 16 images per "
+        "optimizer step"
+    ) in out
     assert "activation checkpointing early layers" in out
 
     history = json.loads((tmp_path / "logs" / "training_history.json").read_text())

@@ -24,7 +24,7 @@ from imgtrainer.checkpoints.resume import (
     saved_global_batch,
     saved_world_size,
 )
-from imgtrainer.config import Layout, TrainConfig, choose_layout, effective_batch
+from imgtrainer.config import Layout, TrainConfig, choose_layout
 from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
@@ -90,7 +90,7 @@ def find_resume(cfg: TrainConfig, dist: DistInfo) -> tuple[ResumeSource, TrainCo
     changes = check_resume_settings(state, path, cfg.to_dict(), world, override=cfg.resume_override)
     source = ResumeSource(path, state, changes)
     target, _ = requested_global_batch(state, cfg.to_dict(), world)
-    if target == effective_batch(cfg, world):
+    if target == Layout.of(cfg, world).global_batch:
         return source, cfg
     layout = choose_layout(target, world, cfg.batch_size)
     return source, replace(cfg, batch_size=layout.batch_size, accum_steps=layout.accum_steps)

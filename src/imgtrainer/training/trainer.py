@@ -24,7 +24,7 @@ from imgtrainer.checkpoints.training_state import (
     restore,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
-from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
+from imgtrainer.config import Layout, TrainConfig, parse_duration
 from imgtrainer.data import build_loaders
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
@@ -55,7 +55,7 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
     return {
         "config": cfg.to_dict(),
         "world_size": dist.world_size,
-        "effective_batch_size": effective_batch(cfg, dist.world_size),
+        "effective_batch_size": Layout.of(cfg, dist.world_size).global_batch,
         "device": str(dist.device.type),
         "class_names": class_names,
         "versions": {
@@ -179,7 +179,7 @@ class Trainer:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.batch_size, self.cfg.accum_steps, self.dist.world_size)
+        return Layout.of(self.cfg, self.dist.world_size)
 
     @property
     def epoch(self) -> int:
