@@ -26,12 +26,7 @@ from imgtrainer.precision import Precision
 from imgtrainer.torch_compat import is_out_of_memory, none_if_out_of_memory
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
-from imgtrainer.training.memory import (
-    GIB,
-    MemoryPlan,
-    enable_memory_savers,
-    halving_sizes,
-)
+from imgtrainer.training.memory import MemoryPlan, enable_memory_savers, halving_sizes
 from imgtrainer.training.memory_fit import (
     TrialInputs,
     TrialParts,
@@ -43,6 +38,7 @@ from imgtrainer.training.memory_probes import StepCost
 from imgtrainer.training.step import RunParts
 
 HUGE = 2**40  # a budget nothing reaches
+GIB = 2**30
 
 
 class OutOfMemoryAt(nn.Module):

@@ -28,9 +28,6 @@ from imgtrainer.files import format_bytes
 log = logging.getLogger(__name__)
 
 
-GIB = 2**30
-
-
 # What helps when even one image per forward/backward does not fit.
 OOM_HELP = (
     "what would help: --low_memory (float16 and activation checkpointing), a smaller "
