@@ -315,10 +315,8 @@ def test_two_processes_redo_a_step_whose_copy_failed_on_one_rank(tmp_path):
 
 def test_the_loaded_batch_inputs_count_in_the_fitting():
     # On CUDA the batch is augmented on the device straight into the model's layout: the
-    # engine's move to that layout copies nothing, with channels_last or without.
-    assert batch_input_bytes(64, 224, torch.device("cuda"), False) == 64 * 3 * 224**2 * 4
-    assert batch_input_bytes(64, 224, torch.device("cuda"), True) == 64 * 3 * 224**2 * 4
-    assert batch_input_bytes(64, 224, torch.device("cpu"), False) == 64 * 3 * 224**2 * 4
+    # step's move to that layout copies nothing, with channels_last or without.
+    assert batch_input_bytes(64, 224) == 64 * 3 * 224**2 * 4
     model = conv_model()
     parts = TrialParts(model, make_optimizer(model, "adamw"), nn.CrossEntropyLoss(), FP32, CPU)
     inputs = TrialInputs((3, 12, 12), num_classes=3)

@@ -231,7 +231,7 @@ def build_memory_plan(
             (3, cfg.image_size, cfg.image_size),
             num_classes,
             channels_last,
-            batch_input_bytes(step_batch, cfg.image_size, device, channels_last),
+            batch_input_bytes(step_batch, cfg.image_size),
         )
         measure = partial(
             measure_micro_batch,
