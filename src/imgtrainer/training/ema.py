@@ -187,7 +187,7 @@ class ModelEma(Hook):
         self.updates = int(checkpoint.get("ema_updates") or 0)
 
 
-def record_metrics(val: Mapping[str, float]) -> dict[str, float]:
+def history_val_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """The validation metrics a history record keeps: ``VAL_KEYS`` (when validated), then the
     EMA's."""
     return {

@@ -171,7 +171,7 @@ def _micro_batch(
     so that the micro-batch gradients add up to the gradient of the mean loss over the batch."""
     with contextlib.nullcontext() if is_last else _no_sync(state.model):
         logits, loss = forward_loss(state.model, images, targets, state.criterion, state.precision)
-    record_metrics(sums, logits, loss, targets)
+    add_to_step_sums(sums, logits, loss, targets)
     weighted = loss * share
     if not is_last:
         state.scaler.scale(weighted).backward()
@@ -251,9 +251,10 @@ def forward_loss(
 
 
 @torch.no_grad()
-def record_metrics(
+def add_to_step_sums(
     sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor, targets: torch.Tensor
 ) -> None:
+    """A micro-batch's loss sum, correct predictions and count added to the step's ``sums``."""
     sums[LOSS] += loss.detach().double() * targets.size(0)
     # Soft targets (mixup/cutmix): a prediction is correct when it is the target's dominant
     # label, the one with the larger share of the mixed image.

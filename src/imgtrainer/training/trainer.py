@@ -39,7 +39,7 @@ from imgtrainer.reports.history import EpochRecord, HistoryWriter, best_note
 from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.ema import ModelEma, record_metrics
+from imgtrainer.training.ema import ModelEma, history_val_metrics
 from imgtrainer.training.evaluation import validate_run, validated
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
@@ -307,7 +307,7 @@ class Trainer:
             epoch=self.epoch,
             train_loss=train["train_loss"],
             train_acc=train["train_acc"],
-            val=record_metrics(val),  # none for an epoch without validation
+            val=history_val_metrics(val),  # none for an epoch without validation
             lr=self.parts.optimizer.param_groups[0]["lr"],
             epoch_seconds=time.perf_counter() - started,
             train_images_per_sec=images_per_sec,
