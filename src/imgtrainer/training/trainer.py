@@ -40,7 +40,7 @@ from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
 from imgtrainer.training.ema import ModelEma, history_val_metrics
-from imgtrainer.training.evaluation import validate_run, validated
+from imgtrainer.training.evaluation import epoch_validation, is_validation_epoch
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.nonfinite import NonFiniteLoss
@@ -275,7 +275,7 @@ class Trainer:
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
         self.decode_check.finish()
-        val = self.validate_epoch() if validated(self.cfg, self.epoch + 1) else {}
+        val = self.validate_epoch() if is_validation_epoch(self.cfg, self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
@@ -293,10 +293,10 @@ class Trainer:
         return True
 
     def validate_epoch(self) -> dict[str, float]:
-        """The epoch's validation metrics (``validate_run``), timed for --max_time."""
+        """The epoch's validation metrics (``epoch_validation``), timed for --max_time."""
         started = self.budget.clock()
         heartbeat.mark(heartbeat.Phase.VALIDATION)
-        val = validate_run(self.parts, self.ema, self.val_loader, self.dist)
+        val = epoch_validation(self.parts, self.ema, self.val_loader, self.dist)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
 
@@ -348,6 +348,6 @@ class Trainer:
         """--max_time: whether the work up to the next point to stop at, and a checkpoint, no
         longer fit: after an epoch's last step its validation, else the next ``steps_ahead``
         steps."""
-        validation = at_epoch_end and validated(self.cfg, self.epoch + 1)
+        validation = at_epoch_end and is_validation_epoch(self.cfg, self.epoch + 1)
         batches = len(self.val_loader) if validation else None
         return runs_out(self.budget, at_epoch_end, batches, steps_ahead)
