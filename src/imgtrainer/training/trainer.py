@@ -98,21 +98,6 @@ def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerCont
     return trackers
 
 
-def runs_out(
-    budget: TimeBudget, at_epoch_end: bool, validation_batches: int | None, steps_ahead: int = 1
-) -> bool:
-    """--max_time: whether the work up to the next point to stop at, and a checkpoint, no longer
-    fit: after an epoch's last step its validation (of ``validation_batches``; None: the epoch
-    is not validated), else the next ``steps_ahead`` steps (to the ranks' next agreement)."""
-    if not budget.enabled:
-        return False
-    if not at_epoch_end:
-        return budget.runs_out(budget.step_estimate() * steps_ahead)
-    validating = validation_batches is not None
-    validation = budget.validation_estimate(validation_batches) if validating else 0.0
-    return budget.runs_out(validation)
-
-
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -350,4 +335,4 @@ class Trainer:
         steps."""
         validation = at_epoch_end and is_validation_epoch(self.cfg, self.epoch + 1)
         batches = len(self.val_loader) if validation else None
-        return runs_out(self.budget, at_epoch_end, batches, steps_ahead)
+        return self.budget.too_short_for_next_stop(at_epoch_end, batches, steps_ahead)
