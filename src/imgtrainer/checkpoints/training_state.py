@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,11 @@ from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.reports.history import HistoryWriter, best_line
+
+if TYPE_CHECKING:  # a floor above: its types only
+    from imgtrainer.training.best import BestTracker
+    from imgtrainer.training.ema import ModelEma
+    from imgtrainer.training.step import RunParts
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +66,9 @@ class ResumeSource:
 class RunState:
     """The run's objects that a checkpoint holds (the trainer's)."""
 
-    parts: Any  # training.step.RunParts
-    ema: Any  # training.ema.ModelEma
-    best: Any  # training.best.BestTracker
+    parts: RunParts
+    ema: ModelEma
+    best: BestTracker
     history: HistoryWriter
     class_names: list[str]
     cfg: TrainConfig  # laid out for this world size
