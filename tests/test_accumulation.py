@@ -1,6 +1,6 @@
 """--accum_steps K in the usual sense: K batches of --batch_size per optimizer step per process.
 
-The loader yields the K batches as one (K x batch_size images), the engine runs them as K
+The loader yields the K batches as one (K x batch_size images), the step runs them as K
 forward/backward passes and exchanges gradients once; effective batch = batch x K x processes.
 """
 
@@ -62,8 +62,8 @@ def count_forwards(model: nn.Module) -> list[int]:
     return calls
 
 
-def train_with_engine(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
-    """The engine's real epoch and step functions, as the trainer calls them."""
+def train_with_the_loop(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
+    """The real epoch and step functions, as the trainer calls them."""
     opt = make_optimizer(model, optimizer)
     return train_one_epoch(cpu_run_parts(model, opt, plan), loader)
 
@@ -90,8 +90,8 @@ def test_k_batches_of_b_step_like_one_batch_of_k_times_b(optimizer):
     passes, single = count_forwards(accumulated), count_forwards(whole)
 
     # How the trainer runs --batch_size 8 --accum_steps 4: micro-batch = batch_size.
-    got = train_with_engine(accumulated, loader, MemoryPlan(b), optimizer)
-    ref = train_with_engine(whole, loader, MemoryPlan(None), optimizer)
+    got = train_with_the_loop(accumulated, loader, MemoryPlan(b), optimizer)
+    ref = train_with_the_loop(whole, loader, MemoryPlan(None), optimizer)
     train_textbook(textbook, loader, b, optimizer)
 
     assert (passes[0], single[0]) == (k * steps, steps)  # K passes per step vs one

@@ -1,4 +1,4 @@
-"""The shape of a run (issue 11): one builder for its parts, the engine's hook points, DDP's
+"""The shape of a run (issue 11): one builder for its parts, the loop's hook points, DDP's
 private internals checked in one place, and the checkpoint schema with its format version."""
 
 from __future__ import annotations

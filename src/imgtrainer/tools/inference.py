@@ -52,7 +52,7 @@ class FlipAveraged(nn.Module):
     image, returned as log-probabilities. Softmax, not logits, is averaged (as timm's and
     torchvision's references do): each view votes with its confidence. Log-probabilities are
     logits whose softmax is that average, so the loss, top-k and confidence computed from the
-    output (``engine.evaluation_sums``, ``predict.py``) need no change."""
+    output (``training.evaluation.evaluation_sums``, ``predict.py``) need no change."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

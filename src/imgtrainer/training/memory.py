@@ -46,7 +46,7 @@ def gib(num_bytes: float) -> str:
 
 @dataclass
 class MemoryPlan:
-    """How each loaded batch goes through the model. Mutable on purpose: the engine halves
+    """How each loaded batch goes through the model. Mutable on purpose: the step halves
     ``micro_batch`` when an out-of-memory error forces it, and the trainer stores the value in
     checkpoints and history."""
 
