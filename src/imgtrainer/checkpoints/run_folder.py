@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 
 
-# What a run leaves in --checkpoint_dir (see checkpoint.py) and in --log_dir (history.py).
+# What a run leaves in --checkpoint_dir (``checkpoints.writer``) and in --log_dir
+# (``reports.history``).
 LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
 
 
