@@ -173,7 +173,7 @@ def test_lr_scaling_by_accum_steps_times_world_size():
     assert lr_scale("none", 4, 2) == 1.0
     assert lr_scale("linear", 4, 2) == 8.0
     assert lr_scale("sqrt", 4, 2) == pytest.approx(math.sqrt(8))
-    assert lr_scale("linear", 1, 3) == 3.0  # without accumulation: the world size, as before
+    assert lr_scale("linear", 1, 3) == 3.0  # without accumulation: the world size alone
     model = tiny_net()
     for scaling, expected in (("none", 0.01), ("linear", 0.08), ("sqrt", 0.01 * math.sqrt(8))):
         cfg = parse_config(

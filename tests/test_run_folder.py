@@ -343,7 +343,7 @@ def saved_state(**config) -> dict:
 
 def test_changed_schedule_flags_are_listed(tmp_path: Path):
     state = saved_state()
-    same = dict(state["config"], epochs=10)  # more epochs: allowed, as before
+    same = dict(state["config"], epochs=10)  # more epochs: allowed (a run may be extended)
     assert changed_settings(state, same, world_size=2) == []
     # momentum is sgd's, step_size/gamma the step schedule's: not reported for adamw + cosine.
     assert changed_settings(state, dict(same, momentum=0.5, gamma=0.5), 2) == []
