@@ -244,8 +244,8 @@ def replace_source(train_set: TrainingSamples, source: Source) -> TrainingSample
 
 # Loader workers per process at most: each is a process holding its own prefetched batches.
 MAX_LOADER_WORKERS = 16
-# With the GPU cache a sample is a few draws (about 50-130 us with a policy): a few workers
-# keep up with any step.
+# With the GPU cache a sample is only its draws (no file, no pixels): a few workers keep up with
+# any step.
 GPU_CACHE_WORKERS = 4
 
 
