@@ -29,7 +29,7 @@ class Phase(enum.IntEnum):
     VALIDATION = 4
     CHECKPOINT = 5
     DONE = 6
-    DATA_CHECK = 7  # waiting for the rest of the decode check (data.unreadable)
+    DATA_CHECK = 7  # waiting for the rest of the decode check (data.layouts.decode_check)
 
     @property
     def words(self) -> str:
