@@ -85,8 +85,7 @@ def measure_micro_batch(
     Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
     the loader's position). The model's buffers, its gradients and the random state are left as
     they were. An out-of-memory error propagates to the caller."""
-    model, optimizer, criterion = parts.model, parts.optimizer, parts.criterion
-    precision, device = parts.precision, parts.device
+    model, device = parts.model, parts.device
     measure_rss = (
         device.type == "cpu"
         and cpu_baseline_bytes is not None
@@ -95,29 +94,14 @@ def measure_micro_batch(
     )
     if measure_rss:
         resident.reset_peak()
-    generator = torch.Generator().manual_seed(size)
-    images = torch.randn(size, *inputs.image_shape, generator=generator).to(
-        device,
-        memory_format=torch.channels_last if inputs.channels_last else torch.preserve_format,
-    )
-    targets = torch.randint(0, inputs.num_classes, (size,), generator=generator).to(device)
+    images, targets = _synthetic_batch(inputs, size, device)
     image_bytes = tensor_bytes([images])
     snapshot, was_training = BufferSnapshot(model), model.training
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            model.train()
-            # As in every micro-batch after a step's first: the accumulated gradients are
-            # already there during the forward pass (and backward adds into them).
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.grad = torch.zeros_like(param)
-            with saved_tensor_bytes(model, exclude=images) as saved, precision.autocast(device):
-                loss = criterion(model(images), targets)
-            loss.backward()
-        batch_bytes = sum(saved.values())
+        batch_bytes = _trial_step(parts, images, targets)
         peak = 0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -125,14 +109,45 @@ def measure_micro_batch(
             peak = resident.peak() - cpu_baseline_bytes
         if peak:
             peak -= image_bytes  # counted with the inputs below
-            if not optimizer.state:  # not allocated yet: it will be at the first step
-                peak += optimizer_state_bytes(optimizer)
+            if not parts.optimizer.state:  # not allocated yet: it will be at the first step
+                peak += optimizer_state_bytes(parts.optimizer)
     finally:
         model.zero_grad(set_to_none=True)
         snapshot.restore()
         model.train(was_training)
     state = resident_state_bytes(parts)
     return StepCost(size, state, batch_bytes, peak, max(image_bytes, inputs.loaded_input_bytes))
+
+
+def _synthetic_batch(
+    inputs: TrialInputs, size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` random images of ``inputs``' shape and layout and their labels, on ``device``,
+    the same for the same size."""
+    generator = torch.Generator().manual_seed(size)
+    images = torch.randn(size, *inputs.image_shape, generator=generator).to(
+        device,
+        memory_format=torch.channels_last if inputs.channels_last else torch.preserve_format,
+    )
+    targets = torch.randint(0, inputs.num_classes, (size,), generator=generator).to(device)
+    return images, targets
+
+
+def _trial_step(parts: TrialParts, images: torch.Tensor, targets: torch.Tensor) -> int:
+    """The trial's forward and backward, in training mode and on a forked random state; returns
+    the bytes the forward kept for the backward (the input aside)."""
+    model, device = parts.model, parts.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        # As in every micro-batch after a step's first: the accumulated gradients are
+        # already there during the forward pass (and backward adds into them).
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        with saved_tensor_bytes(model, exclude=images) as saved, parts.precision.autocast(device):
+            loss = parts.criterion(model(images), targets)
+        loss.backward()
+    return sum(saved.values())
 
 
 def resident_state_bytes(parts: TrialParts) -> int:
