@@ -1,4 +1,4 @@
-"""Train an image classifier on an ImageFolder dataset with DistributedDataParallel.
+"""Train an image classifier with DistributedDataParallel on images in any data layout.
 
     python launch_ddp.py --num_gpus 2 --use_amp
     torchrun --nproc_per_node=2 src/train_ddp.py --use_amp

@@ -72,7 +72,7 @@ def cpu_run_parts(
     plan: MemoryPlan,
     criterion: torch.nn.Module | None = None,
 ) -> RunParts:
-    """The engine's per-step state as the trainer builds it on the CPU in float32, with a
+    """The parts a step works with (``RunParts``) as the trainer builds them on the CPU in float32, with a
     constant learning rate and cross-entropy unless ``criterion`` says otherwise."""
     return RunParts(
         model,

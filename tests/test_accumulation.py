@@ -1,6 +1,6 @@
 """--accum_steps K in the usual sense: K batches of --batch_size per optimizer step per process.
 
-The loader yields the K batches as one (K x batch_size images), the engine runs them as K
+The loader yields the K batches as one (K x batch_size images), the step runs them as K
 forward/backward passes and exchanges gradients once; effective batch = batch x K x processes.
 """
 
@@ -18,13 +18,7 @@ from torch import nn
 import imgtrainer.run.train as train_ddp
 from conftest import CPU, FP32, TINY_FLAGS, cpu_run_parts, run_train, user_error_line
 from imgtrainer.checkpoints.resume import changed_settings, check_resume_settings, saved_step_batch
-from imgtrainer.config import (
-    TrainConfig,
-    effective_batch,
-    effective_batch_line,
-    optimizer_batch,
-    parse_config,
-)
+from imgtrainer.config import Layout, TrainConfig, optimizer_batch, parse_config
 from imgtrainer.data.checks import check_batch_fits
 from imgtrainer.errors import UserError
 from imgtrainer.training.loop import train_one_epoch
@@ -68,8 +62,8 @@ def count_forwards(model: nn.Module) -> list[int]:
     return calls
 
 
-def train_with_engine(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
-    """The engine's real epoch and step functions, as the trainer calls them."""
+def train_with_the_loop(model: nn.Module, loader, plan: MemoryPlan, optimizer: str) -> dict:
+    """The real epoch and step functions, as the trainer calls them."""
     opt = make_optimizer(model, optimizer)
     return train_one_epoch(cpu_run_parts(model, opt, plan), loader)
 
@@ -96,8 +90,8 @@ def test_k_batches_of_b_step_like_one_batch_of_k_times_b(optimizer):
     passes, single = count_forwards(accumulated), count_forwards(whole)
 
     # How the trainer runs --batch_size 8 --accum_steps 4: micro-batch = batch_size.
-    got = train_with_engine(accumulated, loader, MemoryPlan(b), optimizer)
-    ref = train_with_engine(whole, loader, MemoryPlan(None), optimizer)
+    got = train_with_the_loop(accumulated, loader, MemoryPlan(b), optimizer)
+    ref = train_with_the_loop(whole, loader, MemoryPlan(None), optimizer)
     train_textbook(textbook, loader, b, optimizer)
 
     assert (passes[0], single[0]) == (k * steps, steps)  # K passes per step vs one
@@ -166,10 +160,11 @@ def test_fitting_starts_at_batch_size_and_keeps_a_divisor_of_the_step():
 
 def test_effective_batch_and_its_line():
     cfg = parse_config(["--batch_size", "32", "--accum_steps", "4"])
-    assert (optimizer_batch(cfg), effective_batch(cfg, 2)) == (128, 256)
-    assert effective_batch_line(cfg, 2) == (
-        "Effective batch: 32 x 4 step(s) x 2 process(es) = 256 images per optimizer step"
+    assert (optimizer_batch(cfg), Layout.of(cfg, 2).global_batch) == (128, 256)
+    assert Layout.of(cfg, 2).describe() == (
+        "--batch_size 32 x --accum_steps 4 x 2 process(es) = 256"
     )
+    assert Layout.of(cfg, 2).short() == "32x4x2=256"
     with pytest.raises(UserError, match="--accum_steps must be at least 1, got 0"):
         parse_config(["--accum_steps", "0"])
 
@@ -178,7 +173,7 @@ def test_lr_scaling_by_accum_steps_times_world_size():
     assert lr_scale("none", 4, 2) == 1.0
     assert lr_scale("linear", 4, 2) == 8.0
     assert lr_scale("sqrt", 4, 2) == pytest.approx(math.sqrt(8))
-    assert lr_scale("linear", 1, 3) == 3.0  # without accumulation: the world size, as before
+    assert lr_scale("linear", 1, 3) == 3.0  # without accumulation: the world size alone
     model = tiny_net()
     for scaling, expected in (("none", 0.01), ("linear", 0.08), ("sqrt", 0.01 * math.sqrt(8))):
         cfg = parse_config(
@@ -266,7 +261,10 @@ def test_effective_batch_in_checkpoint_history_and_log(tiny_dataset, tmp_path: P
     assert history["effective_batch_size"] == 8 and history["config"]["accum_steps"] == 2
     assert history["epochs"][0]["micro_batch"] == 4
     log = (tmp_path / "logs" / "train_rank_0.log").read_text()
-    assert "Effective batch: 4 x 2 step(s) x 1 process(es) = 8 images per optimizer step" in log
+    assert (
+        "Effective batch: --batch_size 4 x --accum_steps 2 x 1 process(es) = 8 images per "
+        "optimizer step"
+    ) in log
 
     # A resume that changes the effective batch is refused; one that keeps it continues.
     line = user_error_line(

@@ -213,7 +213,7 @@ def test_mix_off_epochs_turns_mixing_off_for_the_last_epochs():
     assert [built.for_epoch(e) is not None for e in range(4)] == [True, True, True, False]
     assert batch_mixer(parse_config([]), 3, ONE_CPU_PROCESS) is None
 
-    # Without a mixer the engine trains on the hard labels: the loss is plain cross entropy.
+    # Without a mixer the loop trains on the hard labels: the loss is plain cross entropy.
     images, labels = batch()
     model = linear_model()
     state = run_parts(model, label_smoothing=0.0)
@@ -299,8 +299,8 @@ def test_soft_targets_under_bfloat16_autocast():
     assert metrics["train_samples"] == 8 and np.isfinite(metrics["train_loss"])
 
 
-def test_engine_mixes_each_batch_with_its_step_index():
-    """The engine hands the mixer the batch's index in the epoch: a resumed epoch (start_step)
+def test_the_loop_mixes_each_batch_with_its_step_index():
+    """The loop hands the mixer the batch's index in the epoch: a resumed epoch (start_step)
     mixes its remaining batches exactly as the uninterrupted one did."""
     batches = [batch(seed=s) for s in range(4)]
     seen = []

@@ -152,7 +152,7 @@ def test_flips_are_per_sample_and_padding_is_never_read():
     assert torch.allclose(out[0], out[1].flip(-1), atol=1e-4)
     assert torch.allclose(out[3], out[2].flip(-1), atol=1e-4)
     assert not torch.allclose(out[0], out[1], atol=1)
-    # The model's layout (no copy in the engine): contiguous NCHW on the CPU, where the model
+    # The model's layout (no copy in the step): contiguous NCHW on the CPU, where the model
     # ignores --channels_last, whatever the flag says.
     assert augment(pixels, box_params(boxes)).is_contiguous()
     flagged = BatchAugment(16, channels_last=True, precision=Precision(True, torch.bfloat16))

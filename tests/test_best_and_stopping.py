@@ -133,9 +133,13 @@ def test_time_budget_keeps_room_for_the_next_step_and_a_checkpoint():
     budget.timed_validation(7.0)
     budget.timed_save(1.0)
     now[0] = 92.0  # 8 s left: a step and a save (x1.25 = 7.5 s) fit, a validation does not
-    assert not budget.runs_out(budget.step_estimate())
-    assert budget.runs_out(budget.validation_estimate(batches=4))
-    assert not TimeBudget(None).runs_out(1e9)
+    assert not budget.too_short_for(budget.step_estimate())
+    assert budget.too_short_for(budget.validation_estimate(batches=4))
+    assert not TimeBudget(None).too_short_for(1e9)
+    # The next point to stop at: the next step, or at an epoch's end its validation if any.
+    assert not budget.too_short_for_next_stop(at_epoch_end=False, validation_batches=None)
+    assert budget.too_short_for_next_stop(at_epoch_end=True, validation_batches=4)
+    assert not budget.too_short_for_next_stop(at_epoch_end=True, validation_batches=None)
 
 
 def test_time_stop_exits_0_and_a_signal_wins():

@@ -1,4 +1,4 @@
-"""One evaluation path: src/evaluate.py's report comes from engine.evaluate's own pass, so it gives
+"""One evaluation path: src/evaluate.py's report comes from training's own evaluation pass, so it gives
 the val_acc training recorded, with the checkpoint's autocast; the inference tools share their
 argument checks."""
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import imgtrainer.tools.inference as inference
 import imgtrainer.training.optim as optim
-import imgtrainer.training.step as engine
+import imgtrainer.training.step as training_step
 from conftest import (
     CLASSES,
     CPU,
@@ -280,7 +280,7 @@ def test_clip_leaves_out_groups_whose_learning_rate_is_zero():
 
 
 def test_without_clip_grad_norm_nothing_is_clipped(monkeypatch):
-    monkeypatch.setattr(engine, "clip_gradients", lambda state: pytest.fail("clipped"))
+    monkeypatch.setattr(training_step, "clip_gradients", lambda state: pytest.fail("clipped"))
     model = nn.Linear(5, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = run_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 0.0, 4)

@@ -77,7 +77,7 @@ def test_the_canvas_is_bounded_whatever_the_aspects(mixed):
 
 
 def test_the_window_keeps_the_evaluation_centre_crop(mixed):
-    """Validation images packed on the device evaluate exactly as before."""
+    """Validation images packed on the device evaluate exactly as they did unpacked."""
     transform = eval_transforms(SIZE, 0.8)
     cache = DecodedImageCache(folder_images(mixed[1]).table, SIZE, ratio=0.8)
     before = [transform(image) for image in cache.images]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import imgtrainer.data.loaders as data
-import imgtrainer.training.step as engine
+import imgtrainer.training.step as training_step
 from conftest import SRC
 from imgtrainer.distributed.logs import PROJECT_LOGGER, logging_for_run
 from imgtrainer.distributed.setup import DistInfo
@@ -21,7 +21,7 @@ OTHER = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, device=
 
 def test_module_loggers_are_children_of_the_project_logger():
     project = logging.getLogger(PROJECT_LOGGER)
-    for module in (data, engine):
+    for module in (data, training_step):
         assert module.log.name == module.__name__
         assert module.__name__.startswith(f"{PROJECT_LOGGER}.")
         assert module.log.parent is project
@@ -32,7 +32,7 @@ def test_a_run_logs_to_its_rank_file_and_leaves_the_logger_as_it_was(tmp_path: P
     before = list(project.handlers), project.level, project.propagate
     with logging_for_run(tmp_path, MAIN, name="tool"):
         data.log.info("an information")
-        engine.log.warning("a warning")
+        training_step.log.warning("a warning")
         files = [h for h in project.handlers if isinstance(h, logging.FileHandler)]
     assert (list(project.handlers), project.level, project.propagate) == before
     assert files and all(h.stream is None for h in files)  # closed
@@ -44,7 +44,7 @@ def test_a_run_logs_to_its_rank_file_and_leaves_the_logger_as_it_was(tmp_path: P
 
 def test_other_ranks_write_their_file_and_print_nothing(tmp_path: Path, capsys):
     with logging_for_run(tmp_path, OTHER, name="tool"):
-        engine.log.warning("from rank 1")
+        training_step.log.warning("from rank 1")
     assert capsys.readouterr().out == ""
     assert "[rank 1] WARNING: from rank 1" in (tmp_path / "tool_rank_1.log").read_text()
 

@@ -23,15 +23,10 @@ from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
 from imgtrainer.precision import Precision
-from imgtrainer.torch_compat import is_out_of_memory
+from imgtrainer.torch_compat import is_out_of_memory, none_if_out_of_memory
 from imgtrainer.training.evaluation import EvalSettings, evaluate
 from imgtrainer.training.loop import train_one_epoch
-from imgtrainer.training.memory import (
-    GIB,
-    MemoryPlan,
-    enable_memory_savers,
-    halving_sizes,
-)
+from imgtrainer.training.memory import MemoryPlan, enable_memory_savers, halving_sizes
 from imgtrainer.training.memory_fit import (
     TrialInputs,
     TrialParts,
@@ -43,6 +38,7 @@ from imgtrainer.training.memory_probes import StepCost
 from imgtrainer.training.step import RunParts
 
 HUGE = 2**40  # a budget nothing reaches
+GIB = 2**30
 
 
 class OutOfMemoryAt(nn.Module):
@@ -258,6 +254,24 @@ def test_out_of_memory_errors_are_recognised():
     assert not is_out_of_memory(ValueError("out of memory"))
 
 
+def test_an_attempt_out_of_memory_is_none_only_where_it_can_be_retried(caplog):
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    assert none_if_out_of_memory(lambda: 3) == 3
+    assert none_if_out_of_memory(out_of_memory, release=torch.device("cpu")) is None
+    for attempt, retry in ((out_of_memory, False), (broken, True)):
+        with pytest.raises(RuntimeError):
+            none_if_out_of_memory(attempt, retry)
+    with caplog.at_level(logging.ERROR, logger="imgtrainer"):
+        with pytest.raises(torch.OutOfMemoryError):
+            none_if_out_of_memory(out_of_memory, cannot_redo="cannot be redone here")
+    assert [r.getMessage() for r in caplog.records] == ["cannot be redone here"]
+
+
 # ----------------------------------------------------------------------------- fitting
 
 
@@ -451,7 +465,10 @@ def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path
     assert "--low_memory chose: use_amp=True, channels_last=True, grad_checkpointing=True" in out
     assert "training in float32" in out
     assert "Memory: micro-batch 4 (2 forward/backward pass(es) per optimizer step of 8" in out
-    assert "Effective batch: 4 x 2 step(s) x 2 process(es) = 16 images per optimizer step" in out
+    assert (
+        "Effective batch: --batch_size 4 x --accum_steps 2 x 2 process(es) = 16 images per "
+        "optimizer step"
+    ) in out
     assert "activation checkpointing early layers" in out
 
     history = json.loads((tmp_path / "logs" / "training_history.json").read_text())

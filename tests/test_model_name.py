@@ -1,5 +1,5 @@
-"""The ResNet18 class for plain-code loading has a dataset-neutral name; the former one still
-works, with its 90-class default."""
+"""The ResNet18 class for plain-code loading: timm's resnet18 keys, and its own name in the
+refusal of a download."""
 
 from __future__ import annotations
 
@@ -7,17 +7,13 @@ import pytest
 import timm
 
 from imgtrainer.errors import UserError
-from imgtrainer.models import ResNet18Animals90, ResNet18Classifier
+from imgtrainer.models import ResNet18Classifier
 
 
-def test_the_former_name_is_the_same_model_with_90_classes():
-    old, new = ResNet18Animals90(), ResNet18Classifier(num_classes=90)
-    assert isinstance(old, ResNet18Classifier)
-    assert {k: v.shape for k, v in old.state_dict().items()} == {
-        k: v.shape for k, v in new.state_dict().items()
-    }
-    new.load_state_dict(timm.create_model("resnet18", num_classes=90).state_dict())
-    assert old.fc.out_features == 90
+def test_the_plain_code_class_loads_timms_resnet18_exactly():
+    model = ResNet18Classifier(num_classes=90)
+    model.load_state_dict(timm.create_model("resnet18", num_classes=90).state_dict())
+    assert model.fc.out_features == 90
 
 
 def test_pretrained_download_is_refused_under_the_name_used():

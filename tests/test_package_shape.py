@@ -4,6 +4,7 @@ docstrings say what a module is in a few lines; the long explanations live in do
 import ast
 import functools
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from imgtrainer.run import module_map
@@ -75,7 +76,8 @@ def test_module_docstrings_are_a_few_lines():
 
 
 # The floors of the house, lowest first (the package map lists the rooms in this order): a module
-# imports only from its own floor or below; within a floor, never in a circle.
+# imports only from its own floor or below (names of types under ``if TYPE_CHECKING:`` aside:
+# they are never imported when it runs); within a floor, never in a circle.
 LAYERS = module_map.FLOORS
 FLOOR = {room: floor for floor, rooms in enumerate(LAYERS) for room in rooms}
 MAX_CLASS_LINES = 250
@@ -89,9 +91,28 @@ def _room(path_or_module: str) -> str:
     return "" if name == "__init__" else name
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``: imports there name types
+    for type checkers and never run (an ``else:`` beside them does)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def _imported_rooms(tree: ast.Module) -> set[str]:
     rooms = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             if node.module == "imgtrainer":
@@ -125,6 +146,18 @@ def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
 def test_the_layer_check_sees_an_import_up():
     tree = ast.parse("from imgtrainer.training.loop import x\nfrom imgtrainer import config\n")
     assert _imported_rooms(tree) == {"training", "config"}
+
+
+def test_the_layer_check_lets_only_type_checking_imports_up():
+    tree = ast.parse(
+        "import typing\n"
+        "if typing.TYPE_CHECKING:\n    from imgtrainer.training.step import RunParts\n"
+        "else:\n    from imgtrainer.models import build_model\n"
+        "if TYPE_CHECKING:\n    import imgtrainer.tools.predict\n"
+        "if DEBUG:\n    from imgtrainer.run import train\n"
+        "def f():\n    from imgtrainer.training import loop\n"
+    )
+    assert _imported_rooms(tree) == {"models", "run", "training"}
 
 
 def test_no_class_or_module_is_too_long():
@@ -173,7 +206,7 @@ def _imports(tree: ast.Module, modules: dict[str, Path]) -> set[str]:
     package is its submodule where it is one, its home where the data entrance exports it."""
     homes = _entrance_homes()
     found = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"

@@ -32,9 +32,7 @@ from imgtrainer.checkpoints.run_folder import (
     FolderBusy,
     FolderLock,
     check_new_run,
-    check_run_folder,
     claim_run_folder,
-    lock_holder,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import TrainConfig, parse_config
@@ -43,16 +41,27 @@ from imgtrainer.errors import UserError
 # ----------------------------------------------------------------------------- the lock
 
 
+def lock_holder(folder: Path) -> str | None:
+    """The holder a run starting in ``folder`` would meet (FolderBusy's line names it), or
+    None when it would take the lock."""
+    try:
+        with FolderLock(folder):
+            return None
+    except FolderBusy as err:
+        return str(err)
+
+
 def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
     folder = tmp_path / "ckpt"
-    with FolderLock(folder) as held:
-        assert held.held and (folder / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    with FolderLock(folder):
+        assert (folder / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
         # flock locks belong to an open file: a second open in this very process is refused too.
         with pytest.raises(FolderBusy, match=rf"{folder} is in use .*pid {os.getpid()} on host"):
             FolderLock(folder).acquire()
         assert f"pid {os.getpid()}" in lock_holder(folder)
-        with pytest.raises(FolderBusy, match="in use by another run"):
-            check_run_folder(folder, tmp_path / "logs", None, False)
+        with pytest.raises(UserError, match="in use by another run"):
+            with claim_run_folder(folder, None, enabled=True):
+                pytest.fail("a second run must not start")
     assert lock_holder(folder) is None
     with FolderLock(folder):  # free again
         pass
@@ -334,7 +343,7 @@ def saved_state(**config) -> dict:
 
 def test_changed_schedule_flags_are_listed(tmp_path: Path):
     state = saved_state()
-    same = dict(state["config"], epochs=10)  # more epochs: allowed, as before
+    same = dict(state["config"], epochs=10)  # more epochs: allowed (a run may be extended)
     assert changed_settings(state, same, world_size=2) == []
     # momentum is sgd's, step_size/gamma the step schedule's: not reported for adamw + cosine.
     assert changed_settings(state, dict(same, momentum=0.5, gamma=0.5), 2) == []

@@ -1,4 +1,4 @@
-"""The shape of a run (issue 11): one builder for its parts, the engine's hook points, DDP's
+"""The shape of a run (issue 11): one builder for its parts, the loop's hook points, DDP's
 private internals checked in one place, and the checkpoint schema with its format version."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_the_builder_takes_every_part_from_the_config():
         ]
     )
     parts = build_run_parts(cfg, ONE_PROCESS, num_classes=5, steps_per_epoch=4)
-    assert parts.criterion.label_smoothing == 0.2  # the benchmarks used to drop it
+    assert parts.criterion.label_smoothing == 0.2  # for the trainer and the benchmarks alike
     assert isinstance(parts.optimizer, torch.optim.AdamW)
     assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.003)
     assert parts.plain_model is parts.model  # one process, no compile: nothing wraps it

@@ -154,8 +154,8 @@ def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, 
         step = stopped
         assert "on 3 classes" in out  # __MACOSX and .cache are not classes
 
-    # Checkpoints at the epochs' ends only, from here on: a save per step was half of this
-    # test's time with resnet18, and the step-wise saving was checked above.
+    # Checkpoints at the epochs' ends only, from here on: the step-wise saving was checked
+    # above, and a save per step would take much of this test's time.
     resume = [*run, "--resume", "auto", "--save_every_steps", "0"]
     resumed = run_cli([ROOT / "launch_ddp.py", *resume], cwd=tmp_path)
     assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)

@@ -38,16 +38,6 @@ class ResNet18Classifier(ResNet):
             load_pretrained_weights(self, Path(pretrained_path))
 
 
-class ResNet18Animals90(ResNet18Classifier):
-    """``ResNet18Classifier`` with 90 classes by default (Animals-90), for code that imports
-    this name."""
-
-    def __init__(
-        self, num_classes: int = 90, pretrained: bool = False, pretrained_path: str | None = None
-    ):
-        super().__init__(num_classes, pretrained, pretrained_path)
-
-
 def build_model(
     name: str, num_classes: int, pretrained: bool = False, pretrained_path: str | None = None
 ) -> nn.Module:

@@ -7,12 +7,17 @@ naming what this torch lacks. tests/test_torch_compat.py checks them against the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # (major, minor) of the installed torch, for version checks.
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -67,6 +72,30 @@ def release_memory(device: torch.device) -> None:
     """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def none_if_out_of_memory(
+    attempt: Callable[[], T],
+    retry: bool = True,
+    release: torch.device | None = None,
+    cannot_redo: str = "",
+) -> T | None:
+    """``attempt()``, or None when it ran out of memory (``is_out_of_memory``) and ``retry``:
+    the caller then retries smaller. Any other error propagates, and so does memory exhaustion
+    without ``retry``, or with ``cannot_redo`` (logged first as an error line: why this attempt
+    cannot be redone). With ``release``, that device gets the failed attempt's blocks back
+    (``release_memory``) after the except block, once the traceback no longer pins them."""
+    try:
+        return attempt()
+    except Exception as err:  # only memory exhaustion is retried
+        if not (retry and is_out_of_memory(err)):
+            raise
+        if cannot_redo:
+            log.error(cannot_redo)
+            raise
+    if release is not None:
+        release_memory(release)
+    return None
 
 
 class MissingTorchInternal(RuntimeError):

@@ -4,12 +4,15 @@ and when one is written mid-epoch (``CheckpointAndStop``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from imgtrainer.checkpoints.training_state import Progress
 from imgtrainer.hooks import Hook, StepInfo
+
+if TYPE_CHECKING:  # a floor above: its types only
+    from imgtrainer.training.stopping import StopRequest
 
 
 class PositionKeeper(Hook):
@@ -32,7 +35,7 @@ class CheckpointAndStop(Hook):
 
     def __init__(
         self,
-        stop: Any,  # training.stopping.StopRequest
+        stop: StopRequest,
         # a step ended (at the epoch's end?, steps to the next agreement): out of time?
         time_up: Callable[[bool, int], bool],
         save: Callable[[torch.Tensor], None],  # the checkpoint, given this rank's sums

@@ -14,7 +14,7 @@ import torch
 from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import CheckpointError, previous_path
 from imgtrainer.checkpoints.run_folder import LATEST_NAME, explicit_resume_file
-from imgtrainer.config import RESUME_CHECKED_FLAGS
+from imgtrainer.config import RESUME_CHECKED_FLAGS, Layout
 from imgtrainer.data import class_difference
 
 log = logging.getLogger(__name__)
@@ -106,16 +106,16 @@ def saved_global_batch(state: dict[str, Any]) -> int | None:
     if "effective_batch_size" in state:
         return state["effective_batch_size"]
     step, processes = saved_step_batch(state), saved_world_size(state)
-    return step[0] * step[1] * processes if step and processes else None
+    return Layout(*step, processes).global_batch if step and processes else None
 
 
 def _saved_layout_text(state: dict[str, Any]) -> str:
-    layout = state.get("layout")
-    if layout:
-        batch, accum, processes = layout["batch_size"], layout["accum_steps"], layout["world_size"]
+    saved = state.get("layout")
+    if saved:
+        layout = Layout(saved["batch_size"], saved["accum_steps"], saved["world_size"])
     else:
-        (batch, accum), processes = saved_step_batch(state), saved_world_size(state)
-    return f"{batch}x{accum}x{processes}={batch * accum * processes}"
+        layout = Layout(*saved_step_batch(state), saved_world_size(state))
+    return layout.short()
 
 
 def requested_global_batch(
@@ -131,8 +131,8 @@ def requested_global_batch(
     same_flags = all(saved.get(k) == config[k] for k in ("batch_size", "accum_steps"))
     if same_flags and "effective_batch_size" in state and not saved.get("global_batch_size"):
         return state["effective_batch_size"], "the same flags"
-    batch, accum = config["batch_size"], config["accum_steps"]
-    return batch * accum * world_size, f"{batch}x{accum}x{world_size}={batch * accum * world_size}"
+    layout = Layout(config["batch_size"], config["accum_steps"], world_size)
+    return layout.global_batch, layout.short()
 
 
 def changed_settings(state: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 
 
-# What a run leaves in --checkpoint_dir (see checkpoint.py) and in --log_dir (history.py).
+# What a run leaves in --checkpoint_dir (``checkpoints.writer``) and in --log_dir
+# (``reports.history``).
 LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
 
 
@@ -80,10 +81,6 @@ class FolderLock:
     def __init__(self, folder: Path):
         self.path = folder / LOCK_NAME
         self._fd: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
     def acquire(self) -> None:
         check_checkpoint_dir(self.path.parent)
@@ -151,18 +148,6 @@ def read_holder(lock_path: Path) -> str:
     return text or "its pid is not written yet"
 
 
-def lock_holder(folder: Path) -> str | None:
-    """Who holds ``folder``'s lock, or None if nobody does. Takes the lock for an instant, so a
-    launcher can check before it starts anything; the run itself takes it for good."""
-    if not (folder / LOCK_NAME).is_file():
-        return None
-    try:
-        with FolderLock(folder):
-            return None
-    except FolderBusy:
-        return read_holder(folder / LOCK_NAME)
-
-
 def explicit_resume_file(resume: str) -> Path:
     """The checkpoint ``--resume PATH`` names (not ``auto``); one line if there is no such file.
     Torch-free, so the launcher checks it before starting the workers, which check it again."""
@@ -223,18 +208,6 @@ def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overw
         f"({', '.join(str(path) for path in found)}): add {', '.join(choices)}, or "
         f"give another {folders}"
     )
-
-
-def check_run_folder(
-    checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool
-) -> None:
-    """The whole check, without keeping the lock: for a launcher, before it starts anything
-    (the run itself still takes the lock, since another run may start in between)."""
-    check_checkpoint_dir(checkpoint_dir)
-    holder = lock_holder(checkpoint_dir)
-    if holder is not None:
-        raise folder_busy(checkpoint_dir, holder)
-    check_new_run(checkpoint_dir, log_dir, resume, overwrite)
 
 
 @contextlib.contextmanager

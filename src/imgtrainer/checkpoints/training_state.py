@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,12 +27,17 @@ from imgtrainer.checkpoints.resume import (
     saved_global_batch,
     saved_world_size,
 )
-from imgtrainer.config import Layout, TrainConfig, choose_layout, effective_batch
+from imgtrainer.config import Layout, TrainConfig, choose_layout
 from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.reports.history import HistoryWriter, best_line
+
+if TYPE_CHECKING:  # a floor above: its types only
+    from imgtrainer.training.best import BestTracker
+    from imgtrainer.training.ema import ModelEma
+    from imgtrainer.training.step import RunParts
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +69,9 @@ class ResumeSource:
 class RunState:
     """The run's objects that a checkpoint holds (the trainer's)."""
 
-    parts: Any  # training.step.RunParts
-    ema: Any  # training.ema.ModelEma
-    best: Any  # training.best.BestTracker
+    parts: RunParts
+    ema: ModelEma
+    best: BestTracker
     history: HistoryWriter
     class_names: list[str]
     cfg: TrainConfig  # laid out for this world size
@@ -93,7 +98,7 @@ def find_resume(cfg: TrainConfig, dist: DistInfo) -> tuple[ResumeSource, TrainCo
     changes = check_resume_settings(state, path, cfg.to_dict(), world, override=cfg.resume_override)
     source = ResumeSource(path, state, changes)
     target, _ = requested_global_batch(state, cfg.to_dict(), world)
-    if target == effective_batch(cfg, world):
+    if target == Layout.of(cfg, world).global_batch:
         return source, cfg
     layout = choose_layout(target, world, cfg.batch_size)
     return source, replace(cfg, batch_size=layout.batch_size, accum_steps=layout.accum_steps)

@@ -42,8 +42,14 @@ class Layout:
     accum_steps: int
     world_size: int
 
+    @classmethod
+    def of(cls, cfg: TrainConfig, world_size: int) -> Layout:
+        """The layout of ``cfg``'s --batch_size and --accum_steps on ``world_size`` processes."""
+        return cls(cfg.batch_size, cfg.accum_steps, world_size)
+
     @property
     def global_batch(self) -> int:
+        """Images per optimizer step over all processes."""
         return self.batch_size * self.accum_steps * self.world_size
 
     def describe(self) -> str:
@@ -51,6 +57,10 @@ class Layout:
             f"--batch_size {self.batch_size} x --accum_steps {self.accum_steps} x "
             f"{self.world_size} process(es) = {self.global_batch}"
         )
+
+    def short(self) -> str:
+        """``describe`` in a resume's list of changes: "8x2x2=32"."""
+        return f"{self.batch_size}x{self.accum_steps}x{self.world_size}={self.global_batch}"
 
 
 class LayoutContradiction(UserError):
@@ -101,15 +111,3 @@ def optimizer_batch(cfg: TrainConfig) -> int:
     The training loader yields them as one batch, so sample order and resuming do not depend on
     how a step is split into forward/backward passes."""
     return cfg.batch_size * cfg.accum_steps
-
-
-def effective_batch(cfg: TrainConfig, world_size: int) -> int:
-    """Images per optimizer step over all processes: batch_size x accum_steps x world size."""
-    return optimizer_batch(cfg) * world_size
-
-
-def effective_batch_line(cfg: TrainConfig, world_size: int) -> str:
-    return (
-        f"Effective batch: {cfg.batch_size} x {cfg.accum_steps} step(s) x {world_size} "
-        f"process(es) = {effective_batch(cfg, world_size)} images per optimizer step"
-    )

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     tell what the user typed."""
     parser = argparse.ArgumentParser(
         prog="train_ddp.py",
-        description="Train an image classifier on an ImageFolder dataset, on 1..N processes.",
+        description="Train an image classifier on images in any data layout (class folders, a "
+        "list, Parquet, tar shards), on 1..N processes.",
         argument_default=argparse.SUPPRESS,
     )
     run_files = parser.add_argument_group("run files")

@@ -3,7 +3,7 @@ at least one optimizer step. No torch here: the launcher runs them before torchr
 
 from __future__ import annotations
 
-from imgtrainer.config import TrainConfig, optimizer_batch
+from imgtrainer.config import Layout, TrainConfig, optimizer_batch
 from imgtrainer.errors import UserError
 
 
@@ -22,7 +22,7 @@ def check_batch_fits(train_images: int, cfg: TrainConfig, world_size: int) -> No
     """An epoch needs at least one full optimizer step over all processes (the training
     loader yields --accum_steps batches of --batch_size as one; a partial last step is left
     out)."""
-    if train_images >= optimizer_batch(cfg) * world_size:
+    if train_images >= Layout.of(cfg, world_size).global_batch:
         return
     if cfg.accum_steps == 1:
         asked, lower = f"--batch_size {cfg.batch_size}", "lower --batch_size"

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from imgtrainer.config import TrainConfig, effective_batch, optimizer_batch
+from imgtrainer.config import Layout, TrainConfig, optimizer_batch
 from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.checks import check_batch_fits, check_device_options
 from imgtrainer.data.device.augment import BatchAugment
@@ -167,7 +167,7 @@ def mixing_of(cfg: TrainConfig, world_size: int) -> Mixing:
         switch_prob=cfg.mix_switch_prob,
         mixed_epochs=cfg.epochs - cfg.mix_off_epochs,
         seed=cfg.seed,
-        global_batch=effective_batch(cfg, world_size),
+        global_batch=Layout.of(cfg, world_size).global_batch,
     )
 
 
@@ -192,7 +192,7 @@ def build_train_sampler(
         )
     # Each optimizer step takes the next global batch of the epoch's order, whatever the
     # number of processes: a resume on another number goes on at the same sample.
-    global_batch = effective_batch(cfg, dist.world_size)
+    global_batch = Layout.of(cfg, dist.world_size).global_batch
     if cfg.sampler == "balanced":
         return BalancedClassSampler(targets, dist.rank, dist.world_size, cfg.seed, global_batch)
     return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed, global_batch)
@@ -244,8 +244,8 @@ def replace_source(train_set: TrainingSamples, source: Source) -> TrainingSample
 
 # Loader workers per process at most: each is a process holding its own prefetched batches.
 MAX_LOADER_WORKERS = 16
-# With the GPU cache a sample is a few draws (about 50-130 us with a policy): a few workers
-# keep up with any step.
+# With the GPU cache a sample is only its draws (no file, no pixels): a few workers keep up with
+# any step.
 GPU_CACHE_WORKERS = 4
 
 

@@ -29,7 +29,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: object | None = Non
     return tensor
 
 
-# The names the engine and the trainer read best at their call sites.
+# The names the training step, loop and trainer read best at their call sites.
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return all_reduce(tensor, "sum")
 

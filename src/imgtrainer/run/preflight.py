@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from imgtrainer.checkpoints.run_folder import check_checkpoint_dir, explicit_resume_file
-from imgtrainer.config import TrainConfig, optimizer_batch
+from imgtrainer.config import Layout, TrainConfig
 from imgtrainer.data import (
     FOLDER,
     check_batch_fits,
@@ -47,7 +47,8 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
         return
     classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))
     # Counted only as far as the checks need: a start does not wait for a million files here.
-    train_counts = count_images(Path(cfg.train_dir), classes, optimizer_batch(cfg) * world_size)
+    enough = Layout.of(cfg, world_size).global_batch
+    train_counts = count_images(Path(cfg.train_dir), classes, enough)
     check_no_empty_class_folder(Path(cfg.train_dir), train_counts, "training")
     check_no_empty_class_folder(
         Path(cfg.val_dir), count_images(Path(cfg.val_dir), classes, enough=0), "validation"

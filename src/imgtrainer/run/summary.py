@@ -8,10 +8,7 @@ from pathlib import Path
 import torch
 
 from imgtrainer.checkpoints.run_folder import epoch_checkpoints
-from imgtrainer.config import (
-    TrainConfig,
-    effective_batch_line,
-)
+from imgtrainer.config import Layout, TrainConfig
 from imgtrainer.distributed.setup import (
     DistInfo,
 )
@@ -29,7 +26,9 @@ def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
         f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
         f"{trainer.train_loader.num_workers} loader worker(s) per process"
     )
-    log.info(effective_batch_line(cfg, dist.world_size))
+    log.info(
+        f"Effective batch: {Layout.of(cfg, dist.world_size).describe()} images per optimizer step"
+    )
     if dist.preflight is not None:
         log.info(dist.preflight.line)
         if dist.preflight.warning:

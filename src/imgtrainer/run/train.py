@@ -1,4 +1,4 @@
-"""Train an image classifier on an ImageFolder dataset with DistributedDataParallel.
+"""Train an image classifier with DistributedDataParallel on images in any data layout.
 
 Run it through the launcher, under torchrun directly, or alone (world size 1):
 

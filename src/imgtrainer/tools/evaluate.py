@@ -140,7 +140,7 @@ def build_eval_folder(
 
 
 class PredictionCounter:
-    """The per-sample part of the report, fed by ``engine.evaluate``'s pass: the confusion
+    """The per-sample part of the report, fed by ``training.evaluation.evaluate``'s pass: the confusion
     matrix (on the device) and this rank's misclassified images.
 
     ``indices`` yields the dataset index of each sample in the order the loader yields them
@@ -179,7 +179,7 @@ def count_predictions(
     """Confusion matrix, loss and top-5 over this rank's shard, summed over all ranks, plus every
     rank's misclassified images. Every rank must call this (it ends with collectives).
 
-    The pass is training's own (``engine.evaluation_sums``: its autocast, micro-batch and
+    The pass is training's own (``training.evaluation.evaluation_sums``: its autocast, micro-batch and
     layout, read from the checkpoint), so top-1 is the ``val_acc`` training recorded for the
     same checkpoint and images. ShardSampler gives each image to exactly one rank.
     """

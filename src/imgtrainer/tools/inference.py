@@ -1,6 +1,7 @@
-"""A trained classifier loaded from its checkpoint alone: the model, its class names and the
-preprocessing it was trained with (used by src/evaluate.py and src/predict.py). With
---model_ema, ``--weights auto`` takes the weights behind the checkpoint's best_acc.
+"""A trained classifier loaded from its checkpoint alone, for src/evaluate.py and src/predict.py.
+
+The model, its class names and the preprocessing it was trained with. With --model_ema,
+``--weights auto`` takes the weights behind the checkpoint's best_acc.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class FlipAveraged(nn.Module):
     image, returned as log-probabilities. Softmax, not logits, is averaged (as timm's and
     torchvision's references do): each view votes with its confidence. Log-probabilities are
     logits whose softmax is that average, so the loss, top-k and confidence computed from the
-    output (``engine.evaluation_sums``, ``predict.py``) need no change."""
+    output (``training.evaluation.evaluation_sums``, ``predict.py``) need no change."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

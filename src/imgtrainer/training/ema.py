@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 WARMUP_POWER = 0.75
 
 
-# The history keys of the EMA's evaluation: engine.evaluate's keys with this suffix.
+# The history keys of the EMA's evaluation: training.evaluation.evaluate's keys with this suffix.
 EMA_SUFFIX = "_ema"
 
 
@@ -187,7 +187,7 @@ class ModelEma(Hook):
         self.updates = int(checkpoint.get("ema_updates") or 0)
 
 
-def record_metrics(val: Mapping[str, float]) -> dict[str, float]:
+def history_val_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """The validation metrics a history record keeps: ``VAL_KEYS`` (when validated), then the
     EMA's."""
     return {
@@ -197,5 +197,5 @@ def record_metrics(val: Mapping[str, float]) -> dict[str, float]:
 
 
 def ema_metrics(val: Mapping[str, float]) -> dict[str, float]:
-    """``engine.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
+    """``training.evaluation.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
     return {f"{key}{EMA_SUFFIX}": val[key] for key in VAL_KEYS}

@@ -98,13 +98,15 @@ def evaluation_sums(
     return all_reduce_sum(sums)
 
 
-def validated(cfg: TrainConfig, epoch: int) -> bool:
+def is_validation_epoch(cfg: TrainConfig, epoch: int) -> bool:
     """Whether epoch ``epoch`` (1-based) is validated: every --val_every_epochs-th, and the
     last."""
     return epoch % cfg.val_every_epochs == 0 or epoch == cfg.epochs
 
 
-def validate(model: nn.Module, loader, parts: RunParts, dist: DistInfo) -> dict[str, float]:
+def validation_metrics(
+    model: nn.Module, loader, parts: RunParts, dist: DistInfo
+) -> dict[str, float]:
     """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
     BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
     broadcast_buffers(model)
@@ -112,9 +114,9 @@ def validate(model: nn.Module, loader, parts: RunParts, dist: DistInfo) -> dict[
     return evaluate(model, loader, settings)
 
 
-def validate_run(parts: RunParts, ema: ModelEma, loader, dist: DistInfo) -> dict[str, float]:
+def epoch_validation(parts: RunParts, ema: ModelEma, loader, dist: DistInfo) -> dict[str, float]:
     """An epoch's validation metrics: the weights', and with EMA the average's."""
-    val = validate(parts.plain_model, loader, parts, dist)
+    val = validation_metrics(parts.plain_model, loader, parts, dist)
     if ema.enabled:
-        val.update(ema_metrics(validate(ema.module, loader, parts, dist)))
+        val.update(ema_metrics(validation_metrics(ema.module, loader, parts, dist)))
     return val

@@ -1,5 +1,8 @@
-"""One training epoch: the loop over the loader, calling its hooks (``imgtrainer.hooks``) after
-each step and at logging steps; the progress bar is its first hook."""
+"""One training epoch: the loop over the loader, calling its hooks after each step.
+
+Its hooks (``imgtrainer.hooks``) run after each step and at logging steps; the progress bar is
+its first hook.
+"""
 
 from __future__ import annotations
 
@@ -186,12 +189,7 @@ def train_one_epoch(
     first hook."""
     epoch = epoch or EpochPlan()
     start_step, first_global_step, mixer = epoch.start_step, epoch.first_global_step, epoch.mixer
-    sums = epoch.sums
-    state.model.train()
-    device, plan = state.device, state.plan
-    if plan.retry_on_oom:
-        check_ddp_internals(ddp_of(state.model))  # before the first step, not at the first OOM
-    sums = torch.zeros(3, dtype=torch.float64, device=device) if sums is None else sums.to(device)
+    sums = _start_epoch(state, epoch.sums)
     progress = progress or ProgressBar(enabled=False)
     hooks = Hooks([progress, *hooks])
     # Only hooks that want the logging step make it copy the metrics to the host; they see
@@ -234,12 +232,28 @@ def train_one_epoch(
     progress.close()
     if nonfinite is not None:
         nonfinite.check(steps_per_epoch)
+    return _epoch_metrics(sums, step, state.plan.micro_batch)
 
+
+def _start_epoch(state: RunParts, sums: torch.Tensor | None) -> torch.Tensor:
+    """The model in training mode, and the epoch's running sums on the device: a resumed
+    epoch's, or zeros. With the out-of-memory retry, DDP's internals that it resets are checked
+    here, before the first step rather than at the first out-of-memory error."""
+    state.model.train()
+    if state.plan.retry_on_oom:
+        check_ddp_internals(ddp_of(state.model))
+    if sums is None:
+        return torch.zeros(3, dtype=torch.float64, device=state.device)
+    return sums.to(state.device)
+
+
+def _epoch_metrics(sums: torch.Tensor, steps: int, micro_batch: int | None) -> dict[str, float]:
+    """The epoch's training metrics over every rank (a collective: every rank calls it)."""
     total = all_reduce_sum(sums.clone()).tolist()
     return {
         "train_loss": total[LOSS] / max(total[COUNT], 1),
         "train_acc": total[CORRECT] / max(total[COUNT], 1),
         "train_samples": int(total[COUNT]),
-        "steps": step,
-        "micro_batch": plan.micro_batch,
+        "steps": steps,
+        "micro_batch": micro_batch,
     }

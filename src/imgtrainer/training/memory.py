@@ -1,10 +1,9 @@
-"""Fitting training into a memory budget: the micro-batch size, what it costs, and recovery from
-out-of-memory errors (docs/memory.md).
+"""What fitting training into a memory budget works with (docs/memory.md).
 
-``measure_micro_batch`` runs one forward and backward on synthetic images and returns its cost
-and real peak (on the CPU the resident high-water mark: what a budget is checked against there);
-``fit_micro_batch`` halves from ``--batch_size`` until a size fits, and every rank takes the
-smallest size any rank found. It never reads files; its only collective is that agreement.
+The plan of micro-batches and how it halves after an out-of-memory error (``MemoryPlan``), the
+buffers a redone step puts back (``BufferSnapshot``), the memory savers (activation
+checkpointing, channels_last) and each process's budget. The trials that choose the micro-batch
+are ``memory_fit``'s.
 """
 
 from __future__ import annotations
@@ -28,9 +27,6 @@ from imgtrainer.files import format_bytes
 log = logging.getLogger(__name__)
 
 
-GIB = 2**30
-
-
 # What helps when even one image per forward/backward does not fit.
 OOM_HELP = (
     "what would help: --low_memory (float16 and activation checkpointing), a smaller "
@@ -49,7 +45,7 @@ def gib(num_bytes: float) -> str:
 
 @dataclass
 class MemoryPlan:
-    """How each loaded batch goes through the model. Mutable on purpose: the engine halves
+    """How each loaded batch goes through the model. Mutable on purpose: the step halves
     ``micro_batch`` when an out-of-memory error forces it, and the trainer stores the value in
     checkpoints and history."""
 

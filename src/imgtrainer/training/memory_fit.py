@@ -17,7 +17,7 @@ from imgtrainer.data import Source, augment_bytes_per_image, augment_chunk, canv
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
 from imgtrainer.precision import uses_channels_last
-from imgtrainer.torch_compat import is_out_of_memory, release_memory
+from imgtrainer.torch_compat import none_if_out_of_memory
 from imgtrainer.training.memory import (
     OOM_HELP,
     BufferSnapshot,
@@ -85,8 +85,7 @@ def measure_micro_batch(
     Synthetic images, because a trial must not use up samples of the epoch (resuming relies on
     the loader's position). The model's buffers, its gradients and the random state are left as
     they were. An out-of-memory error propagates to the caller."""
-    model, optimizer, criterion = parts.model, parts.optimizer, parts.criterion
-    precision, device = parts.precision, parts.device
+    model, device = parts.model, parts.device
     measure_rss = (
         device.type == "cpu"
         and cpu_baseline_bytes is not None
@@ -95,29 +94,14 @@ def measure_micro_batch(
     )
     if measure_rss:
         resident.reset_peak()
-    generator = torch.Generator().manual_seed(size)
-    images = torch.randn(size, *inputs.image_shape, generator=generator).to(
-        device,
-        memory_format=torch.channels_last if inputs.channels_last else torch.preserve_format,
-    )
-    targets = torch.randint(0, inputs.num_classes, (size,), generator=generator).to(device)
+    images, targets = _synthetic_batch(inputs, size, device)
     image_bytes = tensor_bytes([images])
     snapshot, was_training = BufferSnapshot(model), model.training
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            model.train()
-            # As in every micro-batch after a step's first: the accumulated gradients are
-            # already there during the forward pass (and backward adds into them).
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.grad = torch.zeros_like(param)
-            with saved_tensor_bytes(model, exclude=images) as saved, precision.autocast(device):
-                loss = criterion(model(images), targets)
-            loss.backward()
-        batch_bytes = sum(saved.values())
+        batch_bytes = _trial_step(parts, images, targets)
         peak = 0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -125,14 +109,45 @@ def measure_micro_batch(
             peak = resident.peak() - cpu_baseline_bytes
         if peak:
             peak -= image_bytes  # counted with the inputs below
-            if not optimizer.state:  # not allocated yet: it will be at the first step
-                peak += optimizer_state_bytes(optimizer)
+            if not parts.optimizer.state:  # not allocated yet: it will be at the first step
+                peak += optimizer_state_bytes(parts.optimizer)
     finally:
         model.zero_grad(set_to_none=True)
         snapshot.restore()
         model.train(was_training)
     state = resident_state_bytes(parts)
     return StepCost(size, state, batch_bytes, peak, max(image_bytes, inputs.loaded_input_bytes))
+
+
+def _synthetic_batch(
+    inputs: TrialInputs, size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` random images of ``inputs``' shape and layout and their labels, on ``device``,
+    the same for the same size."""
+    generator = torch.Generator().manual_seed(size)
+    images = torch.randn(size, *inputs.image_shape, generator=generator).to(
+        device,
+        memory_format=torch.channels_last if inputs.channels_last else torch.preserve_format,
+    )
+    targets = torch.randint(0, inputs.num_classes, (size,), generator=generator).to(device)
+    return images, targets
+
+
+def _trial_step(parts: TrialParts, images: torch.Tensor, targets: torch.Tensor) -> int:
+    """The trial's forward and backward, in training mode and on a forked random state; returns
+    the bytes the forward kept for the backward (the input aside)."""
+    model, device = parts.model, parts.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        # As in every micro-batch after a step's first: the accumulated gradients are
+        # already there during the forward pass (and backward adds into them).
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        with saved_tensor_bytes(model, exclude=images) as saved, parts.precision.autocast(device):
+            loss = parts.criterion(model(images), targets)
+        loss.backward()
+    return sum(saved.values())
 
 
 def resident_state_bytes(parts: TrialParts) -> int:
@@ -148,18 +163,6 @@ def resident_state_bytes(parts: TrialParts) -> int:
 # ----------------------------------------------------------------------------- fitting
 
 
-def _cost_or_oom(
-    measure: Callable[[int], StepCost], size: int, device: torch.device
-) -> StepCost | None:
-    try:
-        return measure(size)
-    except RuntimeError as err:
-        if not is_out_of_memory(err):
-            raise
-    release_memory(device)  # outside the except block: the traceback no longer pins tensors
-    return None
-
-
 def largest_fitting(
     measure: Callable[[int], StepCost],
     start: int,
@@ -170,7 +173,7 @@ def largest_fitting(
     """The largest size from ``halving_sizes(start, batch_size)`` whose measured cost fits in
     ``budget`` bytes, and ``(0, why)`` when not even 1 does. This rank only: no collective."""
     probe_size = min(2, start)
-    probe = _cost_or_oom(measure, probe_size, device)
+    probe = none_if_out_of_memory(partial(measure, probe_size), release=device)
     why = "out of memory"
     for size in halving_sizes(start, batch_size):
         if probe is None and size >= probe_size:
@@ -179,7 +182,11 @@ def largest_fitting(
             why = f"estimated {gib(probe.estimate(size))}"
             log.info(f"micro-batch {size}: {why}, over the budget of {gib(budget)}")
             continue  # a trial would only overshoot the budget
-        cost = probe if size == probe_size else _cost_or_oom(measure, size, device)
+        cost = (
+            probe
+            if size == probe_size
+            else none_if_out_of_memory(partial(measure, size), release=device)
+        )
         if cost is not None and cost.total <= budget:
             log.info(
                 f"micro-batch {size}: needs {gib(cost.total)}, within the budget of {gib(budget)}"
@@ -239,7 +246,7 @@ def build_memory_plan(
             (3, cfg.image_size, cfg.image_size),
             num_classes,
             channels_last,
-            batch_input_bytes(step_batch, cfg.image_size, device, channels_last),
+            batch_input_bytes(step_batch, cfg.image_size),
         )
         measure = partial(
             measure_micro_batch,

@@ -50,20 +50,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return slots * params
 
 
-def batch_input_bytes(
-    batch_size: int, image_size: int, device: torch.device, channels_last: bool
-) -> int:
-    """Bytes of one loaded batch's float32 inputs that sit in ``device`` memory during its step.
+def batch_input_bytes(batch_size: int, image_size: int) -> int:
+    """Bytes of one loaded batch's float32 inputs that sit in device memory during its step,
+    the same on any device and in either layout.
 
-    The engine copies every micro-batch of a step to the device before the first forward (so
-    that an out-of-memory error there is agreed on before any collective), so the whole batch
-    is on the device, not one micro-batch. On the CPU that is the loaded batch itself. On CUDA
-    every source's batch is augmented on the device (``data.batch_augment``) straight into the
-    model's layout (channels_last or not), so the engine's move to its layout copies nothing:
+    The step copies every micro-batch to the device before the first forward (so that an
+    out-of-memory error there is agreed on before any collective), so the whole batch is on
+    the device, not one micro-batch. On the CPU that is the loaded batch itself. On CUDA every
+    source's batch is augmented on the device (``data.device.augment``) straight into the
+    model's layout (channels_last or not), so the step's move to its layout copies nothing:
     one copy either way. (The augmentation's own buffers are freed before the step's forward;
-    ``memory_fit.plan_augmentation`` counts them.)
-    ``device`` and ``channels_last`` are kept for the callers: neither changes the count."""
-    del device, channels_last
+    ``memory_fit.plan_augmentation`` counts them.)"""
     return batch_size * 3 * image_size * image_size * 4
 
 

@@ -1,6 +1,8 @@
-"""The optimizer, its learning-rate schedule, and its state across runs: a resumed optimizer
-runs with this run's own kernels and its parameters' device, dtype and memory layout, whatever
-the checkpoint was written with."""
+"""The optimizer, its learning-rate schedule, and its state across runs.
+
+A resumed optimizer runs with this run's own kernels and its parameters' device, dtype and
+memory layout, whatever the checkpoint was written with.
+"""
 
 from __future__ import annotations
 

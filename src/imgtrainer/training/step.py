@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from imgtrainer import torch_compat
 from imgtrainer.distributed.collectives import any_rank
 from imgtrainer.precision import Precision
-from imgtrainer.torch_compat import is_out_of_memory, release_memory
+from imgtrainer.torch_compat import none_if_out_of_memory, release_memory
 from imgtrainer.training.memory import BufferSnapshot, MemoryPlan
 
 log = logging.getLogger(__name__)
@@ -146,20 +147,9 @@ def accumulate_gradients(
     last_loss, failed = None, False
     for index, (x, y) in enumerate(chunks):
         is_last = index == len(chunks) - 1
-        try:
-            with contextlib.nullcontext() if is_last else _no_sync(model):
-                logits, loss = forward_loss(model, x, y, state.criterion, state.precision)
-            record_metrics(sums, logits, loss, y)
-            # Weighted by its share of the batch: the micro-batch gradients add up to the
-            # gradient of the mean loss over the whole batch.
-            weighted = loss * (len(y) / len(targets))
-            if is_last:
-                last_loss = weighted
-            else:
-                scaler.scale(weighted).backward()
-        except RuntimeError as err:
-            if not (plan.retry_on_oom and is_out_of_memory(err)):
-                raise
+        micro_batch = partial(_micro_batch, state, x, y, len(y) / len(targets), sums, is_last)
+        last_loss = none_if_out_of_memory(micro_batch, plan.retry_on_oom)
+        if last_loss is None:
             failed = True
             break
     del chunks  # each micro-batch's input can go once its backward ran
@@ -168,42 +158,60 @@ def accumulate_gradients(
     return sums if _synced_backward(model, scaler, last_loss, plan) else None
 
 
+def _micro_batch(
+    state: RunParts,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    share: float,
+    sums: torch.Tensor,
+    is_last: bool,
+) -> torch.Tensor:
+    """One micro-batch's forward, its metrics added to ``sums``, and its backward but for the
+    last one's (``_synced_backward``); returns its loss weighted by its ``share`` of the batch,
+    so that the micro-batch gradients add up to the gradient of the mean loss over the batch."""
+    with contextlib.nullcontext() if is_last else _no_sync(state.model):
+        logits, loss = forward_loss(state.model, images, targets, state.criterion, state.precision)
+    add_to_step_sums(sums, logits, loss, targets)
+    weighted = loss * share
+    if not is_last:
+        state.scaler.scale(weighted).backward()
+    return weighted
+
+
 def _inputs_on_device(
     images: torch.Tensor, targets: torch.Tensor, size: int, device: torch.device, plan: MemoryPlan
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Every micro-batch of the batch on the device (the fitting counts the whole batch's
     inputs there), or None if that ran out of memory and the plan retries."""
-    try:
+
+    def copy() -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
             to_device(x, y, device, plan.channels_last)
             for x, y in zip(images.split(size), targets.split(size), strict=True)
         ]
-    except RuntimeError as err:
-        if not (plan.retry_on_oom and is_out_of_memory(err)):
-            raise
-        return None
+
+    return none_if_out_of_memory(copy, plan.retry_on_oom)
+
+
+# Under DDP the other ranks are already inside the gradient exchange, which cannot be called off.
+EXCHANGE_OUT_OF_MEMORY = (
+    "out of memory during the gradient exchange of the last micro-batch, which cannot be "
+    "redone on one rank alone; restart with --resume auto (and a smaller --max_memory_gb)"
+)
 
 
 def _synced_backward(
     model: nn.Module, scaler: torch.amp.GradScaler, loss: torch.Tensor, plan: MemoryPlan
 ) -> bool:
     """The last micro-batch's backward, where DDP exchanges gradients. False if it ran out of
-    memory and can be redone: only without DDP. Under DDP the other ranks are already inside
-    the gradient exchange, which cannot be called off, so the error ends the run."""
-    try:
+    memory and can be redone: only without DDP; under DDP the error ends the run."""
+
+    def backward() -> bool:
         scaler.scale(loss).backward()
         return True
-    except RuntimeError as err:
-        if not (plan.retry_on_oom and is_out_of_memory(err)):
-            raise
-        if ddp_of(model) is not None:
-            log.error(
-                "out of memory during the gradient exchange of the last micro-batch, "
-                "which cannot be redone on one rank alone; restart with --resume auto "
-                "(and a smaller --max_memory_gb)"
-            )
-            raise
-    return False
+
+    cannot_redo = EXCHANGE_OUT_OF_MEMORY if ddp_of(model) is not None else ""
+    return none_if_out_of_memory(backward, plan.retry_on_oom, cannot_redo=cannot_redo) is not None
 
 
 def ddp_of(model: nn.Module) -> DistributedDataParallel | None:
@@ -243,9 +251,10 @@ def forward_loss(
 
 
 @torch.no_grad()
-def record_metrics(
+def add_to_step_sums(
     sums: torch.Tensor, logits: torch.Tensor, loss: torch.Tensor, targets: torch.Tensor
 ) -> None:
+    """A micro-batch's loss sum, correct predictions and count added to the step's ``sums``."""
     sums[LOSS] += loss.detach().double() * targets.size(0)
     # Soft targets (mixup/cutmix): a prediction is correct when it is the target's dominant
     # label, the one with the larger share of the mixed image.

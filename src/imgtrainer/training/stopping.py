@@ -1,11 +1,10 @@
-"""Stopping on SIGTERM/SIGINT/SIGHUP/SIGUSR1 (preemption, Ctrl-C, a closed terminal, SLURM's
-``--signal`` warning before a time limit), or when the --max_time budget runs out, at a step
-that every rank agrees on.
+"""Stopping on a signal or at --max_time, at a step that every rank agrees on.
 
-A signal (or a ``TimeBudget`` that runs out) sets a flag; all ranks agree on it with a small
-all-gather (the flags, and each rank's clocks for ``stragglers``) every ``AGREE_EVERY`` steps and after an epoch's last step (one
-process, with no collective, after every step), save a checkpoint together and leave the loop. A second
-signal, later than one Ctrl-C's burst, exits at once.
+SIGTERM/SIGINT/SIGHUP/SIGUSR1 (preemption, Ctrl-C, a closed terminal, SLURM's ``--signal``
+warning) or a ``TimeBudget`` that runs out sets a flag; the ranks agree on it with a small
+all-gather (the flags, and each rank's clocks for ``stragglers``) every ``AGREE_EVERY`` steps and
+after an epoch's last step (one process: after every step, no collective), save a checkpoint
+together and leave the loop. A second signal, later than one Ctrl-C's burst, exits at once.
 """
 
 from __future__ import annotations
@@ -197,6 +196,20 @@ class TimeBudget:
             return self.validation_seconds
         return self.step_estimate() * batches
 
-    def runs_out(self, work_seconds: float) -> bool:
+    def too_short_for(self, work_seconds: float) -> bool:
         """Whether ``work_seconds`` of work and then a checkpoint no longer fit."""
         return self.remaining() < SAFETY_FACTOR * (work_seconds + self.save_seconds)
+
+    def too_short_for_next_stop(
+        self, at_epoch_end: bool, validation_batches: int | None, steps_ahead: int = 1
+    ) -> bool:
+        """Whether the work up to the next point to stop at, and a checkpoint, no longer fit:
+        after an epoch's last step its validation (of ``validation_batches``; None: the epoch
+        is not validated), else the next ``steps_ahead`` steps (to the ranks' next agreement)."""
+        if not self.enabled:
+            return False
+        if not at_epoch_end:
+            return self.too_short_for(self.step_estimate() * steps_ahead)
+        validating = validation_batches is not None
+        validation = self.validation_estimate(validation_batches) if validating else 0.0
+        return self.too_short_for(validation)

@@ -1,9 +1,8 @@
-"""Stragglers: each rank's host clocks since the ranks last agreed on a stop (``RankClock``) travel
-with that agreement (``StopRequest.agreed``, every few steps: no collective of their own), and
-``StragglerWatch`` names, once, a rank that is consistently slower than the others.
+"""Stragglers: a rank consistently slower than the others, named once.
 
-The ranks of DDP wait for each other inside every backward pass, so their step times are equal;
-what differs is the time each spends outside the forward/backward/optimizer (waiting for data,
+Each rank's host clocks since the ranks last agreed on a stop (``RankClock``) travel with that
+agreement (``StopRequest.agreed``: no collective of their own). DDP's ranks wait for each other
+in every backward, so what differs is the time each spends outside the step (waiting for data,
 per-step host work), which the others then wait for. Host clocks: a slow GPU is not separated.
 """
 

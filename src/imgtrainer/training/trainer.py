@@ -24,7 +24,7 @@ from imgtrainer.checkpoints.training_state import (
     restore,
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
-from imgtrainer.config import Layout, TrainConfig, effective_batch, parse_duration
+from imgtrainer.config import Layout, TrainConfig, parse_duration
 from imgtrainer.data import build_loaders
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
@@ -39,8 +39,8 @@ from imgtrainer.reports.history import EpochRecord, HistoryWriter, best_note
 from imgtrainer.reports.trackers import TrackerContext, build_trackers
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.ema import ModelEma, record_metrics
-from imgtrainer.training.evaluation import validate_run, validated
+from imgtrainer.training.ema import ModelEma, history_val_metrics
+from imgtrainer.training.evaluation import epoch_validation, is_validation_epoch
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.nonfinite import NonFiniteLoss
@@ -55,7 +55,7 @@ def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict
     return {
         "config": cfg.to_dict(),
         "world_size": dist.world_size,
-        "effective_batch_size": effective_batch(cfg, dist.world_size),
+        "effective_batch_size": Layout.of(cfg, dist.world_size).global_batch,
         "device": str(dist.device.type),
         "class_names": class_names,
         "versions": {
@@ -96,21 +96,6 @@ def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerCont
     if error is not None:
         raise UserError(error)
     return trackers
-
-
-def runs_out(
-    budget: TimeBudget, at_epoch_end: bool, validation_batches: int | None, steps_ahead: int = 1
-) -> bool:
-    """--max_time: whether the work up to the next point to stop at, and a checkpoint, no longer
-    fit: after an epoch's last step its validation (of ``validation_batches``; None: the epoch
-    is not validated), else the next ``steps_ahead`` steps (to the ranks' next agreement)."""
-    if not budget.enabled:
-        return False
-    if not at_epoch_end:
-        return budget.runs_out(budget.step_estimate() * steps_ahead)
-    validating = validation_batches is not None
-    validation = budget.validation_estimate(validation_batches) if validating else 0.0
-    return budget.runs_out(validation)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -179,7 +164,7 @@ class Trainer:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.cfg.batch_size, self.cfg.accum_steps, self.dist.world_size)
+        return Layout.of(self.cfg, self.dist.world_size)
 
     @property
     def epoch(self) -> int:
@@ -275,7 +260,7 @@ class Trainer:
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
         self.decode_check.finish()
-        val = self.validate_epoch() if validated(self.cfg, self.epoch + 1) else {}
+        val = self.validate_epoch() if is_validation_epoch(self.cfg, self.epoch + 1) else {}
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
@@ -293,10 +278,10 @@ class Trainer:
         return True
 
     def validate_epoch(self) -> dict[str, float]:
-        """The epoch's validation metrics (``validate_run``), timed for --max_time."""
+        """The epoch's validation metrics (``epoch_validation``), timed for --max_time."""
         started = self.budget.clock()
         heartbeat.mark(heartbeat.Phase.VALIDATION)
-        val = validate_run(self.parts, self.ema, self.val_loader, self.dist)
+        val = epoch_validation(self.parts, self.ema, self.val_loader, self.dist)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
 
@@ -307,7 +292,7 @@ class Trainer:
             epoch=self.epoch,
             train_loss=train["train_loss"],
             train_acc=train["train_acc"],
-            val=record_metrics(val),  # none for an epoch without validation
+            val=history_val_metrics(val),  # none for an epoch without validation
             lr=self.parts.optimizer.param_groups[0]["lr"],
             epoch_seconds=time.perf_counter() - started,
             train_images_per_sec=images_per_sec,
@@ -348,6 +333,6 @@ class Trainer:
         """--max_time: whether the work up to the next point to stop at, and a checkpoint, no
         longer fit: after an epoch's last step its validation, else the next ``steps_ahead``
         steps."""
-        validation = at_epoch_end and validated(self.cfg, self.epoch + 1)
+        validation = at_epoch_end and is_validation_epoch(self.cfg, self.epoch + 1)
         batches = len(self.val_loader) if validation else None
-        return runs_out(self.budget, at_epoch_end, batches, steps_ahead)
+        return self.budget.too_short_for_next_stop(at_epoch_end, batches, steps_ahead)

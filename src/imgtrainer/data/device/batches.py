@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -16,7 +17,7 @@ from imgtrainer.data.device.jpeg import JpegDecoder
 from imgtrainer.data.host.collate import EncodedBatch, collate_samples
 from imgtrainer.data.host.ragged import as_canvas
 from imgtrainer.errors import UserError
-from imgtrainer.torch_compat import is_out_of_memory, release_memory
+from imgtrainer.torch_compat import none_if_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,11 @@ class DeviceBatches:
         ``chunk`` images at a time (all when None); with ``retry_on_oom`` an out-of-memory
         error halves ``chunk`` and augments the batch again (its draws are on the host: the
         same images)."""
+        attempt = partial(self.augmented_in_chunks, pixels, params)  # each call reads the chunk
         while True:
-            try:
-                return self.augmented_in_chunks(pixels, params), labels
-            except Exception as err:  # only memory exhaustion is retried
-                if not (self.retry_on_oom and is_out_of_memory(err)):
-                    raise
-            release_memory(self.device)  # outside the except block: the traceback is gone
+            images = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
+            if images is not None:
+                return images, labels
             self.smaller_chunk(len(params))
 
     def augmented_in_chunks(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

@@ -103,16 +103,8 @@ def banded_chunk(
     clamped to the crop) with float32 weights; only the summation order differs (about 1e-5
     of 0..255 on the CPU). With ``scale`` and ``shift`` (3,) the rows' weights carry the
     per-channel scale and the output its shift: the normalisation costs no pass of its own.
-
-    Costs on a 341^2 canvas, N=256, 224 px: the float canvas (0.36 GB), the columns (0.24 GB)
-    and the per-channel row weights (0.24 GB), each written once and read once: about 2.5 GB
-    with the output's layout pass and the erasing, against the gathers' 9.4 GB; and 66 GFLOP
-    of float32 (about 1.3 ms on an H100; the trainer leaves TF32 off: with it on, 1e-3
-    relative, and a policy's uint8 rounding may move by one level against the CPU).
-    The other forms: ``roi_align`` (about 0.5 ms) averages bilinear samples in a box instead
-    of the triangle filter and reads past the crop's edge (a different image on downscales);
-    per-sample ``interpolate`` is exact but ~1,000 launches of main-thread time; a fused
-    Triton kernel (the same filter, each crop read once, ~0.2 ms) is not testable on the CPU.
+    Of the forms that keep this filter and run on the CPU too, it moves the fewest bytes in a
+    few launches (docs/results.md, "The device resample").
     ``params`` on the pixels' device; ``taps`` (height, width) from the host."""
     n, _, height, width = pixels.shape
     flip = params[:, FLIP].bool()

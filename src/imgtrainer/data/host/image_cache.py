@@ -169,8 +169,8 @@ def stored_window(height: int, width: int, image_size: int) -> tuple[int, int, i
     in it as in the whole image. For training, on an image longer than 4:3 (16:9, panoramas)
     the random-resized crop is drawn in this centre window: the same scales and aspects relative
     to it, so smaller crops in pixels, never the cut ends (16:9 loses 1/4 of its long side, a
-    4:1 panorama 2/3), and fewer tries fail into the fallback (the centre 4:3, as before to a
-    pixel). Images up to 4:3 are kept whole: their crops do not change."""
+    4:1 panorama 2/3), and fewer tries fail into the fallback (the centre 4:3: the same pixels
+    as on the whole image). Images up to 4:3 are kept whole: their crops do not change."""
     limit = math.ceil(min(height, width) * CANVAS_ASPECT)
     h, w = min(height, limit), min(width, limit)
 

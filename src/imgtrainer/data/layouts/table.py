@@ -224,7 +224,7 @@ class ReadStates:
             except Exception as err:  # any decoder failure on a user's file
                 if self.array[i] == READABLE:
                     log.warning(
-                        f"could not read {where(i)} ({type(err).__name__}: {err}); "
+                        f"could not read {where(i)} ({first_line(err)}); "
                         "using the next image in its place"
                     )
                 self.array[i] = UNREADABLE

@@ -68,8 +68,9 @@ def test_cpu_amp_uses_bfloat16_autocast_and_warns(caplog):
 
 
 def test_cpu_amp_trains_and_evaluates_with_the_forward_in_bfloat16():
-    """The engine's own forwards run under autocast: a hook on the first layer, registered
-    before the engine is called, sees bfloat16 outputs at every training and evaluation step."""
+    """The step's and evaluation's own forwards run under autocast: a hook on the first layer,
+    registered before they are called, sees bfloat16 outputs at every training and evaluation
+    step."""
     model, seen = tiny_model(), []
     model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     bf16 = Precision(True, torch.bfloat16)
