@@ -44,7 +44,7 @@ class Staged:
     them) and the event the compute stream waits on before it reads them."""
 
     pixels: torch.Tensor | None
-    params: torch.Tensor
+    rows: torch.Tensor
     labels: torch.Tensor | None
     ready: torch.cuda.Event | None = None
     decoding: Future | None = None
@@ -92,82 +92,82 @@ class DeviceBatches:
             self.loader, self.jpegs = self.without_jpegs(), None
             log.info("The loader workers decode every JPEG from this epoch on")
         if self.device.type != "cuda":
-            for pixels, params, labels in self.loader:
-                yield self.apply(pixels, params, labels)
+            for pixels, rows, labels in self.loader:
+                yield self.apply(pixels, rows, labels)
             return
         copies, decodes = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         with ThreadPoolExecutor(1, thread_name_prefix="jpeg-decode") as thread:
 
             def start(batch) -> Staged:
-                pixels, params, labels = batch
+                pixels, rows, labels = batch
                 if isinstance(pixels, EncodedBatch):  # decoded off the main thread
-                    future = thread.submit(self.decode_on, decodes, pixels, params, labels)
-                    return Staged(None, params, None, decoding=future)
+                    future = thread.submit(self.decode_on, decodes, pixels, rows, labels)
+                    return Staged(None, rows, None, decoding=future)
                 with torch.cuda.stream(copies):
-                    staged = Staged(*self.moved(pixels, params, labels), torch.cuda.Event())
+                    staged = Staged(*self.moved(pixels, rows, labels), torch.cuda.Event())
                     staged.ready.record(copies)
                 return staged
 
             yield from one_ahead(self.loader, start, self.finish)
 
     def decode(
-        self, batch: EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+        self, batch: EncodedBatch, rows: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The one call of the JPEG decoder: (canvas on the device, params, labels)."""
-        return self.jpegs(batch, params, labels)
+        """The one call of the JPEG decoder: (canvas on the device, sample rows, labels)."""
+        return self.jpegs(batch, rows, labels)
 
     def decode_on(
-        self, stream: torch.cuda.Stream, batch: EncodedBatch, params, labels
+        self, stream: torch.cuda.Stream, batch: EncodedBatch, rows, labels
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]:
         """``decode`` on ``stream`` (in the decoding thread), with the event of its end."""
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            pixels, params, labels = self.decode(batch, params, labels)
+            pixels, rows, labels = self.decode(batch, rows, labels)
             ready = torch.cuda.Event()
             ready.record(stream)
-        return pixels, params, labels, ready
+        return pixels, rows, labels, ready
 
     def moved(
-        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+        self, pixels: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
         the loader); the parameters stay on the host until used."""
         on_device = as_canvas(pixels.to(self.device, non_blocking=True))
-        return on_device, params, labels.to(self.device, non_blocking=True)
+        return on_device, rows, labels.to(self.device, non_blocking=True)
 
     def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
         """A staged batch, once its copy or decoding is done, augmented on the compute stream."""
         if staged.decoding is not None:
-            pixels, params, labels, ready = staged.decoding.result()
-            staged = Staged(pixels, params, labels.to(self.device, non_blocking=True), ready)
+            pixels, rows, labels, ready = staged.decoding.result()
+            staged = Staged(pixels, rows, labels.to(self.device, non_blocking=True), ready)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(staged.ready)
         for tensor in (staged.pixels, staged.labels):
             tensor.record_stream(compute)  # made on another stream, read (and freed) on this
-        return self.augmented(staged.pixels, staged.params, staged.labels)
+        return self.augmented(staged.pixels, staged.rows, staged.labels)
 
     def augmented(
-        self, pixels: torch.Tensor, params: torch.Tensor, labels: torch.Tensor
+        self, pixels: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixels (or cache indices) and labels on the device -> (augmented images, labels),
         ``chunk`` images at a time (all when None); with ``retry_on_oom`` an out-of-memory
         error halves ``chunk`` and augments the batch again (its draws are on the host: the
         same images)."""
-        attempt = partial(self.augmented_in_chunks, pixels, params)  # each call reads the chunk
+        attempt = partial(self.augmented_in_chunks, pixels, rows)  # each call reads the chunk
         while True:
             images = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
             if images is not None:
                 return images, labels
-            self.smaller_chunk(len(params))
+            self.smaller_chunk(len(rows))
 
-    def augmented_in_chunks(self, pixels: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        count = len(params)
+    def augmented_in_chunks(self, pixels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        count = len(rows)
         step = min(count, self.chunk or count)
         parts = []
         for start in range(0, count, step):
             part = pixels[start : start + step]
             if self.cache is not None:  # indices of images already on the device
                 part = self.cache.index_select(0, part)
-            parts.append(self.augment(part, params[start : start + step]))
+            parts.append(self.augment(part, rows[start : start + step]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def smaller_chunk(self, count: int) -> None:
@@ -181,12 +181,12 @@ class DeviceBatches:
         log.warning(f"out of memory in the augmentation; {self.chunk} images at a time from now on")
 
     def apply(
-        self, pixels: torch.Tensor | EncodedBatch, params: torch.Tensor, labels: torch.Tensor
+        self, pixels: torch.Tensor | EncodedBatch, rows: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One collated batch -> (its augmented images, its labels) on the device, at once."""
         if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
-            pixels, params, labels = self.decode(pixels, params, labels)
-        return self.augmented(*self.moved(pixels, params, labels))
+            pixels, rows, labels = self.decode(pixels, rows, labels)
+        return self.augmented(*self.moved(pixels, rows, labels))
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""

@@ -72,7 +72,7 @@ def band_matrix(
 
 def banded_resample(
     pixels: torch.Tensor,
-    params: torch.Tensor,
+    rows: torch.Tensor,
     size: int,
     taps: tuple[int, int],
     scale: torch.Tensor | None = None,
@@ -83,7 +83,7 @@ def banded_resample(
     n, _, height, width = pixels.shape
     step = max(1, CHUNK_BYTES // (3 * height * width * 4))
     parts = [
-        banded_chunk(pixels[i : i + step], params[i : i + step], size, taps, scale, shift)
+        banded_chunk(pixels[i : i + step], rows[i : i + step], size, taps, scale, shift)
         for i in range(0, n, step)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -91,7 +91,7 @@ def banded_resample(
 
 def banded_chunk(
     pixels: torch.Tensor,
-    params: torch.Tensor,
+    rows: torch.Tensor,
     size: int,
     taps: tuple[int, int],
     scale: torch.Tensor | None = None,
@@ -105,11 +105,11 @@ def banded_chunk(
     per-channel scale and the output its shift: the normalisation costs no pass of its own.
     Of the forms that keep this filter and run on the CPU too, it moves the fewest bytes in a
     few launches (docs/results.md, "The device resample").
-    ``params`` on the pixels' device; ``taps`` (height, width) from the host."""
+    The sample ``rows`` on the pixels' device; ``taps`` (height, width) from the host."""
     n, _, height, width = pixels.shape
-    flip = params[:, FLIP].bool()
-    wx = band_matrix(params[:, LEFT], params[:, WIDTH], size, taps[1], width, flip)
-    wy = band_matrix(params[:, TOP], params[:, HEIGHT], size, taps[0], height)
+    flip = rows[:, FLIP].bool()
+    wx = band_matrix(rows[:, LEFT], rows[:, WIDTH], size, taps[1], width, flip)
+    wy = band_matrix(rows[:, TOP], rows[:, HEIGHT], size, taps[0], height)
     columns = torch.bmm(pixels.float().reshape(n, 3 * height, width), wx.transpose(1, 2))
     wy = wy[:, None].expand(n, 3, size, height)
     if scale is not None:
@@ -117,8 +117,8 @@ def banded_chunk(
     wy = wy.reshape(n * 3, size, height)
     columns = columns.view(n * 3, height, size)
     if shift is None:
-        rows = torch.bmm(wy, columns)
+        resized = torch.bmm(wy, columns)
     else:
         bias = shift.view(1, 3, 1, 1).expand(n, 3, 1, 1).reshape(n * 3, 1, 1)
-        rows = torch.baddbmm(bias, wy, columns)
-    return rows.view(n, 3, size, size)
+        resized = torch.baddbmm(bias, wy, columns)
+    return resized.view(n, 3, size, size)
