@@ -6,9 +6,10 @@ naming what this torch lacks. tests/test_torch_compat.py checks them against the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -96,6 +97,41 @@ def none_if_out_of_memory(
     if release is not None:
         release_memory(release)
     return None
+
+
+@contextlib.contextmanager
+def tf32_matmuls() -> Iterator[None]:
+    """float32 cuBLAS matmuls in TF32 inside the block. The switch is global: the block must not
+    overlap another thread's float32 matmuls. torch 2.9 and later set it as
+    ``matmul.fp32_precision`` and refuse a mix with the older ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    name, value = ("fp32_precision", "tf32") if torch_at_least(2, 9) else ("allow_tf32", True)
+    before = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
+
+
+@contextlib.contextmanager
+def cudnn_autotuning_off() -> Iterator[None]:
+    """cuDNN's other settings as they are, without ``benchmark``'s autotuning inside the block
+    (global, like ``tf32_matmuls``): a convolution whose batch size changes every call would
+    otherwise be tuned again, with host syncs, for each new size."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def cuda_allocator_backend() -> str:
+    """The CUDA caching allocator in use: "native", or "cudaMallocAsync" (set by
+    ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``), which reuses memory across streams by
+    ordering them itself."""
+    return torch.cuda.get_allocator_backend()
 
 
 class MissingTorchInternal(RuntimeError):

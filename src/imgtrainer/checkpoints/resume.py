@@ -15,7 +15,7 @@ from imgtrainer import torch_compat
 from imgtrainer.checkpoints.files import CheckpointError, previous_path
 from imgtrainer.checkpoints.run_folder import LATEST_NAME, explicit_resume_file
 from imgtrainer.config import RESUME_CHECKED_FLAGS, Layout
-from imgtrainer.data import class_difference
+from imgtrainer.data import class_difference, own_cpu_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def rank_state(sums: torch.Tensor | None, device: torch.device) -> dict[str, Any
     """This rank's random state and running epoch metrics, as tensors and plain values."""
     np_state = np.random.get_state()
     state = {
-        "torch": torch.get_rng_state(),
+        "torch": own_cpu_rng_state(),
         "python": random.getstate(),
         "numpy": (
             np_state[0],

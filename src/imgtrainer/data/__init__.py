@@ -33,7 +33,7 @@ _EXPORTS = {
     "layouts.shards": ("keep_index",),
     "layouts.table": ("TableImages",),
     "layouts.decode_check": ("leave_out_unreadable",),
-    "host.samples": ("SeededImageDataset", "Source"),
+    "host.samples": ("SeededImageDataset", "Source", "own_cpu_rng_state"),
     "host.samplers": ("ShardSampler",),
     "host.transforms": (
         "EVAL_RESIZE_RATIO",

@@ -219,6 +219,13 @@ def _new_generator_lock() -> None:
 os.register_at_fork(after_in_child=_new_generator_lock)
 
 
+def own_cpu_rng_state() -> torch.Tensor:
+    """The process's own CPU generator state, never a sample's seeded one: read while no
+    ``seeded_cpu_generator`` block holds the generator (the decode thread may be in one)."""
+    with _GENERATOR_LOCK:
+        return torch.get_rng_state()
+
+
 @contextlib.contextmanager
 def seeded_cpu_generator(seed: int) -> Iterator[None]:
     """Seed torch's CPU generator, which the transforms (ours and torchvision's) draw from, and
