@@ -129,6 +129,11 @@ class SharedImageCache(Dataset):
     def nbytes(self) -> int:
         return self._end[0]
 
+    def reference(self) -> ResizedImages:
+        """Its images as the data audit makes them again: decoded from their files, not read
+        from the shared memory."""
+        return ResizedImages(self.table, self.side, states=self.states)
+
     def describe(self) -> str:
         return (
             f"{self.filled} of {len(self)} images in shared memory "
@@ -228,7 +233,7 @@ class DecodedImageCache(Dataset):
         # Decoding releases the GIL, so threads scale over the cores.
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             decoded = list(pool.map(decode, range(len(table))))
-        self.image_size = image_size
+        self.image_size, self.side = image_size, side
         self.images = [image for image in decoded if image is not None]
         self.table: ImageTable = table.take([i for i, im in enumerate(decoded) if im is not None])
         self.targets = self.table.labels.tolist()
@@ -273,8 +278,44 @@ class DecodedImageCache(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.images[index], self.targets[index]
 
+    def reference(self) -> ResizedImages:
+        """Its images as the data audit makes them again: decoded from their files and cut to
+        the window the device canvas keeps."""
+        return ResizedImages(self.table, self.side, window_for=self.image_size)
+
     @property
     def nbytes(self) -> int:
         if self.canvas is not None:
             return self.canvas.numel()
         return sum(image.numel() for image in self.images)
+
+
+class ResizedImages(Dataset):
+    """The images of ``table`` as a cache keeps them, decoded again from their files at every
+    read: ``decode_resized`` to ``side``, then, for the device canvas, cut to its
+    ``stored_window`` for ``window_for`` (the output size). The reference the data audit
+    checks a cache's samples against. An image that does not decode gives the next one."""
+
+    def __init__(
+        self,
+        table: ImageTable,
+        side: int,
+        window_for: int | None = None,
+        states: ReadStates | None = None,
+    ):
+        self.table, self.side, self.window_for = table, side, window_for
+        self.states = states or ReadStates(len(table))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        read, image = self.states.read_or_next(index, self.image, self.table.location)
+        return image, self.table.label(read)
+
+    def image(self, index: int) -> torch.Tensor:
+        image = decode_resized(self.table, index, self.side)
+        if self.window_for is None:
+            return image
+        top, left, h, w = stored_window(*image.shape[-2:], self.window_for)
+        return image[:, top : top + h, left : left + w]

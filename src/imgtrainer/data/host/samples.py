@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 
 from imgtrainer.data.host.collate import JpegBytes
 from imgtrainer.data.host.image_cache import DecodedImageCache
-from imgtrainer.data.host.sample_row import crop_of, set_whole_crop
+from imgtrainer.data.host.sample_row import crop_of, set_key, set_whole_crop
 from imgtrainer.data.layouts.image_files import nvjpeg_size
 from imgtrainer.data.layouts.table import UNREADABLE, TableImages
 from imgtrainer.distributed import heartbeat
@@ -159,7 +159,9 @@ class TrainingSamples(Dataset):
         (seed, epoch, index) only."""
         index, epoch = key
         with seeded_cpu_generator(sample_seed(self.seed, epoch, index)):
-            return self.draws(height, width)
+            row = self.draws(height, width)
+        set_key(row, key)
+        return row
 
     def cached_sample(self, key: tuple[int, int]) -> tuple[int, torch.Tensor, int]:
         """A sample on the device: (its index into the canvas, its sample row, label); only
@@ -185,25 +187,30 @@ class TrainingSamples(Dataset):
         if size is None:
             return None
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return JpegBytes(raw, key), self.draw(key, *size), table.label(index)
+        return JpegBytes(raw, key, size), self.draw(key, *size), table.label(index)
 
     def pixel_sample(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The sample decoded on the CPU: (uint8 pixels of its crop, its sample row, label)."""
         image, label = self.images[key[0]]
         size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[-2:]
         row = self.draw(key, *size)
-        top, left, h, w = crop_of(row).tolist()
-        if isinstance(image, Image.Image):
-            # A crop twice the output size or more (large photos) is first shrunk by an
-            # integer factor, averaging blocks (PIL's reduce): the batch canvas stays small.
-            factor = shrink_factor(h, w, self.draws.size)
-            box = (left, top, left + w, top + h)
-            image = image.reduce(factor, box=box) if factor >= 2 else image.crop(box)
-            pixels = v2.functional.pil_to_tensor(image)
-        else:
-            pixels = image[:, top : top + h, left : left + w]
+        pixels = crop_pixels(image, crop_of(row).tolist(), self.draws.size)
         set_whole_crop(row, *pixels.shape[-2:])  # the pixels handed over are the crop itself
         return pixels, row, label
+
+
+def crop_pixels(image: Image.Image | torch.Tensor, box: list[int], size: int) -> torch.Tensor:
+    """The uint8 pixels (3, h, w) of ``box`` (top, left, height, width) of a decoded image, as
+    the CPU path hands them over for an output of ``size``: a crop twice the output size or
+    more (large photos) is first shrunk by an integer factor, averaging blocks (PIL's reduce),
+    so that the batch canvas stays small; a tensor (a cached image) is only cut."""
+    top, left, h, w = box
+    if not isinstance(image, Image.Image):
+        return image[:, top : top + h, left : left + w]
+    factor = shrink_factor(h, w, size)
+    area = (left, top, left + w, top + h)
+    image = image.reduce(factor, box=area) if factor >= 2 else image.crop(area)
+    return v2.functional.pil_to_tensor(image)
 
 
 # One seeded block at a time per process: on CUDA the JPEG decoder's CPU fallback draws samples

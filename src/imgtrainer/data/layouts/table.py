@@ -252,6 +252,10 @@ class TableImages:
     def root(self) -> str:
         return self.table.source
 
+    def reference(self) -> TableImages:
+        """Its images as the data audit makes them again: these, read and decoded by PIL."""
+        return self
+
     def leave_out(self, locations: Collection[str]) -> None:
         """Drop the images at ``locations`` (found unreadable: the rest are readable)."""
         self.table = self.table.without(locations)
