@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from imgtrainer.data.device.augment import BatchAugment
-from imgtrainer.data.device.batches import DeviceBatches, one_ahead
+from imgtrainer.data.device.batches import DeviceBatches, ahead
 from imgtrainer.data.host import sample_row as layout
 from imgtrainer.data.host.collate import collate_samples
 from imgtrainer.data.host.draws import AugmentDraws, crop_box
@@ -261,12 +261,18 @@ def test_the_next_batch_is_started_before_the_current_one_is_finished():
         calls.append(("finish", batch))
         return batch * 10
 
-    assert list(one_ahead(range(3), start, finish)) == [0, 10, 20]
+    assert list(ahead(range(3), start, finish)) == [0, 10, 20]
     assert calls == [
         *[("start", 0), ("start", 1), ("finish", 0)],
         *[("start", 2), ("finish", 1), ("finish", 2)],
     ]
-    assert list(one_ahead([], start, finish)) == []
+    assert list(ahead([], start, finish)) == []
+    calls.clear()  # two ahead: the decode-ahead depth of JPEG batches
+    assert list(ahead(range(4), start, finish, depth=2)) == [0, 10, 20, 30]
+    assert calls == [
+        *[("start", 0), ("start", 1), ("start", 2), ("finish", 0)],
+        *[("start", 3), ("finish", 1), ("finish", 2), ("finish", 3)],
+    ]
 
 
 @pytest.mark.cuda
@@ -285,7 +291,10 @@ def test_prefetched_batches_on_cuda_are_the_batches_made_one_at_a_time():
     torch.manual_seed(0)
     images = [smooth_image(30 + 4 * n, 40 - 3 * n, n) for n in range(6)]
     samples = [(image, draws(*image.shape[-2:]), n) for n, image in enumerate(images)]
-    jpegs = [(JpegBytes(encode_jpeg(image, quality=95), (n, 0)), p, n) for image, p, n in samples]
+    jpegs = [
+        (JpegBytes(encode_jpeg(image, quality=95), (n, 0), tuple(image.shape[-2:])), p, n)
+        for image, p, n in samples
+    ]
     threads = set()
 
     def decode(data):

@@ -192,7 +192,7 @@ def test_a_device_decoder_that_fails_on_a_whole_batch_is_switched_off(folder, ca
 
 def test_after_the_decoder_switched_itself_off_the_next_epoch_loads_decoded_images(folder):
     """The rest of the epoch is made in this process; from the next one the loader that
-    ``without_jpegs`` builds (whose workers decode) takes over, with the same images."""
+    ``cpu_path`` builds (whose workers decode) takes over, with the same images."""
     keys = [(0, 0), (1, 0), (2, 0), (6, 0)]
     on_device, _, on_cpu, cpu_samples = both_paths(folder, keys)
     loaded = []
@@ -213,7 +213,7 @@ def test_after_the_decoder_switched_itself_off_the_next_epoch_loads_decoded_imag
         BatchAugment(SIZE),
         "cpu",
         jpegs=decoder,
-        without_jpegs=lambda: loader_of(on_cpu),
+        cpu_path=lambda: loader_of(on_cpu),
     )
     first, _ = next(iter(batches))
     assert isinstance(loaded[-1], EncodedBatch) and not decoder.enabled
@@ -519,9 +519,11 @@ def test_on_cuda_the_decoder_works_on_its_own_stream_and_hands_over_only_the_can
     folder, monkeypatch
 ):
     """The ordering protocol of JpegDecoder.__call__ on CUDA, with streams faked on the CPU:
-    its stream drained before every decoder call, the decoder called (so its outputs
-    allocated) with that stream current, then the consumer waits for it and the canvas is
-    recorded on the consumer, which never waits the other way."""
+    the decoder called (so its outputs allocated) with the allocation stream current, which
+    runs no kernel; each output recorded on the decoder's stream, which crops it, before
+    anything reads it; nothing synchronised on the host; then the consumer waits for the
+    decoder's stream and the canvas is recorded on the consumer, which never waits the other
+    way."""
     import contextlib
 
     events: list[tuple] = []
@@ -560,12 +562,14 @@ def test_on_cuda_the_decoder_works_on_its_own_stream_and_hands_over_only_the_can
 
     decoder = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, decode, chunk=3)
     decoder.stream = FakeStream("decode")  # what __init__ makes on CUDA
+    decoder.alloc_stream = FakeStream("alloc")
     canvas, *_ = decoder(batch, params, labels)
+    shapes = [real([jpeg.data])[0].shape for jpeg in batch.jpegs]
     assert events == [
-        ("synchronize", "decode"),
-        ("decode", "decode", 3),
-        ("synchronize", "decode"),
-        ("decode", "decode", 2),
+        ("decode", "alloc", 3),
+        *[("record", "decode", shape) for shape in shapes[:3]],
+        ("decode", "alloc", 2),
+        *[("record", "decode", shape) for shape in shapes[3:]],
         ("wait", "training", "decode"),
         ("record", "training", canvas.shape),
     ]
@@ -603,3 +607,47 @@ def test_seeded_draws_in_two_threads_are_each_seeds_own():
     for thread in threads:
         thread.join()
     assert not results, f"seeds drawn differently under two threads: {sorted(results)}"
+
+
+def test_the_decoders_working_memory_is_bounded_by_bytes_for_phone_photos(monkeypatch):
+    """64 JPEGs of 12 and 24 MP (4032 x 3024, 6000 x 4000), crops drawn as RandomResizedCrop
+    draws them: each decoder call's outputs stay within DECODE_BYTES (one photo over it alone),
+    and each group of crops shrunk together has a float copy within SHRINK_BYTES. Run on the
+    meta device: the shapes of a real run, no memory."""
+    from imgtrainer.data.device import jpeg as jpeg_module
+    from imgtrainer.data.device.jpeg import DECODE_BYTES, SHRINK_BYTES, JpegDecoder
+    from imgtrainer.data.device.memory import canvas_side_bound
+    from imgtrainer.data.host.collate import EncodedBatch, JpegBytes
+
+    draws, meta = AugmentDraws(224), torch.device("meta")
+    sizes = [(3024, 4032) if n % 3 else (4000, 6000) for n in range(64)]
+    torch.manual_seed(0)
+    rows = torch.stack([draws(h, w) for h, w in sizes])
+    jpegs = [
+        JpegBytes(torch.tensor([n], dtype=torch.uint8), (n, 0), size)
+        for n, size in enumerate(sizes)
+    ]
+    batch = EncodedBatch.of(None, [], jpegs, list(range(64)))
+    calls, groups = [], []
+
+    def decode(data):
+        shapes = [sizes[int(d[0])] for d in data]
+        calls.append(sum(3 * h * w for h, w in shapes))
+        return [torch.empty(3, h, w, dtype=torch.uint8, device=meta) for h, w in shapes]
+
+    real_shrink = jpeg_module.shrink_group
+
+    def recorded(crops, crop_sizes, factor):
+        groups.append((crops.shape, factor))
+        return real_shrink(crops, crop_sizes, factor)
+
+    monkeypatch.setattr(jpeg_module, "shrink_group", recorded)
+    decoder = JpegDecoder(meta, 224, None, decode)
+    canvas, out_rows, _ = decoder(batch, rows, torch.zeros(64, dtype=torch.int64))
+    assert canvas.shape[0] == 64 and decoder.decoded == 64
+    assert len(calls) >= sum(3 * h * w for h, w in sizes) // DECODE_BYTES
+    assert all(b <= DECODE_BYTES or b == 3 * 4000 * 6000 for b in calls)
+    for (n, _, h, w), _ in groups:
+        assert 4 * n * 3 * h * w <= SHRINK_BYTES or n == 1
+    # Every crop shrunk below twice the output size on its short side, as the workers shrink.
+    assert max(out_rows[:, 2:4].amax(1).tolist()) <= canvas_side_bound(224, Source.NVJPEG)

@@ -69,6 +69,18 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in text for m in OUT_OF_MEMORY_MESSAGES)
 
 
+def is_device_fault(err: BaseException) -> bool:
+    """A fault of the device itself (an illegal address, an ECC error: CUDA errors are sticky
+    and fail every later call alike), not of a file, nor memory exhaustion, which a retry with
+    less mends."""
+    if is_out_of_memory(err):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch 2.8 and later
+    return (accelerator_error is not None and isinstance(err, accelerator_error)) or (
+        "CUDA error" in str(err)
+    )
+
+
 def release_memory(device: torch.device) -> None:
     """Give the blocks of a failed attempt back, so the smaller retry is not fragmented."""
     if device.type == "cuda":

@@ -10,14 +10,15 @@ CPU exactly as the CPU path does it, and a file it failed on is sent there from 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from imgtrainer import torch_compat
 from imgtrainer.data.host.collate import EncodedBatch, JpegBytes
-from imgtrainer.data.host.ragged import Ragged
 from imgtrainer.data.host.sample_row import crop_of, crop_size_of
 from imgtrainer.data.host.samples import shrink_factor, shrunk_size
 from imgtrainer.errors import first_line
@@ -28,8 +29,12 @@ log = logging.getLogger(__name__)
 def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """torchvision's batched JPEG decoding on ``device`` (nvjpeg on CUDA), to RGB. On CUDA its
     outputs are allocated on the calling thread's current stream (``JpegDecoder`` makes that
-    its own decode stream) and are complete when it returns."""
+    its allocation stream) and are complete when it returns."""
     from torchvision.io import ImageReadMode, decode_jpeg
+
+    # torchvision 0.29 warns at every call that its decoders move to torchcodec; once is plenty.
+    # A filter, not catch_warnings: this runs in the decode thread beside the training thread.
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision.io.image")
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
@@ -37,9 +42,18 @@ def device_decoder(device: torch.device) -> Callable[[list[torch.Tensor]], list[
     return decode
 
 
-# JPEGs per decoder call: bounds the full-resolution outputs alive at once (a 12 MP photo
-# decodes to 36 MB), each chunk cropped and shrunk before the next is decoded.
+# A decoder call's outputs at most, in decoded bytes (a 12 MP photo decodes to 36 MB, a 24 MP one
+# to 72 MB): a batch's JPEGs go in chunks of this many, each cropped and shrunk before the next
+# is decoded; and JPEGs per call at most (halved after an out-of-memory error).
+DECODE_BYTES = 256 << 20
 DECODE_CHUNK = 64
+# The float copy of a group of crops being shrunk at most (4 bytes a pixel): large crops are
+# shrunk a few at a time, small ones many.
+SHRINK_BYTES = 256 << 20
+# The decoder's working memory at its peak, beside the canvas it fills: a chunk's outputs, then
+# one shrink group's gathered crops (a packed copy and the padded canvas) and its float copy.
+# One image larger than the bounds is still decoded, alone.
+DECODER_PEAK_BYTES = DECODE_BYTES + SHRINK_BYTES * 3 // 2
 
 
 def shrink(crop: torch.Tensor, factor: int) -> torch.Tensor:
@@ -76,11 +90,12 @@ class JpegDecoder:
     the rows' crop boxes then spanning each sample's pixels as on the CPU path.
 
     ``decode`` maps a list of JPEG byte tensors to RGB uint8 images on the device (default:
-    ``decode_jpeg`` there), called with at most ``chunk`` JPEGs. A failing call is split in
-    halves until the files it fails on alone are found; those are remembered (by dataset
-    index) and made by ``fallback(key)`` -> (pixels, sample row, label), the CPU path with its
-    handling of unreadable files, from then on without trying the device. ``size`` is the
-    output size (large crops are shrunk by ``shrink_factor`` first, as the loader workers do).
+    ``decode_jpeg`` there), called with chunks of at most ``chunk`` JPEGs and DECODE_BYTES of
+    outputs. A failing call is split in halves until the files it fails on alone are found;
+    those are remembered (by dataset index) and made by ``fallback(key)`` -> (pixels, sample
+    row, label), the CPU path with its handling of unreadable files, from then on without
+    trying the device. ``size`` is the output size (large crops are shrunk by ``shrink_factor``
+    first, as the loader workers do).
 
     On CUDA all of a call's device work runs on the decoder's own stream and only the canvas
     is handed to the consumer stream, so a call may run in a thread other than the one
@@ -106,7 +121,18 @@ class JpegDecoder:
         self.decoded = 0  # images the device decoder made
         self.enabled = True  # off once the device decoder fails on every image it is given
         cuda = self.device.type == "cuda"
+        # The stream of the crops, shrinks and placing, and the stream nvjpeg's outputs are
+        # allocated on, which runs no kernel (see __call__).
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.alloc_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.wait_for_device = cuda and torch_compat.cuda_allocator_backend() == "cudaMallocAsync"
+        if self.wait_for_device:
+            log.warning(
+                "PYTORCH_CUDA_ALLOC_CONF's cudaMallocAsync backend can hand nvjpeg memory that "
+                "queued work still uses (pytorch/vision#9606): the JPEG decoder waits for the "
+                "device before each call, which costs its overlap with training; the native "
+                "allocator does not need it"
+            )
 
     def __call__(
         self,
@@ -119,18 +145,18 @@ class JpegDecoder:
         if self.stream is None:  # not CUDA: no streams
             return self.assemble(batch, rows, labels), rows, labels
         consumer = stream or torch.cuda.current_stream(self.device)
-        # Ordering of the nvjpeg decode (torchvision's decode_jpegs_cuda, read for 0.29):
-        # - it allocates its outputs on the current stream, here self.stream, and decodes
-        #   on a private stream that waits on no other: so it only ever writes blocks of
-        #   self.stream's pool;
-        # - such a block was last used either on self.stream, which decode_split drains on
-        #   the host before every decode, or on another stream through record_stream, which
-        #   the caching allocator waits out before handing the block out again;
+        # Ordering of the nvjpeg decode (torchvision's decode_jpegs_cuda, read for 0.26-0.29):
+        # - it allocates its outputs on the current stream, here self.alloc_stream, which runs
+        #   no kernel, and decodes on a private stream that waits on no other: so it only ever
+        #   writes blocks of self.alloc_stream's pool;
+        # - every such block is an earlier output, recorded on self.stream (decode_all) where it
+        #   was cropped: the caching allocator hands it out again only once that work is done;
         # - the outputs are complete when it returns (it synchronises its stream), and all
         #   cropping, shrinking and placing below runs on self.stream, after them;
         # - only the canvas leaves: the consumer waits for self.stream, and record_stream
         #   keeps its block from reuse until the consumer's queued work is done.
-        # self.stream never waits on the consumer, so draining it never waits for a step.
+        # Nothing here waits on the consumer: no call waits for a training step. (Under the
+        # cudaMallocAsync backend none of this holds: wait_for_device.)
         with torch.cuda.stream(self.stream):
             canvas = self.assemble(batch, rows, labels)
         consumer.wait_stream(self.stream)
@@ -159,9 +185,10 @@ class JpegDecoder:
             pixels = batch.pixels.to(self.device, non_blocking=True).canvas()
             put(canvas, batch.pixel_positions, pixels)
         made: set[int] = set()
-        for start in range(0, len(on_device), self.chunk):
-            chunk = on_device[start : start + self.chunk]
-            made |= self.decode_chunk(canvas, chunk, boxes[start : start + self.chunk], rows)
+        sizes_decoded = [jpeg.size for _, jpeg in on_device]
+        for part in chunks(sizes_decoded, self.chunk, DECODE_BYTES):
+            chunk = [on_device[n] for n in part]
+            made |= self.decode_chunk(canvas, chunk, [boxes[n] for n in part], rows)
         self.report_failures()
         for jpeg, at in zip(batch.jpegs, batch.jpeg_positions, strict=True):
             if at not in made:  # the CPU path: its pixels, sample row and label
@@ -180,8 +207,8 @@ class JpegDecoder:
         rows: torch.Tensor,
     ) -> set[int]:
         """Decode ``chunk``'s JPEGs, crop them to their ``boxes``, shrink and place them; the
-        batch positions made. Crops are gathered in one go, then shrunk and placed a factor at
-        a time."""
+        batch positions made. Crops are gathered and shrunk a group at a time: one shrink
+        factor, and a float copy of at most SHRINK_BYTES (``shrink_groups``)."""
         indices = [jpeg.key[0] for _, jpeg in chunk]
         images = self.decode_all([jpeg.data for _, jpeg in chunk], indices)
         placed, kept, kept_boxes = [], [], []
@@ -193,22 +220,22 @@ class JpegDecoder:
                 self.failures.error = f"decoded {tuple(image.shape[-2:])}, box {box}"
             elif image is not None:
                 placed.append(at)
-                kept.append(image)
+                kept.append(image[:, top : top + h, left : left + w])  # a view: no copy yet
                 kept_boxes.append(box)
-        if not placed:
-            return set()
-        crops = Ragged.of(kept).crops(torch.tensor(kept_boxes, dtype=torch.int64))
-        del kept, images  # the full-resolution images are freed before the next chunk
+        del images
         heights_widths = [box[2:] for box in kept_boxes]
-        by_factor: dict[int, list[int]] = {}
-        for n, (h, w) in enumerate(heights_widths):
-            by_factor.setdefault(max(1, shrink_factor(h, w, self.size)), []).append(n)
-        for factor, members in by_factor.items():
-            group = crops.index_select(0, torch.tensor(members).to(self.device, non_blocking=True))
-            sizes = torch.tensor([heights_widths[n] for n in members], dtype=torch.int64)
-            put(canvas, [placed[n] for n in members], shrink_group(group, sizes, factor))
+        for group in shrink_groups(heights_widths, self.size, SHRINK_BYTES):
+            factor = max(1, shrink_factor(*heights_widths[group[0]], self.size))
+            sizes = torch.tensor([heights_widths[n] for n in group], dtype=torch.int64)
+            crops = torch.zeros(
+                len(group), 3, *sizes.amax(0).tolist(), dtype=torch.uint8, device=self.device
+            )
+            for piece, n in zip(crops, group, strict=True):  # a copy of the crop alone
+                piece[:, : kept[n].shape[-2], : kept[n].shape[-1]] = kept[n]
+            put(canvas, [placed[n] for n in group], shrink_group(crops, sizes, factor))
         made = [shrunk_size(h, w, self.size) for h, w in heights_widths]
-        crop_of(rows)[placed] = torch.tensor([[0, 0, h, w] for h, w in made], dtype=rows.dtype)
+        if placed:
+            crop_of(rows)[placed] = torch.tensor([[0, 0, h, w] for h, w in made], dtype=rows.dtype)
         return set(placed)
 
     def decode_all(self, data: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor | None]:
@@ -237,12 +264,13 @@ class JpegDecoder:
         self, data: list[torch.Tensor], indices: list[int]
     ) -> list[torch.Tensor | None]:
         """``decode`` on ``data``; when it fails, on each half, down to single files, which
-        are remembered as bad (at most 2 log2(n) calls more per bad file)."""
-        if self.stream is not None:
-            self.stream.synchronize()  # nothing queued on self.stream uses a block nvjpeg gets
+        are remembered as bad (at most 2 log2(n) calls more per bad file). A fault of the
+        device itself (a CUDA error) ends the run: it is no file's."""
         try:
-            return list(self.decode(data))
+            return self.decode_on_device(data)
         except Exception as err:  # any decoder failure: split, then the CPU path decides
+            if torch_compat.is_device_fault(err):
+                raise
             self.failures.error = first_line(err)
             self.failures.calls += 1
             if len(data) == 1:
@@ -253,6 +281,19 @@ class JpegDecoder:
         return self.decode_split(data[:half], indices[:half]) + self.decode_split(
             data[half:], indices[half:]
         )
+
+    def decode_on_device(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One decoder call, its outputs allocated on the allocation stream and recorded on
+        the decoder's stream, where they are read (see __call__)."""
+        if self.alloc_stream is None:
+            return list(self.decode(data))
+        if self.wait_for_device:
+            torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.alloc_stream):
+            images = list(self.decode(data))
+        for image in images:
+            image.record_stream(self.stream)
+        return images
 
     def smaller_chunks(self, failed: int) -> None:
         """Decode at most half of ``failed`` JPEGs per call from now on, and say so."""
@@ -274,6 +315,44 @@ class JpegDecoder:
             "decoded on the CPU, one at a time in the main process, from now on"
         )
         failures.reported = len(failures.bad)
+
+
+def chunks(sizes: Sequence[tuple[int, int]], most: int, budget: int) -> list[list[int]]:
+    """The positions of images of these (height, width)s in consecutive chunks of at most
+    ``most`` images whose decoded bytes (3 per pixel) stay within ``budget``; an image over it
+    alone is a chunk."""
+    parts: list[list[int]] = []
+    used = 0
+    for n, (h, w) in enumerate(sizes):
+        need = 3 * h * w
+        if not parts or len(parts[-1]) >= most or used + need > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(n)
+        used += need
+    return parts
+
+
+def shrink_groups(crops: Sequence[tuple[int, int]], size: int, budget: int) -> list[list[int]]:
+    """The positions of crops of these (height, width)s in groups that share a shrink factor
+    and whose float canvas (4 bytes a pixel of n x 3 x the tallest x the widest) stays within
+    ``budget``; a crop over it alone is a group."""
+    by_factor: dict[int, list[int]] = {}
+    for n, (h, w) in enumerate(crops):
+        by_factor.setdefault(max(1, shrink_factor(h, w, size)), []).append(n)
+    groups: list[list[int]] = []
+    for members in by_factor.values():
+        group: list[int] = []
+        tallest = widest = 0
+        for n in members:
+            h, w = crops[n]
+            if group and 12 * (len(group) + 1) * max(tallest, h) * max(widest, w) > budget:
+                groups.append(group)
+                group, tallest, widest = [], 0, 0
+            group.append(n)
+            tallest, widest = max(tallest, h), max(widest, w)
+        groups.append(group)
+    return groups
 
 
 def shrink_group(crops: torch.Tensor, sizes: torch.Tensor, factor: int) -> torch.Tensor:

@@ -18,23 +18,46 @@ from imgtrainer.data.host.transforms import IMAGENET_MEAN, IMAGENET_STD, normali
 
 @dataclass(frozen=True)
 class JpegBytes:
-    """One sample's JPEG file, undecoded: its bytes (uint8, 1-D) and its (index, epoch) key,
-    with which the CPU path can make the sample again."""
+    """One sample's JPEG file, undecoded: its bytes (uint8, 1-D), its (index, epoch) key, with
+    which the CPU path can make the sample again, and its (height, width) from its header."""
 
     data: torch.Tensor
     key: tuple[int, int]
+    size: tuple[int, int]
 
 
 @dataclass(frozen=True)
 class EncodedBatch:
     """A collated batch with JPEG bytes in it: ``pixels`` holds the CPU-decoded samples (at
-    ``pixel_positions`` in the batch) as ``collate_samples`` packs them, ``jpegs`` the others
-    (at ``jpeg_positions``)."""
+    ``pixel_positions`` in the batch) as ``collate_samples`` packs them; the JPEGs (at
+    ``jpeg_positions``) are one tensor of their bytes end to end (``data``, each ending at its
+    ``ends`` entry), so a batch crosses from its worker as a few tensors, not one per file."""
 
     pixels: Ragged | None
     pixel_positions: list[int]
-    jpegs: list[JpegBytes]
+    data: torch.Tensor
+    ends: list[int]
+    keys: list[tuple[int, int]]
+    sizes: list[tuple[int, int]]
     jpeg_positions: list[int]
+
+    @staticmethod
+    def of(
+        pixels: Ragged | None, pixel_positions: list[int], jpegs: list[JpegBytes], at: list[int]
+    ) -> EncodedBatch:
+        data = torch.cat([jpeg.data for jpeg in jpegs])
+        ends = torch.tensor([len(jpeg.data) for jpeg in jpegs]).cumsum(0).tolist()
+        keys, sizes = [jpeg.key for jpeg in jpegs], [jpeg.size for jpeg in jpegs]
+        return EncodedBatch(pixels, pixel_positions, data, ends, keys, sizes, at)
+
+    @property
+    def jpegs(self) -> list[JpegBytes]:
+        """Each JPEG as its own ``JpegBytes``, its bytes a view of ``data``."""
+        starts = [0, *self.ends[:-1]]
+        return [
+            JpegBytes(self.data[start:end], key, size)
+            for start, end, key, size in zip(starts, self.ends, self.keys, self.sizes, strict=True)
+        ]
 
     def pin_memory(self) -> EncodedBatch:  # the DataLoader's pin_memory calls this
         if self.pixels is None:
@@ -59,7 +82,7 @@ def collate_samples(
     if jpeg_at:
         packed = Ragged.of([pixels[n] for n in pixel_at]) if pixel_at else None
         jpegs = [pixels[n] for n in jpeg_at]
-        return EncodedBatch(packed, pixel_at, jpegs, jpeg_at), rows_t, labels_t
+        return EncodedBatch.of(packed, pixel_at, jpegs, jpeg_at), rows_t, labels_t
     return Ragged.of(pixels), rows_t, labels_t
 
 
