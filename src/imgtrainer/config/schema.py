@@ -135,6 +135,9 @@ class TrainConfig:
         "else ram when it fits in a quarter of the free memory)"
     )
     prefetch_factor: int = _data(2, AT_LEAST_1).help("batches each loader worker prepares ahead")
+    audit_data_every: int = _data(100, OFF_OR_MORE).help(
+        "check an image of the first batches, then of every N-th, against the CPU path; 0: off"
+    )
     crop_scale_min: float = _augment(0.08, interval("(0, 1]")).help(
         "smallest area fraction kept by RandomResizedCrop"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from imgtrainer.config import Layout, TrainConfig, optimizer_batch
 from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.checks import check_batch_fits, check_device_options
+from imgtrainer.data.device.audit import DataAudit
 from imgtrainer.data.device.augment import BatchAugment
 from imgtrainer.data.device.batches import DeviceBatches
 from imgtrainer.data.device.jpeg import JpegDecoder
@@ -59,8 +61,9 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
     run are refused; the augmentation is split into its host and device halves; both datasets
     are read and placed where the plan puts the images (``build_datasets``); the training
     order is drawn per epoch (``build_train_sampler``); the training loader's batches are
-    augmented on the device (``DeviceBatches``) and the validation loader's normalised as
-    they are collated; mixing follows the flags."""
+    augmented on the device (``DeviceBatches``) and audited against the CPU reference
+    (``data_audit``), the validation loader's normalised as they are collated; mixing follows
+    the flags."""
     check_device_options(cfg, dist.device.type)
     draws, augment = train_augmentation(cfg, dist.device)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
@@ -68,16 +71,17 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
     check_batch_fits(len(datasets.train), cfg, dist.world_size)
     counts = class_counts(datasets.train.targets, len(datasets.class_names))
     sampler = build_train_sampler(cfg, datasets.train.targets, counts, datasets.class_names, dist)
-    spec = train_loader_spec(cfg, dist, datasets.train.source, cores, augment)
+    spec = train_loader_spec(cfg, dist, datasets.train.source, cores)
+    log.info(loader_line(spec, datasets.train.source, cores, cfg.num_workers is None))
     train = DeviceBatches(
         make_loader(datasets.train, sampler, spec),
         augment,
         dist.device,
         datasets.train.canvas,
         device_jpeg_decoder(datasets.train, cfg, dist),
-        # Once the device decoder has switched itself off: the workers decode the JPEGs too.
-        lambda: make_loader(replace_source(datasets.train, Source.FILES), sampler, spec),
+        cpu_path(datasets.train, sampler, train_loader_spec(cfg, dist, Source.FILES, cores)),
     )
+    train.audit = data_audit(cfg, datasets.train, augment, dist)
     val = make_loader(
         datasets.val,
         # Its length is read as it runs: the check's end leaves unreadable images out.
@@ -198,29 +202,28 @@ def build_train_sampler(
     return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed, global_batch)
 
 
-def train_loader_spec(
-    cfg: TrainConfig, dist: DistInfo, source: Source, cores: int, augment: BatchAugment
-) -> LoaderSpec:
+def train_loader_spec(cfg: TrainConfig, dist: DistInfo, source: Source, cores: int) -> LoaderSpec:
     """How the training loader batches: one loader batch is one optimizer step (--accum_steps
     batches of --batch_size, run as separate forward/backward passes: loading them together
     keeps the sample order and the resume position independent of how a step is split), with
     workers sized to this process's ``cores`` and to what ``source`` leaves them to do."""
-    workers = loader_workers(cfg.num_workers, cores, dist.device.type, source)
-    how = (
-        f"({cores} CPU core(s) per process on this node; --num_workers N to choose)"
-        if cfg.num_workers is None
-        else "(--num_workers)"
-    )
-    log.info(f"Loader: {workers} worker(s) per process, images from {source} {how}")
     return LoaderSpec(
         optimizer_batch(cfg),
         True,
-        workers,
+        loader_workers(cfg.num_workers, cores, dist.device.type, source),
         pin_memory=dist.device.type == "cuda" and source.host_batches,
         prefetch_factor=cfg.prefetch_factor,
-        mean=augment.mean,
-        std=augment.std,
     )
+
+
+def loader_line(spec: LoaderSpec, source: Source, cores: int, chosen: bool) -> str:
+    """The log line of the training loader: its workers, and whether they were ``chosen``."""
+    how = (
+        f"({cores} CPU core(s) per process on this node; --num_workers N to choose)"
+        if chosen
+        else "(--num_workers)"
+    )
+    return f"Loader: {spec.num_workers} worker(s) per process, images from {source} {how}"
 
 
 def device_jpeg_decoder(
@@ -237,9 +240,33 @@ def device_jpeg_decoder(
     return JpegDecoder(dist.device, cfg.image_size, train_set.pixel_sample)
 
 
-def replace_source(train_set: TrainingSamples, source: Source) -> TrainingSamples:
-    """The same samples, handed over as ``source`` does."""
-    return TrainingSamples(train_set.images, train_set.draws, train_set.seed, source)
+def cpu_path(
+    train_set: TrainingSamples, sampler: EpochSampler, spec: LoaderSpec
+) -> Callable[[], DataLoader] | None:
+    """For a source with a device half (``Source.NVJPEG``'s decoding, ``Source.GPU``'s cached
+    crops), a maker of the loader whose workers do that on the CPU with the same draws; None
+    for the others, whose workers do it already."""
+    if train_set.source is Source.NVJPEG:
+        images, source = train_set.images, Source.FILES
+    elif train_set.source is Source.GPU:
+        images, source = train_set.images.reference(), Source.RAM  # decoded again from files
+    else:
+        return None
+    samples = TrainingSamples(images, train_set.draws, train_set.seed, source)
+    return partial(make_loader, samples, sampler, spec)
+
+
+def data_audit(
+    cfg: TrainConfig, train_set: TrainingSamples, augment: BatchAugment, dist: DistInfo
+) -> DataAudit | None:
+    """The run's data audit (--audit_data_every), or None when it is off: the training
+    images' CPU reference, and the augmentation's reference form on the CPU."""
+    if not cfg.audit_data_every:
+        return None
+    reference = BatchAugment(cfg.image_size, augment.policy, augment.mean, augment.std)
+    return DataAudit(
+        train_set.images.reference(), reference, train_set.source, cfg.audit_data_every, dist.device
+    )
 
 
 # Loader workers per process at most: each is a process holding its own prefetched batches.

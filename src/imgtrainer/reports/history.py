@@ -35,12 +35,14 @@ class EpochRecord:
     micro_batch: int
     # each rank's seconds per step, outside the step, and data-wait share (``StragglerWatch``)
     ranks: dict[str, float] = field(default_factory=dict)
+    # the data audit's images checked and their largest difference (--audit_data_every)
+    audit: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         fields = dict(vars(self))
-        val, ranks = fields.pop("val"), fields.pop("ranks")
+        val, ranks, audit = fields.pop("val"), fields.pop("ranks"), fields.pop("audit")
         head = {key: fields.pop(key) for key in ("epoch", "train_loss", "train_acc")}
-        return {**head, **val, **fields, **ranks}
+        return {**head, **val, **fields, **ranks, **audit}
 
     def line(self, epochs: int) -> str:
         """The epoch's log line (without the best-epoch note)."""

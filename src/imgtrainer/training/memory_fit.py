@@ -13,7 +13,13 @@ from torch import nn
 
 from imgtrainer.checkpoints.files import tensor_bytes
 from imgtrainer.config import TrainConfig, optimizer_batch
-from imgtrainer.data import Source, augment_bytes_per_image, augment_chunk, canvas_side_bound
+from imgtrainer.data import (
+    Source,
+    augment_bytes_per_image,
+    augment_chunk,
+    canvas_side_bound,
+    staged_bytes,
+)
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
 from imgtrainer.precision import uses_channels_last
@@ -282,14 +288,14 @@ def plan_augmentation(
     cfg: TrainConfig, parts: TrialParts, inputs: TrialInputs, budget: int, source: Source
 ) -> int | None:
     """The images augmented at a time so that the augmentation's transient memory
-    (``augment_bytes_per_image``) fits in ``budget`` beside the model's state and the loaded
-    batch's inputs; None when the whole loaded batch fits. The same on every rank (the same
-    shapes and budget rule); a rank that runs out anyway halves its own (no collective
-    depends on it)."""
+    (``augment_bytes_per_image``) fits in ``budget`` beside the model's state, the loaded
+    batch's inputs and the batches being prepared (``staged_bytes``); None when the whole
+    loaded batch fits. The same on every rank (the same shapes and budget rule); a rank that
+    runs out anyway halves its own (no collective depends on it)."""
     step_batch = optimizer_batch(cfg)
     side = canvas_side_bound(cfg.image_size, source)
-    canvas = step_batch * 3 * side**2
-    room = budget - resident_state_bytes(parts) - inputs.loaded_input_bytes - canvas
+    staged = staged_bytes(step_batch, cfg.image_size, source)
+    room = budget - resident_state_bytes(parts) - inputs.loaded_input_bytes - staged
     per_image = augment_bytes_per_image(cfg.image_size, side, cfg.auto_augment != "none")
     chunk = augment_chunk(room, per_image, step_batch)
     return None if chunk == step_batch else chunk

@@ -6,6 +6,7 @@ import logging
 import platform
 import socket
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from imgtrainer.checkpoints.training_state import (
 )
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import Layout, TrainConfig, parse_duration
-from imgtrainer.data import build_loaders
+from imgtrainer.data import audit_summary, build_loaders
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
@@ -257,6 +258,7 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
+        audit = self.audit_summary()
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
         self.decode_check.finish()
@@ -269,6 +271,7 @@ class Trainer:
         # Speed counts the steps this process ran, not those restored from a checkpoint.
         images = (train["steps"] - first_step) * self.layout.global_batch
         epoch = self.epoch_record(train, val, images / max(train_seconds, 1e-9), started)
+        epoch = replace(epoch, audit=audit)
         record = self.history.append(epoch)
         is_best = self.best.agree(record, self.dist.is_distributed)
         self.save_checkpoint(None, is_best, epoch_end=True)
@@ -276,6 +279,13 @@ class Trainer:
         note = best_note(self.best.state, self.ema.enabled) if is_best else ""
         log.info(epoch.line(self.cfg.epochs) + note)
         return True
+
+    def audit_summary(self) -> dict[str, float]:
+        """The epoch's data audit over every rank (``data.audit_summary``): every rank calls
+        it, or none (--audit_data_every 0)."""
+        if self.train_loader.audit is None:
+            return {}
+        return audit_summary(all_gather_objects(self.train_loader.audit_results()))
 
     def validate_epoch(self) -> dict[str, float]:
         """The epoch's validation metrics (``epoch_validation``), timed for --max_time."""

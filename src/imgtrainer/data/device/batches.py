@@ -1,17 +1,20 @@
 """Collated batches onto the training device, augmented there as a whole: the training loader
-as the loop sees it. On CUDA the next batch's copy (a copy stream) and JPEG decoding (a thread on
-a decoding stream) overlap the current step."""
+as the loop sees it. On CUDA the next batches' copies (a copy stream) and JPEG decoding (a thread
+on a decoding stream) overlap the current step."""
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
+from imgtrainer.data.device.audit import DataAudit
 from imgtrainer.data.device.augment import BatchAugment
 from imgtrainer.data.device.jpeg import JpegDecoder
 from imgtrainer.data.host.collate import EncodedBatch, collate_samples
@@ -21,33 +24,46 @@ from imgtrainer.torch_compat import none_if_out_of_memory
 
 log = logging.getLogger(__name__)
 
+# Batches prepared ahead of the one being augmented: one copy ahead hides a copy; JPEG batches
+# are decoded two ahead, so that a slow decode is caught up on by a faster one.
+COPIES_AHEAD = 1
+DECODES_AHEAD = 2
 
-def one_ahead(batches: Iterable, start: Callable, finish: Callable) -> Iterator:
-    """``finish(start(batch))`` for each batch, in order, with the next batch started before
-    the current one is finished: its copy and decoding then overlap the current step."""
-    ahead = _NOTHING
+
+def ahead(batches: Iterable, start: Callable, finish: Callable, depth: int = 1) -> Iterator:
+    """``finish(start(batch))`` for each batch, in order, with the next ``depth`` batches
+    started before the current one is finished: their copy and decoding then overlap the
+    current step."""
+    started: collections.deque = collections.deque()
     for batch in batches:
-        started = start(batch)
-        if ahead is not _NOTHING:
-            yield finish(ahead)
-        ahead = started
-    if ahead is not _NOTHING:
-        yield finish(ahead)
-
-
-_NOTHING = object()
+        started.append(start(batch))
+        if len(started) > depth:
+            yield finish(started.popleft())
+    while started:
+        yield finish(started.popleft())
 
 
 @dataclass
 class Staged:
-    """A batch on its way to the device: its tensors (or the decoding thread's future of
-    them) and the event the compute stream waits on before it reads them."""
+    """A collated batch on its way to the device: its tensors (or the decoding thread's future
+    of them) and the event the compute stream waits on before it reads them; ``batch`` itself,
+    made again here when its preparation ran out of memory (``started`` False)."""
 
-    pixels: torch.Tensor | None
-    rows: torch.Tensor
-    labels: torch.Tensor | None
+    batch: tuple
+    pixels: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     decoding: Future | None = None
+    started: bool = True
+
+
+class Streams(NamedTuple):
+    """The copy and decoding streams, made once: new ones every epoch would come round the
+    stream pool to the ones NCCL and nvjpeg draw from."""
+
+    copies: torch.cuda.Stream
+    decodes: torch.cuda.Stream
 
 
 class DeviceBatches:
@@ -56,15 +72,19 @@ class DeviceBatches:
     bytes are first decoded there by ``jpegs`` (a ``JpegDecoder``). Anything else
     (``dataset``, ``num_workers``, ``sampler``) is the wrapped DataLoader's.
 
-    On CUDA the next batch is prepared while the current one trains: its host-to-device copy
-    on a copy stream of its own, its JPEG decoding in one background thread (on a decoding
-    stream); the compute stream waits for their events, and the tensors are recorded on it
-    so that the allocator does not hand their memory out early. Elsewhere each batch is made
-    as it comes: nothing to overlap. The decoder then runs beside the main thread: it must be
-    thread-safe, its CPU fallback included (which seeds the process's CPU generator).
+    On CUDA the next batches are prepared while the current one trains: their host-to-device
+    copies on a copy stream of their own, their JPEG decoding in one background thread (on a
+    decoding stream); the compute stream waits for their events, and the tensors are recorded
+    on it so that the allocator does not hand their memory out early. Elsewhere each batch is
+    made as it comes. The decoder then runs beside the main thread: it must be thread-safe, its
+    CPU fallback included (which seeds the process's CPU generator). With ``retry_on_oom``, a
+    batch whose preparation runs out of memory is made again here, in smaller pieces.
 
-    Once the decoder has switched itself off (no JPEG decodes on the device), the next epoch
-    takes its batches from ``without_jpegs()``: a loader whose workers decode every image."""
+    ``cpu_path()`` builds a loader whose workers do on the CPU what this source does on the
+    device (the JPEG decoding; the device cache's crops). It takes over at the next epoch once
+    the decoder has switched itself off, or once the data ``audit`` has found the device's
+    images repeatedly unlike the CPU reference; without one, the augmentation takes its
+    reference form (the gathered taps) instead."""
 
     def __init__(
         self,
@@ -73,13 +93,16 @@ class DeviceBatches:
         device: torch.device,
         cache=None,
         jpegs: JpegDecoder | None = None,
-        without_jpegs: Callable[[], Iterable] | None = None,
+        cpu_path: Callable[[], Iterable] | None = None,
     ):
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
-        self.jpegs, self.without_jpegs = jpegs, without_jpegs
+        self.jpegs, self.cpu_path = jpegs, cpu_path
         self.chunk: int | None = None  # images augmented at a time (the memory plan's)
         self.retry_on_oom = False
+        self.audit: DataAudit | None = None
+        self.take_cpu_path = False  # from the next epoch on
+        self._streams: Streams | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -87,28 +110,58 @@ class DeviceBatches:
     def __getattr__(self, name: str):
         return getattr(self.__dict__["loader"], name)
 
+    @property
+    def depth(self) -> int:
+        """Batches prepared ahead of the one being augmented."""
+        return DECODES_AHEAD if self.jpegs is not None else COPIES_AHEAD
+
+    def streams(self) -> Streams:
+        if self._streams is None:
+            self._streams = Streams(torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams
+
     def __iter__(self):
-        if self.jpegs is not None and not self.jpegs.enabled and self.without_jpegs is not None:
-            self.loader, self.jpegs = self.without_jpegs(), None
-            log.info("The loader workers decode every JPEG from this epoch on")
+        jpegs_off = self.jpegs is not None and not self.jpegs.enabled
+        if (jpegs_off or self.take_cpu_path) and self.cpu_path is not None:
+            what = "every JPEG" if self.jpegs is not None else "every image, from its file"
+            self.loader, self.jpegs, self.cache = self.cpu_path(), None, None
+            self.cpu_path = None
+            log.info(f"The loader workers decode {what} from this epoch on")
         if self.device.type != "cuda":
-            for pixels, rows, labels in self.loader:
-                yield self.apply(pixels, rows, labels)
+            for batch in self.loader:
+                yield self.finish(self.stage(batch))
             return
-        copies, decodes = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
         with ThreadPoolExecutor(1, thread_name_prefix="jpeg-decode") as thread:
+            start = partial(self.stage, streams=self.streams(), thread=thread)
+            yield from ahead(self.loader, start, self.finish, self.depth)
 
-            def start(batch) -> Staged:
-                pixels, rows, labels = batch
-                if isinstance(pixels, EncodedBatch):  # decoded off the main thread
-                    future = thread.submit(self.decode_on, decodes, pixels, rows, labels)
-                    return Staged(None, rows, None, decoding=future)
-                with torch.cuda.stream(copies):
-                    staged = Staged(*self.moved(pixels, rows, labels), torch.cuda.Event())
-                    staged.ready.record(copies)
-                return staged
+    def stage(
+        self, batch: tuple, streams: Streams | None = None, thread: ThreadPoolExecutor | None = None
+    ) -> Staged:
+        """Start a collated batch on its way to the device: on CUDA its JPEG decoding in the
+        decode ``thread``, or its copy on the copy stream; elsewhere made at once. Out of
+        memory (with ``retry_on_oom``) it is left to ``finish``, which makes it again."""
+        pixels, rows, labels = batch
+        if thread is not None and isinstance(pixels, EncodedBatch):  # off the main thread
+            future = thread.submit(self.decode_on, streams.decodes, pixels, rows, labels)
+            return Staged(batch, rows=rows, decoding=future)
+        staged = none_if_out_of_memory(
+            partial(self.copy, batch, streams), self.retry_on_oom, self.device
+        )
+        return staged if staged is not None else Staged(batch, rows=rows, started=False)
 
-            yield from one_ahead(self.loader, start, self.finish)
+    def copy(self, batch: tuple, streams: Streams | None) -> Staged:
+        """The batch decoded (elsewhere than on CUDA), copied to the device and laid on its
+        canvas, on the copy stream with the event of its end where there is one."""
+        pixels, rows, labels = batch
+        if isinstance(pixels, EncodedBatch):
+            pixels, rows, labels = self.decode(pixels, rows, labels)
+        if streams is None:
+            return Staged(batch, *self.moved(pixels, rows, labels))
+        with torch.cuda.stream(streams.copies):
+            staged = Staged(batch, *self.moved(pixels, rows, labels), torch.cuda.Event())
+            staged.ready.record(streams.copies)
+        return staged
 
     def decode(
         self, batch: EncodedBatch, rows: torch.Tensor, labels: torch.Tensor
@@ -130,19 +183,38 @@ class DeviceBatches:
         self, pixels: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pixels (or cache indices) and labels copied to the device (non-blocking: pinned by
-        the loader); the parameters stay on the host until used."""
+        the loader); the sample rows stay on the host until used."""
         on_device = as_canvas(pixels.to(self.device, non_blocking=True))
         return on_device, rows, labels.to(self.device, non_blocking=True)
 
     def finish(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
-        """A staged batch, once its copy or decoding is done, augmented on the compute stream."""
+        """A staged batch, once its copy or decoding is done, augmented on the compute stream
+        (and audited where due). A preparation that ran out of memory (with ``retry_on_oom``)
+        is made again here, in smaller pieces: the same draws, the same images."""
+        made = None
+        if staged.started:
+            attempt = partial(self.augmented_staged, staged)
+            made = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
+        while made is None:
+            self.smaller_pieces(len(staged.rows), "preparing a batch on the device")
+            attempt = partial(self.apply, *staged.batch)
+            made = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
+        if self.audit is not None:
+            self.audit.look(made[0], staged.rows)
+            if self.audit.switch_requested:
+                self.switch_to_reference()
+        return made
+
+    def augmented_staged(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
         if staged.decoding is not None:
             pixels, rows, labels, ready = staged.decoding.result()
-            staged = Staged(pixels, rows, labels.to(self.device, non_blocking=True), ready)
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(staged.ready)
-        for tensor in (staged.pixels, staged.labels):
-            tensor.record_stream(compute)  # made on another stream, read (and freed) on this
+            labels = labels.to(self.device, non_blocking=True)
+            staged = Staged(staged.batch, pixels, rows, labels, ready)
+        if staged.ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(staged.ready)
+            for tensor in (staged.pixels, staged.labels):
+                tensor.record_stream(compute)  # made on another stream, read (and freed) here
         return self.augmented(staged.pixels, staged.rows, staged.labels)
 
     def augmented(
@@ -157,7 +229,7 @@ class DeviceBatches:
             images = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
             if images is not None:
                 return images, labels
-            self.smaller_chunk(len(rows))
+            self.smaller_pieces(len(rows), "the augmentation")
 
     def augmented_in_chunks(self, pixels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         count = len(rows)
@@ -170,15 +242,20 @@ class DeviceBatches:
             parts.append(self.augment(part, rows[start : start + step]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def smaller_chunk(self, count: int) -> None:
+    def smaller_pieces(self, count: int, where: str) -> None:
+        """Half the images augmented at a time, and half the JPEGs decoded per call, from now
+        on; an error once both are down to one."""
         current = min(count, self.chunk or count)
-        if current == 1:
+        decoding = self.jpegs is not None and self.jpegs.chunk > 1
+        if current == 1 and not decoding:
             raise UserError(
                 "out of memory augmenting a single image; use a smaller --image_size or "
                 "--max_memory_gb, or free the device"
             )
-        self.chunk = current // 2
-        log.warning(f"out of memory in the augmentation; {self.chunk} images at a time from now on")
+        self.chunk = max(1, current // 2)
+        if self.jpegs is not None:
+            self.jpegs.chunk = max(1, self.jpegs.chunk // 2)
+        log.warning(f"out of memory in {where}; {self.chunk} images at a time from now on")
 
     def apply(
         self, pixels: torch.Tensor | EncodedBatch, rows: torch.Tensor, labels: torch.Tensor
@@ -187,6 +264,25 @@ class DeviceBatches:
         if isinstance(pixels, EncodedBatch):  # JPEG bytes: decoded on the device first
             pixels, rows, labels = self.decode(pixels, rows, labels)
         return self.augmented(*self.moved(pixels, rows, labels))
+
+    def switch_to_reference(self) -> None:
+        """The data audit found this source's images unlike the CPU reference again and
+        again: its device half gives way to the CPU path (the decoder off at once, the
+        workers' path from the next epoch), or the augmentation takes its reference form."""
+        self.audit.switch_requested = False
+        if self.jpegs is not None:
+            self.jpegs.enabled = False
+        if self.cpu_path is not None:
+            self.take_cpu_path = True
+            then = "the loader workers decode and crop every image from the next epoch on"
+        else:
+            self.augment.banded = False
+            then = "the augmentation resamples with the gathered taps (the CPU's form) from now on"
+        log.warning(f"data audit: the device's images repeatedly differ from the CPU's; {then}")
+
+    def audit_results(self) -> list:
+        """This epoch's audited images (``DataAudit.epoch_results``); none without an audit."""
+        return [] if self.audit is None else self.audit.epoch_results()
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from imgtrainer.data.device.batches import COPIES_AHEAD, DECODES_AHEAD
+from imgtrainer.data.device.jpeg import DECODER_PEAK_BYTES
 from imgtrainer.data.host.image_cache import CANVAS_ASPECT
 from imgtrainer.data.host.samples import Source
 from imgtrainer.data.host.transforms import EVAL_RESIZE_RATIO
@@ -25,6 +27,20 @@ def canvas_side_bound(size: int, source: Source) -> int:
     if source is Source.GPU:
         return math.ceil(CANVAS_ASPECT * math.ceil(size / EVAL_RESIZE_RATIO))
     return math.ceil(2 * CANVAS_ASPECT * size)
+
+
+def staged_bytes(batch: int, size: int, source: Source) -> int:
+    """Device bytes of the loaded batches beside the augmentation's own: the canvas being
+    augmented and the batches prepared ahead of it (``DeviceBatches``). The GPU cache hands
+    over indices: one canvas, gathered as it is augmented. Copied batches: one ahead, at its
+    peak its packed copy beside its canvas. JPEG batches: decoded two ahead, and the decoder's
+    working memory beside them (``DECODER_PEAK_BYTES``)."""
+    canvas = batch * 3 * canvas_side_bound(size, source) ** 2
+    if source is Source.GPU:
+        return canvas
+    if source is Source.NVJPEG:
+        return canvas * (1 + DECODES_AHEAD) + DECODER_PEAK_BYTES
+    return canvas * (1 + 2 * COPIES_AHEAD)
 
 
 def augment_bytes_per_image(size: int, canvas_side: int, policy: bool) -> int:

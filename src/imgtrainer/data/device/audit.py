@@ -1,0 +1,161 @@
+"""The data audit: images the device made, checked against the CPU reference path as a run trains.
+
+At the first batches of a run and then every ``every``-th, one image of the batch is copied to
+the host without waiting for the device, and a background thread makes it again on the CPU
+from its sample row (the box as drawn, the flip, the policy's ops, the erasing: no new draws):
+decoded by PIL (or as the cache decodes it), cropped as the workers crop, resampled by the
+gathered taps. The difference is measured in 0-255 levels; over the source's tolerance it is
+one warning, and repeated mismatches ask ``DeviceBatches`` to take the CPU path instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.host.sample_row import drawn_of, key_of, set_whole_crop
+from imgtrainer.data.host.samples import Source, crop_pixels
+
+log = logging.getLogger(__name__)
+
+FIRST_BATCHES = 3  # the run's first batches are all audited, then every ``every``-th
+MISMATCHES_TO_SWITCH = 3  # mismatched images of a source before it gives way to the CPU path
+# The share of an image's values the audited difference leaves out: a uint8 policy op can turn
+# a one-level rounding difference into a large one for a few pixels (a threshold, a histogram).
+OUTLIER_SHARE = 0.001
+# The largest difference (0-255 levels) a source may show against the CPU reference. On the
+# CPU both halves run the same arithmetic: none. On CUDA: the banded resample (float32 or TF32
+# in place of the gathered taps), bfloat16 or float16 batches (about half a level), and for
+# nvJPEG its IDCT and chroma upsampling against libjpeg's (a few levels, more at sharp colour
+# edges).
+CPU_TOLERANCE = 0.5
+CUDA_TOLERANCE = {Source.GPU: 3.0, Source.RAM: 3.0, Source.FILES: 3.0, Source.NVJPEG: 12.0}
+
+
+def tolerance(source: Source, device: torch.device) -> float:
+    """The largest audited difference (levels) a source shows on a healthy ``device``."""
+    return CUDA_TOLERANCE[source] if device.type == "cuda" else CPU_TOLERANCE
+
+
+@dataclass(frozen=True)
+class Audited:
+    """One audited image: its dataset index, and its difference from the reference (levels)."""
+
+    index: int
+    difference: float
+
+
+class DataAudit:
+    """Audits one image of the batches it is shown (``look``); ``reference`` is the dataset of
+    the CPU path's images for the samples' indices (``TableImages`` or a cache's
+    ``reference()``), ``augment`` the CPU ``BatchAugment`` with the run's settings; ``size`` the
+    output size, ``source`` the training images' source, ``every`` the audit's period."""
+
+    def __init__(
+        self,
+        reference: Dataset,
+        augment: BatchAugment,
+        source: Source,
+        every: int,
+        device: torch.device,
+    ):
+        self.reference, self.augment, self.source, self.every = reference, augment, source, every
+        self.device = torch.device(device)
+        self.tolerance = tolerance(source, self.device)
+        self.seen = 0  # batches shown
+        self.results: list[Audited] = []  # this epoch's, filled by the audit thread
+        self.pending: list[Future] = []
+        self.mismatches = 0
+        self.switch_requested = False  # repeated mismatches: DeviceBatches takes the CPU path
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-audit")
+        std = torch.tensor(augment.std, dtype=torch.float32).view(3, 1, 1)
+        self._levels = std * 255  # a normalised difference in 0-255 levels, per channel
+
+    def due(self) -> bool:
+        """Whether the next batch is audited (counting it)."""
+        self.seen += 1
+        return self.seen <= FIRST_BATCHES or self.seen % self.every == 0
+
+    def look(self, images: torch.Tensor, rows: torch.Tensor) -> None:
+        """Audit one image of this augmented batch (``rows`` on the host) if it is due: its copy
+        to the host is queued behind the batch's work, never waited for here."""
+        if not self.due():
+            return
+        position = (self.seen - 1) % len(rows)
+        image = images[position]
+        if image.device.type == "cuda":
+            host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
+            host.copy_(image, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(image.device))
+        else:  # the loop may mix the batch in place next
+            host, ready = image.clone(), None
+        row = rows[position].clone()
+        self.pending.append(self._thread.submit(self._check, host, ready, row))
+
+    def _check(self, host: torch.Tensor, ready, row: torch.Tensor) -> None:
+        """In the audit thread: the image made again, compared, recorded, warned about."""
+        if ready is not None:
+            ready.synchronize()  # this thread waits, not the training one
+        index, _ = key_of(row)
+        expected = self.remake(row)
+        levels = (host.float() - expected).abs().mul_(self._levels).flatten()
+        kept = max(1, int(round(len(levels) * (1 - OUTLIER_SHARE))))
+        difference = float(levels.sort().values[kept - 1])
+        with self._lock:
+            self.results.append(Audited(index, difference))
+        if difference > self.tolerance:
+            self.mismatched(index, difference)
+
+    def remake(self, row: torch.Tensor) -> torch.Tensor:
+        """The normalised image (3, size, size) float32 of a sample row on the CPU reference
+        path: the reference image, the workers' crop of the box as drawn, the taps."""
+        image, _ = self.reference[key_of(row)[0]]
+        pixels = crop_pixels(image, drawn_of(row).tolist(), self.augment.size)
+        row = row.clone()
+        set_whole_crop(row, *pixels.shape[-2:])
+        return self.augment(pixels[None], row[None])[0].float()
+
+    def mismatched(self, index: int, difference: float) -> None:
+        location = getattr(self.reference, "table", None)
+        name = location.location(index) if location is not None else f"image {index}"
+        log.warning(
+            f"data audit: {name} made from {self.source} on {self.device} differs from the CPU "
+            f"reference by {difference:.1f} levels (tolerance {self.tolerance:g})"
+        )
+        with self._lock:
+            self.mismatches += 1
+            if self.mismatches == MISMATCHES_TO_SWITCH:
+                self.switch_requested = True
+
+    def epoch_results(self) -> list[Audited]:
+        """This epoch's audited images (waiting for the last ones), and a fresh list after."""
+        for future in self.pending:
+            future.result()  # an error in the audit thread is raised here, in the loop's
+        self.pending = []
+        with self._lock:
+            results, self.results = self.results, []
+        return results
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def audit_summary(parts: Sequence[Sequence[Audited]]) -> dict[str, float]:
+    """The epoch record's audit fields from every rank's audited images: how many, and the
+    largest difference (0-255 levels)."""
+    every = [audited for part in parts for audited in part]
+    if not every:
+        return {"audit_images": 0}
+    return {
+        "audit_images": len(every),
+        "audit_max_diff": round(max(a.difference for a in every), 3),
+    }

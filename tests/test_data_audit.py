@@ -1,0 +1,113 @@
+"""The data audit (data.device.audit): an image of the first batches and of every N-th made
+again on the CPU reference path from its sample row and compared with what the device half made;
+a clean run shows no difference, a corrupted block is named and, repeated, sends the source to
+its reference form. And the prefetch's out-of-memory retry: the same batch, made again."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import ONE_CPU_PROCESS, data_config
+from imgtrainer.data.device import audit as audit_module
+from imgtrainer.data.device.audit import FIRST_BATCHES, Audited, audit_summary
+from imgtrainer.data.loaders import build_loaders
+
+
+def loaders_of(tiny_dataset, **flags):
+    train, val = tiny_dataset
+    values = {"image_size": 16, "batch_size": 4, "seed": 3, "num_workers": 0, **flags}
+    return build_loaders(data_config(train, val, **values), ONE_CPU_PROCESS)
+
+
+@pytest.mark.parametrize("cache", ["none", "ram"])
+def test_a_clean_epoch_is_audited_with_no_difference(tiny_dataset, cache):
+    """On the CPU both halves run the same arithmetic: every audited image (the first batches,
+    then every N-th) is the reference's to the bit, with a policy and erasing too."""
+    loaders = loaders_of(
+        tiny_dataset,
+        cache_images=cache,
+        audit_data_every=2,
+        auto_augment="trivialaugment",
+        random_erasing=0.5,
+    )
+    loaders.train.sampler.set_epoch(0)
+    batches = sum(1 for _ in loaders.train)
+    results = loaders.train.audit_results()
+    due = [n for n in range(1, batches + 1) if n <= FIRST_BATCHES or n % 2 == 0]
+    assert len(results) == len(due) and all(r.difference == 0 for r in results)
+    summary = audit_summary([results])
+    assert summary == {"audit_images": len(due), "audit_max_diff": 0.0}
+    assert loaders.train.audit_results() == []  # each epoch starts afresh
+
+
+def test_a_corrupted_block_is_named_and_repeated_mismatches_switch_to_the_reference_form(
+    tiny_dataset, monkeypatch, caplog
+):
+    """A test hook flips a block of every image the device half makes: each audited image is
+    one warning naming its file and source; the third switches the augmentation to the
+    gathered taps (the RAM and file sources have no other device half), said once."""
+    loaders = loaders_of(tiny_dataset, audit_data_every=1)
+    train = loaders.train
+    real = type(train).augmented_in_chunks
+
+    def corrupted(self, pixels, rows):  # the device half only: the reference is left alone
+        images = real(self, pixels, rows)
+        images[:, :, :4, :4] = -images[:, :, :4, :4] + 1.0  # a flipped 4 x 4 block
+        return images
+
+    monkeypatch.setattr(type(train), "augmented_in_chunks", corrupted)
+    train.sampler.set_epoch(0)
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
+        for _ in train:
+            pass
+        results = train.audit_results()
+    warnings = [r.getMessage() for r in caplog.records if "data audit" in r.getMessage()]
+    named = [w for w in warnings if "differs from the CPU reference" in w]
+    assert len(named) == len(results) >= audit_module.MISMATCHES_TO_SWITCH
+    table = train.dataset.images.table
+    assert any(table.location(results[0].index) in w for w in named) and "from files" in named[0]
+    assert min(r.difference for r in results) > 10
+    switched = [w for w in warnings if "repeatedly differ" in w]
+    assert len(switched) == 1 and "gathered taps" in switched[0] and train.augment.banded is False
+
+
+def test_the_summary_counts_every_ranks_images_and_keeps_the_largest_difference():
+    parts = [[Audited(1, 0.5), Audited(7, 2.25)], [], [Audited(3, 1.0)]]
+    assert audit_summary(parts) == {"audit_images": 3, "audit_max_diff": 2.25}
+    assert audit_summary([[], []]) == {"audit_images": 0}
+
+
+def test_out_of_memory_preparing_a_batch_makes_the_same_batch_again_in_smaller_pieces(
+    tiny_dataset, monkeypatch, caplog
+):
+    """A simulated out-of-memory error while a batch is copied to the device (the prefetch's
+    part): with the retry on, the batch is made again here, halved, and is the same batch."""
+    clean = loaders_of(tiny_dataset, audit_data_every=0).train
+    clean.sampler.set_epoch(0)
+    expected = [batch for batch in clean]
+    loaders = loaders_of(tiny_dataset, audit_data_every=0)
+    train = loaders.train
+    train.retry_on_oom = True
+    real_moved, failures = type(train).moved, []
+
+    def moved(self, pixels, rows, labels):
+        if len(failures) < 2:  # the first two copies run out of memory
+            failures.append(len(rows))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_moved(self, pixels, rows, labels)
+
+    monkeypatch.setattr(type(train), "moved", moved)
+    train.sampler.set_epoch(0)
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
+        made = [batch for batch in train]
+    assert len(made) == len(expected)
+    for (images, labels), (clean_images, clean_labels) in zip(made, expected, strict=True):
+        assert torch.equal(images, clean_images) and torch.equal(labels, clean_labels)
+    assert failures == [4, 4] and train.chunk == 1
+    assert "out of memory in preparing a batch on the device; 2 images" in caplog.text
+    train.retry_on_oom, failures[:] = False, []  # without the retry: the error ends the run
+    with pytest.raises(torch.OutOfMemoryError):
+        next(iter(train))
