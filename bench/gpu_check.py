@@ -52,9 +52,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-import harness  # noqa: E402
-from harness import descendants  # noqa: E402
+from support import harness  # noqa: E402
+from support.harness import descendants  # noqa: E402
 
 RESNET18_FWD_FLOPS_224 = 3.64e9  # per image: 1.82 G multiply-adds, 2 FLOPs each; training counts forward + backward as 3x
 # Dense bf16 tensor-core peaks in TFLOP/s, by a fragment of torch.cuda.get_device_name();

@@ -56,10 +56,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-from harness import launcher_command  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
 from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
+from support.harness import launcher_command  # noqa: E402
 
 TIMM_COMMIT = "2aabaef039d918d453b58714ab84562609981112"
 

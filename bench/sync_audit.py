@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support/
 
 from imgtrainer.hooks import Hook, StepInfo  # noqa: E402
 
@@ -369,7 +370,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """10 steps (batch 4, 40 images) audited on CUDA; exit 1 on a sync between log steps."""
     args = parse_args(argv)
-    from harness import write_image_folder
+    from support.harness import write_image_folder
 
     with tempfile.TemporaryDirectory(prefix="sync_audit_") as tmp:
         root = Path(tmp)

@@ -55,8 +55,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-from harness import write_image_folder, write_photo_folder  # noqa: E402
+from support.harness import write_image_folder, write_photo_folder  # noqa: E402
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
 PEAK_FLOPS = {

@@ -157,7 +157,7 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     """bench/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
     them, one 4:1 panorama, the same files for the same arguments; that panorama
     and the 9:16 portraits make the whole canvas ~4x the estimate, the stored windows 1x."""
-    from harness import write_photo_folder
+    from support.harness import write_photo_folder
 
     root = write_photo_folder(tmp_path / "a", 2, 8, threads=2)
     again = write_photo_folder(tmp_path / "b", 2, 8, threads=2)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import write_image_folder
 from sync_audit import audit_run
 
 import imgtrainer.data.image_plan as image_plan
@@ -21,6 +20,7 @@ from imgtrainer.data.host.samples import Source
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.training.memory import BufferSnapshot
 from imgtrainer.training.stopping import AGREE_EVERY, StopRequest
+from support.harness import write_image_folder
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 CLASSES = ["cat", "dog", "fox"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "launch_ddp.py"
 
 # Distinct colours for the first classes: a trivially separable problem a tiny run can learn.
