@@ -222,31 +222,6 @@ def versions() -> dict[str, str]:
 # ----------------------------------------------------------------------------- data
 
 
-def write_dataset(
-    root: Path,
-    classes: int,
-    train_per_class: int,
-    val_per_class: int,
-    side: int,
-    photos: bool = False,
-) -> Path:
-    """root/{train,val}/class_NN/*.jpg: noisy square patches of ``side`` px, one colour per
-    class (learnable), or with ``photos`` photo-like JPEGs of mixed aspect, short side ``side``
-    px or more, one 4:1 panorama among the training images (``harness.write_photo_folder``)."""
-    threads = min(16, os.cpu_count() or 1)
-    for split, per_class, seed in (("train", train_per_class, 0), ("val", val_per_class, 1)):
-        if photos:
-            panorama = split == "train"
-            harness.write_photo_folder(
-                root / split, classes, per_class, side, seed, panorama=panorama, threads=threads
-            )
-            continue
-        harness.write_image_folder(
-            root / split, classes, per_class, side, seed, noise=30, quality=90, threads=threads
-        )
-    return root
-
-
 DATASETS = {  # kind: (classes, training and validation images per class, side, photos)
     "tiny": (3, 32, 8, 40, False),  # 96 training images of 40 px
     "mid": (3, 160, 16, 128, False),  # 480 images of 128 px: 30 steps of 16 per epoch
@@ -261,7 +236,11 @@ def dataset(ctx: Context, kind: str) -> Path:
     reused by every check that asks for it (checks running at once share it)."""
     with ctx.lock:
         if kind not in ctx.data:
-            ctx.data[kind] = write_dataset(ctx.work / f"data_{kind}", *DATASETS[kind])
+            classes, train, val, side, photos = DATASETS[kind]
+            root = ctx.work / f"data_{kind}"
+            ctx.data[kind] = harness.write_split_folder(
+                root, classes, train, val, side, photos=photos, threads=min(16, os.cpu_count() or 1)
+            )
         return ctx.data[kind]
 
 

@@ -154,7 +154,7 @@ def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed)
 
 
 def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estimate(tmp_path):
-    """bench/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
+    """support/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
     them, one 4:1 panorama, the same files for the same arguments; that panorama
     and the 9:16 portraits make the whole canvas ~4x the estimate, the stored windows 1x."""
     from support.harness import write_photo_folder
@@ -179,27 +179,3 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
     assert canvas_bytes(cache.sizes, 224) == estimate
-
-
-def test_the_throughput_bench_writes_photos_when_asked(tmp_path):
-    """bench/throughput.py --dataset: patches on the CPU by default, photos when asked (the
-    default on CUDA), the panorama among the training images only."""
-    import argparse
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput", Path(__file__).parents[1] / "bench" / "throughput.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.parse_args([]).dataset == "auto"
-    assert not bench.wants_photos(argparse.Namespace(dataset="auto", device="cpu"))
-    assert bench.wants_photos(argparse.Namespace(dataset="photos", device="cpu"))
-    data = bench.make_dataset(tmp_path / "data", 20, classes=2, side=40, photos=True)
-    shapes = {}
-    for split in ("train", "val"):
-        shapes[split] = [Image.open(f).size for f in sorted((data / split).rglob("*.jpg"))]
-        assert min(map(min, shapes[split])) >= 500
-    assert len(shapes["train"]) == 20 and len(shapes["val"]) == 2
-    assert [w == 4 * h for w, h in shapes["train"]].count(True) == 1
-    assert not any(w == 4 * h for w, h in shapes["val"])
