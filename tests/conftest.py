@@ -18,7 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
-sys.path.insert(0, str(ROOT / "bench"))  # sync_audit, instrument (until they move)
 
 import torch  # noqa: E402
 
