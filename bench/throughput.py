@@ -60,9 +60,12 @@ sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benc
 
 from support.harness import write_split_folder  # noqa: E402
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by a fragment of
+# torch.cuda.get_device_name(); the first fragment found wins, so the specific names come first.
 PEAK_FLOPS = {
     "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
