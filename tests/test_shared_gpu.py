@@ -1,4 +1,4 @@
-"""More processes than GPUs: allowed only for the self-check (IMGTRAINER_SHARE_GPUS=1), then the
+"""More processes than GPUs: allowed only for the CUDA checks (IMGTRAINER_SHARE_GPUS=1), then the
 ranks share the GPUs over gloo; without it one clear error. The CUDA side runs in
 tests/gpu/test_shared_gpu_on_cuda.py; here, the choices, with the GPU count faked."""
 
