@@ -154,12 +154,15 @@ def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed)
 
 
 def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estimate(tmp_path):
-    """support/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
-    them, one 4:1 panorama, the same files for the same arguments; that panorama
-    and the 9:16 portraits make the whole canvas ~4x the estimate, the stored windows 1x."""
-    from support.harness import write_photo_folder
+    """support/harness.py's photos (``write_split_folder(..., photos=True)``, its training
+    split ``write_photo_folder``'s): JPEGs of at least 500 px, both orientations, 16:9 among
+    them, one 4:1 panorama among the training images only, the same files for the same
+    arguments; that panorama and the 9:16 portraits make the whole canvas ~4x the estimate,
+    the stored windows 1x."""
+    from support.harness import write_photo_folder, write_split_folder
 
-    root = write_photo_folder(tmp_path / "a", 2, 8, threads=2)
+    data = write_split_folder(tmp_path / "a", 2, 8, 1, 500, photos=True, threads=2)
+    root = data / "train"
     again = write_photo_folder(tmp_path / "b", 2, 8, threads=2)
     files = sorted(root.rglob("*.jpg"))
     assert len(files) == 16
@@ -175,6 +178,12 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     assert any(abs(w / h - 16 / 9) < 0.01 for w, h in sizes)
     assert any(abs(h / w - 16 / 9) < 0.01 for w, h in sizes)
     assert sum(w == 4 * h for w, h in sizes) == 1
+    validation = []
+    for f in sorted((data / "val").rglob("*.jpg")):
+        with Image.open(f) as image:
+            validation.append(image.size)
+    assert len(validation) == 2 and min(map(min, validation)) >= 500
+    assert not any(w == 4 * h for w, h in validation)  # the panorama: training images only
     cache = DecodedImageCache(folder_images(root).table, 224, threads=2)
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342

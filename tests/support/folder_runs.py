@@ -84,7 +84,7 @@ def start(
 def finish(process: subprocess.Popen, folder: Path, started: float, timeout: float) -> Run:
     """Wait for a run; past ``timeout`` seconds, stop it and everything it started."""
     try:
-        process.wait(timeout=max(1.0, timeout))
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop_tree(process)
     return Run(
