@@ -72,10 +72,11 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-from harness import child_env, descendants, launcher_command  # noqa: E402
 from instrument.sitecustomize import timeline_env  # noqa: E402
+
+from support.harness import child_env, descendants, launcher_command  # noqa: E402
 
 PER_CLASS = 100
 LOG_INTERVAL = 5  # steps between the logged figures images/s is read from

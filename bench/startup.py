@@ -44,11 +44,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-from harness import run_launcher  # noqa: E402
 from instrument.sitecustomize import timeline_env  # noqa: E402
 
 from imgtrainer.data.demo import write_demo_dataset  # noqa: E402
+from support.harness import run_launcher  # noqa: E402
 
 RUN_TIMEOUT = 3600  # seconds: a launcher run on a busy machine
 

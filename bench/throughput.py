@@ -15,7 +15,8 @@ For each world size it runs, as separate torchrun jobs with the same threads per
    size and precision on tensors already in memory (DDP at world size > 1, no loader);
 2. trainer: the real training path (the trainer's loader, transforms, sampler, AMP setting, DDP
    wrapper, metrics, progress bar, step hooks) on a generated ImageFolder of JPEG files
-   (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA).
+   (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA;
+   tests/support/harness.py's ``write_split_folder``).
 
 With ``--watchdog``, the trainer runs ``--watchdog_pairs`` times per source without and with the
 hang watchdog, alternating (each rank's and loader worker's heartbeat slot written, read by a
@@ -55,12 +56,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-from harness import write_image_folder, write_photo_folder  # noqa: E402
+from support.harness import write_split_folder  # noqa: E402
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by name fragment.
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by a fragment of
+# torch.cuda.get_device_name(); the first fragment found wins, so the specific names come first.
 PEAK_FLOPS = {
     "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
@@ -83,6 +88,7 @@ STEP_VARIANTS: dict[str, dict] = {
     "adamw_foreach": {"adamw": "foreach"},
 }
 DECODE_BATCH = 256  # images per decode_jpeg call on the GPU
+CLASSES = 10  # in the generated data set
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -146,27 +152,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, trainer_flags = parser.parse_known_args(argv)
     args.trainer_flags = [f for f in trainer_flags if f != "--"]
     return args
-
-
-def make_dataset(root: Path, images: int, classes: int, side: int, photos: bool = False) -> Path:
-    """A generated ImageFolder of at least ``images`` training JPEGs (and a tenth of that for
-    validation): noisy colour patches of ``side`` px, one colour per class, or with ``photos``
-    photo-like JPEGs of mixed aspect with a short side of at least max(500, ``side``) px and one
-    panorama among the training images (``harness.write_photo_folder``)."""
-    threads = os.cpu_count() or 1
-    for split, count, seed in (("train", images, 0), ("val", max(classes, images // 10), 1)):
-        per_class = math.ceil(count / classes)
-        if photos:
-            short = max(500, side)
-            panorama = split == "train"
-            write_photo_folder(
-                root / split, classes, per_class, short, seed, panorama=panorama, threads=threads
-            )
-            continue
-        write_image_folder(
-            root / split, classes, per_class, side, seed, noise=40, quality=90, threads=threads
-        )
-    return root
 
 
 def wants_photos(args: argparse.Namespace) -> bool:
@@ -249,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         photos = wants_photos(args)
-        data = make_dataset(
+        images = max(per_run, args.startup_images)  # training images, at least
+        side = math.ceil(args.image_size * 1.25)
+        data = write_split_folder(
             Path(tmp) / "data",
-            max(per_run, args.startup_images),
-            classes=10,
-            side=int(math.ceil(args.image_size * 1.25)),
+            CLASSES,
+            math.ceil(images / CLASSES),
+            math.ceil(max(CLASSES, images // 10) / CLASSES),  # a tenth of them for validation
+            max(500, side) if photos else side,
             photos=photos,
+            noise=40,
         )
         report["settings"]["dataset"] = "photos" if photos else "patches"
         print(

@@ -1,5 +1,5 @@
 """Shared helpers: tiny generated image folders, running the real tools (in this process or as
-a user would, in a new interpreter: ``bench/harness.py``, shared with the benchmarks), and one
+a user would, in a new interpreter: ``support/harness.py``, shared with the benchmarks), and one
 trained run shared by the tests that need one."""
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
-sys.path.insert(0, str(ROOT / "bench"))  # harness: what the tests share with the benchmarks
 
 import torch  # noqa: E402
-from harness import run_cli, run_launcher, start_launcher, write_image_folder  # noqa: E402, F401
 
 from imgtrainer.config import TrainConfig  # noqa: E402
 from imgtrainer.data.layouts.files import folder_table  # noqa: E402
@@ -30,6 +28,7 @@ from imgtrainer.distributed.setup import DistInfo  # noqa: E402
 from imgtrainer.precision import Precision  # noqa: E402
 from imgtrainer.training.memory import MemoryPlan  # noqa: E402
 from imgtrainer.training.step import RunParts  # noqa: E402
+from support.harness import run_cli, run_launcher, start_launcher, write_image_folder  # noqa: E402, F401
 
 FP32 = Precision(False, torch.float32)  # no autocast, no loss scaling
 CPU = torch.device("cpu")

@@ -154,12 +154,15 @@ def test_loader_workers_draw_the_gpu_cache_parameters_of_the_main_process(mixed)
 
 
 def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estimate(tmp_path):
-    """bench/harness.py's photo folder: JPEGs of at least 500 px, both orientations, 16:9 among
-    them, one 4:1 panorama, the same files for the same arguments; that panorama
-    and the 9:16 portraits make the whole canvas ~4x the estimate, the stored windows 1x."""
-    from harness import write_photo_folder
+    """support/harness.py's photos (``write_split_folder(..., photos=True)``, its training
+    split ``write_photo_folder``'s): JPEGs of at least 500 px, both orientations, 16:9 among
+    them, one 4:1 panorama among the training images only, the same files for the same
+    arguments; that panorama and the 9:16 portraits make the whole canvas ~4x the estimate,
+    the stored windows 1x."""
+    from support.harness import write_photo_folder, write_split_folder
 
-    root = write_photo_folder(tmp_path / "a", 2, 8, threads=2)
+    data = write_split_folder(tmp_path / "a", 2, 8, 1, 500, photos=True, threads=2)
+    root = data / "train"
     again = write_photo_folder(tmp_path / "b", 2, 8, threads=2)
     files = sorted(root.rglob("*.jpg"))
     assert len(files) == 16
@@ -175,31 +178,13 @@ def test_the_bench_photos_are_mixed_aspect_jpegs_whose_gpu_cache_fits_the_estima
     assert any(abs(w / h - 16 / 9) < 0.01 for w, h in sizes)
     assert any(abs(h / w - 16 / 9) < 0.01 for w, h in sizes)
     assert sum(w == 4 * h for w, h in sizes) == 1
+    validation = []
+    for f in sorted((data / "val").rglob("*.jpg")):
+        with Image.open(f) as image:
+            validation.append(image.size)
+    assert len(validation) == 2 and min(map(min, validation)) >= 500
+    assert not any(w == 4 * h for w, h in validation)  # the panorama: training images only
     cache = DecodedImageCache(folder_images(root).table, 224, threads=2)
     estimate = estimated_canvas_bytes(len(cache), 224)
     assert padded_bytes(cache.sizes) > 3.9 * estimate  # 455 x 1024 against 342 x 342
     assert canvas_bytes(cache.sizes, 224) == estimate
-
-
-def test_the_throughput_bench_writes_photos_when_asked(tmp_path):
-    """bench/throughput.py --dataset: patches on the CPU by default, photos when asked (the
-    default on CUDA), the panorama among the training images only."""
-    import argparse
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput", Path(__file__).parents[1] / "bench" / "throughput.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.parse_args([]).dataset == "auto"
-    assert not bench.wants_photos(argparse.Namespace(dataset="auto", device="cpu"))
-    assert bench.wants_photos(argparse.Namespace(dataset="photos", device="cpu"))
-    data = bench.make_dataset(tmp_path / "data", 20, classes=2, side=40, photos=True)
-    shapes = {}
-    for split in ("train", "val"):
-        shapes[split] = [Image.open(f).size for f in sorted((data / split).rglob("*.jpg"))]
-        assert min(map(min, shapes[split])) >= 500
-    assert len(shapes["train"]) == 20 and len(shapes["val"]) == 2
-    assert [w == 4 * h for w, h in shapes["train"]].count(True) == 1
-    assert not any(w == 4 * h for w, h in shapes["val"])

@@ -481,7 +481,12 @@ def test_low_memory_end_to_end_through_the_launcher(tiny_dataset, tmp_path: Path
 
 # ----------------------------------------------------------------------------- CUDA only
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def cuda(test):
+    """Selected by ``pytest -m cuda``; skipped without a GPU."""
+    return pytest.mark.cuda(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
+    )
 
 
 @cuda

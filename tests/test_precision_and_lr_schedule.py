@@ -88,6 +88,7 @@ def test_cpu_amp_trains_and_evaluates_with_the_forward_in_bfloat16():
     assert seen == [torch.float32] * 4
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_float16_with_grad_scaler():
     cfg = parse_config(["--use_amp"])

@@ -1,11 +1,10 @@
-"""More processes than GPUs: allowed only for the self-check (IMGTRAINER_SHARE_GPUS=1), then the
+"""More processes than GPUs: allowed only for the CUDA checks (IMGTRAINER_SHARE_GPUS=1), then the
 ranks share the GPUs over gloo; without it one clear error. The CUDA side runs in
-bench/gpu_check.py's shared_gpu_* checks; here, the choices, with the GPU count faked."""
+tests/gpu/test_shared_gpu_on_cuda.py; here, the choices, with the GPU count faked."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ import imgtrainer.distributed.setup as dist_setup
 import imgtrainer.run.launcher as launch_ddp
 from imgtrainer.errors import UserError
 from imgtrainer.process import SHARE_GPUS_ENV
-from test_gpu_path import gpu_check_module
 
 
 @pytest.fixture
@@ -69,32 +67,6 @@ def test_setup_joins_rank_1_of_2_sharing_one_gpu_over_gloo(one_gpu, monkeypatch)
     [(backend, options)] = joined
     assert backend == "gloo" and options["device_id"] is None
     assert (options["rank"], options["world_size"]) == (1, 2)
-
-
-def test_gpu_check_runs_two_processes_on_one_gpu_with_a_kill_and_resume(tmp_path):
-    """The self-check's shared-GPU checks exist, ask the launcher for 2 GPUs with sharing on,
-    kill through the tests' fault injection, and read the kill, the resume and the history."""
-    gc = gpu_check_module()
-    checks = {c.name: c for c in gc.all_checks()}
-    for cache in ("gpu", "ram", "none"):
-        assert checks[f"shared_gpu_ws2_cache_{cache}"].gpus == 1  # runs on one-GPU machines
-    assert checks["shared_gpu_ws2_kill_resume"].gpus == 1
-    assert gc.SHARE_GPUS_ENV == {SHARE_GPUS_ENV: "1"}
-    env = gc.kill_env(gc.SHARED_KILL_AT)
-    assert (gc.FAULT_INJECTION / "sitecustomize.py").is_file()
-    assert env["PYTHONPATH"].split(":")[0] == str(gc.FAULT_INJECTION)
-
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    history = {"world_size": 2, "epochs": [{"epoch": 1}, {"epoch": 2}]}
-    assert "not killed" in gc.kill_and_resume_problem(logs, history)
-    (logs / "train_rank_1.log").write_text("TRAIN_DDP_KILL_AT: killing rank 1 with SIGKILL at\n")
-    assert "no resume at epoch 2, step 4 of 6" in gc.kill_and_resume_problem(logs, history)
-    (logs / "train_rank_0.log").write_text("Resumed from c.pth: epoch 2, step 4 of 6 (...)\n")
-    assert gc.kill_and_resume_problem(logs, history) == ""
-    repeated = json.loads(json.dumps(history))
-    repeated["epochs"].insert(1, {"epoch": 2})
-    assert "epochs [1, 2, 2]" in gc.kill_and_resume_problem(logs, repeated)
 
 
 # ----------------------------------------------------------------------------- memory shares

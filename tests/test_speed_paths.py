@@ -1,8 +1,7 @@
-"""The decoded-image cache, --compile, and the throughput benchmark on tiny settings."""
+"""The decoded-image cache and --compile on tiny settings."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +11,9 @@ from PIL import Image
 
 from conftest import (
     ONE_CPU_PROCESS,
-    ROOT,
     data_config,
     folder_images,
     launch_on_cpu,
-    run_cli,
     user_error_line,
 )
 from imgtrainer.config import parse_config
@@ -152,52 +149,6 @@ def test_gpu_cache_without_cuda_is_one_clear_error(tiny_dataset, tmp_path: Path,
         cwd=tmp_path,
     )
     assert "--cache_images gpu" in line and "--cache_images ram" in line
-
-
-@pytest.mark.slow
-def test_throughput_benchmark_runs_and_writes_its_json(tmp_path: Path):
-    output = tmp_path / "throughput.json"
-    result = run_cli(
-        [
-            ROOT / "bench" / "throughput.py",
-            "--image_size",
-            "16",
-            "--batch_size",
-            "4",
-            # timm's small ResNet: the report's rows are the same for any model.
-            "--model",
-            "test_resnet",
-            "--warmup",
-            "1",
-            "--steps",
-            "2",
-            # 2 processes only: the one-process row runs the same code without the all-reduce
-            # (and each row costs a ceiling run and a trainer run).
-            "--world_sizes",
-            "2",
-            "--startup_images",
-            "0",
-            "--output",
-            output,
-        ],
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "efficiency" in result.stdout
-    report = json.loads(output.read_text())
-    assert [row["world_size"] for row in report["results"]] == [2]
-    assert report["settings"]["dataset"] == "patches"  # the quick default on the CPU
-    for row in report["results"]:
-        assert row["efficiency"] == pytest.approx(
-            row["trainer"]["images_per_sec"] / row["ceiling"]["images_per_sec"]
-        )
-        assert row["ceiling"]["images_per_sec"] > 0
-        shares = row["trainer"]["step_shares"]
-        assert {"data_wait", "forward_backward", "optimizer"} <= shares.keys()
-        assert sum(shares.values()) == pytest.approx(1.0)
-        assert row["trainer"]["seconds_to_first_step"] > 0
-    assert report["results"][0]["trainer"]["allreduce_wait_share"] is not None
 
 
 def test_auto_cache_picks_the_device_then_ram_then_files():

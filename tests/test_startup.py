@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from unittest.mock import ANY
 
-import instrument.sitecustomize as instrument
 import pytest
 
 import imgtrainer.data.layouts.decode_check as decode_check
@@ -190,14 +189,19 @@ def test_a_forked_rank_exits_through_multiprocessing_and_takes_its_loader_worker
 def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
     """--start_method spawn (the CUDA default): torchrun's own way, fresh worker processes. Its
     timeline (bench/startup.py's instrument, which wraps functions of every process's modules,
-    the agent's too) holds every phase of the start and end, in order."""
+    the agent's too, set up here as bench/startup.py sets it up: a sitecustomize on PYTHONPATH)
+    holds every phase of the start and end, in order."""
     train, val = tiny_dataset
     args = ["--device", "cpu", "--start_method", "spawn", "--epochs", "1", *TINY_FLAGS]
     timeline = tmp_path / "timeline.txt"
+    python_path = [str(ROOT / "bench" / "instrument"), os.environ.get("PYTHONPATH", "")]
     result = run_cli(
         [ROOT / "launch_ddp.py", *args, "--train_dir", train, "--val_dir", val],
         cwd=tmp_path,
-        env=instrument.timeline_env(timeline),
+        env={
+            "TRAIN_DDP_TIMELINE": str(timeline),
+            "PYTHONPATH": os.pathsep.join(filter(None, python_path)),
+        },
     )
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert "--run-path" not in result.stdout.splitlines()[0]

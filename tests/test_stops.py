@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import descendants
 
 from conftest import (
     ROOT,
@@ -22,6 +21,7 @@ from conftest import (
     start_launcher,
     write_image_folder,
 )
+from support.harness import descendants
 
 pytestmark = pytest.mark.slow
 

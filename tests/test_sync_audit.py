@@ -1,6 +1,6 @@
 """No host-device synchronisation between logging steps, and a launch budget per batch that does
 not grow with the batch (issue 28): the real loop, step and hooks (EMA, stop agreement, lagged
-log) over the real loader of each source, under ``bench/sync_audit.py``'s ``SyncAudit``. There
+log) over the real loader of each source, under ``support/sync_audit.py``'s ``SyncAudit``. There
 is no GPU here: an op counts when it would make the host wait for a CUDA device (scalar reads,
 data-dependent shapes, boolean-mask indexing, blocking device-to-host copies, ``tolist``);
 the GPU cache's logic runs on CPU tensors."""
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import write_image_folder
-from sync_audit import audit_run
 
 import imgtrainer.data.image_plan as image_plan
 import imgtrainer.data.loaders as loaders
@@ -21,6 +19,8 @@ from imgtrainer.data.host.samples import Source
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.training.memory import BufferSnapshot
 from imgtrainer.training.stopping import AGREE_EVERY, StopRequest
+from support.harness import write_image_folder
+from support.sync_audit import AuditResult, SyncAudit, audit_run
 
 ONE_PROCESS = DistInfo(0, 0, 1, 1, CPU)
 CLASSES = ["cat", "dog", "fox"]
@@ -127,33 +127,17 @@ def test_buffer_snapshot_is_taken_into_the_same_tensors():
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers(), strict=True))
 
 
-# ----------------------------------------------------------------------------- gpu_check
-
-
-def test_gpu_check_runs_the_sync_audit_and_the_decode_race(tmp_path):
-    from test_gpu_path import gpu_check_module
-
-    gc = gpu_check_module()
-    names = [c.name for c in gc.all_checks()]
-    assert len(names) == len(set(names))
-    for source in ("gpu", "ram", "none"):
-        assert f"sync_audit_cache_{source}" in names
-    assert "decode_race" in names
-    ctx = gc.Context(tmp_path / "work", 1, "x", deadline=0.0, outputs=tmp_path / "out")
-    runs = gc.sync_audit_commands(ctx, "ram")
-    assert [precision for precision, _, _ in runs] == ["fp16", "bf16"]
-    fp16 = runs[0][1]
-    assert fp16[1].endswith("bench/sync_audit.py") and fp16[fp16.index("--source") + 1] == "ram"
-    assert fp16[fp16.index("--trace") + 1] == str(
-        tmp_path / "out" / "gpu_check_traces" / "steps_ram_fp16.json"
-    )
-    assert "--trace" not in runs[1][1]
-    # The command parses as the script reads it.
-    import sync_audit
-
-    args = sync_audit.parse_args(fp16[2:])
-    assert (args.source, args.precision, args.output) == ("ram", "fp16", runs[0][2])
-    race = gc.decode_race_command()
-    assert race[1:5] == ["-m", "pytest", "-m", "cuda"] and race[5].endswith(
-        "tests/test_jpeg_device.py"
-    )
+def test_the_summary_names_what_synchronised_outside_the_logging_steps():
+    audit = SyncAudit()
+    audit.syncs = [("step 2", "scalar read", "x"), ("step 4", "scalar read", "y")]
+    audit.syncs += [("end", "host read", "z"), ("step 11", "scalar read", "w")]
+    audit.cuda_warnings = [("step 3", "synchronizing"), ("step 8", "ok"), ("end", "ok")]
+    audit.ops.update({"step 2": 5, "step 3": 5, "step 4": 9})
+    result = AuditResult(audit, log_interval=4, steps=10)
+    assert result.unexpected_syncs() == [("step 2", "scalar read", "x")]
+    assert result.unexpected_cuda_warnings() == [("step 3", "synchronizing")]
+    summary = result.summary()
+    assert summary["syncs_per_window"] == {"step 2": 1, "step 4": 1, "end": 1, "step 11": 1}
+    assert summary["unexpected_syncs"] == [("step 2", "scalar read", "x")]
+    assert summary["unexpected_cuda_warnings"] == [("step 3", "synchronizing")]
+    assert summary["ops_per_plain_step"][:2] == [5, 5]  # steps 2 and 3; step 4 logs

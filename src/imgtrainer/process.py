@@ -92,7 +92,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 
 # Set to 1, lets more processes than visible GPUs run, sharing them over gloo (NCCL refuses two
-# ranks on one device). Only for the self-check (bench/gpu_check.py), so that the multi-process
+# ranks on one device). Only for the CUDA checks (tests/gpu/), so that the multi-process
 # CUDA path runs on one-GPU machines; never faster than one process per GPU, so not a flag.
 SHARE_GPUS_ENV = "IMGTRAINER_SHARE_GPUS"
 

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The fine-tuning recipe, measured offline: no ImageNet weights can be downloaded here, so the
-# "pretrained" model is trained on half of the photo set's classes, and bench/recipes.py then
+# "pretrained" model is trained on half of the photo set's classes, and bench/recipes/recipes.py then
 # fine-tunes it on the other half (--pretrained_path: its head is replaced), next to training
 # from scratch on that half, over several seeds.
 #
-#   bench/finetune.sh PHOTOS WORK [recipes.py flags, e.g. --seeds 1,2,3 --epochs 10]
+#   bench/recipes/finetune.sh PHOTOS WORK [recipes.py flags, e.g. --seeds 1,2,3 --epochs 10]
 #   PRETRAIN_EPOCHS=40 (default) sets the pretraining's length; LAUNCH_FLAGS adds launcher flags
 #   to it (e.g. LAUNCH_FLAGS="--device cpu").
 #
-# PHOTOS is bench/natural_data.py's folder (train/ and val/); the halves are copied into WORK.
+# PHOTOS is bench/recipes/natural_data.py's folder (train/ and val/); the halves are copied into WORK.
 set -euo pipefail
 photos=$1 work=$2
 shift 2
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 
 python - "$photos" "$work" <<'EOF'
 import shutil
@@ -38,7 +38,7 @@ python "$root/launch_ddp.py" --train_dir "$work/pretrain/train" --val_dir "$work
     --log_dir "$work/pretrained/logs" --overwrite --no_tensorboard --log_interval 50 \
     ${LAUNCH_FLAGS:-}
 
-python "$root/bench/recipes.py" --data "$work/finetune" --work "$work/runs" \
+python "$root/bench/recipes/recipes.py" --data "$work/finetune" --work "$work/runs" \
     --pretrained_path "$work/pretrained/checkpoints/checkpoint_best.pth" \
     --only "defaults,lr 0.004 + label smoothing,fine-tune plain,fine-tune recipe,fine-tune recipe + label smoothing,fine-tune recipe - freeze,fine-tune recipe - head lr,fine-tune recipe + lr 0.001" \
     "$@"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "launch_ddp.py"
 
 # Distinct colours for the first classes: a trivially separable problem a tiny run can learn.
@@ -177,6 +177,36 @@ def write_photo_folder(
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         list(pool.map(save, jobs))
+    return root
+
+
+def write_split_folder(
+    root: Path,
+    classes: int,
+    train_per_class: int,
+    val_per_class: int,
+    side: int,
+    *,
+    photos: bool = False,
+    noise: float = 30.0,
+    threads: int | None = None,
+) -> Path:
+    """``root/{train,val}/class_NN/*.jpg`` (seeds 0 and 1): noisy square patches of ``side`` px,
+    one colour per class, Gaussian noise of std ``noise``, JPEG quality 90; or with ``photos``
+    photo-like JPEGs of mixed aspect, short side ``side`` px to 1.25 x that, one 4:1 panorama
+    among the training images. ``threads`` (default: one per core) encode in parallel."""
+    threads = threads or os.cpu_count() or 1
+    for split, per_class, seed in (("train", train_per_class, 0), ("val", val_per_class, 1)):
+        if photos:
+            panorama = split == "train"
+            write_photo_folder(
+                root / split, classes, per_class, side, seed, panorama=panorama, threads=threads
+            )
+        else:
+            write_image_folder(
+                root / split, classes, per_class, side, seed, noise=noise, quality=90,
+                threads=threads,
+            )  # fmt: skip
     return root
 
 

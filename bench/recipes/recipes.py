@@ -3,11 +3,11 @@
 same data with the same seed and epochs, and timm's own train.py with its equivalent flags.
 
     apt-get install mate-backgrounds lomiri-wallpapers-16.04
-    python bench/natural_data.py data/photos
-    python bench/recipes.py --data data/photos --list                  # the configurations
-    python bench/recipes.py --data data/photos --only defaults,recipe --output recipes.json
-    python bench/recipes.py --data data/photos --output recipes.json \\
-        --timm_train /tmp/timm/train.py                                # + timm's train.py rows
+    python bench/recipes/natural_data.py data/photos
+    python bench/recipes/recipes.py --data data/photos --list                        # the configurations
+    python bench/recipes/recipes.py --data data/photos --only defaults,recipe --output recipes.json
+    python bench/recipes/recipes.py --data data/photos --output recipes.json \\
+        --timm_train /tmp/timm/train.py                                              # + timm's train.py rows
 
 Every configuration runs ``python launch_ddp.py --device DEVICE --nproc 1`` with the common flags
 (``--train_dir``/``--val_dir`` from --data, ``--image_size``, ``--epochs``, ``--seed``) plus its
@@ -54,12 +54,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
-
-from harness import launcher_command  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
 from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
+from support.harness import launcher_command  # noqa: E402
 
 TIMM_COMMIT = "2aabaef039d918d453b58714ab84562609981112"
 
@@ -150,7 +150,7 @@ TIMM_RECIPE = [
     "--model-ema", "--model-ema-decay", "0.99",
 ]  # fmt: skip
 # Fine-tuning from a checkpoint given with --pretrained_path (PRETRAINED below), next to training
-# from scratch on the same data. Offline there are no ImageNet weights: bench/finetune.sh
+# from scratch on the same data. Offline there are no ImageNet weights: bench/recipes/finetune.sh
 # pretrains on some classes of the photo set and fine-tunes on the others.
 FINETUNE = [
     "--pretrained_path", "PRETRAINED", "--learning_rate", "0.0005", "--warmup_epochs", "1",
@@ -492,7 +492,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<38}{shlex.join(flags)}")
         return
     if args.data is None or not (args.data / "train").is_dir() or not (args.data / "val").is_dir():
-        raise UserError("--data must be a folder with train/ and val/ (bench/natural_data.py)")
+        raise UserError(
+            "--data must be a folder with train/ and val/ (bench/recipes/natural_data.py)"
+        )
     if args.timm_train and not args.timm_train.is_file():
         raise UserError(f"--timm_train {args.timm_train}: no such file")
     if args.output and args.output.is_dir():

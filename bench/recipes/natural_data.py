@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Build a small natural-image classification set offline, from photographs that Debian and the
-project's Python packages ship, to measure training recipes on real photos (bench/recipes.py).
+project's Python packages ship, to measure training recipes on real photos (bench/recipes/recipes.py).
 
-    apt-get install mate-backgrounds lomiri-wallpapers-16.04    # the photographs (62 MB)
-    python bench/natural_data.py data/photos                    # -> data/photos/{train,val}
-    python bench/natural_data.py data/photos --seed 1 --force   # another draw of the crops
+    apt-get install mate-backgrounds lomiri-wallpapers-16.04        # the photographs (62 MB)
+    python bench/recipes/natural_data.py data/photos                # -> data/photos/{train,val}
+    python bench/recipes/natural_data.py data/photos --seed 1 --force  # another draw of the crops
 
 Each class is one photograph (28 of them: flowers, leaves, insects, mountains, a beach, a bridge,
 a wine glass, a temple, a portrait, ...; ``PHOTOS`` lists them and the package that ships each).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from imgtrainer.errors import UserError, exit_on_user_error  # noqa: E402
@@ -195,7 +195,7 @@ def build(args: argparse.Namespace) -> None:
             f"{photo.name}\t{sources[photo.name]}\ttrain box {train_box}\tval box {val_box}"
         )
     (output / "SOURCES.txt").write_text(
-        f"# bench/natural_data.py --seed {args.seed} --size {args.size} "
+        f"# bench/recipes/natural_data.py --seed {args.seed} --size {args.size} "
         f"--train_per_class {args.train_per_class} --val_per_class {args.val_per_class} "
         f"--min_crop {args.min_crop} --max_crop {args.max_crop}\n"
         f"# boxes in pixels of the photo shrunk to a long side of {WORKING_SIDE}\n"
