@@ -103,15 +103,16 @@ def host_batch(source: str, draws: AugmentDraws, sizes: list[tuple[int, int]]):
     """One collated batch as ``source`` hands it over, its pixels meta tensors."""
     samples = []
     for n, (height, width) in enumerate(sizes):
-        params = draws(height, width)
+        row = draws(height, width)
         if source == "gpu":
-            samples.append((n, params, 0))
+            samples.append((n, row, 0))
         elif source == "nvjpeg":
-            samples.append((JpegBytes(torch.zeros(1, dtype=torch.uint8), (n, 0)), params, 0))
+            data = torch.zeros(1, dtype=torch.uint8)
+            samples.append((JpegBytes(data, (n, 0), (height, width)), row, 0))
         else:  # the worker hands over the crop: the box is then all of it
-            h, w = crop_of(params)[2:].tolist()
-            set_whole_crop(params, h, w)
-            samples.append((torch.zeros(3, h, w, dtype=torch.uint8), params, 0))
+            h, w = crop_of(row)[2:].tolist()
+            set_whole_crop(row, h, w)
+            samples.append((torch.zeros(3, h, w, dtype=torch.uint8), row, 0))
     pixels, params, labels = collate_samples(samples)
     if isinstance(pixels, Ragged) and source == "ram":
         pixels = pixels.to(META)  # as if copied to the device
