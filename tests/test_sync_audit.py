@@ -90,12 +90,16 @@ def test_no_sync_between_logging_steps(data, monkeypatch, source, precision):
 
 @pytest.mark.parametrize("source", ["ram", "gpu", "none"])
 def test_the_launches_per_batch_do_not_grow_with_the_batch(more_data, monkeypatch, source):
-    small = audit(more_data, monkeypatch, source, batch=4).ops_per_plain_step()
-    large = audit(more_data, monkeypatch, source, batch=32).ops_per_plain_step()
-    assert len(small) >= 2 and len(large) >= 2
-    # the same count at every step and at both batch sizes
-    assert set(small) == set(large) == {small[0]}, (small, large)
-    assert small[0] < OPS_PER_BATCH_LIMIT, small
+    small = audit(more_data, monkeypatch, source, batch=4)
+    large = audit(more_data, monkeypatch, source, batch=32)
+    plain, audited = small.ops_per_plain_step(), small.ops_per_plain_step(audited=True)
+    large_audited = large.ops_per_plain_step(audited=True)
+    assert len(plain) >= 2 and len(audited) >= 2 and len(large_audited) >= 2
+    # the same count at every step and at both batch sizes (the large run's plain steps are
+    # all audited: its first ones), the data audit's copy a few ops more
+    assert set(plain) == {plain[0]} and set(audited) == set(large_audited) == {audited[0]}
+    assert 0 < audited[0] - plain[0] <= 8, (plain, audited)
+    assert plain[0] < OPS_PER_BATCH_LIMIT, plain
 
 
 # ----------------------------------------------------------------------------- the pieces

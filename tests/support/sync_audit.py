@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -86,6 +87,7 @@ class SyncAudit(TorchDispatchMode):
         self.paused = False
         self.host = WeakIdKeyDictionary()  # host tensors (the loaded batch and its derivations)
         self.cuda_warnings: list[tuple[str, str]] = []  # set_sync_debug_mode's, per window
+        self.thread = threading.current_thread()  # the training thread: its step is audited
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -108,6 +110,10 @@ class SyncAudit(TorchDispatchMode):
                 self.mark_host([getattr(t, f.name) for f in dataclasses.fields(t)])
 
     def host_read(self, tensor: torch.Tensor, name: str) -> None:
+        """A read of a device tensor on the host, by the training thread: the step's own. The
+        decode and audit threads read theirs without holding up a step."""
+        if threading.current_thread() is not self.thread:
+            return
         if not self.paused and tensor not in self.host:
             self.syncs.append((self.label, "host read", name))
 
@@ -210,6 +216,7 @@ class AuditResult:
     steps: int
     logged: list = field(default_factory=list)
     epoch: dict = field(default_factory=dict)
+    audited: set[int] = field(default_factory=set)  # the steps whose batch the data audit saw
 
     def is_log_step(self, window: str) -> bool:
         return window.startswith("step ") and int(window[5:]) % self.log_interval == 0
@@ -241,14 +248,22 @@ class AuditResult:
             "ops_per_plain_step": self.ops_per_plain_step(),
         }
 
-    def ops_per_plain_step(self) -> list[int]:
-        """Ops dispatched in each step's window that is not a logging step (nor the first:
-        lazy set-up) -- the launches per batch."""
+    def ops_per_plain_step(self, audited: bool = False) -> list[int]:
+        """Ops dispatched in each step's window that is neither a logging step nor the first
+        (lazy set-up) -- the launches per batch -- among the steps whose batch the data audit
+        copies an image of (a few ops more), or, by default, the others."""
         return [
             self.audit.ops[f"step {k}"]
             for k in range(2, self.steps + 1)
-            if k % self.log_interval != 0
+            if k % self.log_interval != 0 and (k in self.audited) == audited
         ]
+
+
+def audit_due(batch: int, every: int) -> bool:
+    """Whether the data audit copies out an image of the run's ``batch``-th batch."""
+    from imgtrainer.data.device.audit import FIRST_BATCHES
+
+    return batch <= FIRST_BATCHES or batch % every == 0
 
 
 def audited_epoch(
@@ -268,7 +283,10 @@ def audited_epoch(
     debug = torch.cuda.set_sync_debug_mode if parts.device.type == "cuda" else lambda mode: None
 
     def caught(message, category, *args, **kwargs) -> None:
-        audit.cuda_warnings.append((audit.label, str(message)[:200]))
+        # set_sync_debug_mode's warnings in the training thread: the other threads (decoding,
+        # the data audit) wait on their own, and other warnings are no synchronisation.
+        if threading.current_thread() is audit.thread and "synchroniz" in str(message):
+            audit.cuda_warnings.append((audit.label, str(message)[:200]))
 
     try:
         with audit.reading_host(), warnings.catch_warnings():
@@ -282,7 +300,9 @@ def audited_epoch(
     finally:
         debug(0)
         loader.loader = loader.loader.loader
-    return AuditResult(audit, log_interval, epoch["steps"], reader.logged, epoch)
+    every = loader.audit.every if loader.audit is not None else 0
+    audited = {n for n in range(1, epoch["steps"] + 1) if every and audit_due(n, every)}
+    return AuditResult(audit, log_interval, epoch["steps"], reader.logged, epoch, audited)
 
 
 # ----------------------------------------------------------------------------- a run to audit

@@ -118,12 +118,20 @@ def erase(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return images.masked_fill_(mask, 0.0)
 
 
+def copied_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, copied without the host waiting (from pinned memory on
+    CUDA, which the caching host allocator keeps until the copy is done)."""
+    if torch.device(device).type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 @functools.cache
 def normaliser(
     mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean and std as (1, 3, 1, 1) float32 tensors on ``device``, made once."""
-    return tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (mean, std))
+    return tuple(copied_to(torch.tensor(v).view(1, 3, 1, 1), device) for v in (mean, std))
 
 
 @functools.cache
@@ -134,4 +142,6 @@ def folded_normaliser(
     (from float64: within an ulp or two of the three float32 passes it replaces)."""
     mean64 = torch.tensor(mean, dtype=torch.float64)
     std64 = torch.tensor(std, dtype=torch.float64)
-    return (1 / (255 * std64)).float().to(device), (-mean64 / std64).float().to(device)
+    return copied_to((1 / (255 * std64)).float(), device), copied_to(
+        (-mean64 / std64).float(), device
+    )
