@@ -77,7 +77,7 @@ def test_a_corrupted_block_is_named_and_repeated_mismatches_switch_to_the_refere
 def test_the_summary_counts_every_ranks_images_and_keeps_the_largest_difference():
     parts = [[Audited(1, 0.5), Audited(7, 2.25)], [], [Audited(3, 1.0)]]
     assert audit_summary(parts) == {"audit_images": 3, "audit_max_diff": 2.25}
-    assert audit_summary([[], []]) == {"audit_images": 0}
+    assert audit_summary([[], []]) == {"audit_images": 0, "audit_max_diff": 0.0}
 
 
 def test_out_of_memory_preparing_a_batch_makes_the_same_batch_again_in_smaller_pieces(

@@ -151,11 +151,7 @@ class DataAudit:
 
 def audit_summary(parts: Sequence[Sequence[Audited]]) -> dict[str, float]:
     """The epoch record's audit fields from every rank's audited images: how many, and the
-    largest difference (0-255 levels)."""
+    largest difference (0-255 levels; 0 when none was audited)."""
     every = [audited for part in parts for audited in part]
-    if not every:
-        return {"audit_images": 0}
-    return {
-        "audit_images": len(every),
-        "audit_max_diff": round(max(a.difference for a in every), 3),
-    }
+    largest = max((a.difference for a in every), default=0.0)
+    return {"audit_images": len(every), "audit_max_diff": round(largest, 3)}
