@@ -59,6 +59,7 @@ class ModelEma(Hook):
         self._count = torch.zeros((), dtype=torch.int64)
         self._bound = 0  # known on the host: the count is at most this
         self._tables: dict[torch.dtype, torch.Tensor] = {}
+        self._spread: list[torch.Tensor] | None = None  # the skip path's weights, made once
         if model is not None:
             # A copy of the model as it is now (device, dtype, memory layout); its weights are
             # replaced by the first update.
@@ -91,23 +92,24 @@ class ModelEma(Hook):
     @torch.no_grad()
     def update(self, skipped: torch.Tensor | None = None) -> None:
         """One more step into the average, unless the device flag ``skipped`` is set (the
-        GradScaler skipped the optimizer step): decided on the device, never read here (no
-        host synchronisation). The update count lives in a device tensor; each update's weight
-        ``1 - decay(n)`` comes from a device table of the Python numbers timm computes; a
-        skipped step lerps with weight 0 (every value unchanged, up to the sign of an exact
-        zero) and copies no integer buffer, and does not advance the count."""
+        GradScaler skipped the optimizer step). Without one, the count is known here and the
+        update is timm's own call, one multi-tensor lerp with the weight as a Python number.
+        With one, it is decided on the device, never read here (no host synchronisation): the
+        count lives in a device tensor, each update's weight ``1 - decay(n)`` comes from a
+        device table of the Python numbers timm computes, times ``taken``, spread over weight
+        tensors shaped like the state (a multi-tensor lerp takes them; 0-d weights would make
+        it one launch per tensor); a skipped step lerps with weight 0 (every value unchanged,
+        up to the sign of an exact zero), copies no integer buffer and does not advance the
+        count."""
         if self._state is None:  # the same tensors every step: loads copy into them in place
             self._state = self._paired_state()
         ema_values, model_values, counters = self._state
         taken = None if skipped is None else ~skipped.to(self._count.device)
-        # timm's weight of this update, ``1 - get_decay(count + 1)``, for each dtype; 0 if skipped.
-        weights = {dtype: self._weight(dtype, taken) for dtype in {v.dtype for v in ema_values}}
-        if ema_values:
-            # Weights as tensors (the List overload): a 0-d tensor passed as timm's Scalar
-            # weight would be read on the host.
-            torch_compat.foreach_lerp_(
-                ema_values, model_values, [weights[v.dtype] for v in ema_values]
-            )
+        if ema_values and taken is None:
+            weight = 1.0 - self._ema.get_decay(self._bound + 1)
+            torch_compat.foreach_lerp_(ema_values, model_values, weight)
+        elif ema_values:
+            torch_compat.foreach_lerp_(ema_values, model_values, self._spread_weights(taken))
         if counters:  # integer buffers (BatchNorm's batch counter): copied when taken
             ema_ints, model_ints = (list(c) for c in zip(*counters, strict=True))
             if taken is None:
@@ -118,6 +120,20 @@ class ModelEma(Hook):
                 torch_compat.foreach_add_(ema_ints, change)
         self._count += 1 if taken is None else taken.long()
         self._bound += 1
+
+    def _spread_weights(self, taken: torch.Tensor) -> list[torch.Tensor]:
+        """This update's weight (``_weight``, 0 when not ``taken``) in tensors shaped and laid
+        out like each state value, made once and filled in a few launches."""
+        ema_values = self._state[0]
+        if self._spread is None:
+            self._spread = [torch.empty_like(value) for value in ema_values]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for spread in self._spread:
+            by_dtype.setdefault(spread.dtype, []).append(spread)
+        for dtype, spreads in by_dtype.items():
+            torch_compat.foreach_zero_(spreads)
+            torch_compat.foreach_add_(spreads, self._weight(dtype, taken))
+        return self._spread
 
     def _paired_state(self) -> tuple[list, list, list]:
         """The EMA's and the model's floating-point state tensors, side by side, and the pairs of
