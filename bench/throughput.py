@@ -60,6 +60,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benc
 
 from support.harness import write_split_folder  # noqa: E402
 
+PHONES = 100  # every 100th photo a phone camera's (12 or 24 MP): the memory bounds meet them
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by a fragment of
 # torch.cuda.get_device_name(); the first fragment found wins, so the specific names come first.
 PEAK_FLOPS = {
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             max(500, side) if photos else side,
             photos=photos,
             noise=40,
+            phones=PHONES if photos else 0,
         )
         report["settings"]["dataset"] = "photos" if photos else "patches"
         print(
@@ -567,6 +570,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         heartbeat.start(0)
     cpu = dist.device.type == "cpu"
     first = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=0)
+    audited = trainer.train_loader.audit_results()  # the data audit's images, both epochs
     trainer.decode_check.finish()  # as the trainer does at the first epoch's end
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
@@ -584,11 +588,23 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         "train_images": len(trainer.train_loader.dataset),
         "source": str(trainer.train_loader.dataset.source),
         "first_epoch": step_figures(first, steps, cfg.batch_size * dist.world_size),
+        "audit": audit_figures(trainer, audited + trainer.train_loader.audit_results()),
     }
     if dist.device.type == "cuda":
         per_gpu = result["images_per_sec"] / dist.world_size
         result.update(model_flops(trainer.parts.plain_model, dist.device, cfg.image_size, per_gpu))
     return result
+
+
+def audit_figures(trainer, audited: list) -> dict:
+    """The data audit's images checked against the CPU reference, the largest difference
+    (0-255 levels) and its source's tolerance."""
+    audit = trainer.train_loader.audit
+    return {
+        "images": len(audited),
+        "max_diff": max((a.difference for a in audited), default=None),
+        "tolerance": None if audit is None else audit.tolerance,
+    }
 
 
 def step_figures(timed: dict, steps: int, images_per_step: int) -> dict:
