@@ -60,6 +60,7 @@ class ModelEma(Hook):
         self._bound = 0  # known on the host: the count is at most this
         self._tables: dict[torch.dtype, torch.Tensor] = {}
         self._spread: list[torch.Tensor] | None = None  # the skip path's weights, made once
+        self._spread_buffers: list[torch.Tensor] = []  # the one buffer per dtype they view
         if model is not None:
             # A copy of the model as it is now (device, dtype, memory layout); its weights are
             # replaced by the first update.
@@ -123,16 +124,13 @@ class ModelEma(Hook):
 
     def _spread_weights(self, taken: torch.Tensor) -> list[torch.Tensor]:
         """This update's weight (``_weight``, 0 when not ``taken``) in tensors shaped and laid
-        out like each state value, made once and filled in a few launches."""
-        ema_values = self._state[0]
+        out like each state value: views into one buffer per dtype, made once and filled by one
+        broadcast copy each (a 0-d tensor given to ``_foreach_add_`` is read as a Python number:
+        a host synchronisation)."""
         if self._spread is None:
-            self._spread = [torch.empty_like(value) for value in ema_values]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for spread in self._spread:
-            by_dtype.setdefault(spread.dtype, []).append(spread)
-        for dtype, spreads in by_dtype.items():
-            torch_compat.foreach_zero_(spreads)
-            torch_compat.foreach_add_(spreads, self._weight(dtype, taken))
+            self._spread, self._spread_buffers = _views_like(self._state[0])
+        for flat in self._spread_buffers:
+            flat.copy_(self._weight(flat.dtype, taken).expand_as(flat))
         return self._spread
 
     def _paired_state(self) -> tuple[list, list, list]:
@@ -215,3 +213,20 @@ def history_val_metrics(val: Mapping[str, float]) -> dict[str, float]:
 def ema_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """``training.evaluation.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
     return {f"{key}{EMA_SUFFIX}": val[key] for key in VAL_KEYS}
+
+
+def _views_like(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Tensors with each value's size and strides (a multi-tensor op's fast path wants them
+    alike), all viewing one flat buffer per dtype and device, and those buffers."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for value in values:
+        sizes[value.dtype, value.device] = sizes.get((value.dtype, value.device), 0) + value.numel()
+    buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    views = []
+    for value in values:
+        key = (value.dtype, value.device)
+        # a state value is dense: its storage spans its numel, whatever its strides
+        views.append(buffers[key].as_strided(value.size(), value.stride(), offsets[key]))
+        offsets[key] += value.numel()
+    return views, list(buffers.values())
