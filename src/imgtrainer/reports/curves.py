@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 from imgtrainer.errors import UserError
-from imgtrainer.reports.figures import new_figure, save_figure
+from imgtrainer.reports.figures import figure_png, new_figure, save_figure
 from imgtrainer.reports.history import read_history
 
 
@@ -53,3 +55,103 @@ def plot_curves(history: dict, output: Path) -> None:
         + (f": best val top-1 {best:.4f}" if best is not None else "")
     )
     save_figure(fig, output, dpi=120)
+
+
+# The report's panels: (title, y label, the fields drawn, each beside its EMA twin when present).
+PANELS = [
+    ("Loss", "cross-entropy", ["train_loss", "val_loss"]),
+    ("Top-1 accuracy", "accuracy", ["train_acc", "val_acc"]),
+    ("Top-5 accuracy", "accuracy", ["val_top5"]),
+    ("Learning rate (end of epoch)", "lr", ["lr"]),
+    ("Training speed", "images/s (all processes)", ["train_images_per_sec"]),
+    ("Waiting for data", "share of the training time", ["data_wait_share"]),
+]
+SHOWN = {name for _, _, names in PANELS for name in names} | {"epoch"}
+RANK_FIELD = re.compile(r"rank(\d+)_(.+)")
+
+
+def series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    """(epochs, values) of the records that have a number under ``name``."""
+    points = [
+        (r["epoch"], float(r[name]))
+        for r in records
+        if isinstance(r.get(name), int | float) and not isinstance(r.get(name), bool)
+    ]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def report_curves(history: dict[str, Any], best_epoch: int | None) -> bytes:
+    """The report's curves (``PANELS``) as PNG bytes: raw and EMA weights side by side, the
+    best epoch marked by a dashed line on every panel."""
+    records = history["epochs"]
+    fig, axes = new_figure(2, 3, figsize=(15, 7.5))
+    for ax, (title, ylabel, names) in zip(axes.flat, PANELS, strict=True):
+        for name in names:
+            for field, style in ((name, "o-"), (name + "_ema", "s--")):
+                epochs, values = series(records, field)
+                if epochs:
+                    ax.plot(epochs, values, style, markersize=3, label=field)
+        if "data_wait_share" in names:
+            for field in sorted(rank_fields(records, "data_wait_share")):
+                ax.plot(*series(records, field), ":", label=field)
+        if best_epoch is not None:
+            ax.axvline(best_epoch, color="tab:red", linestyle="--", linewidth=1, label="best epoch")
+        ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes.flat[3].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.95, wspace=0.3, hspace=0.35)
+    return figure_png(fig, dpi=80, tight=False)
+
+
+def rank_fields(records: list[dict[str, Any]], figure: str) -> list[str]:
+    """The per-rank fields (``rank<N>_<figure>``) the records hold."""
+    found = {
+        key for r in records for key in r if (m := RANK_FIELD.fullmatch(key)) and m[2] == figure
+    }
+    return sorted(found, key=lambda key: int(RANK_FIELD.fullmatch(key)[1]))
+
+
+def other_fields(records: list[dict[str, Any]]) -> list[str]:
+    """The numeric fields of the records not drawn by ``report_curves``, in the order they first
+    appear; per-rank fields (``rank<N>_x``) as one entry ``rank*_x``."""
+    found: dict[str, None] = {}
+    for record in records:
+        for key, value in record.items():
+            if key in SHOWN or key.removesuffix("_ema") in SHOWN:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            match = RANK_FIELD.fullmatch(key)
+            found[f"rank*_{match[2]}" if match else key] = None
+    return [key for key in found if key != "rank*_data_wait_share"]
+
+
+MAX_OTHER_PANELS = 12
+
+
+def other_curves(history: dict[str, Any]) -> bytes | None:
+    """Every other numeric field of the records (the data audit's, each rank's step times,
+    peak memory, what later versions add), one small panel each; None when there is none."""
+    records = history["epochs"]
+    fields = other_fields(records)[:MAX_OTHER_PANELS]
+    if not fields:
+        return None
+    columns = min(4, len(fields))
+    rows = -(-len(fields) // columns)
+    fig, axes = new_figure(rows, columns, figsize=(3.8 * columns, 2.8 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, fields, strict=False):
+        names = rank_fields(records, name[len("rank*_") :]) if name.startswith("rank*_") else [name]
+        for field in names:
+            ax.plot(*series(records, field), "o-", markersize=3, label=field)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("epoch", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        if len(names) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(fields) :]:
+        ax.axis("off")
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.1, top=0.92, wspace=0.3, hspace=0.5)
+    return figure_png(fig, dpi=72, tight=False)
