@@ -416,7 +416,7 @@ def _indexed_loader(targets: torch.Tensor, batch_size: int):
 
 
 def _evaluate(device: torch.device, count: int = 40, classes: int = 7):
-    from imgtrainer.tools.evaluate import count_predictions
+    from imgtrainer.tools.scoring import count_predictions
     from imgtrainer.tools.inference import Classifier
 
     g = torch.Generator().manual_seed(0)
