@@ -80,28 +80,44 @@ def series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[fl
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def report_curves(history: dict[str, Any], best_epoch: int | None) -> bytes:
-    """The report's curves (``PANELS``) as PNG bytes: raw and EMA weights side by side, the
-    best epoch marked by a dashed line on every panel."""
+def report_curves(history: dict[str, Any], best_epoch: int | None) -> list[tuple[str, bytes]]:
+    """The report's curves (``PANELS``), one small PNG each (they wrap on a narrow screen): raw
+    and EMA weights side by side, the best epoch marked by a dashed line."""
     records = history["epochs"]
-    fig, axes = new_figure(2, 3, figsize=(15, 7.5))
-    for ax, (title, ylabel, names) in zip(axes.flat, PANELS, strict=True):
-        for name in names:
-            for field, style in ((name, "o-"), (name + "_ema", "s--")):
-                epochs, values = series(records, field)
-                if epochs:
-                    ax.plot(epochs, values, style, markersize=3, label=field)
+    figures = []
+    for title, ylabel, names in PANELS:
+        fig, ax = new_figure(figsize=(4.6, 3.2))
+        fields = [f for name in names for f in (name, name + "_ema")]
         if "data_wait_share" in names:
-            for field in sorted(rank_fields(records, "data_wait_share")):
-                ax.plot(*series(records, field), ":", label=field)
-        if best_epoch is not None:
+            fields += rank_fields(records, "data_wait_share")
+        for field in fields:
+            epochs, values = series(records, field)
+            if epochs:
+                style = (
+                    "s--" if field.endswith("_ema") else ":" if field.startswith("rank") else "o-"
+                )
+                ax.plot(epochs, values, style, markersize=3, label=field)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+        elif best_epoch is not None:
             ax.axvline(best_epoch, color="tab:red", linestyle="--", linewidth=1, label="best epoch")
-        ax.set(title=title, xlabel="epoch", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    axes.flat[3].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.95, wspace=0.3, hspace=0.35)
+        if ylabel == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        figures.append((title, small_panel(fig, ax, title, ylabel)))
+    return figures
+
+
+def small_panel(fig, ax, title: str, ylabel: str) -> bytes:
+    """One panel's PNG, laid out by hand (``tight_layout`` costs more than the drawing)."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.15, top=0.9)
     return figure_png(fig, dpi=80, tight=False)
 
 
@@ -131,27 +147,16 @@ def other_fields(records: list[dict[str, Any]]) -> list[str]:
 MAX_OTHER_PANELS = 12
 
 
-def other_curves(history: dict[str, Any]) -> bytes | None:
+def other_curves(history: dict[str, Any]) -> list[tuple[str, bytes]]:
     """Every other numeric field of the records (the data audit's, each rank's step times,
-    peak memory, what later versions add), one small panel each; None when there is none."""
+    peak memory, what later versions add), a small PNG each, all ranks of a per-rank field in
+    one."""
     records = history["epochs"]
-    fields = other_fields(records)[:MAX_OTHER_PANELS]
-    if not fields:
-        return None
-    columns = min(4, len(fields))
-    rows = -(-len(fields) // columns)
-    fig, axes = new_figure(rows, columns, figsize=(3.8 * columns, 2.8 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, fields, strict=False):
-        names = rank_fields(records, name[len("rank*_") :]) if name.startswith("rank*_") else [name]
-        for field in names:
-            ax.plot(*series(records, field), "o-", markersize=3, label=field)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("epoch", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-        if len(names) > 1:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(fields) :]:
-        ax.axis("off")
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.1, top=0.92, wspace=0.3, hspace=0.5)
-    return figure_png(fig, dpi=72, tight=False)
+    figures = []
+    for name in other_fields(records)[:MAX_OTHER_PANELS]:
+        fig, ax = new_figure(figsize=(4.6, 3.2))
+        per_rank = name.startswith("rank*_")
+        for field in rank_fields(records, name[len("rank*_") :]) if per_rank else [name]:
+            ax.plot(*series(records, field), "o-", markersize=3, label=field if per_rank else None)
+        figures.append((name, small_panel(fig, ax, name, "")))
+    return figures

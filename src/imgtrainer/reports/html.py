@@ -38,7 +38,10 @@ th, td { border-bottom: 1px solid var(--line); padding: 3px 8px; text-align: rig
   white-space: nowrap; }
 th { background: var(--soft); position: sticky; top: 0; }
 td.text, th.text { text-align: left; }
+td.text { white-space: normal; overflow-wrap: anywhere; min-width: 6em; }
 img.figure { width: 100%; height: auto; display: block; margin: 6px 0; }
+.figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 4px 10px; }
+.figures img.figure { max-width: 460px; margin: 0; }
 .gallery { display: flex; flex-wrap: wrap; gap: 8px; }
 .gallery figure { margin: 0; width: 122px; font-size: 0.78em; line-height: 1.25; }
 .gallery img { width: 122px; height: 122px; object-fit: contain; background: var(--soft);
@@ -51,6 +54,7 @@ figcaption { overflow-wrap: anywhere; }
 table.matrix td { padding: 0; width: 14px; min-width: 14px; height: 14px; border: 1px solid #fff;
   font-size: 0.7em; text-align: center; }
 table.matrix th { font-size: 0.75em; padding: 0 3px; position: static; }
+table.matrix.counts td { width: 30px; min-width: 30px; height: 26px; font-size: 0.85em; }
 pre { background: var(--soft); padding: 8px; overflow-x: auto; font-size: 0.85em; }
 details > summary { cursor: pointer; color: #2463a6; margin: 4px 0; }
 @media (max-width: 600px) {

@@ -55,14 +55,20 @@ def best_epoch(history: dict[str, Any] | None) -> int | None:
 def curves_section(history: dict[str, Any]) -> Section:
     records = history["epochs"]
     best = best_epoch(history)
-    parts = [figure(data_uri(report_curves(history, best), "image/png"), "training curves")]
+    parts = [figures(report_curves(history, best))]
     others = other_curves(history)
-    if others is not None:
+    if others:
         parts.append("<h3>Every other figure of the epoch records</h3>")
-        parts.append(figure(data_uri(others, "image/png"), "other epoch figures"))
+        parts.append(figures(others))
     parts.append("<h3>The epoch records</h3>")
     parts.append(epochs_table(records, best))
     return Section("curves", "Curves", "\n".join(parts))
+
+
+def figures(panels: list[tuple[str, bytes]]) -> str:
+    """Small figures side by side, one under another on a narrow screen."""
+    images = "".join(figure(data_uri(png, "image/png"), title) for title, png in panels)
+    return f"<div class='figures'>{images}</div>"
 
 
 def epochs_table(records: Sequence[dict[str, Any]], best: int | None) -> str:
@@ -195,7 +201,8 @@ def matrix_table(confusion: np.ndarray, names: Sequence[str]) -> str:
     return (
         "<p class='note'>Rows: the true class; columns: the predicted class, numbered as the "
         "rows. The colour is the share of the true class's images.</p>"
-        f"<div class='scroll'><table class='matrix' id='confusion'><thead><tr><th></th>{head}"
+        f"<div class='scroll'><table class='matrix{' counts' * counts_shown}' id='confusion'>"
+        f"<thead><tr><th></th>{head}"
         f"</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
 
@@ -273,5 +280,5 @@ class Tiles:
         return (
             f"<figure>{picture}<figcaption><b>{esc(true)}</b><br>{verdict} "
             f"<b>{esc(predicted)}</b> ({percent(float(p.confidence[row]), 0)})<br>"
-            f"loss {float(p.loss[row]):.2f}</figcaption></figure>"
+            f"loss {max(float(p.loss[row]), 0.0):.2f}</figcaption></figure>"
         )

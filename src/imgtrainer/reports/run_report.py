@@ -16,7 +16,17 @@ from typing import Any
 
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.history import read_history
-from imgtrainer.reports.html import Section, cards, esc, folded, page, percent, preformatted, table
+from imgtrainer.reports.html import (
+    Section,
+    cards,
+    esc,
+    folded,
+    page,
+    percent,
+    preformatted,
+    table,
+    text,
+)
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from imgtrainer.reports.report_page import (
     best_epoch,
@@ -107,8 +117,21 @@ def build_run_report(log_dir: Path) -> str:
         sections.append(classes_section(files.predictions, counts))
         images = DataImages(files.config.get("val_dir"), files.predictions.class_names)
         sections.append(mistakes_section(files.predictions, images, files.predictions_note))
+    else:
+        sections.append(no_predictions_section(files))
     sections += [data_section(files), run_section(files), checkpoints_section(files)]
     return page(f"Run report: {log_dir}", head(files), sections)
+
+
+def no_predictions_section(files: RunFiles) -> Section:
+    folder = Path(files.config.get("checkpoint_dir", "checkpoints"))
+    return Section(
+        "classes",
+        "Classes and mistakes",
+        f"<p>{esc(files.predictions_note)}</p><p class='note'>For any checkpoint: <code>python "
+        f"src/evaluate.py --checkpoint {esc(folder / 'checkpoint_best.pth')} --data_dir "
+        f"{esc(files.config.get('val_dir', 'DIR'))} --report</code></p>",
+    )
 
 
 def head(files: RunFiles) -> str:
@@ -150,10 +173,10 @@ def data_section(files: RunFiles) -> Section:
     config = files.config
     parts = [
         table(
-            ["", "data"],
+            ["", "from"],
             [
-                ["training", esc(config.get("train_dir", "?"))],
-                ["validation", esc(config.get("val_dir", "?"))],
+                [text("training"), text(config.get("train_dir", "?"))],
+                [text("validation"), text(config.get("val_dir", "?"))],
             ],
         )
     ]
@@ -214,7 +237,7 @@ def environment_table(history: dict[str, Any]) -> str:
         ("effective batch", history.get("effective_batch_size")),
         *((name, version) for name, version in versions.items()),
     ]
-    return table(["", "value"], [[esc(k), esc("–" if v is None else v)] for k, v in rows])
+    return table(["", ""], [[text(k), text("–" if v is None else v)] for k, v in rows])
 
 
 def timings_table(history: dict[str, Any], run_log: RunLog) -> str:
@@ -247,7 +270,7 @@ def timings_table(history: dict[str, Any], run_log: RunLog) -> str:
         )
     if not rows:
         return "<p>No timing yet.</p>"
-    return table(["", ""], [[esc(k), esc(v)] for k, v in rows])
+    return table(["", ""], [[text(k), text(v)] for k, v in rows])
 
 
 def events(files: RunFiles, watchdog: list[str]) -> str:
@@ -287,7 +310,7 @@ def checkpoints_section(files: RunFiles) -> Section:
         stat = path.stat()
         when = datetime.fromtimestamp(stat.st_mtime)
         rows.append(
-            [esc(path.name), f"{stat.st_size / 2**20:.1f} MB", esc(f"{when:%Y-%m-%d %H:%M:%S}")]
+            [text(path.name), f"{stat.st_size / 2**20:.1f} MB", text(f"{when:%Y-%m-%d %H:%M:%S}")]
         )
     latest = folder / "checkpoint_latest.pth"
     ending = files.run_log.ending() or ""
