@@ -1,6 +1,8 @@
-"""Two models scored on the same images: each top-1 with a confidence interval, their
-difference with McNemar's exact test, the per-class differences and the images one gets
-right and the other wrong. See docs/tools.md for what the p-value does and does not mean.
+"""Two models scored on the same images: each top-1 with its interval, the difference with
+McNemar's exact test.
+
+Also the per-class differences and the images one gets right and the other wrong. See
+docs/tools.md for what the p-value does and does not mean.
 """
 
 from __future__ import annotations

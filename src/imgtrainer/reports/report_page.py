@@ -1,5 +1,7 @@
-"""The sections of a report page drawn from a history and from predictions: the curves, every
-epoch's record, the per-class table, the confusion matrix, class sizes and the mistakes.
+"""The sections of a report page drawn from a history and from predictions.
+
+The curves, every epoch's record, the per-class table, the confusion matrix, class sizes and
+the mistakes.
 
 Shared by the run's report (``run_report``) and the evaluation tool's (``--report``). Any field
 an epoch record holds is shown (the table and the other curves), not a fixed set.

@@ -1,5 +1,7 @@
-"""What a run's own log says about it: when each start began and ended, how the run ended, and
-the warnings (stragglers, restarts, unreadable images, ...) named on the way.
+"""What a run's own log says about it: its starts, how it ended, the warnings on the way.
+
+When each start began and ended, its summary line, and the warnings (stragglers, the
+--max_time stop, unreadable images, ...) it logged.
 
 Read from the main process's ``train_rank_0.log``, which every start of the same log folder
 appends to; the run is the last start that was not a resume, and the resumes after it.

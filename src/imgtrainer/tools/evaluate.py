@@ -1,10 +1,11 @@
 """Evaluate a checkpoint on an ImageFolder and write a report of where the model fails.
 
-    python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
+    python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval --report
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
+    python src/evaluate.py --compare a.pth b.pth --data_dir data/val
 
-Writes metrics.json, confusion_matrix.csv, misclassified.csv and a confusion drawing to OUTPUT.
-Under torchrun each image is evaluated by one process and the counts are summed: exact metrics.
+Writes metrics.json, confusion_matrix.csv, misclassified.csv, a confusion drawing and with
+--report report.html to OUTPUT. Under torchrun each image is evaluated by one process: exact.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate.py",
         description="Evaluate a checkpoint on an ImageFolder: metrics.json, "
-        "confusion_matrix.png, misclassified.csv and the worst classes.",
+        "confusion_matrix.png, misclassified.csv and the worst classes (--report: a page with "
+        "the images it gets wrong); or compare two checkpoints on the same images (--compare).",
     )
     add_inference_arguments(
         parser,
