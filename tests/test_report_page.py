@@ -25,6 +25,7 @@ from imgtrainer.reports.compare import (
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from imgtrainer.reports.report_page import GALLERY_IMAGES, mistakes_section
 from imgtrainer.reports.run_report import build_run_report
+from imgtrainer.reports.svg_chart import Series, line_chart, nice_ticks
 from support.report_folder import write_log_folder
 
 MAX_PAGE_BYTES = 8 * 2**20
@@ -144,6 +145,15 @@ def test_a_comparison_counts_the_images_only_one_model_gets_right():
         Comparison(a, predictions_of([1] * 6, [1] * 6, [0.1] * 6, classes), ("A", "B"))
 
 
+def test_chart_ticks_are_round_and_cover_the_values():
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(0.283, 0.431) == [0.25, 0.3, 0.35, 0.4, 0.45]
+    assert nice_ticks(5.0, 5.0)[0] < 5.0 < nice_ticks(5.0, 5.0)[-1]  # one value: a range around it
+    chart = line_chart("Loss", [Series("val_loss", [1, 2, 3], [1.0, float("nan"), 0.5])], "x", 3)
+    assert chart.count("<circle") == 2 and "best epoch" in chart
+    assert "not recorded" in line_chart("Loss", [Series("val_loss", [], [])])
+
+
 # ----------------------------------------------------------------------------- the gallery
 
 
@@ -192,8 +202,12 @@ def test_the_run_page_shows_what_the_log_folder_holds(tmp_path: Path):
     assert "attempt0-rank1.txt" in text and "1 unreadable image(s)" in text
     assert "its EMA weights" in text
     # The images are not where the history says: tiles without pictures, the page still whole.
-    assert len(page.captions["gallery"]) == min(GALLERY_IMAGES, 18)
-    assert all(re.match(r"data:image/png;base64,", src) for src in page.images)
+    assert len(page.captions["gallery"]) == min(GALLERY_IMAGES, 18) and page.images == []
+    # The six curves, then one chart per other field (the per-rank ones together).
+    others = ["epoch_seconds", "peak_memory_mb", "micro_batch", "rank*_step_s", "audit_images"]
+    others += ["audit_max_diff", "made_up_by_a_later_version"]
+    titles = re.findall(r"<svg class='chart'[^>]*aria-label='([^']*)'", text)
+    assert titles[6:] == others and titles[2] == "Top-5 accuracy"
 
 
 def test_predictions_of_another_epoch_are_not_shown(tmp_path: Path):

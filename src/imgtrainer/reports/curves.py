@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from imgtrainer.errors import UserError
-from imgtrainer.reports.figures import figure_png, new_figure, save_figure
+from imgtrainer.reports.figures import new_figure, save_figure
 from imgtrainer.reports.history import read_history
+from imgtrainer.reports.svg_chart import Series, line_chart
 
 
 def load_history(path: Path) -> dict:
@@ -80,45 +81,21 @@ def series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[fl
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def report_curves(history: dict[str, Any], best_epoch: int | None) -> list[tuple[str, bytes]]:
-    """The report's curves (``PANELS``), one small PNG each (they wrap on a narrow screen): raw
+def report_charts(history: dict[str, Any], best_epoch: int | None) -> list[str]:
+    """The report's curves (``PANELS``), one SVG chart each (they wrap on a narrow screen): raw
     and EMA weights side by side, the best epoch marked by a dashed line."""
     records = history["epochs"]
-    figures = []
-    for title, ylabel, names in PANELS:
-        fig, ax = new_figure(figsize=(4.6, 3.2))
+    charts = []
+    for title, y_label, names in PANELS:
         fields = [f for name in names for f in (name, name + "_ema")]
         if "data_wait_share" in names:
             fields += rank_fields(records, "data_wait_share")
+        lines = []
         for field in fields:
-            epochs, values = series(records, field)
-            if epochs:
-                style = (
-                    "s--" if field.endswith("_ema") else ":" if field.startswith("rank") else "o-"
-                )
-                ax.plot(epochs, values, style, markersize=3, label=field)
-        if not ax.lines:
-            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
-        elif best_epoch is not None:
-            ax.axvline(best_epoch, color="tab:red", linestyle="--", linewidth=1, label="best epoch")
-        if ylabel == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-        figures.append((title, small_panel(fig, ax, title, ylabel)))
-    return figures
-
-
-def small_panel(fig, ax, title: str, ylabel: str) -> bytes:
-    """One panel's PNG, laid out by hand (``tight_layout`` costs more than the drawing)."""
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("epoch", fontsize=8)
-    ax.set_ylabel(ylabel, fontsize=8)
-    ax.tick_params(labelsize=8)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.15, top=0.9)
-    return figure_png(fig, dpi=80, tight=False)
+            dash = "5 3" if field.endswith("_ema") else "2 3" if field.startswith("rank") else ""
+            lines.append(Series(field, *series(records, field), dash=dash))
+        charts.append(line_chart(title, lines, y_label, best_epoch))
+    return charts
 
 
 def rank_fields(records: list[dict[str, Any]], figure: str) -> list[str]:
@@ -147,16 +124,13 @@ def other_fields(records: list[dict[str, Any]]) -> list[str]:
 MAX_OTHER_PANELS = 12
 
 
-def other_curves(history: dict[str, Any]) -> list[tuple[str, bytes]]:
+def other_charts(history: dict[str, Any]) -> list[str]:
     """Every other numeric field of the records (the data audit's, each rank's step times,
-    peak memory, what later versions add), a small PNG each, all ranks of a per-rank field in
-    one."""
+    peak memory, what later versions add), a chart each, all ranks of a per-rank field in one."""
     records = history["epochs"]
-    figures = []
+    charts = []
     for name in other_fields(records)[:MAX_OTHER_PANELS]:
-        fig, ax = new_figure(figsize=(4.6, 3.2))
         per_rank = name.startswith("rank*_")
-        for field in rank_fields(records, name[len("rank*_") :]) if per_rank else [name]:
-            ax.plot(*series(records, field), "o-", markersize=3, label=field if per_rank else None)
-        figures.append((name, small_panel(fig, ax, name, "")))
-    return figures
+        fields = rank_fields(records, name[len("rank*_") :]) if per_rank else [name]
+        charts.append(line_chart(name, [Series(f, *series(records, f)) for f in fields]))
+    return charts

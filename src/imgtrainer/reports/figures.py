@@ -6,7 +6,6 @@ do not pay for it.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,3 @@ def save_figure(fig: Any, output: Path, dpi: int) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=dpi)
     pyplot().close(fig)
-
-
-def figure_png(fig: Any, dpi: int, tight: bool = True) -> bytes:
-    """``fig`` as PNG bytes, laid out by ``tight_layout`` unless not ``tight`` (it measures
-    every label: a second or more for a dozen panels on a busy CPU), then closed."""
-    if tight:
-        fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    pyplot().close(fig)
-    return buffer.getvalue()

@@ -40,8 +40,8 @@ th { background: var(--soft); position: sticky; top: 0; }
 td.text, th.text { text-align: left; }
 td.text { white-space: normal; overflow-wrap: anywhere; min-width: 6em; }
 img.figure { width: 100%; height: auto; display: block; margin: 6px 0; }
-.figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 4px 10px; }
-.figures img.figure { max-width: 460px; margin: 0; }
+.figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr));
+  gap: 6px 12px; }
 .gallery { display: flex; flex-wrap: wrap; gap: 8px; }
 .gallery figure { margin: 0; width: 122px; font-size: 0.78em; line-height: 1.25; }
 .gallery img { width: 122px; height: 122px; object-fit: contain; background: var(--soft);
@@ -57,7 +57,17 @@ table.matrix th { font-size: 0.75em; padding: 0 3px; position: static; }
 table.matrix.counts td { width: 30px; min-width: 30px; height: 26px; font-size: 0.85em; }
 pre { background: var(--soft); padding: 8px; overflow-x: auto; font-size: 0.85em; }
 details > summary { cursor: pointer; color: #2463a6; margin: 4px 0; }
+svg.chart { width: 100%; max-width: 460px; height: auto; display: block; font-family: inherit; }
+svg.chart .t { font-size: 13px; font-weight: 600; text-anchor: middle; }
+svg.chart .f { fill: #fff; stroke: #9aa3ad; stroke-width: 1; }
+svg.chart .g { stroke: #e6e9ed; stroke-width: 1; }
+svg.chart .a { stroke: #9aa3ad; }
+svg.chart .yl { font-size: 10px; text-anchor: end; fill: #444; }
+svg.chart .xl { font-size: 10px; text-anchor: middle; fill: #444; }
+svg.chart .lg { font-size: 10px; fill: #333; }
+svg.chart circle:hover { r: 4; }
 @media (max-width: 600px) {
+  .figures { grid-template-columns: 1fr; }
   body { font-size: 14px; }
   .gallery figure, .gallery img, .gallery .missing { width: 96px; }
   .gallery img, .gallery .missing { height: 96px; }

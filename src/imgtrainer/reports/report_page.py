@@ -22,13 +22,11 @@ from imgtrainer.reports.confusion import (
     most_confused_pairs,
     per_class_metrics,
 )
-from imgtrainer.reports.curves import other_curves, report_curves
+from imgtrainer.reports.curves import other_charts, report_charts
 from imgtrainer.reports.html import (
     Cell,
     Section,
-    data_uri,
     esc,
-    figure,
     number,
     percent,
     table,
@@ -57,8 +55,8 @@ def best_epoch(history: dict[str, Any] | None) -> int | None:
 def curves_section(history: dict[str, Any]) -> Section:
     records = history["epochs"]
     best = best_epoch(history)
-    parts = [figures(report_curves(history, best))]
-    others = other_curves(history)
+    parts = [figures(report_charts(history, best))]
+    others = other_charts(history)
     if others:
         parts.append("<h3>Every other figure of the epoch records</h3>")
         parts.append(figures(others))
@@ -67,10 +65,9 @@ def curves_section(history: dict[str, Any]) -> Section:
     return Section("curves", "Curves", "\n".join(parts))
 
 
-def figures(panels: list[tuple[str, bytes]]) -> str:
-    """Small figures side by side, one under another on a narrow screen."""
-    images = "".join(figure(data_uri(png, "image/png"), title) for title, png in panels)
-    return f"<div class='figures'>{images}</div>"
+def figures(charts: list[str]) -> str:
+    """Charts side by side, one under another on a narrow screen."""
+    return f"<div class='figures'>{''.join(charts)}</div>"
 
 
 def epochs_table(records: Sequence[dict[str, Any]], best: int | None) -> str:
