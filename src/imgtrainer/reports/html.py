@@ -39,7 +39,6 @@ th, td { border-bottom: 1px solid var(--line); padding: 3px 8px; text-align: rig
 th { background: var(--soft); position: sticky; top: 0; }
 td.text, th.text { text-align: left; }
 td.text { white-space: normal; overflow-wrap: anywhere; min-width: 6em; }
-img.figure { width: 100%; height: auto; display: block; margin: 6px 0; }
 .figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr));
   gap: 6px 12px; }
 .gallery { display: flex; flex-wrap: wrap; gap: 8px; }
@@ -56,15 +55,15 @@ table.matrix td { padding: 0; width: 14px; min-width: 14px; height: 14px; border
 table.matrix th { font-size: 0.75em; padding: 0 3px; position: static; }
 table.matrix.counts td { width: 30px; min-width: 30px; height: 26px; font-size: 0.85em; }
 pre { background: var(--soft); padding: 8px; overflow-x: auto; font-size: 0.85em; }
-details > summary { cursor: pointer; color: #2463a6; margin: 4px 0; }
+details > summary { cursor: pointer; color: #2463a6; margin: 8px 0 4px; font-weight: 600; }
 svg.chart { width: 100%; max-width: 460px; height: auto; display: block; font-family: inherit; }
 svg.chart .t { font-size: 13px; font-weight: 600; text-anchor: middle; }
 svg.chart .f { fill: #fff; stroke: #9aa3ad; stroke-width: 1; }
 svg.chart .g { stroke: #e6e9ed; stroke-width: 1; }
 svg.chart .a { stroke: #9aa3ad; }
-svg.chart .yl { font-size: 10px; text-anchor: end; fill: #444; }
-svg.chart .xl { font-size: 10px; text-anchor: middle; fill: #444; }
-svg.chart .lg { font-size: 10px; fill: #333; }
+svg.chart .yl { font-size: 11px; text-anchor: end; fill: #444; }
+svg.chart .xl { font-size: 11px; text-anchor: middle; fill: #444; }
+svg.chart .lg { font-size: 11px; fill: #333; }
 svg.chart circle:hover { r: 4; }
 @media (max-width: 600px) {
   .figures { grid-template-columns: 1fr; }
@@ -138,10 +137,6 @@ def cards(items: Iterable[tuple[str, str]]) -> str:
         f"<div class='card'><b>{esc(v)}</b><span>{esc(k)}</span></div>" for v, k in items
     )
     return f"<div class='cards'>{tiles}</div>"
-
-
-def figure(uri: str, alt: str) -> str:
-    return f"<img class='figure' src='{uri}' alt='{esc(alt)}'>"
 
 
 def preformatted(content: str) -> str:

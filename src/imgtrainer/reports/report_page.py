@@ -27,6 +27,7 @@ from imgtrainer.reports.html import (
     Cell,
     Section,
     esc,
+    folded,
     number,
     percent,
     table,
@@ -58,10 +59,9 @@ def curves_section(history: dict[str, Any]) -> Section:
     parts = [figures(report_charts(history, best))]
     others = other_charts(history)
     if others:
-        parts.append("<h3>Every other figure of the epoch records</h3>")
-        parts.append(figures(others))
-    parts.append("<h3>The epoch records</h3>")
-    parts.append(epochs_table(records, best))
+        title = f"Every other figure of the epoch records ({len(others)} charts)"
+        parts.append(folded(title, figures(others)))
+    parts.append(folded(f"The epoch records ({len(records)})", epochs_table(records, best)))
     return Section("curves", "Curves", "\n".join(parts))
 
 
