@@ -40,6 +40,8 @@ from imgtrainer.reports.thumbnails import ImageReader, thumbnail_uri
 GALLERY_IMAGES = 24
 WORST_CLASS_ROWS = 8
 ROW_IMAGES = 8
+# The per-class table's rows at most (the worst classes): a page of 20,000 classes stays small.
+PER_CLASS_ROWS = 2000
 # Up to this many classes the matrix's cells show their counts.
 COUNTS_IN_CELLS_MAX_CLASSES = 30
 
@@ -132,7 +134,8 @@ def per_class_table(
     headers = ["#", "class", "images", "correct", "precision", "recall", "F1"]
     headers += ["most often taken for", *(["training images"] if train_counts else [])]
     rows = []
-    for name in worst_first(metrics):
+    order = worst_first(metrics)
+    for name in order[:PER_CLASS_ROWS]:
         m = metrics[name]
         confused = m["most_confused_with"]
         row = [
@@ -150,7 +153,14 @@ def per_class_table(
             bar = f"<span class='bar' style='width:{60 * count / largest:.0f}px'></span>"
             row.append(Cell(f"{count} {bar}", text=True))
         rows.append(row)
-    return table(headers, rows, table_id="per-class", tall=True)
+    left_out = len(order) - PER_CLASS_ROWS
+    note = (
+        f"<p class='note'>The {left_out} best classes are left out (the page stays small); "
+        "evaluate.py's metrics.json has every class.</p>"
+        if left_out > 0
+        else ""
+    )
+    return table(headers, rows, table_id="per-class", tall=True) + note
 
 
 def sizes_block(

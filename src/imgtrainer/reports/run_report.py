@@ -135,32 +135,44 @@ def no_predictions_section(files: RunFiles) -> Section:
 
 
 def head(files: RunFiles) -> str:
+    """How the run ended (its own words), then its key figures as tiles."""
     history, run_log = files.history, files.run_log
     ending = run_log.ending() or "No ending recorded yet: the run is going on, or was killed."
-    lines = [f"<p class='lead'>{esc(ending.splitlines()[0])}</p>"]
+    lead = f"<p class='lead'>{esc(ending.splitlines()[0])}</p>"
     if not history:
-        lines.append(f"<p class='warn'>No {HISTORY_NAME} in {esc(files.log_dir)} yet.</p>")
-        return "\n".join(lines)
-    config, records = files.config, history["epochs"]
-    best = next((r for r in records if r.get("epoch") == best_epoch(history)), None)
-    metric = (history.get("best") or {}).get("metric", "val_acc")
+        return lead + f"<p class='warn'>No {HISTORY_NAME} in {esc(files.log_dir)} yet.</p>"
+    return lead + cards(best_tiles(history) + run_tiles(files))
+
+
+def best_tiles(history: dict[str, Any]) -> list[tuple[str, str]]:
+    """The best epoch's top-1 and top-5 (of the weights that scored it) and, when the run
+    chose by another metric, its value."""
+    best = history.get("best") or {}
+    record = next((r for r in history["epochs"] if r.get("epoch") == best.get("epoch")), None)
+    if record is None:
+        return []
+    ema = "_ema" if best.get("weights") == "ema" else ""
     tiles = [
-        (f"{len(records)} / {config.get('epochs', '?')}", "epochs trained"),
+        (percent(record.get("val_acc" + ema), 2), f"val top-1, best epoch {record['epoch']}"),
+        (percent(record.get("val_top5" + ema), 2), "val top-5 there"),
+    ]
+    metric = best.get("metric", "val_acc")
+    if metric != "val_acc" and best.get("value") is not None:
+        tiles.insert(0, (f"{best['value']:.4f}", f"best {metric}"))
+    return tiles
+
+
+def run_tiles(files: RunFiles) -> list[tuple[str, str]]:
+    history, config, run_log = files.history or {}, files.config, files.run_log
+    tiles = [
+        (f"{len(history.get('epochs', []))} / {config.get('epochs', '?')}", "epochs trained"),
         (f"{history.get('world_size', '?')} × {history.get('device', '?')}", "processes"),
         (config.get("model", "?"), "model"),
     ]
-    if best is not None:
-        ema = "_ema" if (history.get("best") or {}).get("weights") == "ema" else ""
-        tiles.insert(
-            0, (percent(best.get("val_acc" + ema), 2), f"val top-1, best epoch {best['epoch']}")
-        )
-        tiles.insert(1, (percent(best.get("val_top5" + ema), 2), "val top-5 there"))
-        if metric != "val_acc":
-            tiles.insert(0, (f"{best.get(metric, float('nan')):.4f}", f"best {metric}"))
     wall = run_log.wall_seconds()
     if wall is not None:
         tiles.append((duration(wall), f"wall time, {len(run_log.starts)} start(s)"))
-    return "\n".join(lines) + cards(tiles)
+    return tiles
 
 
 def duration(seconds: float) -> str:

@@ -39,8 +39,9 @@ class PredictionRecorder:
 
     def gathered(self, sampler, locations, class_names: list[str]) -> Predictions:
         """Every rank's rows, in the data's order: ``sampler`` gives this rank's dataset indices
-        in the order the pass saw them, ``locations(index)`` an image's location. Every rank
-        must call this (a collective); each gets the whole."""
+        in the order the pass saw them, ``locations(index)`` an image's location (None: no
+        locations, for a rank that writes nothing). Every rank must call this (a collective);
+        each gets the whole."""
         rows = torch.cat(self.rows).cpu().numpy() if self.rows else np.zeros((0, 4))
         indices = np.fromiter(iter(sampler), dtype=np.int64)
         if len(indices) != len(rows):
@@ -53,7 +54,7 @@ class PredictionRecorder:
         indices, rows = indices[order], rows[order]
         return Predictions(
             list(class_names),
-            [locations(int(i)) for i in indices],
+            [locations(int(i)) for i in indices] if locations is not None else [],
             rows[:, 0].astype(np.int64),
             rows[:, 1].astype(np.int64),
             rows[:, 2].astype(np.float32),
@@ -87,9 +88,8 @@ class BestPredictions:
         """The new best epoch's (``record``) predictions of the weights that scored it
         (``best.weights``). Every rank must call this at a new best epoch."""
         recorder = recorders.get(best.weights or "raw") or recorders["raw"]
-        predictions = recorder.gathered(
-            loader.sampler, image_locations(loader.dataset), self.class_names
-        )
+        locations = image_locations(loader.dataset) if self.enabled else None
+        predictions = recorder.gathered(loader.sampler, locations, self.class_names)
         if not self.enabled:
             return
         suffix = "_ema" if best.weights == "ema" else ""
