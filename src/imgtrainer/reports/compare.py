@@ -140,21 +140,29 @@ class Comparison:
 
 def build_comparison_page(comparison: Comparison, read_image: ImageReader) -> str:
     s = comparison.summary()
+    sections = [per_class_section(s)]
+    for ident, rows, loser in (
+        ("only-a", comparison.only_a, comparison.b),
+        ("only-b", comparison.only_b, comparison.a),
+    ):
+        sections.append(disagreement_section(ident, rows, loser, read_image))
+    return page("Two models compared", comparison_head(s), sections)
+
+
+def comparison_head(s: dict[str, Any]) -> str:
+    def interval(key: str) -> str:
+        low, high = s[f"top1_{key}_interval"]
+        return f"{key.upper()} top-1 ({percent(low, 1)} - {percent(high, 1)})"
+
     tiles = [
-        (
-            percent(s["top1_a"], 2),
-            f"A top-1 ({percent(s['top1_a_interval'][0], 1)}-{percent(s['top1_a_interval'][1], 1)})",
-        ),
-        (
-            percent(s["top1_b"], 2),
-            f"B top-1 ({percent(s['top1_b_interval'][0], 1)}-{percent(s['top1_b_interval'][1], 1)})",
-        ),
+        (percent(s["top1_a"], 2), interval("a")),
+        (percent(s["top1_b"], 2), interval("b")),
         (f"{100 * s['difference']:+.2f}", "B - A, points"),
         (f"{s['mcnemar_exact_p']:.3g}", "McNemar's exact p"),
         (f"{s['only_a_right']} / {s['only_b_right']}", "only A right / only B right"),
         (str(s["images"]), "images"),
     ]
-    head = (
+    return (
         f"<p class='lead'>A: {esc(s['a'])}<br>B: {esc(s['b'])}</p>"
         + cards(tiles)
         + "<p class='note'>Intervals: 95% Wilson score intervals. The p-value is the chance of "
@@ -162,6 +170,9 @@ def build_comparison_page(comparison: Comparison, read_image: ImageReader) -> st
         "images like these; it is not the chance that B is better, nor the size of the gain, "
         "and it says nothing of another training seed or other data (docs/tools.md).</p>"
     )
+
+
+def per_class_section(s: dict[str, Any]) -> Section:
     rows = [
         [
             text(r["class"]),
@@ -172,27 +183,22 @@ def build_comparison_page(comparison: Comparison, read_image: ImageReader) -> st
         ]
         for r in s["per_class"]
     ]
-    classes = Section(
-        "classes",
-        "Per class",
-        table(
-            ["class", "images", "A top-1", "B top-1", "B - A, points"], rows, "per-class", tall=True
-        ),
+    headers = ["class", "images", "A top-1", "B top-1", "B - A, points"]
+    return Section("classes", "Per class", table(headers, rows, "per-class", tall=True))
+
+
+def disagreement_section(
+    ident: str, rows: np.ndarray, loser: Predictions, read_image: ImageReader
+) -> Section:
+    """The images only one model gets right, with the other's (``loser``'s) predictions, its
+    most confident mistakes first: where the two differ most."""
+    winner, other = ("A", "B") if ident == "only-a" else ("B", "A")
+    shown = rows[np.argsort(-loser.confidence[rows], kind="stable")][:DISAGREEMENTS_SHOWN]
+    tiles = Tiles(loser, read_image)
+    body = (
+        f"<p>{len(rows)} images; the captions give {other}'s prediction, its most confident "
+        f"mistakes first.</p><div class='gallery' id='gallery-{ident}'>"
+        + "".join(tiles.tile(r) for r in shown)
+        + "</div>"
     )
-    sections = [classes]
-    for ident, rows, title, loser in (
-        ("only-a", comparison.only_a, "Only A gets these right", comparison.b),
-        ("only-b", comparison.only_b, "Only B gets these right", comparison.a),
-    ):
-        # The loser's most confident mistakes first: where the two differ most.
-        shown = rows[np.argsort(-loser.confidence[rows], kind="stable")][:DISAGREEMENTS_SHOWN]
-        gallery = Tiles(loser, read_image)
-        other = "B" if loser is comparison.b else "A"
-        body = (
-            f"<p>{len(rows)} images; the captions give {other}'s prediction, its most confident "
-            f"mistakes first.</p><div class='gallery' id='gallery-{ident}'>"
-            + "".join(gallery.tile(r) for r in shown)
-            + "</div>"
-        )
-        sections.append(Section(ident, title, body))
-    return page("Two models compared", head, sections)
+    return Section(ident, f"Only {winner} gets these right", body)
