@@ -319,7 +319,10 @@ def checkpoints_section(files: RunFiles) -> Section:
         )
     rows = []
     for path in found:
-        stat = path.stat()
+        try:
+            stat = path.stat()
+        except OSError:  # replaced or removed by the run since the listing (a mid-run report)
+            continue
         when = datetime.fromtimestamp(stat.st_mtime)
         rows.append(
             [text(path.name), f"{stat.st_size / 2**20:.1f} MB", text(f"{when:%Y-%m-%d %H:%M:%S}")]
