@@ -23,9 +23,9 @@ from imgtrainer.reports.compare import (
     wilson_interval,
 )
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
-from imgtrainer.reports.report_page import GALLERY_IMAGES, mistakes_section
+from imgtrainer.reports.report_page import GALLERY_IMAGES, classes_section, mistakes_section
 from imgtrainer.reports.run_report import build_run_report
-from imgtrainer.reports.svg_chart import Series, line_chart, nice_ticks
+from imgtrainer.reports.svg_chart import Series, line_chart, nice_ticks, tick_label
 from support.report_folder import write_log_folder
 
 MAX_PAGE_BYTES = 8 * 2**20
@@ -149,6 +149,8 @@ def test_chart_ticks_are_round_and_cover_the_values():
     assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert nice_ticks(0.283, 0.431) == [0.25, 0.3, 0.35, 0.4, 0.45]
     assert nice_ticks(5.0, 5.0)[0] < 5.0 < nice_ticks(5.0, 5.0)[-1]  # one value: a range around it
+    assert nice_ticks(0.0, 0.0)[0] == 0.0  # a difference of 0 all along: drawn from 0 up
+    assert [tick_label(t, [0.0, 1e-3, 2e-3]) for t in (0.0, 1e-3)] == ["0", "1.0e-3"]
     chart = line_chart("Loss", [Series("val_loss", [1, 2, 3], [1.0, float("nan"), 0.5])], "x", 3)
     assert chart.count("<circle") == 2 and "best epoch" in chart
     assert "not recorded" in line_chart("Loss", [Series("val_loss", [], [])])
@@ -175,6 +177,18 @@ def test_the_gallery_shows_the_highest_losses_first_and_the_worst_classes_mistak
     assert [len(r) for r in rows] == [2, 1]
     assert rows[0][0].startswith("cat taken for dog") and rows[1][0].startswith("fox taken for")
     assert all(src.startswith("data:image/jpeg;base64,") for src in page.images)
+    # The mistakes are outlined; the images it gets right are not.
+    body = mistakes_section(p, noise_image, "about").body
+    assert body.count("<figure class='wrong'>") == 3 + 3 and body.count("<figure>") == 6
+
+
+def test_classes_named_by_their_numbers_are_not_numbered_twice():
+    digits = [str(k) for k in range(4)]
+    p = predictions_of([0, 1, 2, 3], [0, 1, 3, 3], [0.1] * 4, digits)
+    text = classes_section(p, [5, 5, 5, 5]).body
+    assert "<th class='text'>#</th>" not in text and "<th class='text'>2</th>" in text
+    named = classes_section(predictions_of([0, 1], [0, 1], [0.1] * 2, ["a", "b"]), None).body
+    assert "<th class='text'>#</th>" in named and "<th class='text'>1 b</th>" in named
 
 
 def test_a_picture_that_cannot_be_read_is_a_tile_without_an_image():

@@ -122,6 +122,15 @@ def other_fields(records: list[dict[str, Any]]) -> list[str]:
 
 
 MAX_OTHER_PANELS = 12
+# The y axis of the other charts whose fields the trainer writes (a field unknown here: none).
+OTHER_LABELS = {
+    "epoch_seconds": "seconds",
+    "peak_memory_mb": "MB at the peak",
+    "micro_batch": "images per pass",
+    "audit_images": "images checked",
+    "audit_max_diff": "0-255 levels",
+    "rank*_step_s": "seconds per step",
+}
 
 
 def other_charts(history: dict[str, Any]) -> list[str]:
@@ -132,5 +141,6 @@ def other_charts(history: dict[str, Any]) -> list[str]:
     for name in other_fields(records)[:MAX_OTHER_PANELS]:
         per_rank = name.startswith("rank*_")
         fields = rank_fields(records, name[len("rank*_") :]) if per_rank else [name]
-        charts.append(line_chart(name, [Series(f, *series(records, f)) for f in fields]))
+        lines = [Series(f, *series(records, f)) for f in fields]
+        charts.append(line_chart(name, lines, OTHER_LABELS.get(name, "")))
     return charts

@@ -45,6 +45,9 @@ td.text { white-space: normal; overflow-wrap: anywhere; min-width: 6em; }
 .gallery figure { margin: 0; width: 122px; font-size: 0.78em; line-height: 1.25; }
 .gallery img { width: 122px; height: 122px; object-fit: contain; background: var(--soft);
   display: block; border-radius: 4px; }
+.gallery figure.wrong img, .gallery figure.wrong .missing { outline: 2px solid var(--bad);
+  outline-offset: -2px; }
+.gallery figure.wrong .verdict { color: var(--bad); }
 .gallery .missing { width: 122px; height: 122px; background: var(--soft); display: flex;
   align-items: center; justify-content: center; text-align: center; color: #8a939c; }
 figcaption { overflow-wrap: anywhere; }
@@ -54,7 +57,9 @@ table.matrix td { padding: 0; width: 14px; min-width: 14px; height: 14px; border
   font-size: 0.7em; text-align: center; }
 table.matrix th { font-size: 0.75em; padding: 0 3px; position: static; }
 table.matrix.counts td { width: 30px; min-width: 30px; height: 26px; font-size: 0.85em; }
-pre { background: var(--soft); padding: 8px; overflow-x: auto; font-size: 0.85em; }
+pre { background: var(--soft); padding: 8px; overflow-x: auto; font-size: 0.85em;
+  white-space: pre-wrap; overflow-wrap: anywhere; }
+pre.command span { white-space: pre; }
 details > summary { cursor: pointer; color: #2463a6; margin: 8px 0 4px; font-weight: 600; }
 svg.chart { width: 100%; max-width: 460px; height: auto; display: block; font-family: inherit; }
 svg.chart .t { font-size: 13px; font-weight: 600; text-anchor: middle; }
@@ -70,6 +75,9 @@ svg.chart circle:hover { r: 4; }
   body { font-size: 14px; }
   .gallery figure, .gallery img, .gallery .missing { width: 96px; }
   .gallery img, .gallery .missing { height: 96px; }
+  /* a chart is drawn at about 0.8 of its size here: its labels a size larger */
+  svg.chart .yl, svg.chart .xl, svg.chart .lg { font-size: 13px; }
+  svg.chart .t { font-size: 15px; }
 }
 """
 
@@ -125,10 +133,16 @@ def table(
         )
 
     head = "".join(cell("th", h if isinstance(h, Cell) else text(h)) for h in headers)
+    # A table of (name, value) rows has no header: no empty header row above it.
+    thead = (
+        f"<thead><tr>{head}</tr></thead>"
+        if any(h.html if isinstance(h, Cell) else h for h in headers)
+        else ""
+    )
     body = "\n".join("<tr>" + "".join(cell("td", c) for c in row) + "</tr>" for row in rows)
     ident = f" id='{esc(table_id)}'" if table_id else ""
     box = "scroll tall" if tall else "scroll"
-    return f"<div class='{box}'><table{ident}><thead><tr>{head}</tr></thead><tbody>\n{body}\n</tbody></table></div>"
+    return f"<div class='{box}'><table{ident}>{thead}<tbody>\n{body}\n</tbody></table></div>"
 
 
 def cards(items: Iterable[tuple[str, str]]) -> str:
@@ -141,6 +155,13 @@ def cards(items: Iterable[tuple[str, str]]) -> str:
 
 def preformatted(content: str) -> str:
     return f"<pre>{esc(content)}</pre>"
+
+
+def command_line(content: str) -> str:
+    """A command to copy: it wraps between its words only (never inside ``--a_flag``, where
+    a browser may break a line after a hyphen)."""
+    words = " ".join(f"<span>{esc(word)}</span>" for word in content.split(" "))
+    return f"<pre class='command'>{words}</pre>"
 
 
 def folded(summary: str, body: str, open_: bool = False) -> str:

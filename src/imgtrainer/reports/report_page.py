@@ -130,16 +130,19 @@ def per_class_table(
     metrics: dict[str, dict], names: Sequence[str], train_counts: Sequence[int] | None
 ) -> str:
     index = {name: k for k, name in enumerate(names)}
+    # Classes named by their numbers (the digits "0".."9"): no column repeating the name.
+    numbered = any(name != str(k) for k, name in enumerate(names))
     largest = max(train_counts or [1]) or 1
-    headers = ["#", "class", "images", "correct", "precision", "recall", "F1"]
-    headers += ["most often taken for", *(["training images"] if train_counts else [])]
+    headers = [*(["#"] if numbered else []), "class", "images", "correct", "precision"]
+    headers += ["recall", "F1", "most often taken for"]
+    headers += ["training images"] if train_counts else []
     rows = []
     order = worst_first(metrics)
     for name in order[:PER_CLASS_ROWS]:
         m = metrics[name]
         confused = m["most_confused_with"]
         row = [
-            str(index[name]),
+            *([str(index[name])] if numbered else []),
             text(name),
             str(m["images"]),
             str(m["correct"]),
@@ -206,7 +209,8 @@ def matrix_table(confusion: np.ndarray, names: Sequence[str]) -> str:
                 f"color:{ink}' title='{esc(name)} → {esc(names[j])}: {n}'>"
                 f"{n if counts_shown else ''}</td>"
             )
-        body.append(f"<tr><th class='text'>{i} {esc(name)}</th>{''.join(cells)}</tr>")
+        label = esc(name) if name == str(i) else f"{i} {esc(name)}"  # digits: "3", not "3 3"
+        body.append(f"<tr><th class='text'>{label}</th>{''.join(cells)}</tr>")
     return (
         "<p class='note'>Rows: the true class; columns: the predicted class, numbered as the "
         "rows. The colour is the share of the true class's images.</p>"
@@ -285,9 +289,11 @@ class Tiles:
             if uri
             else f"<div class='missing' title='{esc(where)}'>not readable here</div>"
         )
-        verdict = "right" if true == predicted else "taken for"
+        right = true == predicted
+        marked = "" if right else " class='wrong'"  # a mistake: outlined in red
         return (
-            f"<figure>{picture}<figcaption><b>{esc(true)}</b><br>{verdict} "
-            f"<b>{esc(predicted)}</b> ({percent(float(p.confidence[row]), 0)})<br>"
+            f"<figure{marked}>{picture}<figcaption>"
+            f"<b>{esc(true)}</b><br><span class='verdict'>{'right' if right else 'taken for'} "
+            f"<b>{esc(predicted)}</b></span> ({percent(float(p.confidence[row]), 0)})<br>"
             f"loss {max(float(p.loss[row]), 0.0):.2f}</figcaption></figure>"
         )

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from imgtrainer.reports.html import esc
 
 WIDTH, HEIGHT = 440, 270
-LEFT, RIGHT, TOP, BOTTOM = 58, 12, 26, 40  # the plot area's margins
-LEGEND_ROW = 15
+LEFT, RIGHT, TOP, BOTTOM = 62, 12, 26, 40  # the plot area's margins
+LEGEND_ROW = 17
+# A legend entry's width: its line, then its label at up to 13 px (a phone's size, html.STYLE).
+LEGEND_CHAR = 7.4
 COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
 MARKERS_MAX_POINTS = 60  # more points than this: lines only
 
@@ -33,7 +35,8 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
         return [0.0, 1.0]
     if high - low < 1e-12 * max(1.0, abs(high)):
         pad = abs(high) * 0.05 or 1.0
-        low, high = low - pad, high + pad
+        # A constant count or difference of 0 is drawn from 0 up, not around it.
+        low, high = (low if low == 0 else low - pad), high + pad
     raw = (high - low) / count
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
@@ -50,8 +53,12 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 def tick_label(value: float, ticks: Sequence[float]) -> str:
     span = max(abs(t) for t in ticks) or 1.0
+    if value == 0:
+        return "0"
     if span < 1e-2 or span >= 1e5:
-        return f"{value:.1e}"
+        # 3.0e-3, not 3.0e-03: the y axis's labels stay within its margin on a phone too
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
     step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 1.0
     decimals = max(0, -math.floor(math.log10(step))) if step < 1 else 0
     return f"{value:.{decimals}f}"
@@ -168,7 +175,7 @@ def legend_rows(entries: list[tuple[str, str, str]]) -> list[list[tuple[str, str
     rows: list[list[tuple[str, str, str]]] = [[]]
     used = 0.0
     for entry in entries:
-        width = 28 + 6.2 * len(entry[0])
+        width = 28 + LEGEND_CHAR * len(entry[0])
         if rows[-1] and used + width > WIDTH - 10:
             rows.append([])
             used = 0.0
@@ -189,5 +196,5 @@ def legend_svg(rows: list[list[tuple[str, str, str]]]) -> str:
                 f"stroke-width='2'{pattern}/><text x='{x + 22:.1f}' y='{y + 4:.1f}' class='lg'>"
                 f"{esc(label)}</text>"
             )
-            x += 28 + 6.2 * len(label)
+            x += 28 + LEGEND_CHAR * len(label)
     return "".join(parts)
