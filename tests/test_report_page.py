@@ -215,6 +215,17 @@ def test_the_run_page_shows_what_the_log_folder_holds(tmp_path: Path):
     assert "1 straggler(s) named" in text and "watchdog: rank 1" in text
     assert "attempt0-rank1.txt" in text and "1 unreadable image(s)" in text
     assert "its EMA weights" in text
+    # The data audit over the run, and its warning; the command that continues the run.
+    assert (
+        "The data audit (--audit_data_every 100) made 9 of the training images again on the CPU "
+        "reference path: the largest difference was 4.2 levels of 0-255 (epoch 2); 1 image(s) "
+        "over the tolerance." in text
+    )
+    assert "data audit: train/cat/a.jpg made from gpu" in text
+    command = "python launch_ddp.py --config logs/config.yaml --resume auto --epochs 6"
+    assert "<pre class='command'><span>" + "</span> <span>".join(command.split()) in text
+    empty_head = "<thead><tr><th class='text'></th><th class='text'></th></tr></thead>"
+    assert empty_head not in text  # the tables of names and values have no header row
     # The images are not where the history says: tiles without pictures, the page still whole.
     assert len(page.captions["gallery"]) == min(GALLERY_IMAGES, 18) and page.images == []
     # The six curves, then one chart per other field (the per-rank ones together).

@@ -16,6 +16,7 @@ from pathlib import Path
 
 RECORD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ \[rank \d+\] (.*)$")
 START = "Configuration: "  # the first line of every start (``run.train.write_run_config``)
+RERUN = re.compile(r"\(rerun: (.+)\)$")
 RESUMED = "Resumed from "
 ENDINGS = ("Done: ", "Stopped early", "Stopped at epoch", "Stopped by")
 # The lines that describe the data and how the run reads it.
@@ -103,6 +104,14 @@ class RunLog:
             return None
         last = self.starts[-1].records
         return next((r.text for r in reversed(last) if r.text.startswith(ENDINGS)), None)
+
+    def rerun_command(self) -> str | None:
+        """The command that runs the last start's configuration again, as its first line
+        says ("Configuration: <file> (rerun: <command>)")."""
+        if not self.starts:
+            return None
+        match = RERUN.search(self.starts[-1].records[0].text.splitlines()[0])
+        return match[1] if match else None
 
     def data_lines(self) -> list[str]:
         """The last start's lines about its data and how it is read."""

@@ -19,6 +19,7 @@ from imgtrainer.reports.history import read_history
 from imgtrainer.reports.html import (
     Section,
     cards,
+    command_line,
     esc,
     folded,
     page,
@@ -196,7 +197,33 @@ def data_section(files: RunFiles) -> Section:
     if lines:
         parts.append(preformatted("\n".join(lines)))
     parts.append(unreadable_block(files.log_dir / UNREADABLE_LIST))
+    parts.append(audit_block(files))
     return Section("data", "Data", "\n".join(parts))
+
+
+def audit_block(files: RunFiles) -> str:
+    """What the data audit (--audit_data_every) found over the run: the images it made again
+    on the CPU reference path, their largest difference, and its warnings."""
+    records = (files.history or {}).get("epochs") or []
+    audited = [r for r in records if isinstance(r.get("audit_images"), int)]
+    every = files.config.get("audit_data_every")
+    if not audited:
+        return "<p>The data audit was off (--audit_data_every 0).</p>" if every == 0 else ""
+    images = sum(r["audit_images"] for r in audited)
+    if not images:
+        return f"<p>The data audit (--audit_data_every {esc(every)}) checked no image yet.</p>"
+    worst = max(audited, key=lambda r: r.get("audit_max_diff") or 0.0)
+    largest = worst.get("audit_max_diff") or 0.0
+    warnings = [w for w in files.run_log.warnings() if "data audit:" in w]
+    line = (
+        f"The data audit (--audit_data_every {every}) made {images} of the training images "
+        f"again on the CPU reference path: the largest difference was {largest:g} levels of "
+        f"0-255" + (f" (epoch {worst['epoch']})" if largest else "") + f"; {len(warnings)} "
+        "image(s) over the tolerance."
+    )
+    if not warnings:
+        return f"<p>{esc(line)}</p>"
+    return f"<p class='warn'>{esc(line)}</p>" + preformatted("\n".join(warnings))
 
 
 def unreadable_block(path: Path) -> str:
@@ -216,7 +243,7 @@ def run_section(files: RunFiles) -> Section:
     parts = ["<h3>Command</h3>"]
     command = history.get("command")
     if command:
-        parts.append(preformatted(" ".join(map(str, command))))
+        parts.append(command_line(" ".join(map(str, command))))
     since = run_log.starts[0].began if run_log.starts else None
     launches, watchdog = launcher_lines(files.log_dir / "torchrun.log", since)
     if launches:
@@ -327,23 +354,41 @@ def checkpoints_section(files: RunFiles) -> Section:
         rows.append(
             [text(path.name), f"{stat.st_size / 2**20:.1f} MB", text(f"{when:%Y-%m-%d %H:%M:%S}")]
         )
-    latest = folder / "checkpoint_latest.pth"
-    ending = files.run_log.ending() or ""
-    resume = (
-        "<p>The run finished. To train it further, raise --epochs and resume:</p>"
-        if ending.startswith(("Done", "Stopped early"))
-        else "<p>To continue the run, give the command that started it again, with:</p>"
-    )
     body = (
         table(["file", "size", "written"], rows)
         + f"<p>Best epoch: {best_epoch(files.history)}.</p>"
-        + resume
-        + preformatted(f"--resume {latest}    (or --resume auto)")
-        + f"<p class='note'>Evaluate one on any data, with the pictures of its mistakes: "
-        f"<code>python src/evaluate.py --checkpoint {esc(folder / 'checkpoint_best.pth')} "
-        f"--data_dir DIR --report</code></p>"
+        + resume_block(files, folder)
+        + "<p class='note'>Evaluate one on any data, with the pictures of its mistakes:</p>"
+        + command_line(
+            f"python src/evaluate.py --checkpoint {folder / 'checkpoint_best.pth'} "
+            "--data_dir DIR --report"
+        )
     )
     return Section("checkpoints", "Checkpoints", body)
+
+
+def resume_block(files: RunFiles, folder: Path) -> str:
+    """The command that continues the run from its latest checkpoint (a finished run: for
+    more epochs), from the command its log says reruns its configuration."""
+    config, ending = files.config, files.run_log.ending() or ""
+    finished = ending.startswith(("Done", "Stopped early"))
+    rerun = files.run_log.rerun_command()
+    if rerun is None:  # a log without it: the flags alone
+        command = f"--resume {folder / 'checkpoint_latest.pth'}    (or --resume auto)"
+    else:
+        # A run file that starts over (the demo's) is told not to, or --resume refuses it.
+        command = f"{rerun} --resume auto" + (" --no_overwrite" if config.get("overwrite") else "")
+    if not finished:
+        return "<p>To continue the run from its latest checkpoint:</p>" + command_line(command)
+    epochs = config.get("epochs")
+    if rerun is not None and isinstance(epochs, int):
+        return (
+            f"<p>The run finished. To train it further, resume it with more epochs (here "
+            f"{2 * epochs} in all):</p>" + command_line(f"{command} --epochs {2 * epochs}")
+        )
+    return "<p>The run finished. To train it further, raise --epochs and resume:</p>" + (
+        command_line(command)
+    )
 
 
 # ----------------------------------------------------------------------------- writing it
