@@ -141,6 +141,8 @@ def test_a_comparison_counts_the_images_only_one_model_gets_right():
     page = Page(build_comparison_page(comparison, noise_image))
     assert len(page.captions["gallery-only-a"]) == 1 and len(page.captions["gallery-only-b"]) == 3
     assert page.rows["per-class"] == 2
+    same = build_comparison_page(Comparison(a, a, ("A.pth", "A.pth")), noise_image)
+    assert "None: B gets right every image A gets right." in same
     with pytest.raises(ValueError, match="same images"):
         Comparison(a, predictions_of([1] * 6, [1] * 6, [0.1] * 6, classes), ("A", "B"))
 

@@ -195,9 +195,14 @@ def disagreement_section(
     winner, other = ("A", "B") if ident == "only-a" else ("B", "A")
     shown = rows[np.argsort(-loser.confidence[rows], kind="stable")][:DISAGREEMENTS_SHOWN]
     tiles = Tiles(loser, read_image)
+    lead = (
+        f"{len(rows)} images; the captions give {other}'s prediction, its most confident "
+        "mistakes first."
+        if len(rows)
+        else f"None: {other} gets right every image {winner} gets right."
+    )
     body = (
-        f"<p>{len(rows)} images; the captions give {other}'s prediction, its most confident "
-        f"mistakes first.</p><div class='gallery' id='gallery-{ident}'>"
+        f"<p>{lead}</p><div class='gallery' id='gallery-{ident}'>"
         + "".join(tiles.tile(r) for r in shown)
         + "</div>"
     )
