@@ -25,7 +25,15 @@ from imgtrainer.reports.compare import (
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from imgtrainer.reports.report_page import GALLERY_IMAGES, classes_section, mistakes_section
 from imgtrainer.reports.run_report import build_run_report
-from imgtrainer.reports.svg_chart import Series, line_chart, nice_ticks, tick_label
+from imgtrainer.reports.svg_chart import (
+    LEFT,
+    RIGHT,
+    WIDTH,
+    Series,
+    line_chart,
+    nice_ticks,
+    tick_label,
+)
 from support.report_folder import write_log_folder
 
 MAX_PAGE_BYTES = 8 * 2**20
@@ -156,6 +164,9 @@ def test_chart_ticks_are_round_and_cover_the_values():
     chart = line_chart("Loss", [Series("val_loss", [1, 2, 3], [1.0, float("nan"), 0.5])], "x", 3)
     assert chart.count("<circle") == 2 and "best epoch" in chart
     assert "not recorded" in line_chart("Loss", [Series("val_loss", [], [])])
+    # One epoch (a checkpoint of the first): its point midway across, not on the y axis.
+    one = line_chart("Loss", [Series("val_loss", [1], [0.5])], "x", 1)
+    assert re.findall(r"<circle cx='([\d.]+)'", one) == [f"{(LEFT + WIDTH - RIGHT) / 2:.1f}"]
 
 
 # ----------------------------------------------------------------------------- the gallery

@@ -108,7 +108,9 @@ class Plot:
     """Data to plot-area coordinates."""
 
     def __init__(self, x_low: float, x_high: float, y_ticks: list[float]):
-        self.x_low, self.x_high = x_low, x_high if x_high > x_low else x_low + 1
+        if x_high <= x_low:  # one epoch: its points in the middle, not on the y axis
+            x_low, x_high = x_low - 0.5, x_low + 0.5
+        self.x_low, self.x_high = x_low, x_high
         self.y_ticks = y_ticks
         self.y_low, self.y_high = y_ticks[0], y_ticks[-1]
 
