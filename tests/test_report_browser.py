@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1280, "height": 900}
-# Where to keep the screenshots (for a person to look at); the test's folder by default.
+# Where to keep whole-page screenshots (for a person to look at); by default the first screen
+# of each view, in the test's folder.
 SCREENSHOTS_ENV = "IMGTRAINER_SCREENSHOTS"
 
 
@@ -60,9 +61,12 @@ PAGE_FACTS = """() => {
 }"""
 
 
-def open_pages(pages: dict[str, Path], shots: Path) -> tuple[dict, list[str], list[str]]:
-    """Each page on a phone's screen and a desktop's: what ``PAGE_FACTS`` finds on the phone,
-    the console's errors and every URL the browser asked for; a screenshot of each view."""
+def open_pages(
+    pages: dict[str, Path], shots: Path, full_page: bool
+) -> tuple[dict, list[str], list[str]]:
+    """Each page on a phone's screen, then a desktop's: what ``PAGE_FACTS`` finds on the
+    phone, the console's errors and every URL the browser asked for; a screenshot of each view
+    (of the whole page when ``full_page``: a second or so each)."""
     executable = chromium()
     facts, errors, requests = {}, [], []
     with sync_playwright() as p:
@@ -70,18 +74,16 @@ def open_pages(pages: dict[str, Path], shots: Path) -> tuple[dict, list[str], li
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             for name, path in pages.items():
-                for view, viewport in (("phone", PHONE), ("desktop", DESKTOP)):
-                    page = browser.new_page(viewport=viewport)
-                    page.on(
-                        "console", lambda m: errors.append(m.text) if m.type == "error" else None
-                    )
-                    page.on("pageerror", lambda e: errors.append(str(e)))
-                    page.on("request", lambda r: requests.append(r.url))
-                    page.goto(path.as_uri(), wait_until="load")
-                    if view == "phone":
-                        facts[name] = page.evaluate(PAGE_FACTS)
-                    page.screenshot(path=shots / f"{name}-{view}.png", full_page=True)
-                    page.close()
+                page = browser.new_page(viewport=PHONE)
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("request", lambda r: requests.append(r.url))
+                page.goto(path.as_uri(), wait_until="load")
+                facts[name] = page.evaluate(PAGE_FACTS)
+                page.screenshot(path=shots / f"{name}-phone.png", full_page=full_page)
+                page.set_viewport_size(DESKTOP)  # the same page laid out again, not loaded again
+                page.screenshot(path=shots / f"{name}-desktop.png", full_page=full_page)
+                page.close()
         finally:
             browser.close()
     return facts, errors, requests
@@ -98,8 +100,10 @@ def test_the_report_pages_read_in_a_real_browser(trained_run, tmp_path: Path):
         "run": trained_run.root / "logs" / "report.html",
         "evaluation": tmp_path / "eval" / "report.html",
     }
+    # Whole pages for a person to look at (IMGTRAINER_SCREENSHOTS=DIR); the first screen of
+    # each view otherwise (a whole page costs about a second to take).
     shots = Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path)
-    facts, errors, requests = open_pages(pages, shots)
+    facts, errors, requests = open_pages(pages, shots, full_page=SCREENSHOTS_ENV in os.environ)
     print(f"screenshots in {shots}")
     assert errors == []
     local = {path.as_uri() for path in pages.values()}
