@@ -196,8 +196,8 @@ def disagreement_section(
     shown = rows[np.argsort(-loser.confidence[rows], kind="stable")][:DISAGREEMENTS_SHOWN]
     tiles = Tiles(loser, read_image)
     lead = (
-        f"{len(rows)} images; the captions give {other}'s prediction, its most confident "
-        "mistakes first."
+        f"{len(rows)} image{'s' * (len(rows) != 1)}; the captions give {other}'s prediction, "
+        "its most confident mistakes first."
         if len(rows)
         else f"None: {other} gets right every image {winner} gets right."
     )
