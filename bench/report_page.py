@@ -10,7 +10,7 @@ The made-up run is a log folder as a 2-process run with EMA leaves it (tests/sup
 report_folder.py) whose validation images are photo-like JPEGs (short side 256 px), written
 once per call in a temporary folder; the page reads its pictures from them, as after a real
 run. Each build runs ``--repeats`` times in a new interpreter (as ``src/utils.py --report``
-does: matplotlib's import counted), its median reported. No torch.
+does: its imports counted), its median reported; exit 1 over a limit. No torch.
 """
 
 from __future__ import annotations
@@ -77,13 +77,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.epochs} epochs"
         )
     )
+    median = statistics.median(seconds)
     print(f"report page of {what}:")
-    print(f"  size   {size / 2**20:6.2f} MB  (limit {MAX_BYTES / 2**20:.0f} MB)")
     print(
-        f"  build  {statistics.median(seconds):6.2f} s   (limit {MAX_SECONDS:.0f} s; "
-        f"runs: {', '.join(f'{s:.2f}' for s in seconds)}; a new interpreter each)"
+        f"  size   {size / 2**20:6.2f} MB  (limit {MAX_BYTES / 2**20:.0f} MB) {verdict(size, MAX_BYTES)}"
     )
-    return 0
+    print(
+        f"  build  {median:6.2f} s   (limit {MAX_SECONDS:.0f} s; "
+        f"runs: {', '.join(f'{s:.2f}' for s in seconds)}; a new interpreter each) "
+        + verdict(median, MAX_SECONDS)
+    )
+    return 0 if size <= MAX_BYTES and median <= MAX_SECONDS else 1
+
+
+def verdict(value: float, limit: float) -> str:
+    return "ok" if value <= limit else "OVER"
 
 
 if __name__ == "__main__":
