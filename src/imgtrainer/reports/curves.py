@@ -1,4 +1,4 @@
-"""Training curves from the history file."""
+"""Training curves from the history file: a PNG of them, and the report page's charts."""
 
 from __future__ import annotations
 

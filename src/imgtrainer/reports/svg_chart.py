@@ -1,7 +1,7 @@
-"""Line charts as inline SVG for the report page: sharp at any size, a few kilobytes, drawn in
-microseconds (a matplotlib figure takes a tenth of a second or more, at every run's end).
+"""Line charts as inline SVG for the report page: sharp at any size, a few kilobytes each.
 
-Each point names its series, epoch and value when pointed at (its SVG ``<title>``).
+Drawn in microseconds (a matplotlib figure takes a tenth of a second or more, at every run's
+end). Each point names its series, epoch and value when pointed at (its SVG ``<title>``).
 """
 
 from __future__ import annotations
