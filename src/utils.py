@@ -1,6 +1,7 @@
-"""Plot a run's curves from its history file.
+"""Plot a run's curves from its history file, or write its report page.
 
     python src/utils.py --history logs/training_history.json --output curves.png
+    python src/utils.py --report logs
 
 A thin script over ``imgtrainer.tools.plot`` (this folder is on ``sys.path`` when it runs).
 """

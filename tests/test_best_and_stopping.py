@@ -252,6 +252,9 @@ def test_early_stopping_keeps_checkpoints_and_its_count_across_a_resume(tmp_path
         f"validated epochs (--early_stopping_patience 1); best val_loss "
         f"{records[best_epoch - 1]['val_loss']:.4f} (epoch {best_epoch})"
     ) in capsys.readouterr().out
+    report = (tmp_path / "logs" / "report.html").read_text()
+    assert "Stopped early after epoch 2 of 8" in report and "best val_loss" in report
+    assert f"the best checkpoint (epoch {best_epoch}, its trained weights)" in report
     checkpoints = tmp_path / "checkpoints"
     assert list(epoch_checkpoints(checkpoints)) == [best_epoch]
     best = load_checkpoint_file(checkpoints / "checkpoint_best.pth")
@@ -287,6 +290,10 @@ def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(
     out = capsys.readouterr().out
     assert "Stopped at epoch 1, step 1 (the --max_time budget 1s is nearly spent)" in out
     assert "--resume checkpoints/checkpoint_latest.pth" in out
+    # Its report too, before any validation: no predictions yet, and it says why.
+    report = (tmp_path / "logs" / "report.html").read_text()
+    assert "Stopped at epoch 1, step 1 (the --max_time budget 1s is nearly spent)" in report
+    assert "No validation predictions yet" in report
     assert load_checkpoint_file(tmp_path / "checkpoints" / "checkpoint_latest.pth")["step"] == 1
     # Out of time after an epoch's last step: saved there, the epoch finished on resume.
     monkeypatch.setattr(

@@ -416,8 +416,8 @@ def _indexed_loader(targets: torch.Tensor, batch_size: int):
 
 
 def _evaluate(device: torch.device, count: int = 40, classes: int = 7):
-    from imgtrainer.tools.evaluate import count_predictions
     from imgtrainer.tools.inference import Classifier
+    from imgtrainer.tools.scoring import count_predictions
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(count, classes, generator=g)

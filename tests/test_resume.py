@@ -28,7 +28,7 @@ from conftest import (
     write_image_folder,
 )
 
-TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb"}
+TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb", "data_wait_share"}
 
 
 @pytest.fixture

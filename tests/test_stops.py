@@ -146,6 +146,8 @@ def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, 
         assert_clean(out, err)
         assert f"Received {signal.Signals(signum).name}" in out
         assert "Resume with the same command plus --resume" in out
+        assert "Report: logs/report.html (" in out  # a stopped run's page too
+        assert "Stopped at epoch 1, step" in (tmp_path / "logs" / "report.html").read_text()
         if step:
             assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in out
         epoch, stopped = saved_step(latest)

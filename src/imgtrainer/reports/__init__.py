@@ -1,1 +1,1 @@
-"""What a run reports: its history, curves, confusion matrices, TensorBoard and trackers."""
+"""What a run reports: its history, curves, report pages, confusion matrices, TensorBoard and trackers."""

@@ -10,6 +10,7 @@ exactly once. ``metrics.csv`` beside it holds the same records, one row per epoc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +34,8 @@ class EpochRecord:
     train_images_per_sec: float
     peak_memory_mb: float
     micro_batch: int
+    # the share of the epoch's training time this process waited for batches
+    data_wait_share: float | None = None
     # each rank's seconds per step, outside the step, and data-wait share (``StragglerWatch``)
     ranks: dict[str, float] = field(default_factory=dict)
     # the data audit's images checked and their largest difference (--audit_data_every)
@@ -41,6 +44,8 @@ class EpochRecord:
     def as_dict(self) -> dict[str, Any]:
         fields = dict(vars(self))
         val, ranks, audit = fields.pop("val"), fields.pop("ranks"), fields.pop("audit")
+        if fields["data_wait_share"] is None:
+            del fields["data_wait_share"]
         head = {key: fields.pop(key) for key in ("epoch", "train_loss", "train_acc")}
         return {**head, **val, **fields, **ranks, **audit}
 
@@ -105,11 +110,13 @@ class HistoryWriter:
         header: dict[str, Any],
         enabled: bool,
         records: list[dict[str, Any]] | None = None,
+        live: Callable[[], dict[str, Any]] | None = None,
     ):
         self.path = path
         self.header = header
         self.enabled = enabled
         self.records: list[dict[str, Any]] = list(records or [])
+        self.live = live  # head fields that change as the run goes (the best epoch so far)
 
     def append(self, record: EpochRecord | dict[str, Any]) -> dict[str, Any]:
         """Add an epoch's record (kept as its dict, returned); the file is written by ``save``,
@@ -122,7 +129,8 @@ class HistoryWriter:
     def save(self) -> None:
         if not self.enabled:
             return
-        text = json.dumps({**self.header, "epochs": self.records}, indent=2).encode()
+        live = self.live() if self.live else {}
+        text = json.dumps({**self.header, **live, "epochs": self.records}, indent=2).encode()
         atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
         table = metrics_csv(self.records).encode()
         atomic_write(self.csv_path, lambda f: f.write(table), lambda: len(table))

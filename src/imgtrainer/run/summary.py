@@ -12,7 +12,9 @@ from imgtrainer.config import Layout, TrainConfig
 from imgtrainer.distributed.setup import (
     DistInfo,
 )
+from imgtrainer.errors import first_line
 from imgtrainer.reports.history import best_line
+from imgtrainer.reports.run_report import report_line, write_run_report
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -89,3 +91,19 @@ def best_summary(trainer: Trainer) -> str:
     """The best epoch, as "best val_acc 0.9123 (epoch 7)"; with EMA "(EMA weights, epoch 7)"."""
     none = "no epoch was validated, so no best {metric}"
     return best_line(trainer.best.state, trainer.ema.enabled, none=none)
+
+
+def write_report(cfg: TrainConfig, dist: DistInfo) -> None:
+    """<log_dir>/report.html, from the files the run wrote, by the main process once the run
+    has ended however it ended; a failure to write it is a warning, never the run's."""
+    if not dist.is_main:
+        return
+    try:
+        path, size, seconds = write_run_report(Path(cfg.log_dir))
+    except Exception as err:  # the report must not turn a finished run into a failed one
+        log.warning(
+            f"the run's report was not written ({first_line(err)}); "
+            f"python src/utils.py --report {cfg.log_dir} tries again"
+        )
+        return
+    log.info(report_line(path, size, seconds))

@@ -42,7 +42,7 @@ from imgtrainer.files import atomic_write
 from imgtrainer.precision import configure_backends
 from imgtrainer.process import TorchrunEnv
 from imgtrainer.run.lifecycle import exit_now, run_reporting
-from imgtrainer.run.summary import log_run_start, log_summary
+from imgtrainer.run.summary import log_run_start, log_summary, write_report
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
         trainer.decode_check.close()  # a run that ends before the first epoch's end
     log_summary(trainer, finished)
+    write_report(trainer.cfg, dist)
     return 0 if finished else trainer.stop.exit_code
 
 

@@ -1,10 +1,11 @@
 """Evaluate a checkpoint on an ImageFolder and write a report of where the model fails.
 
-    python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval
+    python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval --report
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
+    python src/evaluate.py --compare a.pth b.pth --data_dir data/val
 
-Writes metrics.json, confusion_matrix.csv, misclassified.csv and a confusion drawing to OUTPUT.
-Under torchrun each image is evaluated by one process and the counts are summed: exact metrics.
+Writes metrics.json, confusion_matrix.csv, misclassified.csv, a confusion drawing and with
+--report report.html to OUTPUT. Under torchrun each image is evaluated by one process: exact.
 """
 
 from __future__ import annotations
@@ -14,36 +15,19 @@ import csv
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from imgtrainer.data import (
-    FOLDER,
-    LoaderSpec,
-    SeededImageDataset,
-    ShardSampler,
-    TableImages,
-    find_classes,
-    layout_of,
-    leave_out_unreadable,
-    loader_workers,
-    make_loader,
-    open_table,
-)
-from imgtrainer.distributed.collectives import all_gather_objects, all_reduce_sum
 from imgtrainer.distributed.logs import logging_for_run
 from imgtrainer.distributed.setup import (
     DistInfo,
     cleanup_distributed,
-    cpu_cores_available,
     setup_distributed,
 )
-from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.errors import exit_on_user_error
 from imgtrainer.reports.confusion import (
     FULL_MATRIX_MAX_CLASSES,
     balanced_accuracy,
@@ -54,14 +38,16 @@ from imgtrainer.reports.confusion import (
     plot_confusion_summary,
     write_confusion_csv,
 )
+from imgtrainer.reports.evaluation_report import build_evaluation_report
+from imgtrainer.reports.run_report import REPORT_NAME
+from imgtrainer.reports.thumbnails import DataImages
 from imgtrainer.tools.inference import (
     Classifier,
     add_inference_arguments,
     check_inference_arguments,
     load_classifier,
 )
-from imgtrainer.training.evaluation import EvalSettings, evaluation_sums
-from imgtrainer.training.step import LOSS, TOP5
+from imgtrainer.tools.scoring import EvalCounts, build_eval_folder, score
 
 log = logging.getLogger(__name__)
 
@@ -69,31 +55,19 @@ log = logging.getLogger(__name__)
 WORST_CLASSES_SHOWN = 10
 
 
-@dataclass
-class EvalCounts:
-    """Everything the report needs, summed (or gathered) over all ranks."""
-
-    confusion: np.ndarray  # [K, K] int64, rows true, columns predicted
-    loss_sum: float
-    top5_correct: int
-    misclassified: list[tuple[int, int, float]]  # (dataset index, predicted class, confidence)
-
-    @property
-    def images(self) -> int:
-        return int(self.confusion.sum())
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate.py",
         description="Evaluate a checkpoint on an ImageFolder: metrics.json, "
-        "confusion_matrix.png, misclassified.csv and the worst classes.",
+        "confusion_matrix.png, misclassified.csv and the worst classes (--report: a page with "
+        "the images it gets wrong); or compare two checkpoints on the same images (--compare).",
     )
     add_inference_arguments(
         parser,
         64,
         "images per batch per process",
         "loader workers per process (default: min(4, cores per process))",
+        checkpoint_required=False,  # --compare names two instead
     )
     parser.add_argument(
         "--data_dir",
@@ -108,93 +82,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("logs/eval"),
         help="folder for the report files (default: logs/eval)",
     )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="also write OUTPUT/report.html: one page with the per-class table, the confusion "
+        "matrix and the images it gets wrong as pictures",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A.pth", "B.pth"),
+        help="score two checkpoints on the same images of --data_dir: each top-1 with its "
+        "confidence interval, the difference with McNemar's exact test, per-class differences "
+        "and the images one gets right and the other wrong (OUTPUT/compare.html)",
+    )
     return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (args.compare is None):
+        parser.error("give --checkpoint FILE, or --compare A.pth B.pth (not both)")
     check_inference_arguments(args)
     return args
-
-
-def build_eval_folder(
-    data_dir: Path, class_names: list[str], output: Path, dist: DistInfo
-) -> tuple[TableImages, int]:
-    """The images of ``data_dir`` (a folder, or any other layout of --train_data) labelled
-    with the checkpoint's class indices (the folder may hold only some of the classes), and how
-    many unreadable files were left out. Every rank must call this."""
-    is_folder = layout_of(str(data_dir)) == FOLDER
-    present = find_classes(data_dir, "evaluation") if is_folder else []
-    unknown = sorted(set(present) - set(class_names))
-    if unknown:
-        raise UserError(
-            f"{data_dir} has class folders the checkpoint does not know: "
-            f"{unknown[:10]}{' ...' if len(unknown) > 10 else ''}; its classes are "
-            f"{class_names[:10]}{' ...' if len(class_names) > 10 else ''}"
-        )
-    folder = TableImages(open_table(str(data_dir), "evaluation", class_names))
-    unreadable = leave_out_unreadable({"evaluation": folder}, output, dist.rank, dist.world_size)
-    if not len(folder):
-        raise UserError(f"{data_dir} holds no readable image")
-    return folder, len(unreadable)
-
-
-class PredictionCounter:
-    """The per-sample part of the report, fed by ``training.evaluation.evaluate``'s pass: the confusion
-    matrix (on the device) and this rank's misclassified images.
-
-    ``indices`` yields the dataset index of each sample in the order the loader yields them
-    (the loader's sampler): the pass sees every sample once, in that order.
-    """
-
-    def __init__(self, num_classes: int, device: torch.device, indices: Iterator[int]):
-        self.num_classes = num_classes
-        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
-        self.indices = indices
-        self.misclassified: list[tuple[int, int, float]] = []  # (index, predicted, confidence)
-
-    def __call__(
-        self, logits: torch.Tensor, predicted: torch.Tensor, targets: torch.Tensor
-    ) -> None:
-        # index_add_, not bincount: bincount on CUDA reads the largest value back to the host.
-        self.confusion.index_add_(
-            0,
-            targets * self.num_classes + predicted,
-            torch.ones_like(targets, dtype=self.confusion.dtype),
-        )
-        confidence = logits.softmax(dim=1).gather(1, predicted[:, None])[:, 0]
-        # The per-image list needs the predictions on the host: one copy per (micro-)batch, one
-        # GPU synchronisation, not one per misclassified image.
-        host = torch.stack(
-            [predicted.double(), confidence.double(), (predicted != targets).double()]
-        ).cpu()
-        batch_indices = [next(self.indices) for _ in range(targets.size(0))]
-        for i in host[2].nonzero().flatten().tolist():
-            self.misclassified.append((batch_indices[i], int(host[0, i]), float(host[1, i])))
-
-
-def count_predictions(
-    classifier: Classifier, loader, device: torch.device, show_progress: bool = True
-) -> EvalCounts:
-    """Confusion matrix, loss and top-5 over this rank's shard, summed over all ranks, plus every
-    rank's misclassified images. Every rank must call this (it ends with collectives).
-
-    The pass is training's own (``training.evaluation.evaluation_sums``: its autocast, micro-batch and
-    layout, read from the checkpoint), so top-1 is the ``val_acc`` training recorded for the
-    same checkpoint and images. ShardSampler gives each image to exactly one rank.
-    """
-    num_classes = len(classifier.class_names)
-    counter = PredictionCounter(num_classes, device, iter(loader.sampler))
-    settings = EvalSettings(device, classifier.precision, classifier.plan, show_progress)
-    sums = evaluation_sums(classifier.model, loader, settings, on_predictions=counter).tolist()
-    all_reduce_sum(counter.confusion)
-    gathered = sorted(row for rows in all_gather_objects(counter.misclassified) for row in rows)
-    return EvalCounts(
-        counter.confusion.view(num_classes, num_classes).cpu().numpy(),
-        sums[LOSS],
-        int(sums[TOP5]),
-        gathered,
-    )
 
 
 def build_metrics(
@@ -244,7 +156,7 @@ class ReportWriter:
         self.output = output
         self.enabled = enabled
 
-    def write(self, metrics: dict[str, Any], counts: EvalCounts, folder: TableImages) -> list[Path]:
+    def write(self, metrics: dict[str, Any], counts: EvalCounts) -> list[Path]:
         """The files written, in the order a reader wants them."""
         if not self.enabled:
             return []
@@ -257,7 +169,7 @@ class ReportWriter:
         files[0].write_text(json.dumps(metrics, indent=2) + "\n")
         class_names = metrics["class_names"]
         write_confusion_csv(counts.confusion, class_names, files[1])
-        self.write_misclassified(counts, folder)
+        self.write_misclassified(counts)
         title = f"{metrics['data_dir']}: top-1 {metrics['top1']:.3f}, {metrics['images']} images"
         if len(class_names) <= FULL_MATRIX_MAX_CLASSES:
             files.append(self.output / "confusion_matrix.png")
@@ -269,21 +181,38 @@ class ReportWriter:
             )
         return files
 
-    def write_misclassified(self, counts: EvalCounts, folder: TableImages) -> None:
+    def write_page(
+        self, metrics: dict[str, Any], counts: EvalCounts, classifier: Classifier, table
+    ) -> list[Path]:
+        """--report: report.html, the pictures of the mistakes read from ``table``."""
+        if not self.enabled:
+            return []
+        images = DataImages(metrics["data_dir"], counts.predictions.class_names, table=table)
+        text = build_evaluation_report(counts.predictions, metrics, classifier.history, images)
+        path = self.output / REPORT_NAME
+        path.write_text(text)
+        return [path]
+
+    def write_misclassified(self, counts: EvalCounts) -> None:
         """Most confident mistakes first: they are the likeliest label errors in the data."""
+        p, names = counts.predictions, counts.predictions.class_names
         rows = sorted(counts.misclassified, key=lambda row: -row[2])
         with open(self.output / "misclassified.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "true_class", "predicted_class", "confidence"])
             for index, predicted, confidence in rows:
-                path, target = folder.table.location(index), folder.table.label(index)
+                target = p.targets[index]
                 writer.writerow(
-                    [path, folder.classes[target], folder.classes[predicted], f"{confidence:.4f}"]
+                    [p.locations[index], names[target], names[predicted], f"{confidence:.4f}"]
                 )
 
 
 def run(args: argparse.Namespace, dist: DistInfo) -> int:
     with logging_for_run(args.output, dist, name="evaluate"):
+        if args.compare:
+            from imgtrainer.tools.compare import compare_and_report
+
+            return compare_and_report(args, dist)
         return evaluate_and_report(args, dist)
 
 
@@ -292,32 +221,14 @@ def evaluate_and_report(args: argparse.Namespace, dist: DistInfo) -> int:
         args.checkpoint, dist.device, args.weights, args.eval_resize_ratio, args.tta
     )
     folder, unreadable = build_eval_folder(args.data_dir, classifier.class_names, args.output, dist)
-    dataset = SeededImageDataset(folder, classifier.transform, seed=0)
-    workers = loader_workers(
-        args.num_workers, cpu_cores_available() // dist.local_world_size, dist.device.type
-    )
-    loader = make_loader(
-        dataset,
-        ShardSampler(len(dataset), dist.rank, dist.world_size),
-        LoaderSpec(
-            args.batch_size,
-            train=False,
-            num_workers=workers,
-            pin_memory=dist.device.type == "cuda",
-            mean=classifier.mean,
-            std=classifier.std,
-        ),
-    )
-    log.info(
-        f"Evaluating {args.checkpoint} on {len(dataset)} images of {args.data_dir} "
-        f"({dist.world_size} process(es) on {dist.device.type}) with {classifier.weights_note}; "
-        f"resize ratio {classifier.eval_resize_ratio}, test-time augmentation: {classifier.tta}"
-    )
     started = time.perf_counter()
-    counts = count_predictions(classifier, loader, dist.device, show_progress=dist.is_main)
+    counts = score(classifier, folder, args, dist)
     evaluated = time.perf_counter()
     metrics = build_metrics(counts, classifier.class_names, args, unreadable, classifier)
-    written = ReportWriter(args.output, enabled=dist.is_main).write(metrics, counts, folder)
+    writer = ReportWriter(args.output, enabled=dist.is_main)
+    written = writer.write(metrics, counts)
+    if args.report:
+        written += writer.write_page(metrics, counts, classifier, folder.table)
     log.info(
         f"Timing: evaluation pass {evaluated - started:.2f}s, report "
         f"{time.perf_counter() - evaluated:.2f}s"

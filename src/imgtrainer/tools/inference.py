@@ -43,6 +43,9 @@ class Classifier:
     weights_note: str = "the trained weights"  # which, and why, for the tools' output
     model_name: str = ""  # the timm model name (export.py rebuilds the model from it)
     config: dict[str, Any] = field(default_factory=dict)  # the training run's flags
+    # The training run's epoch records and best epoch, as its history file holds them.
+    history: dict[str, Any] | None = None
+    path: Path | None = None  # the checkpoint file
 
 
 TTA_CHOICES = ("none", "flip")
@@ -146,7 +149,22 @@ def load_classifier(
         note,
         state["model_name"],
         config,
+        checkpoint_history(state),
+        path,
     )
+
+
+def checkpoint_history(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The training history a checkpoint carries, in the history file's form (for the report's
+    curves); None for a checkpoint without one."""
+    if not state.get("history"):
+        return None
+    best = {"epoch": state.get("best_epoch"), "metric": state.get("best_metric")}
+    return {
+        "config": state.get("config") or {},
+        "epochs": list(state["history"]),
+        "best": {**best, "weights": state.get("best_weights")},
+    }
 
 
 def training_precision(config: dict[str, Any], device: torch.device) -> Precision:
@@ -161,11 +179,18 @@ def training_precision(config: dict[str, Any], device: torch.device) -> Precisio
 
 
 def add_inference_arguments(
-    parser: argparse.ArgumentParser, batch_size: int, batch_size_help: str, num_workers_help: str
+    parser: argparse.ArgumentParser,
+    batch_size: int,
+    batch_size_help: str,
+    num_workers_help: str,
+    checkpoint_required: bool = True,
 ) -> None:
     """The flags src/evaluate.py and src/predict.py share, with the same meaning."""
     parser.add_argument(
-        "--checkpoint", type=Path, required=True, help="checkpoint written by src/train_ddp.py"
+        "--checkpoint",
+        type=Path,
+        required=checkpoint_required,
+        help="checkpoint written by src/train_ddp.py",
     )
     add_device_argument(parser)
     parser.add_argument(

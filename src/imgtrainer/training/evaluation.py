@@ -105,18 +105,31 @@ def is_validation_epoch(cfg: TrainConfig, epoch: int) -> bool:
 
 
 def validation_metrics(
-    model: nn.Module, loader, parts: RunParts, dist: DistInfo
+    model: nn.Module,
+    loader,
+    parts: RunParts,
+    dist: DistInfo,
+    on_predictions: PredictionHook | None = None,
 ) -> dict[str, float]:
     """val_loss, val_acc, val_top5 of ``model`` (the trained weights or their EMA). Rank 0's
     BatchNorm statistics (the ones saved) go to every rank first. Every rank must call this."""
     broadcast_buffers(model)
     settings = EvalSettings(dist.device, parts.precision, parts.plan, dist.is_main)
-    return evaluate(model, loader, settings)
+    return evaluate(model, loader, settings, on_predictions)
 
 
-def epoch_validation(parts: RunParts, ema: ModelEma, loader, dist: DistInfo) -> dict[str, float]:
-    """An epoch's validation metrics: the weights', and with EMA the average's."""
-    val = validation_metrics(parts.plain_model, loader, parts, dist)
+def epoch_validation(
+    parts: RunParts,
+    ema: ModelEma,
+    loader,
+    dist: DistInfo,
+    recorders: dict[str, PredictionHook] | None = None,
+) -> dict[str, float]:
+    """An epoch's validation metrics: the weights', and with EMA the average's; ``recorders``
+    (by "raw" and "ema") see each one's predictions."""
+    recorders = recorders or {}
+    val = validation_metrics(parts.plain_model, loader, parts, dist, recorders.get("raw"))
     if ema.enabled:
-        val.update(ema_metrics(validation_metrics(ema.module, loader, parts, dist)))
+        ema_val = validation_metrics(ema.module, loader, parts, dist, recorders.get("ema"))
+        val.update(ema_metrics(ema_val))
     return val

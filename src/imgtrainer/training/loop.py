@@ -103,6 +103,7 @@ class LogWindow:
     def __init__(self):
         self.started = time.perf_counter()
         self.waited = self.last_wait = 0.0
+        self.epoch_waited = 0.0  # over the whole epoch, for its record
         self.images = 0
 
     def timed(self, batches: Iterable) -> Iterator:
@@ -112,6 +113,7 @@ class LogWindow:
             batch = next(iterator, None)
             self.last_wait = time.perf_counter() - before
             self.waited += self.last_wait
+            self.epoch_waited += self.last_wait
             if batch is None:
                 return
             yield batch
@@ -232,7 +234,7 @@ def train_one_epoch(
     progress.close()
     if nonfinite is not None:
         nonfinite.check(steps_per_epoch)
-    return _epoch_metrics(sums, step, state.plan.micro_batch)
+    return {**_epoch_metrics(sums, step, state.plan.micro_batch), "data_wait": window.epoch_waited}
 
 
 def _start_epoch(state: RunParts, sums: torch.Tensor | None) -> torch.Tensor:

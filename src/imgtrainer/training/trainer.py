@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import platform
 import socket
+import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -46,25 +47,47 @@ from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
 from imgtrainer.training.nonfinite import NonFiniteLoss
 from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
+from imgtrainer.training.predictions import BestPredictions
 from imgtrainer.training.stopping import StopRequest, TimeBudget
 from imgtrainer.training.stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
 
-def run_header(cfg: TrainConfig, dist: DistInfo, class_names: list[str]) -> dict[str, Any]:
+def run_header(
+    cfg: TrainConfig, dist: DistInfo, class_names: list[str], parts, class_counts: list[int]
+) -> dict[str, Any]:
+    """The history file's head: what the run is, on what, with which data (the report's)."""
     return {
         "config": cfg.to_dict(),
         "world_size": dist.world_size,
         "effective_batch_size": Layout.of(cfg, dist.world_size).global_batch,
         "device": str(dist.device.type),
         "class_names": class_names,
+        "train_class_counts": class_counts,
+        "command": sys.argv,
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torchvision": torchvision.__version__,
             "timm": timm.__version__,
         },
+        "environment": environment(dist, parts.precision),
+    }
+
+
+def environment(dist: DistInfo, precision) -> dict[str, Any]:
+    """The main process's host, its GPUs and CUDA, and the precision of the forward pass."""
+    cuda = dist.device.type == "cuda"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    return {
+        "host": socket.gethostname(),
+        "cuda": torch.version.cuda if cuda else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "gpus": gpus,
+        "precision": f"{str(precision.dtype).removeprefix('torch.')} autocast"
+        if precision.enabled
+        else "float32",
     }
 
 
@@ -97,6 +120,14 @@ def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerCont
     if error is not None:
         raise UserError(error)
     return trackers
+
+
+def epoch_audit(train_loader) -> dict[str, float]:
+    """The epoch's data audit over every rank (``data.audit_summary``): every rank calls it, or
+    none (--audit_data_every 0)."""
+    if train_loader.audit is None:
+        return {}
+    return audit_summary(all_gather_objects(train_loader.audit_results()))
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -141,9 +172,12 @@ class Trainer:
         self.checkpoints = CheckpointWriter(
             Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
         )
-        header = run_header(cfg, dist, self.class_names)
+        header = run_header(cfg, dist, self.class_names, parts, counts)
         self.history = HistoryWriter(
-            Path(cfg.log_dir) / "training_history.json", header, enabled=dist.is_main
+            Path(cfg.log_dir) / "training_history.json",
+            header,
+            enabled=dist.is_main,
+            live=lambda: {"best": self.best.to_plain()},
         )
         # Every rank's host clocks, gathered with each stop agreement (none on one process).
         self.stragglers = (
@@ -154,6 +188,8 @@ class Trainer:
         self.stop = StopRequest(dist.is_distributed, self.stragglers)
         self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
         self.best = BestTracker(cfg)  # --best_metric, early stopping, the kept epochs
+        # The best epoch's validation predictions, for the run's report.
+        self.best_predictions = BestPredictions(Path(cfg.log_dir), self.class_names, dist.is_main)
         self.progress = Progress()
         self.checkpoint_written = False  # by this process: a --max_time stop may rely on it
         self.resumed_sums: torch.Tensor | None = None
@@ -258,46 +294,44 @@ class Trainer:
         if self.stop.requested_by_all:
             return False
         train_seconds = time.perf_counter() - started
-        audit = self.audit_summary()
+        audit = epoch_audit(self.train_loader)
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
         self.decode_check.finish()
-        val = self.validate_epoch() if is_validation_epoch(self.cfg, self.epoch + 1) else {}
+        recorders = self.best_predictions.recorders(self.ema.enabled)
+        val = (
+            self.validate_epoch(recorders) if is_validation_epoch(self.cfg, self.epoch + 1) else {}
+        )
         if self.cfg.check_sync:
             check_ranks_in_sync(self.parts.plain_model)
             if self.ema.enabled:
                 check_ranks_in_sync(self.ema.module)
         self.progress.epoch, self.progress.step = self.epoch + 1, 0
-        # Speed counts the steps this process ran, not those restored from a checkpoint.
-        images = (train["steps"] - first_step) * self.layout.global_batch
-        epoch = self.epoch_record(train, val, images / max(train_seconds, 1e-9), started)
-        epoch = replace(epoch, audit=audit)
-        record = self.history.append(epoch)
+        epoch = self.epoch_record(train, val, started, train_seconds, first_step)
+        record = self.history.append(epoch := replace(epoch, audit=audit))
         is_best = self.best.agree(record, self.dist.is_distributed)
+        if is_best:
+            self.best_predictions.keep(recorders, self.val_loader, record, self.best.state)
         self.save_checkpoint(None, is_best, epoch_end=True)
         self.hooks.call("on_epoch_end", self.epoch, record)
         note = best_note(self.best.state, self.ema.enabled) if is_best else ""
         log.info(epoch.line(self.cfg.epochs) + note)
         return True
 
-    def audit_summary(self) -> dict[str, float]:
-        """The epoch's data audit over every rank (``data.audit_summary``): every rank calls
-        it, or none (--audit_data_every 0)."""
-        if self.train_loader.audit is None:
-            return {}
-        return audit_summary(all_gather_objects(self.train_loader.audit_results()))
-
-    def validate_epoch(self) -> dict[str, float]:
+    def validate_epoch(self, recorders: dict) -> dict[str, float]:
         """The epoch's validation metrics (``epoch_validation``), timed for --max_time."""
         started = self.budget.clock()
         heartbeat.mark(heartbeat.Phase.VALIDATION)
-        val = epoch_validation(self.parts, self.ema, self.val_loader, self.dist)
+        val = epoch_validation(self.parts, self.ema, self.val_loader, self.dist, recorders)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
 
     def epoch_record(
-        self, train: dict, val: dict, images_per_sec: float, started: float
+        self, train: dict, val: dict, started: float, train_seconds: float, first_step: int
     ) -> EpochRecord:
+        # Speed counts the steps this process ran, not those restored from a checkpoint.
+        images = (train["steps"] - first_step) * self.layout.global_batch
+        train_seconds = max(train_seconds, 1e-9)
         return EpochRecord(
             epoch=self.epoch,
             train_loss=train["train_loss"],
@@ -305,9 +339,10 @@ class Trainer:
             val=history_val_metrics(val),  # none for an epoch without validation
             lr=self.parts.optimizer.param_groups[0]["lr"],
             epoch_seconds=time.perf_counter() - started,
-            train_images_per_sec=images_per_sec,
+            train_images_per_sec=images / train_seconds,
             peak_memory_mb=peak_memory_mb(self.dist.device),
             micro_batch=self.parts.plan.micro_batch,
+            data_wait_share=round(train["data_wait"] / train_seconds, 4),
             ranks=self.stragglers.epoch_figures() if self.stragglers else {},
         )
 

@@ -1,0 +1,118 @@
+"""The report of a real run: written when the run ends, again by ``src/utils.py --report``
+without torch, the same page from ``src/evaluate.py --report``, and two checkpoints compared
+image by image with ``--compare``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import SRC, run_main, write_image_folder
+from imgtrainer.reports.compare import mcnemar_exact
+from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
+from imgtrainer.tools.evaluate import main as evaluate_main
+from test_report_page import Page
+
+
+def test_a_finished_run_leaves_its_report_with_the_best_epochs_predictions(trained_run):
+    logs = trained_run.root / "logs"
+    history = json.loads((logs / "training_history.json").read_text())
+    best = history["best"]
+    assert best["metric"] == "val_acc" and best["epoch"] in (1, 2)
+    assert all(0 <= r["data_wait_share"] <= 1 for r in history["epochs"])
+    assert history["train_class_counts"] == [16, 16, 16]
+    assert history["environment"]["precision"] == "float32"
+    predictions = Predictions.load(logs / BEST_PREDICTIONS)
+    assert predictions.about["epoch"] == best["epoch"] and len(predictions) == 15
+    record = history["epochs"][best["epoch"] - 1]
+    assert predictions.top1 == record["val_acc"]  # the pass that scored the epoch
+    assert sorted(predictions.locations) == sorted(
+        str(path) for path in trained_run.val.rglob("*.jpg")
+    )
+    text = (logs / "report.html").read_text()
+    page = Page(text)
+    assert page.rows["per-class"] == 3 and page.rows["epochs"] == 2
+    assert len(page.captions["gallery"]) == 15
+    assert all(src.startswith("data:image/") for src in page.images)
+    assert pictures(page) == 15 == len(page.images)  # the curves are inline SVG
+    assert text.count("<svg class='chart'") >= 6
+    assert "Done: best val_acc" in text
+    log = (logs / "train_rank_0.log").read_text()
+    assert "Report: logs/report.html (" in log
+
+
+def pictures(page: Page) -> int:
+    """The pictures of images among a page's images (JPEG; the figures are PNG)."""
+    return sum(src.startswith("data:image/jpeg") for src in page.images)
+
+
+def test_utils_report_rebuilds_the_page_without_torch(trained_run, tmp_path: Path):
+    logs = trained_run.copy_to(tmp_path) / "logs"
+    (logs / "report.html").unlink()
+    code = (
+        "import sys\n"
+        "from imgtrainer.tools.plot import main\n"
+        "code = main(['--report', 'logs'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Report: logs/report.html (")
+    page = Page((logs / "report.html").read_text())
+    # Run from the run's own folder: the validation images are found again.
+    assert page.rows["per-class"] == 3 and pictures(page) == 15
+
+
+def test_evaluate_report_and_compare_score_two_checkpoints_on_the_same_images(
+    trained_run, tmp_path: Path, capsys
+):
+    # Pixels that tell no class apart: the two checkpoints disagree on some of them.
+    data = write_image_folder(tmp_path / "noise", ["cat", "dog", "fox"], 10, coloured=False)
+    best, latest = trained_run.best, trained_run.best.with_name("checkpoint_latest.pth")
+    common = ["--data_dir", data, "--device", "cpu", "--num_workers", "0"]
+    code = run_main(
+        evaluate_main, ["--checkpoint", best, "--report", "--output", tmp_path / "one", *common]
+    )
+    assert code == 0
+    page = Page((tmp_path / "one" / "report.html").read_text())
+    metrics = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert page.rows["per-class"] == 3 and len(page.captions["gallery"]) == 24
+    rows = [min(8, c["images"] - c["correct"]) for c in metrics["per_class"].values()]
+    assert pictures(page) == 24 + sum(rows)
+
+    capsys.readouterr()
+    code = run_main(
+        evaluate_main, ["--compare", best, latest, "--output", tmp_path / "two", *common]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "two" / "compare.json").read_text())
+    assert summary["images"] == 30 and summary["top1_a"] == metrics["top1"]
+    a, b = summary["only_a_right"], summary["only_b_right"]
+    assert summary["mcnemar_exact_p"] == mcnemar_exact(a, b)
+    assert summary["difference"] == summary["top1_b"] - summary["top1_a"]
+    assert np.isclose(summary["difference"] * 30, b - a)
+    assert f"McNemar's exact p = {summary['mcnemar_exact_p']:.4g}" in out
+    compare = Page((tmp_path / "two" / "compare.html").read_text())
+    assert len(compare.captions["gallery-only-a"]) == min(a, 24)
+    assert len(compare.captions["gallery-only-b"]) == min(b, 24)
+    assert compare.rows["per-class"] == 3
+
+
+def test_evaluate_needs_one_checkpoint_or_two_to_compare(trained_run, capsys):
+    for argv in ([], ["--checkpoint", trained_run.best, "--compare", "a.pth", "b.pth"]):
+        assert run_main(evaluate_main, argv) == 2
+        assert "give --checkpoint FILE, or --compare A.pth B.pth" in capsys.readouterr().err
