@@ -22,7 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrainer.distributed.heartbeat import Beat, Phase, SlotName, read_slot
+from imgtrainer.distributed.heartbeat import (
+    CHECK_PROCESS,
+    EVAL_WORKER,
+    TRAIN_WORKER,
+    WAITS_FOR,
+    Beat,
+    Phase,
+    SlotName,
+    read_slot,
+)
 
 # The process states of /proc/PID/stat, most suspect first: stopped (SIGSTOP, a debugger),
 # uninterruptible sleep (a hung driver call or network file system), running (a busy loop);
@@ -34,6 +43,8 @@ PY_SPY_SECONDS = 20.0
 # SIGTERM; one still running this long after (--hang_timeout, at most this) is killed too, so that
 # torchrun does not wait its own 30 s for it before the restart.
 MAX_GRACE_SECONDS = 10.0
+# The stacks file of a stuck process that is not a rank: attempt{A}-rank{R}-{kind}{index}.txt.
+STACKS_KIND = {TRAIN_WORKER: "worker", EVAL_WORKER: "valworker", CHECK_PROCESS: "check"}
 
 
 def process_state(pid: int) -> str:
@@ -75,8 +86,10 @@ class HangJudge:
     worker (or a rank without workers) while a file read lasts. Among ranks that are all stale,
     the one that is stopped, else behind the others (fewer phase changes: they wait for it in a
     collective), else in a suspect state (``SUSPECT_STATES``) is named; a rank stale while it
-    waits for batches (training or validation) names the worker of its own that is in a suspect
-    state, if one is."""
+    waits for processes of its own (``heartbeat.WAITS_FOR``: its training loader's workers in
+    its data wait, its validation loader's in validation, its decode check's at the check's
+    end) names the one of them in the most suspect state, if one is and the rank itself is not
+    stopped."""
 
     timeout: float
     # Every rank of the job is on this node. Else a rank is named only on evidence (stopped, in
@@ -99,14 +112,16 @@ class HangJudge:
                 self.seen[name] = Seen(beat, now)
             else:
                 last.beat = beat
-        ranks = {n: s for n, s in self.seen.items() if n.worker < 0}
+        ranks = {n: s for n, s in self.seen.items() if n.is_rank}
         stale_reads = [
-            (s.changed_at, n)
+            n
             for n, s in self.seen.items()
             if s.beat.reading and now - s.changed_at >= self.timeout and self._watched(n, ranks)
         ]
         if stale_reads:
-            return self._verdict(min(stale_reads)[1], ranks, now)
+            # Keys of numbers only: two slots never compare themselves (they have no order).
+            first = min(stale_reads, key=lambda n: (self.seen[n].changed_at, order(n)))
+            return self._verdict(first, ranks, now)
         stale = [
             n for n, s in ranks.items() if watched(s.beat) and now - s.changed_at >= self.timeout
         ]
@@ -116,23 +131,19 @@ class HangJudge:
         rank = min(
             stale,
             key=lambda n: (
-                states[n] not in "Tt" or not states[n],
+                not stopped(states[n]),
                 ranks[n].beat.beat,
                 suspicion(states[n]),
                 ranks[n].changed_at,
-                n.rank,
+                order(n),
             ),
         )
-        culprit = rank
-        if ranks[rank].beat.phase in (Phase.DATA, Phase.VALIDATION):  # waiting for a batch
-            workers = [
-                n
-                for n in self.seen
-                if n.worker >= 0 and (n.rank, n.attempt) == (rank.rank, rank.attempt)
-            ]
-            suspects = sorted((suspicion(self.state_of(n.pid)), n.worker, n) for n in workers)
-            if suspects and suspects[0][0] < len(SUSPECT_STATES):
-                culprit = suspects[0][2]
+        # A rank stale where it waits for processes of its own (a batch from its loader's
+        # workers, the rest of the decode check) names one of them that is stopped or busy,
+        # unless it is stopped itself.
+        kind = WAITS_FOR.get(ranks[rank].beat.phase)
+        part = self._suspect_part(rank, kind) if kind and not stopped(states[rank]) else None
+        culprit = part or rank
         behind = ranks[rank].beat.beat < max(s.beat.beat for s in ranks.values())
         if not (
             self.whole_job
@@ -142,6 +153,19 @@ class HangJudge:
         ):
             return None  # asleep where the others are: it may wait for another node's rank
         return self._verdict(culprit, ranks, now)
+
+    def _suspect_part(self, rank: SlotName, kind: str) -> SlotName | None:
+        """The process of ``kind`` of ``rank`` in the most suspect state (``SUSPECT_STATES``;
+        on a tie the lowest index, then pid), or None when none of them is in one. A rank may
+        have several of a kind with the same index: the workers of two loaders."""
+        parts = [
+            n
+            for n in self.seen
+            if n.kind == kind and not n.is_rank and (n.rank, n.attempt) == (rank.rank, rank.attempt)
+        ]
+        scores = {n: suspicion(self.state_of(n.pid)) for n in parts}
+        best = min(parts, key=lambda n: (scores[n], order(n)), default=None)
+        return best if best is not None and scores[best] < len(SUSPECT_STATES) else None
 
     def _watched(self, name: SlotName, ranks: dict[SlotName, Seen]) -> bool:
         """A worker's read is watched while its rank trains."""
@@ -166,6 +190,15 @@ def watched(beat: Beat) -> bool:
     return beat.phase not in (Phase.NOT_STARTED, Phase.DONE)
 
 
+def stopped(state: str) -> bool:
+    return state in ("T", "t")
+
+
+def order(name: SlotName) -> tuple[int, int, int, int]:
+    """A slot's place among others of the same standing: by rank, attempt, index, pid."""
+    return name.rank, name.attempt, name.worker, name.pid
+
+
 def rank_pid(verdict: Verdict) -> int:
     return next(n.pid for n in verdict.ranks if n.rank == verdict.culprit.rank)
 
@@ -177,11 +210,13 @@ def hang_line(verdict: Verdict, host: str, stacks: Path) -> str:
         f"rank {culprit.rank} (host {host}, pid {rank_pid(verdict)}) made no progress for "
         f"{verdict.seconds:.0f} s after global step {beat.step}, phase {beat.phase.words}"
     )
-    if culprit.worker >= 0 or verdict.culprit_beat.reading:
-        who = f"its loader worker {culprit.worker}" if culprit.worker >= 0 else "it"
+    if not culprit.is_rank or verdict.culprit_beat.reading:
         read = verdict.culprit_beat
-        doing = f"reading {read.path}" if read.reading else f"last read {read.path or 'nothing'}"
-        where += f"; {who} (pid {culprit.pid}) is stuck {doing}"
+        if read.reading:
+            doing = f"is stuck reading {read.path}"
+        else:
+            doing = f"is stuck (last read {read.path})" if read.path else "is stuck"
+        where += f"; {culprit.part} (pid {culprit.pid}) {doing}"
     return f"{where}; stacks: {stacks}"
 
 
@@ -307,7 +342,7 @@ class Watchdog:
         """Stacks, the line, then SIGKILL to the stuck process (and to its rank, for a loader
         worker): torchrun sees a failed worker and restarts the group, or gives up."""
         culprit = verdict.culprit
-        suffix = f"-worker{culprit.worker}" if culprit.worker >= 0 else ""
+        suffix = "" if culprit.is_rank else f"-{STACKS_KIND[culprit.kind]}{culprit.worker}"
         stacks = (
             self.plan.log_dir / "hang" / f"attempt{culprit.attempt}-rank{culprit.rank}{suffix}.txt"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import threading
 import zipfile
@@ -29,7 +30,7 @@ from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
-from imgtrainer.process import forked_pool
+from imgtrainer.process import TorchrunEnv, forked_pool
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class DecodeCheck:
         else:
             global _CHECK
             _CHECK = self  # the forked processes inherit it: the tables are never pickled
-            self.pool = forked_pool(workers or torch.get_num_threads(), background=True)
+            self.pool = forked_pool(
+                workers or torch.get_num_threads(), background=True, start=_open_check_slot
+            )
             results = self.pool.imap_unordered(_check_rows, tasks)
         self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
         self.thread.start()
@@ -178,6 +181,16 @@ class DecodeCheck:
 
 
 _CHECK: DecodeCheck | None = None  # the running check, in its forked processes
+
+
+def _open_check_slot() -> None:
+    """In a forked process of the check: a heartbeat slot of its own, so that the launcher's
+    hang watchdog can name it when its rank waits for the check's end. Its reads are not
+    marked: it runs on CPU time that training leaves, and may wait for it long."""
+    env = TorchrunEnv.read()
+    number = multiprocessing.current_process().name.rpartition("-")[2]  # ForkPoolWorker-N
+    index = int(number) - 1 if number.isdigit() else 0
+    heartbeat.open_slot(env.rank, env.restart_count, index, heartbeat.CHECK_PROCESS)
 
 
 def _check_rows(task: tuple[str, int, int]):
