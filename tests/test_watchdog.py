@@ -26,7 +26,7 @@ from imgtrainer.distributed.heartbeat import (
 from imgtrainer.errors import UserError
 from imgtrainer.process import EXIT_HUNG
 from imgtrainer.run import launcher
-from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line
+from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line, read_slots
 from imgtrainer.training.stragglers import STRAGGLER_GATHERS, StragglerWatch
 
 
@@ -257,6 +257,71 @@ def test_the_watchdog_names_dumps_and_kills_a_stopped_process(tmp_path, capsys):
     stacks = (tmp_path / "logs" / "hang" / "attempt0-rank0.txt").read_text()
     assert "state T" in stacks
     assert "<module>" in stacks or "/proc/" in stacks  # py-spy's Python stack, or the kernel's
+
+
+def test_an_error_inside_the_watch_is_one_line_and_the_watch_goes_on(tmp_path, capsys, monkeypatch):
+    """An error in the watchdog's loop (the TypeError of issue 37 ended its thread with one
+    traceback on stderr, the run going on unwatched): one line on the console and in the log,
+    the traceback in the log, once however often it repeats; a stopped process is still named."""
+    from imgtrainer.run import watchdog as module
+
+    real, calls = module.read_slots, [0]
+
+    def failing_read_slots(folder, ignored):
+        calls[0] += 1
+        if calls[0] <= 3:  # the same error at three polls in a row
+            raise RuntimeError("injected by the test")
+        return real(folder, ignored)
+
+    monkeypatch.setattr(module, "read_slots", failing_read_slots)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        folder = tmp_path / "heartbeat"
+        Slot(folder, SlotName(0, 0, -1, child.pid)).mark(Phase.STEP, 3)
+        child.send_signal(signal.SIGSTOP)
+        log_file = tmp_path / "logs" / "torchrun.log"
+        log_file.parent.mkdir()
+        plan = WatchPlan(folder, 0.5, tmp_path / "logs", 0, log_file)
+        started = time.monotonic()
+        with Watchdog(plan) as watchdog:
+            while not watchdog.hangs and time.monotonic() - started < 10:
+                time.sleep(0.05)
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    assert watchdog.errors == 3
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if "error while watching" in line]
+    assert errors == [
+        "watchdog: error while watching (RuntimeError: injected by the test, at "
+        f"test_watchdog.py:{failing_read_slots.__code__.co_firstlineno + 3}); still watching; "
+        f"traceback in {log_file}"
+    ]
+    assert "Traceback" not in "\n".join(err)
+    assert any(line.startswith("watchdog: rank 0 (host ") for line in err), err
+    log = log_file.read_text()
+    assert log.count("error while watching") == 1 and "made no progress" in log
+    assert "Traceback (most recent call last):" in log and 'raise RuntimeError("injected' in log
+
+
+def test_stacks_that_cannot_be_written_do_not_spare_the_stuck_process(tmp_path, capsys):
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        folder = tmp_path / "heartbeat"
+        Slot(folder, SlotName(0, 0, -1, child.pid)).mark(Phase.STEP, 3)
+        child.send_signal(signal.SIGSTOP)
+        (tmp_path / "logs").write_text("a file where the log folder should be")
+        watchdog = Watchdog(WatchPlan(folder, 0.5, tmp_path / "logs", 0))
+        watchdog.judge.observe(read_slots(folder, set()))
+        time.sleep(0.6)
+        watchdog.watch_once()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    line = capsys.readouterr().err.strip()
+    assert "stacks: " in line and "(not written: NotADirectoryError: " in line, line
 
 
 def test_after_a_hang_the_run_ends_with_its_code_and_no_healthy_rank_is_blamed(tmp_path, capsys):

@@ -1,10 +1,11 @@
 """The hang watchdog of launch_ddp.py: a launcher thread that names and ends a stuck process.
 
 A thread of the launcher (a process that a frozen rank cannot freeze) reads the heartbeat slots
-of this node's ranks and loader workers (``distributed.heartbeat``); one that makes no progress
-for --hang_timeout is named in one line, the stacks of every rank go to <log_dir>/hang/, and the
-stuck process is killed so that torchrun restarts the workers (--max_restarts) from the newest
-checkpoint. No torch here.
+of this node's ranks, loader workers and decode-check processes (``distributed.heartbeat``); one
+that makes no progress for --hang_timeout is named in one line, the stacks of every rank go to
+<log_dir>/hang/, and the stuck process is killed so that torchrun restarts the workers
+(--max_restarts) from the newest checkpoint. An error inside the watch is one line, and the
+watch goes on. No torch here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from imgtrainer.distributed.heartbeat import (
     SlotName,
     read_slot,
 )
+from imgtrainer.errors import first_line
 
 # The process states of /proc/PID/stat, most suspect first: stopped (SIGSTOP, a debugger),
 # uninterruptible sleep (a hung driver call or network file system), running (a busy loop);
@@ -305,6 +308,8 @@ class Watchdog:
         self.ended: set[int] = set()  # the processes of attempts it ended: no longer judged
         self.lingering: dict[SlotName, float] = {}  # their ranks, and when they must be gone
         self.host = socket.gethostname()
+        self.errors = 0  # errors inside the watch, each reported once (``report_error``)
+        self.errors_seen: set[tuple[type, str]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -319,10 +324,32 @@ class Watchdog:
     def _run(self) -> None:
         interval = min(1.0, self.plan.timeout / 4)
         while not self._stop.wait(interval):
-            verdict = self.judge.observe(read_slots(self.plan.folder, self.ended))
-            if verdict is not None:
-                self.act(verdict)
-            self.end_lingering()
+            try:
+                self.watch_once()
+            except Exception as err:  # a watcher that dies in silence is worse than none
+                self.report_error(err)
+
+    def watch_once(self) -> None:
+        verdict = self.judge.observe(read_slots(self.plan.folder, self.ended))
+        if verdict is not None:
+            self.act(verdict)
+        self.end_lingering()
+
+    def report_error(self, err: Exception) -> None:
+        """An error inside the watch: one line on the console and in torchrun.log, with its
+        traceback in the log, once per kind and place (a poll that fails every second repeats
+        nothing); the thread goes on watching."""
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        self.errors += 1
+        if (type(err), where) in self.errors_seen:
+            return
+        self.errors_seen.add((type(err), where))
+        log = f"; traceback in {self.plan.log_file}" if self.plan.log_file else ""
+        self.say(
+            f"watchdog: error while watching ({first_line(err)}, at {where}); still watching{log}"
+        )
+        self.say("".join(traceback.format_exception(err)).rstrip(), console=False)
 
     def end_lingering(self) -> None:
         now = time.monotonic()
@@ -347,7 +374,10 @@ class Watchdog:
             self.plan.log_dir / "hang" / f"attempt{culprit.attempt}-rank{culprit.rank}{suffix}.txt"
         )
         line = hang_line(verdict, self.host, stacks)
-        write_stacks(verdict, stacks, line)
+        try:
+            write_stacks(verdict, stacks, line)
+        except OSError as err:  # a full or read-only log folder must not spare the stuck process
+            line += f" (not written: {first_line(err)})"
         left = self.plan.max_restarts - culprit.attempt
         then = (
             f"restarting the workers from the newest checkpoint (restart {culprit.attempt + 1} "
@@ -368,7 +398,8 @@ class Watchdog:
 
     def say(self, text: str, console: bool = True) -> None:
         if console:
-            print(text, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, ValueError):  # a console gone: the log still has it
+                print(text, file=sys.stderr, flush=True)
         if self.plan.log_file is not None:
             try:
                 with open(self.plan.log_file, "a") as log:
