@@ -72,8 +72,9 @@ class Seen:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The stuck process (``culprit``: a rank or a loader worker), its rank's slot, how long it
-    made no progress, and every rank's process (for their stacks)."""
+    """The stuck process (``culprit``: a rank or a process of its own), its rank's slot, how
+    long the stale rank (or the culprit's read) made no progress, and every rank's process (for
+    their stacks)."""
 
     culprit: SlotName
     rank_beat: Beat
@@ -124,7 +125,7 @@ class HangJudge:
         if stale_reads:
             # Keys of numbers only: two slots never compare themselves (they have no order).
             first = min(stale_reads, key=lambda n: (self.seen[n].changed_at, order(n)))
-            return self._verdict(first, ranks, now)
+            return self._verdict(first, ranks, now - self.seen[first].changed_at)
         stale = [
             n for n, s in ranks.items() if watched(s.beat) and now - s.changed_at >= self.timeout
         ]
@@ -155,7 +156,7 @@ class HangJudge:
             or suspicion(states[rank]) < len(SUSPECT_STATES)
         ):
             return None  # asleep where the others are: it may wait for another node's rank
-        return self._verdict(culprit, ranks, now)
+        return self._verdict(culprit, ranks, now - ranks[rank].changed_at)
 
     def _suspect_part(self, rank: SlotName, kind: str) -> SlotName | None:
         """The process of ``kind`` of ``rank`` in the most suspect state (``SUSPECT_STATES``;
@@ -177,14 +178,15 @@ class HangJudge:
         )
         return owner is not None and watched(owner.beat)
 
-    def _verdict(self, culprit: SlotName, ranks: dict[SlotName, Seen], now: float) -> Verdict:
+    def _verdict(self, culprit: SlotName, ranks: dict[SlotName, Seen], seconds: float) -> Verdict:
+        """``seconds``: how long what was judged (the stale rank, or the read) made no progress:
+        a process of the rank's may have been stopped long before its rank waited for it."""
         owner = next(n for n in ranks if (n.rank, n.attempt) == (culprit.rank, culprit.attempt))
-        seen = self.seen[culprit]
         return Verdict(
             culprit,
             ranks[owner].beat,
-            seen.beat,
-            now - seen.changed_at,
+            self.seen[culprit].beat,
+            seconds,
             tuple(sorted(ranks, key=lambda n: (n != owner, n.rank))),
         )
 
