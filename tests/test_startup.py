@@ -432,6 +432,34 @@ def test_rank_reports_bad_input_bug_and_early_stop(tmp_path: Path):
     assert code == 143 and "before training started" in reports[0]["line"]
 
 
+def test_a_stop_signal_while_a_failed_rank_ends_leaves_its_ending_whole(tmp_path: Path):
+    """torchrun stops the other ranks of a failed attempt with SIGTERM: one that came while a
+    rank wrote its own failure escaped run_reporting, and the rank then waited in
+    multiprocessing's exit for its loader workers until torchrun's SIGKILL, 30 s later."""
+    code, reports, _ = run_rank(
+        tmp_path,
+        "import os, signal, imgtrainer.run.lifecycle as lifecycle\n"
+        "    real = lifecycle.bug_line\n"
+        "    def stopped_now(err):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # as torchrun's, during the report\n"
+        "        return real(err)\n"
+        "    lifecycle.bug_line = stopped_now\n"
+        "    raise RuntimeError('Connection closed by peer')",
+    )
+    assert code == 1 and reports[0]["line"] == "error: RuntimeError: Connection closed by peer"
+    # A stop that interrupts a failing rank's clean-up: the failure is still why it ended.
+    code, reports, _ = run_rank(
+        tmp_path,
+        "import os, signal\n"
+        "    try:\n"
+        "        raise RuntimeError('Connection closed by peer')\n"
+        "    finally:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)",
+        rank=3,
+    )
+    assert code == 1 and "RuntimeError: Connection closed" in reports[0]["traceback"]
+
+
 def test_the_line_of_a_bug_raised_in_a_loader_worker_is_the_original_error():
     from torch.utils.data._utils import ExceptionWrapper
 
