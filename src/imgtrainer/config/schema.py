@@ -310,6 +310,11 @@ class TrainConfig:
     save_every_steps: int = _logging(0, ZERO_OR_MORE).help(
         "also write checkpoint_latest.pth every N steps inside an epoch (0: only at epoch end)"
     )
+    save_every_minutes: float = _logging(10.0, OFF_OR_POSITIVE).help(
+        "also write checkpoint_latest.pth inside an epoch once this many minutes passed since the "
+        "last checkpoint, at the processes' next agreement (every 10 steps; 0: off): about the "
+        "most training a crash can cost"
+    )
     tensorboard: bool = _logging(True).help(
         "write TensorBoard event files (curves, hyper-parameters, a grid of augmented images) to "
         "<log_dir>/tensorboard on the main process; --no_tensorboard: off"
