@@ -347,6 +347,7 @@ def test_early_stopping_keeps_checkpoints_and_its_count_across_a_resume(tmp_path
     assert load_checkpoint_file(checkpoints / epoch_checkpoint_name(3))["epoch"] == 3
 
 
+@pytest.mark.slow  # two training runs, in this process
 def test_checkpoints_due_by_time_change_when_files_are_written_not_the_weights(
     tmp_path: Path, monkeypatch
 ):
