@@ -88,11 +88,17 @@ def assert_same_tensors(a: object, b: object, where: str = "") -> int:
 
 
 def metrics_without_timings(workdir: Path) -> list[dict]:
-    """Each epoch's record less its clock readings: the run's timings and each rank's (the
-    straggler figures, ``rank<N>_step_s`` ...)."""
+    """Each epoch's record less its clock readings (the run's timings and each rank's: the
+    straggler figures, ``rank<N>_step_s`` ...) and the data audit's figures, which count the
+    images the processes of each start checked (a restarted one checks its first batches
+    again: it may run on another machine)."""
     history = json.loads((workdir / "logs" / "training_history.json").read_text())
     return [
-        {k: v for k, v in r.items() if k not in TIMING_KEYS and not re.match(r"rank\d+_", k)}
+        {
+            k: v
+            for k, v in r.items()
+            if k not in TIMING_KEYS and not re.match(r"(rank\d+|audit)_", k)
+        }
         for r in history["epochs"]
     ]
 

@@ -1,10 +1,10 @@
 """The data audit: images the device made, checked against the CPU reference path as a run trains.
 
-At the first batches of a run and then every ``every``-th, one image of the batch is copied to
-the host without waiting for the device, and a background thread makes it again on the CPU
-from its sample row (the box as drawn, the flip, the policy's ops, the erasing: no new draws):
-decoded by PIL (or as the cache decodes it), cropped as the workers crop, resampled by the
-gathered taps. The difference is measured in 0-255 levels; over the source's tolerance it is
+At the first batches of a run (and of each restart: it may run on another machine) and then
+every ``every``-th, one image of the batch is copied to the host without waiting for the device,
+and a background thread makes it again on the CPU from its sample row (the box as drawn, the
+flip, the policy's ops, the erasing: no new draws): decoded by PIL (or as the cache decodes it),
+cropped as the workers crop, resampled by the gathered taps. The difference is measured in 0-255 levels; over the source's tolerance it is
 one warning, and repeated mismatches ask ``DeviceBatches`` to take the CPU path instead.
 """
 
@@ -25,7 +25,7 @@ from imgtrainer.data.host.samples import Source, crop_pixels
 
 log = logging.getLogger(__name__)
 
-FIRST_BATCHES = 3  # the run's first batches are all audited, then every ``every``-th
+FIRST_BATCHES = 3  # the first batches of each start are all audited, then every ``every``-th
 MISMATCHES_TO_SWITCH = 3  # mismatched images of a source before it gives way to the CPU path
 # The share of an image's values the audited difference leaves out: a uint8 policy op can turn
 # a one-level rounding difference into a large one for a few pixels (a threshold, a histogram).
@@ -69,7 +69,7 @@ class DataAudit:
         self.reference, self.augment, self.source, self.every = reference, augment, source, every
         self.device = torch.device(device)
         self.tolerance = tolerance(source, self.device)
-        self.seen = 0  # the run's batches before the next one
+        self.seen = 0  # batches shown
         self.results: list[Audited] = []  # this epoch's, filled by the audit thread
         self.pending: list[Future] = []
         self.mismatches = 0
@@ -78,11 +78,6 @@ class DataAudit:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-audit")
         std = torch.tensor(augment.std, dtype=torch.float32).view(3, 1, 1)
         self._levels = std * 255  # a normalised difference in 0-255 levels, per channel
-
-    def count_from(self, batches: int) -> None:
-        """The run's batches before the next one (its steps before a resume's position): the
-        audited batches are those of an unbroken run, and so is the epoch's record."""
-        self.seen = batches
 
     def due(self) -> bool:
         """Whether the next batch is audited (counting it)."""
