@@ -122,8 +122,10 @@ RUNS = {
         Cell("rank", "checkpoint write", "3:4:0:rank@write", "checkpoint", ""),
     ],
     "workers": [
-        # Stuck inside its 40th read (its third batch, the fifth of the epoch).
-        Cell("worker", "first data wait", "1:40:1:worker", DATA, "its loader worker"),
+        # Stuck inside its 56th read (its fourth batch, the seventh of the epoch: asked for
+        # once the rank took the third, after step 2's checkpoint). A batch it queued earlier
+        # is still fetched from it (its storage's file descriptor): the rank may wait there.
+        Cell("worker", "first data wait", "1:56:1:worker", DATA, "its loader worker"),
         Cell("check", "check end", "1:8:1:check@check", CHECK, "its decode-check process"),
         Cell("worker", "check end", "1:8:1:worker@check", DATA, "its loader worker"),
         Cell("worker", "checkpoint write", "2:2:1:worker@checkpoint", DATA,
