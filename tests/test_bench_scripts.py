@@ -5,6 +5,7 @@ sees of it. No test imports a bench file."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -15,6 +16,28 @@ from conftest import ROOT, run_cli
 
 BENCH = ROOT / "bench"
 RECIPES = BENCH / "recipes" / "recipes.py"
+
+# ----------------------------------------------------------------------------- chaos.py
+
+
+@pytest.mark.slow
+def test_a_short_chaos_soak_survives_each_fault_and_ends_bitwise(tmp_path: Path):
+    """Four faults of a seeded schedule over a 5-epoch run beside an unfaulted one: seed 5 is a
+    full disk, a stopped rank, a killed loader worker and a killed rank where the soak can make
+    a tmpfs of its own (``unshare -rm``), else a killed worker and rank, a stopped rank and
+    SIGTERM to the launcher with the same command again."""
+    flags = ["--faults", 4, "--epochs", 5, "--max_delay", 1, "--seed", 5, "--workdir", tmp_path]
+    result = run_cli([BENCH / "chaos.py", *flags], cwd=tmp_path, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert out.startswith("chaos soak, seed 5") or "no full disk in this soak" in out, out
+    faults = [line for line in out.splitlines() if re.match(r"\s+\d+ \w+ \w+\s+step ", line)]
+    assert len(faults) == 4 and all("survived" in line for line in faults), out
+    assert re.search(r"4 faults injected, 4 survived, \d+ restarts", out), out
+    assert "every epoch once: yes (5 epochs" in out
+    assert "final weights and optimizer state vs the unfaulted run: bitwise equal" in out
+    assert "replay: python bench/chaos.py --seed 5 --faults 4 --epochs 5" in out
+
 
 # ----------------------------------------------------------------------------- throughput.py
 

@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import imgtrainer.training.stopping as stopping
 from conftest import CLASSES, ROOT, TINY_FLAGS, run_cli, run_train, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
+from imgtrainer.checkpoints.periodic import CheckpointAndStop, SaveSchedule
 from imgtrainer.checkpoints.run_folder import (
     check_new_run,
     epoch_checkpoint_name,
@@ -25,6 +27,7 @@ from imgtrainer.checkpoints.run_folder import (
 from imgtrainer.checkpoints.writer import CheckpointWriter
 from imgtrainer.config import TrainConfig, parse_config, parse_duration
 from imgtrainer.errors import UserError
+from imgtrainer.hooks import StepInfo
 from imgtrainer.training.best import BestTracker, metric_value
 from imgtrainer.training.stopping import StopRequest, TimeBudget
 from imgtrainer.training.trainer import Trainer
@@ -150,6 +153,71 @@ def test_time_stop_exits_0_and_a_signal_wins():
     assert stop.agreed() and not stop.by_time and stop.exit_code == 130
 
 
+def test_save_schedule_counts_steps_and_the_minutes_since_the_last_checkpoint():
+    now = [100.0]
+    schedule = SaveSchedule(steps=3, seconds=600.0, clock=lambda: now[0])
+    assert [schedule.by_count(step) for step in (1, 3, 4, 6)] == [False, True, False, True]
+    now[0] = 699.0
+    assert not schedule.due()
+    now[0] = 700.0  # ten minutes since it was made
+    assert schedule.due()
+    schedule.saved()  # any checkpoint: the ten minutes start again
+    assert not schedule.due()
+    now[0] = 1300.0
+    assert schedule.due()
+    off = SaveSchedule(steps=0, seconds=0.0, clock=lambda: now[0])
+    now[0] = 1e9
+    assert not off.by_count(3) and not off.due()
+
+
+def saves_of_an_epoch(
+    monkeypatch, steps: int, distributed: bool, clock_at: dict[int, float], other_due=()
+) -> list[int]:
+    """The steps of one epoch of ``steps`` steps after which ``CheckpointAndStop`` saves, with
+    --save_every_minutes 10 and this rank's clock at ``clock_at[step]`` from that step on;
+    with ``distributed``, the agreement gathers this rank's row and another rank's (its save
+    due at the steps ``other_due``)."""
+    now = [0.0]
+    schedule = SaveSchedule(steps=0, seconds=600.0, clock=lambda: now[0])
+    stop = StopRequest(distributed=False)
+    if distributed:  # the gather faked: no process group needed for the rule
+        stop.distributed = True
+        gathered = []
+
+        def gather(row, group):
+            gathered.append(step)
+            other = torch.tensor([0.0, step in other_due], dtype=torch.float64)
+            return torch.stack([row, other])
+
+        monkeypatch.setattr(stopping, "all_gather_rows", gather)
+    saved = []
+
+    def save(sums):
+        saved.append(step)
+        schedule.saved()  # as Trainer.save_checkpoint does after every checkpoint
+
+    hook = CheckpointAndStop(stop, lambda *_: False, save, steps, schedule)
+    for step in range(1, steps + 1):
+        now[0] = clock_at.get(step, now[0])
+        assert not hook.on_step_end(StepInfo(step, step, torch.zeros(3)))
+    if distributed:  # the ranks met at every 10th step and after the last, no more
+        assert gathered == [*range(10, steps, 10), steps]
+    return saved
+
+
+def test_a_checkpoint_due_by_time_waits_for_the_ranks_next_agreement(monkeypatch):
+    # One process agrees with itself after every step: saved at the first step past 10 min,
+    # then 10 min after that save.
+    clock = {4: 599.0, 5: 600.0, 9: 1199.0, 12: 1200.0}
+    assert saves_of_an_epoch(monkeypatch, 30, False, clock) == [5, 12]
+    # Several: due at step 5 on this rank's clock, saved at the agreement of step 10, and not
+    # again at 20 (the clock started again at 10); due at 23, but step 25 ends the epoch, whose
+    # own checkpoint comes next.
+    assert saves_of_an_epoch(monkeypatch, 25, True, {5: 600.0, 20: 1199.0, 23: 1300.0}) == [10]
+    # Another rank's clock says it is due: every rank saves, at the same step.
+    assert saves_of_an_epoch(monkeypatch, 25, True, {}, other_due={20}) == [20]
+
+
 def _agreement_worker(rank: int, port: int, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -162,6 +230,9 @@ def _agreement_worker(rank: int, port: int, out: Path) -> None:
         stop = StopRequest(distributed=True)
         stop.signum = signal.SIGTERM if rank == 0 else None
         results["signal"] = (stop.agreed(time_up=rank == 1), stop.exit_code)
+        # A checkpoint due by time on rank 1's clock only: both save, neither stops; then not.
+        stop = StopRequest(distributed=True)
+        results["save"] = [(stop.agreed(save_due=due), stop.save_agreed) for due in (rank, 0)]
         # The ranks' metrics differ (they never should): the main process's verdict holds.
         best = BestTracker(TrainConfig(early_stopping_patience=1))
         best.agree(record(1, val_acc=0.5), distributed=True)
@@ -190,6 +261,7 @@ def test_every_rank_agrees_on_a_time_stop_and_on_early_stopping(tmp_path: Path):
         assert results == {
             "time": [True, 0],
             "signal": [True, 143],
+            "save": [[False, True], [False, False]],
             "best": [False, 1, True],
         }, rank
 
@@ -276,6 +348,50 @@ def test_early_stopping_keeps_checkpoints_and_its_count_across_a_resume(tmp_path
     best_epoch = min((1, 2, 3), key=lambda e: (records[e - 1]["val_loss"], e))
     assert sorted(epoch_checkpoints(checkpoints)) == sorted({best_epoch, 3})
     assert load_checkpoint_file(checkpoints / epoch_checkpoint_name(3))["epoch"] == 3
+
+
+@pytest.mark.slow  # two training runs, in this process
+def test_checkpoints_due_by_time_change_when_files_are_written_not_the_weights(
+    tmp_path: Path, monkeypatch
+):
+    """Two runs of an epoch of 4 steps: --save_every_minutes 0, and so short a time that a
+    checkpoint is due after every step. That one is written after each step inside the epoch
+    (its last step waits for the epoch's own), every checkpoint starts the clock again, and
+    both runs end with the same weights and optimizer state, bit for bit."""
+    flags = [*small_folders(tmp_path, per_class=12), "--epochs", "1", "--model", "test_resnet"]
+    written, restarted = [], []
+    write, saved = CheckpointWriter.save_with_history, SaveSchedule.saved
+
+    def counted_write(writer, state, *args, **kwargs):
+        written.append((state["epoch"], state["step"]))
+        return write(writer, state, *args, **kwargs)
+
+    def counted_saved(schedule):
+        restarted.append(len(written))
+        saved(schedule)
+
+    monkeypatch.setattr(CheckpointWriter, "save_with_history", counted_write)
+    monkeypatch.setattr(SaveSchedule, "saved", counted_saved)
+    ends = {}
+    for name, minutes in (("off", "0"), ("due", "1e-6")):
+        written.clear(), restarted.clear()
+        (tmp_path / name).mkdir()
+        assert run_train([*flags, "--save_every_minutes", minutes], cwd=tmp_path / name) == 0
+        assert restarted == list(range(1, len(written) + 1))  # after each checkpoint
+        latest = tmp_path / name / "checkpoints" / "checkpoint_latest.pth"
+        ends[name] = (list(written), load_checkpoint_file(latest))
+    assert ends["off"][0] == [(1, 0)]
+    assert ends["due"][0] == [(0, 1), (0, 2), (0, 3), (1, 0)]
+    off, due = ends["off"][1], ends["due"][1]
+    weights = off["model_state_dict"]
+    assert weights.keys() == due["model_state_dict"].keys()
+    assert all(torch.equal(weights[k], due["model_state_dict"][k]) for k in weights)
+    moments = off["optimizer_state_dict"]["state"]
+    assert moments.keys() == due["optimizer_state_dict"]["state"].keys() and moments
+    for index, state in moments.items():
+        for name, value in state.items():
+            other = due["optimizer_state_dict"]["state"][index][name]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, name)
 
 
 def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(

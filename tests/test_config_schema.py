@@ -29,6 +29,7 @@ BOUND_LINES = [
     (["--dist_timeout_minutes", "0"], "--dist_timeout_minutes must be positive, got 0.0"),
     (["--num_workers", "-1"], "--num_workers must be 0 or more, got -1"),
     (["--save_every_steps", "-1"], "--save_every_steps must be 0 or more, got -1"),
+    (["--save_every_minutes", "-1"], "--save_every_minutes must be 0 (off) or positive, got -1.0"),
     (["--label_smoothing", "1"], "--label_smoothing must be in [0, 1), got 1.0"),
     (
         ["--eval_resize_ratio", "1.5"],

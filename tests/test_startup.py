@@ -303,6 +303,48 @@ def test_a_check_of_many_images_runs_in_processes_and_is_remembered(tmp_path: Pa
         decodes.value = 0
 
 
+def test_a_check_process_that_ends_early_leaves_its_share_to_the_rank(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """multiprocessing's Pool waits forever for the result of a process that was killed: the
+    check's own thread notices the lost process and checks what is left itself."""
+    folder = write_image_folder(tmp_path / "train", ["a", "b"], 150, size=8)
+    (folder / "b" / "img_100.jpg").write_bytes(b"broken")
+    parent, real = os.getpid(), decode_check.DecodeCheck.rows
+
+    def killed_in_a_child(self, role, start, stop):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return real(self, role, start, stop)
+
+    monkeypatch.setattr(decode_check.DecodeCheck, "rows", killed_in_a_child)
+    monkeypatch.setattr(decode_check, "LOST_POLL_SECONDS", 0.1)
+    images = {"training": folder_images(folder)}
+    check = decode_check.DecodeCheck(images, None, workers=1)
+    assert check.pool is not None
+    found = check.finish()
+    assert [Path(p).relative_to(folder).as_posix() for p in found] == ["b/img_100.jpg"]
+    assert "ended early (signal 9): this process checked its share" in caplog.text
+
+
+def test_an_error_inside_the_check_ends_the_run_with_one_line_naming_it(
+    tmp_path: Path, monkeypatch
+):
+    folder = write_image_folder(tmp_path / "train", ["a"], 3)
+
+    def broken(self, i):
+        raise ValueError("a bug in the check")
+
+    monkeypatch.setattr(ImageTable, "problem", broken)
+    check = decode_check.DecodeCheck({"training": folder_images(folder)}, None)
+    with pytest.raises(RuntimeError) as raised:
+        check.finish()
+    assert lifecycle.bug_line(raised.value) == (
+        "RuntimeError: the images' decode check failed: ValueError: a bug in the check"
+    )
+    assert isinstance(raised.value.__cause__, ValueError)  # its traceback follows the line
+
+
 def test_row_stats_of_files_and_shards(tmp_path: Path):
     folder = write_image_folder(tmp_path / "train", ["a"], 3)
     table = folder_images(folder).table
@@ -388,6 +430,34 @@ def test_rank_reports_bad_input_bug_and_early_stop(tmp_path: Path):
         tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGTERM)", rank=2
     )
     assert code == 143 and "before training started" in reports[0]["line"]
+
+
+def test_a_stop_signal_while_a_failed_rank_ends_leaves_its_ending_whole(tmp_path: Path):
+    """torchrun stops the other ranks of a failed attempt with SIGTERM: one that came while a
+    rank wrote its own failure escaped run_reporting, and the rank then waited in
+    multiprocessing's exit for its loader workers until torchrun's SIGKILL, 30 s later."""
+    code, reports, _ = run_rank(
+        tmp_path,
+        "import os, signal, imgtrainer.run.lifecycle as lifecycle\n"
+        "    real = lifecycle.bug_line\n"
+        "    def stopped_now(err):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # as torchrun's, during the report\n"
+        "        return real(err)\n"
+        "    lifecycle.bug_line = stopped_now\n"
+        "    raise RuntimeError('Connection closed by peer')",
+    )
+    assert code == 1 and reports[0]["line"] == "error: RuntimeError: Connection closed by peer"
+    # A stop that interrupts a failing rank's clean-up: the failure is still why it ended.
+    code, reports, _ = run_rank(
+        tmp_path,
+        "import os, signal\n"
+        "    try:\n"
+        "        raise RuntimeError('Connection closed by peer')\n"
+        "    finally:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)",
+        rank=3,
+    )
+    assert code == 1 and "RuntimeError: Connection closed" in reports[0]["traceback"]
 
 
 def test_the_line_of_a_bug_raised_in_a_loader_worker_is_the_original_error():

@@ -14,11 +14,19 @@ import pytest
 
 from imgtrainer.config import hang_seconds, parse_config
 from imgtrainer.distributed import heartbeat
-from imgtrainer.distributed.heartbeat import Beat, Phase, Slot, SlotName, read_slot
+from imgtrainer.distributed.heartbeat import (
+    CHECK_PROCESS,
+    EVAL_WORKER,
+    Beat,
+    Phase,
+    Slot,
+    SlotName,
+    read_slot,
+)
 from imgtrainer.errors import UserError
 from imgtrainer.process import EXIT_HUNG
 from imgtrainer.run import launcher
-from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line
+from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line, read_slots
 from imgtrainer.training.stragglers import STRAGGLER_GATHERS, StragglerWatch
 
 
@@ -148,6 +156,81 @@ def test_a_rank_waiting_for_data_names_its_stopped_worker_between_reads():
     assert hang.observe(slots).culprit == WORKER
 
 
+# After the first validation a rank has its training loader's workers and its validation
+# loader's persistent ones: two slots of each index.
+TRAIN0, TRAIN1 = SlotName(1, 0, 0, 201), SlotName(1, 0, 1, 202)
+VAL0, VAL1 = SlotName(1, 0, 0, 211, EVAL_WORKER), SlotName(1, 0, 1, 212, EVAL_WORKER)
+CHECK0 = SlotName(1, 0, 0, 221, CHECK_PROCESS)
+
+
+def second_epoch(phase: Phase, reads: dict[SlotName, int] | None = None) -> dict[SlotName, Beat]:
+    """Rank 1 behind rank 0 in ``phase``, with both loaders' workers (``reads``: theirs)."""
+    reads = reads or {}
+    slots = {RANK0: beat(30), RANK1: beat(28, phase)}
+    return slots | {n: beat(0, reads=reads.get(n, 0)) for n in (TRAIN0, TRAIN1, VAL0, VAL1)}
+
+
+def test_slot_names_of_every_kind_read_back_from_their_files():
+    for name in (RANK1, TRAIN1, VAL0, CHECK0):
+        assert SlotName.parse(name.file_name) == name
+    assert VAL0.file_name == "rank1.a0.v0.p211.hb" and TRAIN0.file_name == "rank1.a0.w0.p201.hb"
+    assert SlotName.parse("rank1.a0.x0.p5.hb") is None
+    assert (VAL0.who, CHECK0.part) == (
+        "validation loader worker 0 of rank 1",
+        "its decode-check process 0",
+    )
+
+
+def test_a_rank_stale_in_its_data_wait_after_a_validation_is_named_among_tied_workers():
+    """Every worker asleep (the same suspicion), a training and a validation worker of each
+    index: sorting them by (suspicion, index, slot) compared two slots, and the TypeError
+    ended the launcher's watchdog thread. The rank that waits is named."""
+    hang, clock = judge()
+    hang.observe(second_epoch(Phase.DATA))
+    clock.now = 3.0
+    verdict = hang.observe(second_epoch(Phase.DATA))
+    assert verdict.culprit == RANK1 and verdict.rank_beat.phase is Phase.DATA
+
+
+def test_a_rank_names_the_stopped_worker_of_the_loader_it_waits_for():
+    """Both loaders' workers 0 stopped: the data wait names the training loader's, the
+    validation the validation loader's; the decode check's end names its process."""
+    states = {201: "T", 211: "T", 221: "T"}
+    for phase, culprit in [(Phase.DATA, TRAIN0), (Phase.VALIDATION, VAL0)]:
+        hang, clock = judge(states)
+        hang.observe(second_epoch(phase))
+        clock.now = 3.0
+        assert hang.observe(second_epoch(phase)).culprit == culprit, phase
+    hang, clock = judge(states)
+    slots = {RANK0: beat(12, Phase.COLLECTIVE), RANK1: beat(11, Phase.DATA_CHECK), CHECK0: beat(0)}
+    hang.observe(slots)
+    clock.now = 3.0
+    verdict = hang.observe(slots)
+    assert verdict.culprit == CHECK0
+    line = hang_line(verdict, "node7", Path("logs/hang/x.txt"))
+    assert (
+        "phase waiting for the images' decode check; its decode-check process 0 (pid 221) is stuck;"
+        in line
+    )
+
+
+def test_a_stopped_rank_is_named_in_its_data_wait_even_with_a_busy_worker():
+    hang, clock = judge({101: "T", 202: "R"})
+    hang.observe(second_epoch(Phase.DATA))
+    clock.now = 3.0
+    assert hang.observe(second_epoch(Phase.DATA)).culprit == RANK1
+
+
+def test_reads_stuck_since_the_same_moment_name_one_without_comparing_slots():
+    """A training and a validation worker 0 reading since the same poll: the lowest pid."""
+    hang, clock = judge()
+    slots = second_epoch(Phase.DATA, {TRAIN0: 3, VAL0: 5})
+    hang.observe(slots)
+    clock.now = 3.0
+    verdict = hang.observe(slots)
+    assert verdict.culprit == TRAIN0 and verdict.culprit_beat.reading
+
+
 def test_the_watchdog_names_dumps_and_kills_a_stopped_process(tmp_path, capsys):
     """A real process stopped with SIGSTOP cannot run a handler: the launcher's thread reads
     its stacks from outside and kills it."""
@@ -174,6 +257,71 @@ def test_the_watchdog_names_dumps_and_kills_a_stopped_process(tmp_path, capsys):
     stacks = (tmp_path / "logs" / "hang" / "attempt0-rank0.txt").read_text()
     assert "state T" in stacks
     assert "<module>" in stacks or "/proc/" in stacks  # py-spy's Python stack, or the kernel's
+
+
+def test_an_error_inside_the_watch_is_one_line_and_the_watch_goes_on(tmp_path, capsys, monkeypatch):
+    """An error in the watchdog's loop (the TypeError of issue 37 ended its thread with one
+    traceback on stderr, the run going on unwatched): one line on the console and in the log,
+    the traceback in the log, once however often it repeats; a stopped process is still named."""
+    from imgtrainer.run import watchdog as module
+
+    real, calls = module.read_slots, [0]
+
+    def failing_read_slots(folder, ignored):
+        calls[0] += 1
+        if calls[0] <= 3:  # the same error at three polls in a row
+            raise RuntimeError("injected by the test")
+        return real(folder, ignored)
+
+    monkeypatch.setattr(module, "read_slots", failing_read_slots)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        folder = tmp_path / "heartbeat"
+        Slot(folder, SlotName(0, 0, -1, child.pid)).mark(Phase.STEP, 3)
+        child.send_signal(signal.SIGSTOP)
+        log_file = tmp_path / "logs" / "torchrun.log"
+        log_file.parent.mkdir()
+        plan = WatchPlan(folder, 0.5, tmp_path / "logs", 0, log_file)
+        started = time.monotonic()
+        with Watchdog(plan) as watchdog:
+            while not watchdog.hangs and time.monotonic() - started < 10:
+                time.sleep(0.05)
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    assert watchdog.errors == 3
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if "error while watching" in line]
+    assert errors == [
+        "watchdog: error while watching (RuntimeError: injected by the test, at "
+        f"test_watchdog.py:{failing_read_slots.__code__.co_firstlineno + 3}); still watching; "
+        f"traceback in {log_file}"
+    ]
+    assert "Traceback" not in "\n".join(err)
+    assert any(line.startswith("watchdog: rank 0 (host ") for line in err), err
+    log = log_file.read_text()
+    assert log.count("error while watching") == 1 and "made no progress" in log
+    assert "Traceback (most recent call last):" in log and 'raise RuntimeError("injected' in log
+
+
+def test_stacks_that_cannot_be_written_do_not_spare_the_stuck_process(tmp_path, capsys):
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        folder = tmp_path / "heartbeat"
+        Slot(folder, SlotName(0, 0, -1, child.pid)).mark(Phase.STEP, 3)
+        child.send_signal(signal.SIGSTOP)
+        (tmp_path / "logs").write_text("a file where the log folder should be")
+        watchdog = Watchdog(WatchPlan(folder, 0.5, tmp_path / "logs", 0))
+        watchdog.judge.observe(read_slots(folder, set()))
+        time.sleep(0.6)
+        watchdog.watch_once()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    line = capsys.readouterr().err.strip()
+    assert "stacks: " in line and "(not written: NotADirectoryError: " in line, line
 
 
 def test_after_a_hang_the_run_ends_with_its_code_and_no_healthy_rank_is_blamed(tmp_path, capsys):

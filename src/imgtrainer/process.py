@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -167,7 +167,9 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     return results
 
 
-def forked_pool(workers: int, background: bool = False) -> multiprocessing.pool.Pool:
+def forked_pool(
+    workers: int, background: bool = False, start: Callable[[], None] | None = None
+) -> multiprocessing.pool.Pool:
     """A pool of ``workers`` forked processes that take the default signal actions: a
     training process's stop handlers, inherited, would keep them alive through the pool's
     own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
@@ -175,11 +177,11 @@ def forked_pool(workers: int, background: bool = False) -> multiprocessing.pool.
     would leave a start waiting forever on a child that outlived the signal). They die
     with this process, however it ends. ``background``: the children run only on CPU time
     that nothing else wants (Linux's SCHED_IDLE; else the lowest nice level), as a check that
-    runs beside training should."""
+    runs beside training should. ``start``: called in each child as it starts, after that."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return multiprocessing.get_context("fork").Pool(
-            workers, initializer=_child_start, initargs=(background,)
+            workers, initializer=_child_start, initargs=(background, start)
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -192,7 +194,7 @@ def _call(item):
     return _FUNCTION(item)
 
 
-def _child_start(background: bool) -> None:
+def _child_start(background: bool, start: Callable[[], None] | None = None) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -202,3 +204,5 @@ def _child_start(background: bool) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
             os.nice(19)
+    if start is not None:
+        start()

@@ -17,7 +17,19 @@ torchrun restart), epoch, step, rank, world size and indices. The loader reads t
 TRAIN_DDP_FREEZE="ATTEMPT:EPOCH:STEP:RANK:WHERE[,...]" freezes a process with SIGSTOP on that
 torchrun attempt (``freeze_hook``): WHERE "rank" stops the rank after that step, "collective" stops
 it inside the checkpoint's collective of that step (the other ranks enter it late), "worker" stops
-its loader worker 0 inside its STEP-th file read of that attempt (EPOCH is not used).
+its loader worker 0 inside its STEP-th file read of that attempt (EPOCH is not used), "valworker"
+its validation loader's worker 0 (forked at the attempt's first validation).
+
+WHERE "WHO@PHASE" freezes at a phase the rank marks in its heartbeat slot (PHASE: data,
+validation, checkpoint, check: the decode check's end) at EPOCH:STEP, the rank's position then
+(trainer.epoch + 1, trainer.step: an epoch's first data wait is E:0, its validation and check
+E:<steps per epoch>, its end-of-epoch checkpoint E+1:0): the rank stops itself (WHO "rank"), or
+stops its training loader's worker 0 ("worker"), its validation loader's worker 0
+("valworker") or its decode check's processes ("check": held in their first task from the
+start of that attempt, so that they still run). "rank@write" stops the rank inside its
+checkpoint's torch.save at EPOCH:STEP (the temporary file written, not renamed). After it stops
+another process, the rank logs each later wait for processes of its own ("waits for"), so that
+the test knows when it began to wait for the frozen one.
 
 TRAIN_DDP_SLOW="ATTEMPT:SECONDS:RANK" makes that rank sleep SECONDS after each step on that torchrun
 attempt: a straggler (``slow_rank``).
@@ -33,6 +45,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
@@ -157,35 +170,27 @@ def freeze_hook(trainer):
     """The ``Freeze`` hook of $TRAIN_DDP_FREEZE on this attempt, or None."""
     import threading
 
-    from imgtrainer.distributed import heartbeat
     from imgtrainer.hooks import Hook
 
     points = freeze_points(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = trainer.dist.rank
     say = logging.getLogger(LOGGER).warning
     for _, reads, frozen_rank, where in points:
-        if where == "worker" and frozen_rank == rank:
-            # Forked after this (at the first epoch's loader), the workers inherit the patch.
-            real, count = heartbeat.reading, [0]
-
-            def reading(path, real=real, count=count, reads=reads):
-                slot = heartbeat._slot[0] if heartbeat._slot else None
-                if slot is not None and slot.path.name.split(".")[2] == "w0":
-                    count[0] += 1
-                    if count[0] == reads:
-                        slot.read_started(path)
-                        say(f"{FREEZE_ENV}: freezing loader worker 0 of rank {rank} reading {path}")
-                        os.kill(os.getpid(), signal.SIGSTOP)
-                return real(path)
-
-            heartbeat.reading = reading
+        if where in ("worker", "valworker") and frozen_rank == rank:
+            freeze_worker_in_read(rank, reads, FROZEN_KINDS[where], say)
+    at_phases = [(e, s, w) for e, s, r, w in points if "@" in w and r == rank]
+    if at_phases:
+        freeze_at_phases(trainer, at_phases, say)
 
     class Freeze(Hook):
         before_checkpoint = True
 
         def on_step_end(self, info) -> bool:
             for epoch, step, frozen_rank, where in points:
-                if (epoch, step) != (trainer.epoch + 1, info.step) or where == "worker":
+                if (epoch, step) != (trainer.epoch + 1, info.step) or where not in (
+                    "rank",
+                    "collective",
+                ):
                     continue
                 if frozen_rank != rank:
                     if where == "collective":
@@ -201,6 +206,156 @@ def freeze_hook(trainer):
             return False
 
     return Freeze() if points else None
+
+
+def freeze_worker_in_read(rank: int, reads: int, kind: str, say) -> None:
+    """Worker 0 of this rank's training loader (``kind`` "w") or validation loader ("v") stops
+    itself inside its ``reads``-th file read (forked after this, the workers inherit the
+    patch; the validation loader's at the attempt's first validation)."""
+    from imgtrainer.distributed import heartbeat
+
+    real, count = heartbeat.reading, [0]
+    who = "loader worker 0" if kind == "w" else "validation loader worker 0"
+
+    def reading(path):
+        slot = heartbeat._slot[0] if heartbeat._slot else None
+        if slot is not None and slot.path.name.split(".")[2] == f"{kind}0":
+            count[0] += 1
+            if count[0] == reads:
+                slot.read_started(path)
+                say(f"{FREEZE_ENV}: freezing {who} of rank {rank} reading {path}")
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return real(path)
+
+    heartbeat.reading = reading
+
+
+# The slot letter of each process a rank can freeze (``heartbeat.SlotName.kind``), by WHO.
+FROZEN_KINDS = {"worker": "w", "valworker": "v", "check": "c"}
+
+
+def freeze_at_phases(trainer, points: list[tuple[int, int, str]], say) -> None:
+    """``freeze_hook``'s WHO@PHASE points: ``heartbeat.mark`` (and for "rank@write"
+    ``torch.save``) wrapped in this rank."""
+    from imgtrainer.distributed import heartbeat
+
+    phases = {
+        "data": heartbeat.Phase.DATA,
+        "validation": heartbeat.Phase.VALIDATION,
+        "checkpoint": heartbeat.Phase.CHECKPOINT,
+        "check": heartbeat.Phase.DATA_CHECK,
+    }
+    rank, attempt = trainer.dist.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    pending = set(points)
+    stopped_others: list[int] = []
+
+    def fire(point: tuple[int, int, str]) -> None:
+        pending.discard(point)
+        epoch, step, where = point
+        who = where.split("@")[0]
+        at = f"{where.split('@')[1]} of epoch {epoch}, step {step}"
+        if who == "rank":
+            say(f"{FREEZE_ENV}: freezing rank {rank} at {at}")
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        index = "*" if who == "check" else "0"
+        pattern = f"rank{rank}.a{attempt}.{FROZEN_KINDS[who]}{index}.p*.hb"
+        pids = sorted(
+            int(p.name.split(".p")[-1][:-3]) for p in heartbeat.heartbeat_dir().glob(pattern)
+        )
+        say(f"{FREEZE_ENV}: freezing {who} of rank {rank} (pids {pids}) at {at}")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_others.extend(pids)
+
+    real_mark = heartbeat.mark
+
+    def mark(phase, step=None):
+        real_mark(phase, step)
+        epoch, at = trainer.epoch + 1, trainer.step
+        if stopped_others and phase in heartbeat.WAITS_FOR:
+            say(f"{FREEZE_ENV}: rank {rank} waits for {phase.words} at epoch {epoch}, step {at}")
+        for point in list(pending):
+            e, s, where = point
+            if (
+                (e, s) == (epoch, at)
+                and where != "rank@write"
+                and phases[where.split("@")[1]] == phase
+            ):
+                fire(point)
+
+    heartbeat.mark = mark
+    if any(where == "rank@write" for _, _, where in points):
+        freeze_in_write(trainer, pending, say)
+
+
+def freeze_in_write(trainer, pending: set[tuple[int, int, str]], say) -> None:
+    """The "rank@write" points of ``pending``: ``torch.save`` wrapped in this rank, which
+    stops once a checkpoint is written to its temporary file at the point."""
+    import torch
+
+    real_save, rank = torch.save, trainer.dist.rank
+
+    def save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if not (isinstance(obj, dict) and "model_state_dict" in obj):
+            return  # not a checkpoint (all_gather_object pickles with torch.save too)
+        for point in list(pending):
+            e, s, where = point
+            if where == "rank@write" and (e, s) == (trainer.epoch + 1, trainer.step):
+                say(
+                    f"{FREEZE_ENV}: freezing rank {rank} inside its checkpoint's write at "
+                    f"epoch {e}, step {s}"
+                )
+                pending.discard(point)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    torch.save = save
+
+
+def hold_check_processes(module) -> None:
+    """The decode check's processes of the attempts and ranks that $TRAIN_DDP_FREEZE freezes
+    with "check@..." wait in their first task (forever: the rank stops them at its point), so
+    that the check still runs then, however few images it has."""
+    from imgtrainer.distributed import heartbeat
+
+    real = module.DecodeCheck.rows
+
+    def rows(self, role, start, stop):
+        slot = heartbeat._slot[0] if heartbeat._slot else None
+        if slot is not None and slot.path.name.split(".")[2].startswith("c"):
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            rank = int(os.environ.get("RANK", "0"))
+            if any(p[2] == rank and p[3].startswith("check@") for p in freeze_points(attempt)):
+                while True:
+                    time.sleep(1.0)
+        return real(self, role, start, stop)
+
+    module.DecodeCheck.rows = rows
+
+
+class PatchOnImport:
+    """A finder that runs ``patch(module)`` once ``name`` is imported (a module that imports
+    torch: the launcher never imports it; torchrun's agent does, before it forks the ranks)."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load, patch = spec.loader.exec_module, self.patch
+
+        def exec_module(module):
+            load(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 SLOW_ENV = "TRAIN_DDP_SLOW"
@@ -245,3 +400,7 @@ def declare_hooks(environ=os.environ) -> None:
 
 
 declare_hooks()
+if "check@" in os.environ.get(FREEZE_ENV, ""):
+    sys.meta_path.insert(
+        0, PatchOnImport("imgtrainer.data.layouts.decode_check", hold_check_processes)
+    )

@@ -326,7 +326,7 @@ def audit_run(
     import torch
 
     import imgtrainer.data.loaders as loaders
-    from imgtrainer.checkpoints.periodic import CheckpointAndStop
+    from imgtrainer.checkpoints.periodic import CheckpointAndStop, SaveSchedule
     from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import DistInfo
     from imgtrainer.precision import Precision, make_grad_scaler
@@ -349,7 +349,8 @@ def audit_run(
         parts.scaler = make_grad_scaler(parts.precision, dist.device)
     hooks: list[Hook] = [ModelEma(parts.plain_model)] if ema else []
     stop = StopRequest(distributed=False)
-    hooks.append(CheckpointAndStop(stop, lambda *_: False, lambda sums: None, 10**6, 0))
+    saves = SaveSchedule(steps=0, seconds=0.0)
+    hooks.append(CheckpointAndStop(stop, lambda *_: False, lambda sums: None, 10**6, saves))
     sampler.set_epoch(0)
     # float16 autocast on the CPU makes this tiny model's loss NaN after a few steps (the
     # GradScaler then skips them all, which the EMA path needs anyway): no loss check there.

@@ -187,8 +187,7 @@ class TrainConfig:
     )
     accum_steps: int = _optim(1, AT_LEAST_1).help(
         "gradient accumulation: batches of --batch_size per optimizer step in each process "
-        "(gradients exchanged once per step); effective batch = batch_size x accum_steps x "
-        "processes"
+        "(gradients exchanged once per step); effective batch = batch_size x accum_steps x processes"
     )
     global_batch_size: int | None = _optim(None, POSITIVE).help(
         "images per optimizer step over all processes, kept when a resume or an elastic restart "
@@ -283,9 +282,7 @@ class TrainConfig:
     check_sync: bool = _dist(False).help(
         "after every epoch, verify that all ranks hold identical parameters and buffers"
     )
-    checkpoint_dir: str = _logging("checkpoints").help(
-        "where checkpoint_latest.pth / checkpoint_best.pth go"
-    )
+    checkpoint_dir: str = _logging("checkpoints").help("where checkpoint_*.pth go")
     log_dir: str = _logging("logs").help("where training_history.json and per-rank logs go")
     log_interval: int = _logging(20, POSITIVE).help(
         "steps between progress-bar metric updates, or plain lines where the console is not a "
@@ -309,6 +306,9 @@ class TrainConfig:
     )
     save_every_steps: int = _logging(0, ZERO_OR_MORE).help(
         "also write checkpoint_latest.pth every N steps inside an epoch (0: only at epoch end)"
+    )
+    save_every_minutes: float = _logging(10.0, OFF_OR_POSITIVE).help(
+        "also write checkpoint_latest.pth mid-epoch N minutes after the last checkpoint (0: off)"
     )
     tensorboard: bool = _logging(True).help(
         "write TensorBoard event files (curves, hyper-parameters, a grid of augmented images) to "

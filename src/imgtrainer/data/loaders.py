@@ -305,7 +305,7 @@ def loader_workers(
     return min(MAX_LOADER_WORKERS, spare if source.workers_decode else max(1, spare // 2))
 
 
-def quiet_loader_worker(worker_id: int) -> None:
+def quiet_loader_worker(worker_id: int, kind: str = heartbeat.TRAIN_WORKER) -> None:
     """Loader workers leave stopping to their training process, and die with it.
 
     A signal sent to every process of a job (SLURM and Kubernetes before preemption; torchrun's
@@ -317,8 +317,9 @@ def quiet_loader_worker(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     env = TorchrunEnv.read()
-    # Its own heartbeat slot: the file it reads, for the launcher's hang watchdog.
-    heartbeat.open_slot(env.rank, env.restart_count, worker_id)
+    # Its own heartbeat slot (``kind``: of a training or an evaluation loader): the file it
+    # reads, for the launcher's hang watchdog.
+    heartbeat.open_slot(env.rank, env.restart_count, worker_id, kind)
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,10 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
         # Its own generator: the loader's worker seeds must not draw from the process's random
         # stream, which a resumed run restores (the augmentation is seeded per sample anyway).
         generator=torch.Generator().manual_seed(0),
-        worker_init_fn=quiet_loader_worker,
+        worker_init_fn=partial(
+            quiet_loader_worker,
+            kind=heartbeat.TRAIN_WORKER if spec.train else heartbeat.EVAL_WORKER,
+        ),
         # Workers live across epochs: no re-fork (and re-import) cost at every epoch start.
         persistent_workers=spec.num_workers > 0,
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.

@@ -48,6 +48,24 @@ PHASE_WORDS = {
     Phase.DATA_CHECK: "waiting for the images' decode check",
 }
 
+# The kinds of process a slot belongs to, by the letter of its file name: a rank ("w" with
+# worker -1), a worker of a training loader, of an evaluation loader (the validation), or a
+# process of the images' decode check.
+TRAIN_WORKER, EVAL_WORKER, CHECK_PROCESS = "w", "v", "c"
+KIND_WORDS = {
+    TRAIN_WORKER: "loader worker",
+    EVAL_WORKER: "validation loader worker",
+    CHECK_PROCESS: "decode-check process",
+}
+
+# The processes of its own that a rank waits for in a phase: a rank stale there names one of
+# them that is stopped or busy (``run.watchdog.HangJudge``).
+WAITS_FOR = {
+    Phase.DATA: TRAIN_WORKER,
+    Phase.VALIDATION: EVAL_WORKER,
+    Phase.DATA_CHECK: CHECK_PROCESS,
+}
+
 # beat (phase changes: the same sequence on every rank), ticks (any other progress, such as a
 # validation batch), global step, phase, reads (odd while a file is read), length of the path.
 _HEAD = struct.Struct("<qqqqqH")
@@ -58,33 +76,43 @@ SLOT_BYTES = _HEAD.size + PATH_BYTES
 
 @dataclass(frozen=True)
 class SlotName:
-    """Who owns a slot, from its file name: ``rank{R}.a{attempt}.w{worker}.p{pid}.hb`` (worker
-    -1: the rank's own process)."""
+    """Who owns a slot, from its file name: ``rank{R}.a{attempt}.{kind}{worker}.p{pid}.hb``
+    (worker -1: the rank's own process; ``kind``: one of ``KIND_WORDS``)."""
 
     rank: int
     attempt: int
     worker: int
     pid: int
+    kind: str = TRAIN_WORKER
 
     @property
     def file_name(self) -> str:
-        return f"rank{self.rank}.a{self.attempt}.w{self.worker}.p{self.pid}.hb"
+        return f"rank{self.rank}.a{self.attempt}.{self.kind}{self.worker}.p{self.pid}.hb"
 
     @classmethod
     def parse(cls, name: str) -> SlotName | None:
         try:
             rank, attempt, worker, pid, _ = name.split(".")
-            return cls(int(rank[4:]), int(attempt[1:]), int(worker[1:]), int(pid[1:]))
+            if worker[:1] not in KIND_WORDS:
+                return None
+            return cls(int(rank[4:]), int(attempt[1:]), int(worker[1:]), int(pid[1:]), worker[0])
         except ValueError:
             return None
 
     @property
+    def is_rank(self) -> bool:
+        return self.worker < 0
+
+    @property
+    def part(self) -> str:
+        """What it is to its rank: "it" for the rank itself, else its kind and index."""
+        return "it" if self.is_rank else f"its {KIND_WORDS[self.kind]} {self.worker}"
+
+    @property
     def who(self) -> str:
-        return (
-            f"rank {self.rank}"
-            if self.worker < 0
-            else f"loader worker {self.worker} of rank {self.rank}"
-        )
+        if self.is_rank:
+            return f"rank {self.rank}"
+        return f"{KIND_WORDS[self.kind]} {self.worker} of rank {self.rank}"
 
 
 @dataclass(frozen=True)
@@ -175,15 +203,15 @@ def heartbeat_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
-def open_slot(rank: int, attempt: int, worker: int = -1) -> Slot | None:
+def open_slot(rank: int, attempt: int, worker: int = -1, kind: str = TRAIN_WORKER) -> Slot | None:
     """This process's slot, where the launcher watches ($IMGTRAINER_HEARTBEAT_DIR); None
-    elsewhere (a plain run, or --hang_timeout off)."""
+    elsewhere (a plain run, or --hang_timeout off). ``worker``, ``kind``: see ``SlotName``."""
     folder = heartbeat_dir()
     if folder is None:
         _slot.clear()
         return None
     try:
-        slot = Slot(folder, SlotName(rank, attempt, worker, os.getpid()))
+        slot = Slot(folder, SlotName(rank, attempt, worker, os.getpid(), kind))
     except OSError:
         return None
     _slot[:] = [slot]

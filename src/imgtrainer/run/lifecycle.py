@@ -151,21 +151,41 @@ def stop_at_once_until_training() -> None:
 
 def ending_of(main: Callable[[], int]) -> tuple[int, str, str]:
     """Run ``main``: its exit code, the one line that says why it ended ("" for none) and, for a
-    bug, its traceback ("" otherwise)."""
+    bug, its traceback ("" otherwise). Once ``main`` has returned or raised, stop signals are
+    ignored: torchrun stops the other ranks of a failed attempt with SIGTERM, and one that
+    raised ``StoppedEarly`` while this rank wrote its ending escaped it, leaving the rank in
+    multiprocessing's exit, waiting for its loader workers (which ignore SIGTERM) until
+    torchrun's SIGKILL 30 s later."""
     try:
-        return main(), "", ""
-    except UserError as err:
+        try:
+            code = main()
+        finally:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+    except BaseException as err:
+        cause = err.__context__
+        if isinstance(err, StoppedEarly) and isinstance(cause, Exception):
+            err = cause  # the stop came while a failure ended the rank: the failure is why
+        return ending_for(err)
+    return code, "", ""
+
+
+def ending_for(err: BaseException) -> tuple[int, str, str]:
+    """``ending_of``'s exit code, line and traceback for an exception that ended ``main``."""
+    if isinstance(err, UserError):
         return EXIT_USER_ERROR, f"error: {err}", ""
-    except RunFailed as err:
+    if isinstance(err, RunFailed):
         return EXIT_RUN_FAILED, f"error: {err}", ""
-    except (StoppedEarly, KeyboardInterrupt) as stop:
-        signum = getattr(stop, "signum", signal.SIGINT)
+    if isinstance(err, StoppedEarly | KeyboardInterrupt):
+        signum = getattr(err, "signum", signal.SIGINT)
         line = f"stopped by {signal.Signals(signum).name} before training started; nothing to save"
         return exit_code_for(signum), line, ""
-    except SystemExit as end:
-        return (end.code if isinstance(end.code, int) else (0 if end.code is None else 1)), "", ""
-    except BaseException as err:  # a bug: its traceback, once
-        return 1, f"error: {bug_line(err)}", traceback.format_exc()
+    if isinstance(err, SystemExit):
+        code = err.code
+        return (code if isinstance(code, int) else (0 if code is None else 1)), "", ""
+    # A bug: its traceback, once.
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return 1, f"error: {bug_line(err)}", trace
 
 
 def bug_line(err: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -133,5 +134,9 @@ def run_as_script() -> None:
     """``python src/train_ddp.py``: run ``main`` under ``run_reporting`` (which also reports the
     ending to the launcher) and exit without the interpreter's teardown."""
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
-    code = run_reporting(main.__wrapped__)
+    try:
+        code = run_reporting(main.__wrapped__)
+    except BaseException:  # never into multiprocessing's exit (it waits for the loader workers)
+        traceback.print_exc()
+        code = 1
     exit_now(code)

@@ -1,10 +1,11 @@
 """The hang watchdog of launch_ddp.py: a launcher thread that names and ends a stuck process.
 
 A thread of the launcher (a process that a frozen rank cannot freeze) reads the heartbeat slots
-of this node's ranks and loader workers (``distributed.heartbeat``); one that makes no progress
-for --hang_timeout is named in one line, the stacks of every rank go to <log_dir>/hang/, and the
-stuck process is killed so that torchrun restarts the workers (--max_restarts) from the newest
-checkpoint. No torch here.
+of this node's ranks, loader workers and decode-check processes (``distributed.heartbeat``); one
+that makes no progress for --hang_timeout is named in one line, the stacks of every rank go to
+<log_dir>/hang/, and the stuck process is killed so that torchrun restarts the workers
+(--max_restarts) from the newest checkpoint. An error inside the watch is one line, and the
+watch goes on. No torch here.
 """
 
 from __future__ import annotations
@@ -18,11 +19,22 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrainer.distributed.heartbeat import Beat, Phase, SlotName, read_slot
+from imgtrainer.distributed.heartbeat import (
+    CHECK_PROCESS,
+    EVAL_WORKER,
+    TRAIN_WORKER,
+    WAITS_FOR,
+    Beat,
+    Phase,
+    SlotName,
+    read_slot,
+)
+from imgtrainer.errors import first_line
 
 # The process states of /proc/PID/stat, most suspect first: stopped (SIGSTOP, a debugger),
 # uninterruptible sleep (a hung driver call or network file system), running (a busy loop);
@@ -34,6 +46,8 @@ PY_SPY_SECONDS = 20.0
 # SIGTERM; one still running this long after (--hang_timeout, at most this) is killed too, so that
 # torchrun does not wait its own 30 s for it before the restart.
 MAX_GRACE_SECONDS = 10.0
+# The stacks file of a stuck process that is not a rank: attempt{A}-rank{R}-{kind}{index}.txt.
+STACKS_KIND = {TRAIN_WORKER: "worker", EVAL_WORKER: "valworker", CHECK_PROCESS: "check"}
 
 
 def process_state(pid: int) -> str:
@@ -58,8 +72,9 @@ class Seen:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The stuck process (``culprit``: a rank or a loader worker), its rank's slot, how long it
-    made no progress, and every rank's process (for their stacks)."""
+    """The stuck process (``culprit``: a rank or a process of its own), its rank's slot, how
+    long the stale rank (or the culprit's read) made no progress, and every rank's process (for
+    their stacks)."""
 
     culprit: SlotName
     rank_beat: Beat
@@ -75,8 +90,10 @@ class HangJudge:
     worker (or a rank without workers) while a file read lasts. Among ranks that are all stale,
     the one that is stopped, else behind the others (fewer phase changes: they wait for it in a
     collective), else in a suspect state (``SUSPECT_STATES``) is named; a rank stale while it
-    waits for batches (training or validation) names the worker of its own that is in a suspect
-    state, if one is."""
+    waits for processes of its own (``heartbeat.WAITS_FOR``: its training loader's workers in
+    its data wait, its validation loader's in validation, its decode check's at the check's
+    end) names the one of them in the most suspect state, if one is and the rank itself is not
+    stopped."""
 
     timeout: float
     # Every rank of the job is on this node. Else a rank is named only on evidence (stopped, in
@@ -99,14 +116,16 @@ class HangJudge:
                 self.seen[name] = Seen(beat, now)
             else:
                 last.beat = beat
-        ranks = {n: s for n, s in self.seen.items() if n.worker < 0}
+        ranks = {n: s for n, s in self.seen.items() if n.is_rank}
         stale_reads = [
-            (s.changed_at, n)
+            n
             for n, s in self.seen.items()
             if s.beat.reading and now - s.changed_at >= self.timeout and self._watched(n, ranks)
         ]
         if stale_reads:
-            return self._verdict(min(stale_reads)[1], ranks, now)
+            # Keys of numbers only: two slots never compare themselves (they have no order).
+            first = min(stale_reads, key=lambda n: (self.seen[n].changed_at, order(n)))
+            return self._verdict(first, ranks, now - self.seen[first].changed_at)
         stale = [
             n for n, s in ranks.items() if watched(s.beat) and now - s.changed_at >= self.timeout
         ]
@@ -116,23 +135,19 @@ class HangJudge:
         rank = min(
             stale,
             key=lambda n: (
-                states[n] not in "Tt" or not states[n],
+                not stopped(states[n]),
                 ranks[n].beat.beat,
                 suspicion(states[n]),
                 ranks[n].changed_at,
-                n.rank,
+                order(n),
             ),
         )
-        culprit = rank
-        if ranks[rank].beat.phase in (Phase.DATA, Phase.VALIDATION):  # waiting for a batch
-            workers = [
-                n
-                for n in self.seen
-                if n.worker >= 0 and (n.rank, n.attempt) == (rank.rank, rank.attempt)
-            ]
-            suspects = sorted((suspicion(self.state_of(n.pid)), n.worker, n) for n in workers)
-            if suspects and suspects[0][0] < len(SUSPECT_STATES):
-                culprit = suspects[0][2]
+        # A rank stale where it waits for processes of its own (a batch from its loader's
+        # workers, the rest of the decode check) names one of them that is stopped or busy,
+        # unless it is stopped itself.
+        kind = WAITS_FOR.get(ranks[rank].beat.phase)
+        part = self._suspect_part(rank, kind) if kind and not stopped(states[rank]) else None
+        culprit = part or rank
         behind = ranks[rank].beat.beat < max(s.beat.beat for s in ranks.values())
         if not (
             self.whole_job
@@ -141,7 +156,20 @@ class HangJudge:
             or suspicion(states[rank]) < len(SUSPECT_STATES)
         ):
             return None  # asleep where the others are: it may wait for another node's rank
-        return self._verdict(culprit, ranks, now)
+        return self._verdict(culprit, ranks, now - ranks[rank].changed_at)
+
+    def _suspect_part(self, rank: SlotName, kind: str) -> SlotName | None:
+        """The process of ``kind`` of ``rank`` in the most suspect state (``SUSPECT_STATES``;
+        on a tie the lowest index, then pid), or None when none of them is in one. A rank may
+        have several of a kind with the same index: the workers of two loaders."""
+        parts = [
+            n
+            for n in self.seen
+            if n.kind == kind and not n.is_rank and (n.rank, n.attempt) == (rank.rank, rank.attempt)
+        ]
+        scores = {n: suspicion(self.state_of(n.pid)) for n in parts}
+        best = min(parts, key=lambda n: (scores[n], order(n)), default=None)
+        return best if best is not None and scores[best] < len(SUSPECT_STATES) else None
 
     def _watched(self, name: SlotName, ranks: dict[SlotName, Seen]) -> bool:
         """A worker's read is watched while its rank trains."""
@@ -150,20 +178,30 @@ class HangJudge:
         )
         return owner is not None and watched(owner.beat)
 
-    def _verdict(self, culprit: SlotName, ranks: dict[SlotName, Seen], now: float) -> Verdict:
+    def _verdict(self, culprit: SlotName, ranks: dict[SlotName, Seen], seconds: float) -> Verdict:
+        """``seconds``: how long what was judged (the stale rank, or the read) made no progress:
+        a process of the rank's may have been stopped long before its rank waited for it."""
         owner = next(n for n in ranks if (n.rank, n.attempt) == (culprit.rank, culprit.attempt))
-        seen = self.seen[culprit]
         return Verdict(
             culprit,
             ranks[owner].beat,
-            seen.beat,
-            now - seen.changed_at,
+            self.seen[culprit].beat,
+            seconds,
             tuple(sorted(ranks, key=lambda n: (n != owner, n.rank))),
         )
 
 
 def watched(beat: Beat) -> bool:
     return beat.phase not in (Phase.NOT_STARTED, Phase.DONE)
+
+
+def stopped(state: str) -> bool:
+    return state in ("T", "t")
+
+
+def order(name: SlotName) -> tuple[int, int, int, int]:
+    """A slot's place among others of the same standing: by rank, attempt, index, pid."""
+    return name.rank, name.attempt, name.worker, name.pid
 
 
 def rank_pid(verdict: Verdict) -> int:
@@ -177,11 +215,13 @@ def hang_line(verdict: Verdict, host: str, stacks: Path) -> str:
         f"rank {culprit.rank} (host {host}, pid {rank_pid(verdict)}) made no progress for "
         f"{verdict.seconds:.0f} s after global step {beat.step}, phase {beat.phase.words}"
     )
-    if culprit.worker >= 0 or verdict.culprit_beat.reading:
-        who = f"its loader worker {culprit.worker}" if culprit.worker >= 0 else "it"
+    if not culprit.is_rank or verdict.culprit_beat.reading:
         read = verdict.culprit_beat
-        doing = f"reading {read.path}" if read.reading else f"last read {read.path or 'nothing'}"
-        where += f"; {who} (pid {culprit.pid}) is stuck {doing}"
+        if read.reading:
+            doing = f"is stuck reading {read.path}"
+        else:
+            doing = f"is stuck (last read {read.path})" if read.path else "is stuck"
+        where += f"; {culprit.part} (pid {culprit.pid}) {doing}"
     return f"{where}; stacks: {stacks}"
 
 
@@ -270,6 +310,8 @@ class Watchdog:
         self.ended: set[int] = set()  # the processes of attempts it ended: no longer judged
         self.lingering: dict[SlotName, float] = {}  # their ranks, and when they must be gone
         self.host = socket.gethostname()
+        self.errors = 0  # errors inside the watch, each reported once (``report_error``)
+        self.errors_seen: set[tuple[type, str]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -284,10 +326,32 @@ class Watchdog:
     def _run(self) -> None:
         interval = min(1.0, self.plan.timeout / 4)
         while not self._stop.wait(interval):
-            verdict = self.judge.observe(read_slots(self.plan.folder, self.ended))
-            if verdict is not None:
-                self.act(verdict)
-            self.end_lingering()
+            try:
+                self.watch_once()
+            except Exception as err:  # a watcher that dies in silence is worse than none
+                self.report_error(err)
+
+    def watch_once(self) -> None:
+        verdict = self.judge.observe(read_slots(self.plan.folder, self.ended))
+        if verdict is not None:
+            self.act(verdict)
+        self.end_lingering()
+
+    def report_error(self, err: Exception) -> None:
+        """An error inside the watch: one line on the console and in torchrun.log, with its
+        traceback in the log, once per kind and place (a poll that fails every second repeats
+        nothing); the thread goes on watching."""
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        self.errors += 1
+        if (type(err), where) in self.errors_seen:
+            return
+        self.errors_seen.add((type(err), where))
+        log = f"; traceback in {self.plan.log_file}" if self.plan.log_file else ""
+        self.say(
+            f"watchdog: error while watching ({first_line(err)}, at {where}); still watching{log}"
+        )
+        self.say("".join(traceback.format_exception(err)).rstrip(), console=False)
 
     def end_lingering(self) -> None:
         now = time.monotonic()
@@ -307,12 +371,15 @@ class Watchdog:
         """Stacks, the line, then SIGKILL to the stuck process (and to its rank, for a loader
         worker): torchrun sees a failed worker and restarts the group, or gives up."""
         culprit = verdict.culprit
-        suffix = f"-worker{culprit.worker}" if culprit.worker >= 0 else ""
+        suffix = "" if culprit.is_rank else f"-{STACKS_KIND[culprit.kind]}{culprit.worker}"
         stacks = (
             self.plan.log_dir / "hang" / f"attempt{culprit.attempt}-rank{culprit.rank}{suffix}.txt"
         )
         line = hang_line(verdict, self.host, stacks)
-        write_stacks(verdict, stacks, line)
+        try:
+            write_stacks(verdict, stacks, line)
+        except OSError as err:  # a full or read-only log folder must not spare the stuck process
+            line += f" (not written: {first_line(err)})"
         left = self.plan.max_restarts - culprit.attempt
         then = (
             f"restarting the workers from the newest checkpoint (restart {culprit.attempt + 1} "
@@ -333,7 +400,8 @@ class Watchdog:
 
     def say(self, text: str, console: bool = True) -> None:
         if console:
-            print(text, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, ValueError):  # a console gone: the log still has it
+                print(text, file=sys.stderr, flush=True)
         if self.plan.log_file is not None:
             try:
                 with open(self.plan.log_file, "a") as log:

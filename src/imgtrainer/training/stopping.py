@@ -51,6 +51,7 @@ class StopRequest:
         self.received_at = 0.0
         self.requested_by_all = False
         self.agreed_flag = NO_STOP
+        self.save_agreed = False  # the last agreement's: a checkpoint is due by time
         self.owner_pid = os.getpid()
         self.training = False
 
@@ -107,17 +108,20 @@ class StopRequest:
             return 1
         return min(AGREE_EVERY - step % AGREE_EVERY, max(steps_per_epoch - step, 1))
 
-    def agreed(self, time_up: bool = False) -> bool:
+    def agreed(self, time_up: bool = False, save_due: bool = False) -> bool:
         """True on every rank once any rank was signalled or found its ``time_up``. Every rank
-        must call it, at the same steps."""
+        must call it, at the same steps. ``save_due`` (a checkpoint is due by time on this
+        rank) travels with it: ``save_agreed`` is then True on every rank."""
         flag = SIGNAL_STOP if self.signum is not None else TIME_STOP if time_up else NO_STOP
+        self.save_agreed = save_due
         if self.distributed:
             figures = self.stragglers.clock.take() if self.stragglers else []
-            row = torch.tensor([flag, *figures], dtype=torch.float64)
+            row = torch.tensor([flag, save_due, *figures], dtype=torch.float64)
             rows = all_gather_rows(row, group=self.group)
             flag = int(rows[:, 0].max().item())
+            self.save_agreed = bool(rows[:, 1].max().item())
             if self.stragglers:
-                self.stragglers.update(rows[:, 1:].tolist())
+                self.stragglers.update(rows[:, 2:].tolist())
         if flag == TIME_STOP and self.agreed_flag == NO_STOP:
             log.warning("The --max_time budget is nearly spent: saving a checkpoint and stopping")
         self.agreed_flag = max(self.agreed_flag, flag)

@@ -16,7 +16,7 @@ import timm
 import torch
 import torchvision
 
-from imgtrainer.checkpoints.periodic import CheckpointAndStop, PositionKeeper
+from imgtrainer.checkpoints.periodic import CheckpointAndStop, PositionKeeper, SaveSchedule
 from imgtrainer.checkpoints.resume import rank_state
 from imgtrainer.checkpoints.training_state import (
     Progress,
@@ -192,6 +192,8 @@ class Trainer:
         self.best_predictions = BestPredictions(Path(cfg.log_dir), self.class_names, dist.is_main)
         self.progress = Progress()
         self.checkpoint_written = False  # by this process: a --max_time stop may rely on it
+        # --save_every_steps, --save_every_minutes: the checkpoints inside an epoch.
+        self.saves = SaveSchedule(cfg.save_every_steps, cfg.save_every_minutes * 60)
         self.resumed_sums: torch.Tensor | None = None
         self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
         load = partial(load_optimisation, parts)
@@ -236,8 +238,10 @@ class Trainer:
         instruments named in $IMGTRAINER_HOOKS come last, or before the checkpoint."""
         if len(self.hooks):
             raise RuntimeError("the trainer's hooks are already registered")
-        steps, every = self.steps_per_epoch, self.cfg.save_every_steps
-        saves = CheckpointAndStop(self.stop, self.step_done, self.save_checkpoint, steps, every)
+        steps = self.steps_per_epoch
+        saves = CheckpointAndStop(
+            self.stop, self.step_done, self.save_checkpoint, steps, self.saves
+        )
         for hook in (self.ema, PositionKeeper(self.progress), saves, *self.trackers()):
             self.hooks.register(hook)
         for hook in declared_hooks(self):
@@ -266,6 +270,7 @@ class Trainer:
         keep = self.best.kept_epochs(self.history.records) if epoch_end else None
         state = checkpoint_state(self.run_state, self.progress, self.layout, rank_states)
         self.checkpoints.save_with_history(state, self.history, is_best, keep)
+        self.saves.saved()
         self.checkpoint_written = True
         self.budget.timed_save(self.budget.clock() - started)
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import threading
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +29,14 @@ from imgtrainer.data.layouts.image_files import PARALLEL_MIN_FILES, write_unread
 from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
-from imgtrainer.errors import UserError
+from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import atomic_write
-from imgtrainer.process import forked_pool
+from imgtrainer.process import TorchrunEnv, forked_pool
 
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # images a forked process checks per task
+LOST_POLL_SECONDS = 1.0  # how often the check looks for a process of its pool that ended
 
 
 class DecodeCheck:
@@ -71,6 +74,8 @@ class DecodeCheck:
             for start in range(0, len(table), CHUNK)
         ]
         self.pool, self.error, self.collected, self.thread = None, None, 0, None
+        self.lost: list[tuple[int, int]] = []  # (pid, exit code) of check processes lost
+        self.closed = False
         if not tasks:
             return
         if sum(map(len, self.tables.values())) < PARALLEL_MIN_FILES:
@@ -79,8 +84,10 @@ class DecodeCheck:
         else:
             global _CHECK
             _CHECK = self  # the forked processes inherit it: the tables are never pickled
-            self.pool = forked_pool(workers or torch.get_num_threads(), background=True)
-            results = self.pool.imap_unordered(_check_rows, tasks)
+            self.pool = forked_pool(
+                workers or torch.get_num_threads(), background=True, start=_open_check_slot
+            )
+            results = self._pool_results(tasks)
         self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
         self.thread.start()
 
@@ -100,8 +107,31 @@ class DecodeCheck:
         if self.pool is not None:
             self.pool.close()  # the children leave once the queue is empty: no process idles
 
+    def _pool_results(self, tasks: list[tuple[str, int, int]]) -> Iterator[tuple]:
+        """The pool's results as they come. A process of the pool that ends before its result
+        (the out-of-memory killer, a signal) takes its task with it, and ``Pool`` would wait
+        for that result forever: the pool is ended and this thread checks what is left."""
+        processes = list(self.pool._pool)  # Pool has no public list of its processes
+        results = self.pool.imap_unordered(_check_rows, tasks)
+        left = {(role, start): (role, start, stop) for role, start, stop in tasks}
+        while left and not self.closed:
+            try:
+                result = results.next(timeout=LOST_POLL_SECONDS)
+            except multiprocessing.TimeoutError:
+                lost = [p for p in processes if p.exitcode not in (None, 0)]
+                if lost and not self.closed:
+                    self.lost = [(p.pid, p.exitcode) for p in lost]
+                    self.pool.terminate()
+                    for task in sorted(left.values()):
+                        yield (task[0], task[1], *self.rows(*task))
+                    return
+                continue
+            del left[result[:2]]
+            yield result
+
     def close(self) -> None:
         """End the check's processes now (the run ends; ``finish`` may never come)."""
+        self.closed = True
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
@@ -169,7 +199,17 @@ class DecodeCheck:
         if self.pool is not None:
             self.pool.join()
         if self.error is not None:
-            raise self.error
+            # A bug (its traceback follows): one line that says where it happened.
+            raise RuntimeError(f"the images' decode check failed: {first_line(self.error)}") from (
+                self.error
+            )
+        for pid, code in self.lost:
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            log.warning(
+                f"a process of the images' decode check (pid {pid}) ended early ({how}): "
+                "this process checked its share"
+            )
+        self.lost = []
 
     def readable_rows(self, role: str) -> np.ndarray:
         keep = np.ones(len(self.tables[role]), bool)
@@ -178,6 +218,16 @@ class DecodeCheck:
 
 
 _CHECK: DecodeCheck | None = None  # the running check, in its forked processes
+
+
+def _open_check_slot() -> None:
+    """In a forked process of the check: a heartbeat slot of its own, so that the launcher's
+    hang watchdog can name it when its rank waits for the check's end. Its reads are not
+    marked: it runs on CPU time that training leaves, and may wait for it long."""
+    env = TorchrunEnv.read()
+    number = multiprocessing.current_process().name.rpartition("-")[2]  # ForkPoolWorker-N
+    index = int(number) - 1 if number.isdigit() else 0
+    heartbeat.open_slot(env.rank, env.restart_count, index, heartbeat.CHECK_PROCESS)
 
 
 def _check_rows(task: tuple[str, int, int]):
