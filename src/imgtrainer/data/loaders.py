@@ -38,6 +38,7 @@ from imgtrainer.data.image_plan import NO_BUDGET, Budgets, place_images, plan_im
 from imgtrainer.data.layouts import describe, open_datasets
 from imgtrainer.data.layouts.decode_check import DecodeCheck
 from imgtrainer.data.layouts.table import TableImages
+from imgtrainer.data.reading import data_reading
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
 from imgtrainer.precision import precision_rule
@@ -131,7 +132,9 @@ def build_datasets(
 def read_datasets(cfg: TrainConfig, threads: int) -> dict[str, TableImages]:
     """The training and validation images of --train_data / --val_data, in any layout
     (``layouts``), with what was read logged."""
-    tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads)
+    tables = open_datasets(
+        cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads, data_reading(cfg)
+    )
     for role, table in zip(("Training", "Validation"), tables, strict=True):
         log.info(f"{role} data: {describe(table)}")
     return {"training": TableImages(tables[0]), "validation": TableImages(tables[1])}

@@ -17,6 +17,7 @@ from imgtrainer.data import (
     check_device_options,
     check_no_empty_class_folder,
     count_images,
+    data_reading,
     layout_of,
     open_datasets,
 )
@@ -39,10 +40,14 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
     check_device_options(cfg, device_type)
     if cfg.demo:
         return
-    if {layout_of(cfg.train_dir), layout_of(cfg.val_dir)} != {FOLDER}:
+    store = data_reading(cfg).store
+    if {layout_of(cfg.train_dir, store), layout_of(cfg.val_dir, store)} != {FOLDER}:
         # A list, Parquet or shards: read once here (a shard set's index is built and kept
         # once, before the workers start), with every check of the workers' own reading.
-        tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir))
+        reading = data_reading(cfg)
+        tables = open_datasets(
+            cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), reading=reading
+        )
         check_batch_fits(len(tables[0]), cfg, world_size)
         return
     classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))

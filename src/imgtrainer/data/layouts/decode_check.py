@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import zipfile
 from pathlib import Path
@@ -268,15 +267,15 @@ class CheckedRows(Dataset):
 
 def row_stats(table: ImageTable, start: int, stop: int) -> np.ndarray:
     """(size, modification time in ns) of the file of each row ``start:stop`` (the image
-    file, or its shard or Parquet file, each stat'ed once), (-1, -1) where it cannot be read."""
+    file, or its shard or Parquet file, each stat'ed once; an object's version as listed),
+    (-1, -1) where it cannot be read."""
     out = np.full((stop - start, 2), -1, dtype=np.int64)
     seen: dict[str, tuple[int, int]] = {}  # a shard's or Parquet file's, stat'ed once
     for i in range(start, stop):
         file = table.file_of(i)
         if file not in seen:
             try:
-                st = os.stat(file)
-                seen[file] = st.st_size, st.st_mtime_ns
+                seen[file] = table.store.stat(file)  # an object's: its size and version
             except OSError:
                 seen[file] = -1, -1
         out[i - start] = seen[file]
