@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from imgtrainer.checkpoints.remote import check_checkpoint_url, checkpoint_folder
 from imgtrainer.checkpoints.run_folder import check_checkpoint_dir, explicit_resume_file
 from imgtrainer.config import Layout, TrainConfig
 from imgtrainer.data import (
@@ -25,7 +26,8 @@ from imgtrainer.errors import UserError
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
-    check_checkpoint_dir(Path(cfg.checkpoint_dir))
+    check_checkpoint_dir(checkpoint_folder(cfg))
+    check_checkpoint_url(cfg)
     log_dir = Path(cfg.log_dir)
     if log_dir.exists() and not log_dir.is_dir():
         raise UserError(f"--log_dir {log_dir} is a file, not a folder; choose another --log_dir")

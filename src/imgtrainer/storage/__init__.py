@@ -223,6 +223,10 @@ class Store:
         fs = filesystem(url, self.options)
         retried(lambda: fs.put_file(str(local), url))
 
+    def put_bytes(self, url: str, data: bytes) -> None:
+        fs = filesystem(url, self.options)
+        retried(lambda: fs.pipe_file(url, data))
+
     def get_file(self, url: str, local: Path) -> None:
         fs = filesystem(url, self.options)
         local.parent.mkdir(parents=True, exist_ok=True)

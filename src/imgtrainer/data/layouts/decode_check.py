@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from imgtrainer.process import forked_pool
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # images a forked process checks per task
+REMOTE_READS = 16  # images of an object store a process checks at once
 
 
 class DecodeCheck:
@@ -114,16 +116,14 @@ class DecodeCheck:
         saved = self.cache.saved(role, start, stop)
         known = (saved == stats).all(axis=1) if saved is not None else np.zeros(len(stats), bool)
         mine = (np.arange(start, stop) % self.world_size) == self.rank
-        problems = {}
-        for i in range(start, stop):
-            if known[i - start]:
-                why = self.cache.problem(role, i)
-            elif mine[i - start]:
-                why = table.problem(i)
-            else:
-                continue
-            if why is not None:
-                problems[i] = why
+        problems = {i: self.cache.problem(role, i) for i in range(start, stop) if known[i - start]}
+        checked = [i for i in range(start, stop) if mine[i - start] and not known[i - start]]
+        if table.remote:  # a request each: many at once
+            with ThreadPoolExecutor(REMOTE_READS) as pool:
+                problems.update(zip(checked, pool.map(table.problem, checked), strict=True))
+        else:
+            problems.update((i, table.problem(i)) for i in checked)
+        problems = {i: why for i, why in problems.items() if why is not None}
         return stats, known | mine, problems
 
     def readable(self, role: str, dataset: Dataset) -> CheckedRows:

@@ -20,7 +20,7 @@ from PIL import Image
 from imgtrainer.data.layouts.image_files import image_problem, open_rgb
 from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import first_line
-from imgtrainer.storage import LOCAL, Store
+from imgtrainer.storage import LOCAL, Store, is_url
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,11 @@ class ImageTable:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def remote(self) -> bool:
+        """Whether its images are read from an object store (each read a request)."""
+        return any(is_url(c) for c in self.containers[:1])
 
     def label(self, i: int) -> int:
         return int(self.labels[i])
