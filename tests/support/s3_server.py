@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 def s3_env(endpoint: str) -> dict[str, str]:
     """What the clients need: fixed keys (moto takes any), no lookup of the instance metadata
     service (an address off this machine), none of the machine's own profiles."""
@@ -91,7 +92,7 @@ class LatencyProxy:
     target: tuple[str, int]
     delay: float = 0.0
     requests: int = 0
-    stalled: list[bytes] = field(default_factory=list)
+    stalled: list[list] = field(default_factory=list)  # [bytes to match, matches to let by]
     _socket: socket.socket | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,8 +101,17 @@ class LatencyProxy:
         threading.Thread(target=self._accept, daemon=True).start()
         return f"http://127.0.0.1:{self._socket.getsockname()[1]}"
 
-    def stall(self, match: bytes) -> None:
-        self.stalled.append(match)
+    def stall(self, match: bytes, after: int = 0) -> None:
+        """Hang the requests whose first bytes hold ``match``, once ``after`` of them passed."""
+        self.stalled.append([match, after])
+
+    def _stalls(self, data: bytes) -> bool:
+        with self._lock:
+            for rule in self.stalled:
+                if rule[0] in data:
+                    rule[1] -= 1
+                    return rule[1] < 0
+        return False
 
     def stop(self) -> None:
         if self._socket is not None:
@@ -133,8 +143,8 @@ class LatencyProxy:
                             self.requests += 1
                         if self.delay:
                             time.sleep(self.delay)
-                        if any(match in data for match in self.stalled):
-                            upstream.sendall(data)
+                        if self._stalls(data):
+                            upstream.sendall(data[: len(data) // 2])
                             time.sleep(3600)  # until the client is killed
                     upstream.sendall(data)
                 if upstream in ready:
@@ -155,4 +165,3 @@ def proxied(server: S3Server, delay: float) -> tuple[LatencyProxy, str]:
     host, port = server.endpoint.removeprefix("http://").split(":")
     proxy = LatencyProxy((host, int(port)), delay)
     return proxy, proxy.start()
-

@@ -40,7 +40,10 @@ def join(folder: str, name: str) -> str:
     """``name`` relative to ``folder`` (a path or a URL); an absolute path or a URL as is."""
     if is_url(name) or os.path.isabs(name):
         return name
-    return posixpath.join(folder, name) if is_url(folder) else os.path.join(folder, name)
+    if not is_url(folder):
+        return os.path.join(folder, name)
+    scheme, _, path = folder.partition("://")
+    return f"{scheme}://{posixpath.normpath(posixpath.join(path, name))}"  # ../ resolved
 
 
 def parent(path: str) -> str:

@@ -86,14 +86,16 @@ def filesystem_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
+_FILESYSTEMS: dict[tuple, Any] = {}
 
 
 def filesystem(url: str, options_text: str) -> Any:
     """This process's fsspec filesystem for ``url``'s protocol and the options: made once per
     process (a forked loader worker makes its own: the parent's event loop is not its own)."""
     protocol = protocol_of(url)
-    key = (os.getpid(), protocol, options_text)
+    # The environment names the endpoint and the credentials: a change makes another client.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = (os.getpid(), protocol, options_text, env)
     if key not in _FILESYSTEMS:
         try:
             import fsspec
