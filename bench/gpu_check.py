@@ -8,8 +8,8 @@
 
 Whether each CUDA path works is not measured here but tested: ``python -m pytest -m cuda
 tests/`` (tests/gpu/ runs every path through the real launcher). The rows, each alone, on
-5,400 photos of mixed aspect (short side 500 px or more, 16:9 both ways, one 4:1 panorama;
-tests/support/harness.py's ``write_split_folder``, written once per call):
+5,400 photos of mixed aspect (short side 500 px or more, 16:9 both ways, one 4:1 panorama, every
+100th a phone's 12 or 24 MP; tests/support/harness.py's ``write_split_folder``, written once):
 
   * low_memory_224: ``--low_memory --max_memory_gb 2 --batch_size 64`` at 224 px against the
     same run without it, 2 epochs each: peak allocated memory against the budget, images/s of
@@ -22,8 +22,13 @@ tests/support/harness.py's ``write_split_folder``, written once per call):
   * step_variants (only when named: compiling takes minutes): the bare step eager and with
     each of bench/throughput.py's STEP_VARIANTS, relative to eager, with the first step's time.
 
-A row that cannot be measured (its run failed) is listed with the error and does not stop the
-others; the exit code is then 1. Without CUDA it prints one line and exits 0.
+Each row is measured against its targets where it has some and says pass or FAIL: the trainer's
+efficiency by source (0.9 GPU cache, 0.8 RAM, 0.5 JPEG files) and the bare step's share of the
+bf16 peak (15%); the data audit's largest difference per source within its tolerance
+(data_audit, from the throughput rows' trainers); no host synchronisation between logging steps
+in the training thread (sync_audit, a tiny run per source). A row that fails, or cannot be
+measured (its run failed: the error is listed, the others still run), makes the exit code 1.
+Without CUDA it prints one line and exits 0. The versions it ran on head the table.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,11 @@ LOW_MEMORY_BUDGET_GB = 2.0
 PHOTOS = (10, 540, 54, 500)  # classes, training and validation photos per class, short side
 THROUGHPUT_FLAGS = ["--image_size", "224", "--batch_size", "256", "--warmup", "5", "--steps", "15"]
 THROUGHPUT_FLAGS += ["--world_sizes", "1", "--device", "cuda", "--", "--use_amp"]
-THROUGHPUT_FLAGS += ["--amp_dtype", "bfloat16"]
+THROUGHPUT_FLAGS += ["--amp_dtype", "bfloat16", "--audit_data_every", "5"]
+# The targets a throughput row passes: trainer/ceiling by image source, and the bare step's
+# share of the device's dense bf16 peak.
+EFFICIENCY_TARGETS = {"gpu": 0.9, "ram": 0.8, "nvjpeg": 0.5, "files": 0.5}
+PEAK_TARGET = 0.15
 # The step variants, most informative first: a run out of time skips the last ones.
 STEP_VARIANTS = (
     "eager",
@@ -76,13 +85,16 @@ class Bench:
     deadline: float
     data: Path | None = None
     ceiling: dict[str, Any] | None = None  # the bare loop, measured once for the cache modes
+    audits: dict[str, Any] = field(default_factory=dict)  # the data audit, by image source
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()
 
     def photos(self) -> Path:
         if self.data is None:
-            self.data = write_split_folder(self.work / "photos", *PHOTOS, photos=True)
+            self.data = write_split_folder(
+                self.work / "photos", *PHOTOS, photos=True, phones=throughput.PHONES
+            )
         return self.data
 
     def launch(self, name: str, flags: Sequence[str]):
@@ -116,7 +128,8 @@ def peak_share(result: dict[str, Any]) -> Any:
 
 
 def trainer_throughput(cache: str) -> Callable[[Bench], dict[str, Any]]:
-    """bench/throughput.py's trainer for one --cache_images against the ceiling."""
+    """bench/throughput.py's trainer for one --cache_images against the ceiling, and against
+    its targets (EFFICIENCY_TARGETS by the source the trainer took, PEAK_TARGET)."""
 
     def measure(bench: Bench) -> dict[str, Any]:
         args = throughput.parse_args([*THROUGHPUT_FLAGS, "--cache_images", cache])
@@ -125,20 +138,67 @@ def trainer_throughput(cache: str) -> Callable[[Bench], dict[str, Any]]:
         if bench.ceiling is None:
             bench.ceiling = run_worker(args, "ceiling", bench.photos(), folder)
         trainer = run_worker(args, "trainer", bench.photos(), folder)
+        bench.audits[trainer["source"]] = trainer["audit"]
+        efficiency = trainer["images_per_sec"] / bench.ceiling["images_per_sec"]
+        target = EFFICIENCY_TARGETS[trainer["source"]]
+        peak = bench.ceiling.get("fraction_of_peak")
+        first = trainer["first_epoch"]
         return {
             "img/s": trainer["images_per_sec"],
             "TFLOP/s": trainer.get("tflops"),
             "of bf16 peak": peak_share(trainer),
             "ceiling img/s": bench.ceiling["images_per_sec"],
             "ceiling of bf16 peak": peak_share(bench.ceiling),
-            "efficiency": trainer["images_per_sec"] / bench.ceiling["images_per_sec"],
+            "efficiency": efficiency,
+            "first epoch efficiency": first["images_per_sec"] / bench.ceiling["images_per_sec"],
             "data wait": trainer["step_shares"].get("data_wait", 0.0),
             "loader workers": trainer["loader_workers"],
             "source": trainer["source"],
             "first step s": trainer["seconds_to_first_step"],
+            f"efficiency target {target:g}": verdict(efficiency >= target),
+            f"ceiling target {PEAK_TARGET:.0%} of peak": (
+                "unknown peak" if peak is None else verdict(peak >= PEAK_TARGET)
+            ),
         }
 
     return measure
+
+
+def data_audit(bench: Bench) -> dict[str, Any]:
+    """The data audit of the throughput rows' trainers (--audit_data_every 5), one line per
+    source: the images checked against the CPU reference, the largest difference (0-255
+    levels) and the source's tolerance."""
+    if not bench.audits:
+        raise RuntimeError("no throughput row ran: nothing was audited")
+    figures: dict[str, Any] = {}
+    for source, audit in bench.audits.items():
+        figures[f"{source} images"] = audit["images"]
+        figures[f"{source} max diff"] = audit["max_diff"]
+        passed = audit["images"] > 0 and audit["max_diff"] <= audit["tolerance"]
+        figures[f"{source} within {audit['tolerance']:g}"] = verdict(passed)
+    return figures
+
+
+def sync_audit(bench: Bench) -> dict[str, Any]:
+    """Host synchronisations in the training thread's steps between logging steps (target 0),
+    per source, bfloat16 with the EMA, on a tiny run (tests/support/sync_audit.py)."""
+    from support.harness import write_image_folder
+    from support.sync_audit import audit_run
+
+    root = bench.work / "sync_audit"
+    train = write_image_folder(root / "train", ["a", "b"], 21, size=24, seed=1)
+    val = write_image_folder(root / "val", ["a", "b"], 4, size=24, seed=2)
+    figures: dict[str, Any] = {}
+    for source in ("gpu", "ram", "none"):
+        result = audit_run(train, val, source, batch=4, precision="bf16", device="cuda")
+        found = len(result.unexpected_syncs()) + len(result.unexpected_cuda_warnings())
+        figures[f"{source} syncs"] = found
+        figures[f"{source} target 0"] = verdict(found == 0)
+    return figures
+
+
+def verdict(passed: bool) -> str:
+    return "pass" if passed else "FAIL"
 
 
 def jpeg_decode(bench: Bench) -> dict[str, Any]:
@@ -180,6 +240,8 @@ def run_worker(args: argparse.Namespace, mode: str, data: Path, folder: Path) ->
 ROWS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "low_memory_224": low_memory,
     **{f"throughput_224_cache_{c}": trainer_throughput(c) for c in ("gpu", "ram", "none", "auto")},
+    "data_audit": data_audit,
+    "sync_audit": sync_audit,
     "jpeg_decode": jpeg_decode,
     "step_variants": step_variants,
 }
@@ -195,6 +257,8 @@ def measure(name: str, bench: Bench) -> dict[str, Any]:
     else:
         try:
             row["figures"] = ROWS[name](bench)
+            verdicts = [v for v in row["figures"].values() if v in ("pass", "FAIL")]
+            row["status"] = ("FAIL" if "FAIL" in verdicts else "pass") if verdicts else "ok"
         except Exception as err:  # noqa: BLE001 - a row that fails is reported, the rest measured
             detail = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
             row.update(status="error", detail=detail)
@@ -225,6 +289,23 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         if r["detail"]:
             lines.append(f"{'':<{width}}  -> {r['detail'].splitlines()[0][:200]}")
     return "\n".join(lines)
+
+
+def versions() -> dict[str, str]:
+    """What the rows ran on: Python, torch, torchvision, timm, CUDA, cuDNN, the allocator."""
+    import timm
+    import torch
+    import torchvision
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "timm": timm.__version__,
+        "cuda": str(torch.version.cuda),
+        "cudnn": str(torch.backends.cudnn.version()),
+        "allocator": torch.cuda.get_allocator_backend(),
+    }
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -259,7 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_check: no CUDA device visible; nothing was measured")
         return 0
     gpus, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    installed = versions()
     print(f"gpu_check: {len(args.rows)} rows on {gpus} x {name}", flush=True)
+    print("  " + ", ".join(f"{k} {v}" for k, v in installed.items()), flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = args.work_dir or Path(tmp)
@@ -272,17 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": name,
         "gpus": gpus,
         "seconds": round(seconds, 1),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": str(torch.version.cuda),
-        },
+        "versions": installed,
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"Wrote {args.output}")
-    return 1 if any(r["status"] == "error" for r in rows) else 0
+    return 1 if any(r["status"] in ("error", "FAIL") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ bytes through ``JpegDecoder`` with a decoder that returns meta images) and per
     ``--launch_us`` (one eager op's dispatch and launch there; for nvjpeg the decoding
     thread's ops are counted as if the main thread ran them: its share of the GIL), against the GPU's budget (19 ms: 256 images at 13,500 img/s). Over 100% the GPU waits.
 
+Then the data audit (--audit_data_every): the ops its look at an audited batch adds to the main
+thread, and the audit thread's CPU time to make one image again on the CPU reference path (a
+real photo-like JPEG of ``--short_side``: PIL's decode, the crop, the gathered taps), per
+audited image and per step at ``--audit_every``.
+
 The meta times are not CUDA's: many ops' meta functions are Python (torch._meta_registrations,
 the refs), about 10x dearer than CUDA's C++ dispatch and launch, so the estimate counts ops
 instead; a busy machine blurs times, not counts. Confirm on a GPU with the profiler. Not
@@ -48,7 +53,7 @@ from imgtrainer.data.device.policy import BatchPolicy  # noqa: E402
 from imgtrainer.data.host.collate import JpegBytes, collate_samples  # noqa: E402
 from imgtrainer.data.host.draws import AugmentDraws  # noqa: E402
 from imgtrainer.data.host.ragged import Ragged  # noqa: E402
-from imgtrainer.data.host.sample_row import crop_of, set_whole_crop  # noqa: E402
+from imgtrainer.data.host.sample_row import crop_of, set_key, set_whole_crop  # noqa: E402
 
 META = torch.device("meta")
 SOURCES = ("ram", "gpu", "nvjpeg")
@@ -68,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--launch_us", type=float, default=LAUNCH_US, help="per eager op")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--audit_every", type=int, default=100, help="--audit_data_every")
     return parser.parse_args(argv)
 
 
@@ -181,6 +187,41 @@ def measure(args: argparse.Namespace, source: str, policy: str) -> dict:
     return {"source": source, "policy": policy, "draws": draw_ms, "augment": ms, "ops": ops}
 
 
+def audit_cost(args: argparse.Namespace) -> dict:
+    """The data audit's cost: the main thread's ops at an audited batch (on meta tensors), and
+    the audit thread's CPU milliseconds to make one image again (a real JPEG, real work)."""
+    import io
+    import tempfile
+
+    from PIL import Image
+
+    from imgtrainer.data.device.audit import DataAudit
+    from imgtrainer.data.host.samples import Source
+    from imgtrainer.data.layouts.files import folder_table
+    from imgtrainer.data.layouts.table import TableImages
+
+    size, short = args.image_size, args.short_side
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "a"
+        folder.mkdir()
+        pixels = torch.randint(0, 256, (short, short * 4 // 3, 3), dtype=torch.uint8).numpy()
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, "JPEG", quality=90)
+        (folder / "photo.jpg").write_bytes(out.getvalue())
+        reference = TableImages(folder_table(Path(tmp), "training", ["a"]))
+        audit = DataAudit(reference, BatchAugment(size), Source.FILES, args.audit_every, META)
+        row = AugmentDraws(size, random_erasing=0.25)(short, short * 4 // 3)
+        set_key(row, (0, 0))  # image 0 of epoch 0
+        remake_ms = median_ms(lambda: audit.remake(row), args.repeats)
+        images = torch.empty(args.batch_size, 3, size, size, device=META)
+        rows = row.expand(args.batch_size, -1).clone()
+        audit.seen, audit._check = 0, lambda *_: None  # due; no thread work counted here
+        with OpCount() as ops:
+            audit.look(images, rows)
+        audit.close()
+    return {"look_ops": ops.count, "remake_ms": remake_ms}
+
+
 def print_table(rows: list[dict], args: argparse.Namespace, header: str) -> None:
     print(header)
     print(
@@ -214,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.repeats}, torch {torch.__version__}"
     )
     print_table(rows, args, header)
+    audit = audit_cost(args)
+    print(
+        f"data audit: {audit['look_ops']} ops in the main thread at an audited batch (every "
+        f"{args.audit_every}th, after the first 3: {audit['look_ops'] / args.audit_every:.2f} per "
+        f"step); the audit thread's CPU to make one image again {audit['remake_ms']:.1f} ms "
+        f"({audit['remake_ms'] / args.audit_every:.3f} ms per step)"
+    )
     return 0
 
 

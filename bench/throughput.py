@@ -60,6 +60,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benc
 
 from support.harness import write_split_folder  # noqa: E402
 
+PHONES = 100  # every 100th photo a phone camera's (12 or 24 MP): the memory bounds meet them
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) of common data-centre GPUs, by a fragment of
 # torch.cuda.get_device_name(); the first fragment found wins, so the specific names come first.
 PEAK_FLOPS = {
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             max(500, side) if photos else side,
             photos=photos,
             noise=40,
+            phones=PHONES if photos else 0,
         )
         report["settings"]["dataset"] = "photos" if photos else "patches"
         print(
@@ -327,6 +330,14 @@ def print_row(row: dict) -> None:
     print(f"  ceiling  {c['images_per_sec']:8.1f} img/s   (bare loop, tensors in memory)")
     print(f"  trainer  {t['images_per_sec']:8.1f} img/s   efficiency {row['efficiency']:.3f}")
     print(f"  trainer step: {shares}")
+    first = t.get("first_epoch")
+    if first is not None:
+        ratio = first["images_per_sec"] / c["images_per_sec"]
+        first_shares = "  ".join(f"{k} {v:.0%}" for k, v in first["step_shares"].items())
+        print(
+            f"  first epoch (cache filling, decode check beside it): {first['images_per_sec']:.1f}"
+            f" img/s, efficiency {ratio:.3f}; step: {first_shares}"
+        )
     if t.get("allreduce_wait_share") is not None:
         print(
             f"  all-reduce wait not hidden by backward: {t['allreduce_wait_share']:.1%} of a "
@@ -350,15 +361,17 @@ def print_summary(rows: list[dict]) -> None:
     """One line per (world size, source): the figures the issue's table compares."""
     print(
         f"\n{'world':>5} {'source':<6} {'watchdog':>8} {'img/s':>9} {'ceiling':>9} "
-        f"{'trainer/ceiling':>15} {'data wait':>9} {'of bf16 peak':>12}"
+        f"{'trainer/ceiling':>15} {'data wait':>9} {'first epoch':>11} {'of bf16 peak':>12}"
     )
     for row in rows:
         t, c = row["trainer"], row["ceiling"]
         watchdog = {None: "-", False: "off", True: "on"}[row.get("watchdog")]
+        first = t.get("first_epoch")
+        first_ratio = f"{first['images_per_sec'] / c['images_per_sec']:.3f}" if first else "n/a"
         print(
             f"{row['world_size']:>5} {row['source']:<6} {watchdog:>8} {t['images_per_sec']:>9.1f} "
             f"{c['images_per_sec']:>9.1f} {row['efficiency']:>15.3f} "
-            f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} "
+            f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} {first_ratio:>11} "
             f"{percent(t.get('fraction_of_peak')):>12}"
         )
 
@@ -538,6 +551,10 @@ def measure_ceiling(cfg, dist, warmup: int, steps: int, variant: dict | None = N
 
 
 def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
+    """The trainer's steady state (its second epoch: the RAM cache filled, the decode check
+    finished) at the top level, and its first epoch's figures (the cache filling, the decode
+    check running beside it) under ``first_epoch``: both timed over ``steps`` steps after
+    ``warmup``, the first epoch then run to its end."""
     import torch
 
     from imgtrainer.training.trainer import Trainer
@@ -551,25 +568,27 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     # Under --watchdog: this rank's heartbeat slot, as the trainer opens it (``run.train.watched``)
     if heartbeat.open_slot(dist.rank, 0) is not None:
         heartbeat.start(0)
+    cpu = dist.device.type == "cpu"
+    first = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=0)
+    audited = trainer.train_loader.audit_results()  # the data audit's images, both epochs
+    trainer.decode_check.finish()  # as the trainer does at the first epoch's end
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
-    timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=dist.device.type == "cpu"))
+    timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=1)
     if dist.device.type == "cuda":
         timed["timer"] = run_trainer_steps(
-            trainer, 1, steps, PhaseTimer(enabled=True, synchronize=torch.cuda.synchronize)
+            trainer, 1, steps, PhaseTimer(enabled=True, synchronize=torch.cuda.synchronize), 2
         )["timer"]
-    phases = dict(timed["timer"].seconds)
-    step_total = sum(phases.values())
     result = {
-        "images_per_sec": steps * cfg.batch_size * dist.world_size / timed["seconds"],
-        "step_seconds": timed["seconds"] / steps,
-        "step_shares": {k: v / step_total for k, v in phases.items()},
+        **step_figures(timed, steps, cfg.batch_size * dist.world_size),
         "allreduce_wait_share": allreduce_wait_share(trainer.parts.model, timed["seconds"] / steps),
-        "seconds_to_first_step": setup_seconds + timed["first_step_seconds"],
+        "seconds_to_first_step": setup_seconds + first["first_step_seconds"],
         "setup_seconds": setup_seconds,
         "loader_workers": trainer.train_loader.num_workers,
         "train_images": len(trainer.train_loader.dataset),
         "source": str(trainer.train_loader.dataset.source),
+        "first_epoch": step_figures(first, steps, cfg.batch_size * dist.world_size),
+        "audit": audit_figures(trainer, audited + trainer.train_loader.audit_results()),
     }
     if dist.device.type == "cuda":
         per_gpu = result["images_per_sec"] / dist.world_size
@@ -577,8 +596,32 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     return result
 
 
-def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> dict:
-    """Run the real ``train_one_epoch`` and stop it after warmup + steps optimizer steps."""
+def audit_figures(trainer, audited: list) -> dict:
+    """The data audit's images checked against the CPU reference, the largest difference
+    (0-255 levels) and its source's tolerance."""
+    audit = trainer.train_loader.audit
+    return {
+        "images": len(audited),
+        "max_diff": max((a.difference for a in audited), default=None),
+        "tolerance": None if audit is None else audit.tolerance,
+    }
+
+
+def step_figures(timed: dict, steps: int, images_per_step: int) -> dict:
+    """Images/s, seconds per step and each phase's share of a step, of a timed stretch."""
+    phases = dict(timed["timer"].seconds)
+    step_total = sum(phases.values()) or 1.0
+    return {
+        "images_per_sec": steps * images_per_step / timed["seconds"],
+        "step_seconds": timed["seconds"] / steps,
+        "step_shares": {k: v / step_total for k, v in phases.items()},
+    }
+
+
+def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer, epoch: int = 0) -> dict:
+    """Run the real ``train_one_epoch`` of ``epoch``, timing ``steps`` optimizer steps after
+    ``warmup``; the first epoch runs to its end (its images all read once: cached, checked),
+    the others stop after the timed steps."""
     from imgtrainer.hooks import Hook
     from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
 
@@ -596,10 +639,15 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> di
                 synchronize(trainer.dist.device)
                 timer.seconds.clear()
                 clock["timed_from"] = time.perf_counter()
-            return info.step == warmup + steps
+            if info.step == warmup + steps:
+                synchronize(trainer.dist.device)
+                clock["seconds"] = time.perf_counter() - clock["timed_from"]
+                timer.enabled, clock["phases"] = False, dict(timer.seconds)
+                return epoch > 0
+            return False
 
-    mixer = trainer.mixer.for_epoch(0) if trainer.mixer else None  # --mixup/--cutmix
-    trainer.sampler.set_epoch(0)
+    mixer = trainer.mixer.for_epoch(epoch) if trainer.mixer else None  # --mixup/--cutmix
+    trainer.sampler.set_epoch(epoch)
     with timer.attached():
         train_one_epoch(
             trainer.parts,
@@ -612,8 +660,9 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer) -> di
             ),
         )
     synchronize(trainer.dist.device)
+    timer.seconds = defaultdict(float, clock["phases"])
     return {
-        "seconds": time.perf_counter() - clock["timed_from"],
+        "seconds": clock["seconds"],
         "timer": timer,
         "first_step_seconds": clock["first_step"],
     }

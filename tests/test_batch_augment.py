@@ -172,8 +172,9 @@ def test_flips_are_per_sample_and_padding_is_never_read():
 
 
 def test_the_config_chooses_the_batchs_layout_and_dtype():
-    """--no_channels_last reaches the augmentation (defect 8); bfloat16 batches only under
-    --use_amp --amp_dtype bfloat16 (float16 autocast keeps float32 inputs)."""
+    """--no_channels_last reaches the augmentation (defect 8); the batches in the dtype CUDA
+    autocasts the first layer's input to (bfloat16 or float16), float32 without --use_amp
+    and on the CPU."""
     from imgtrainer.config import TrainConfig
     from imgtrainer.data.loaders import train_augmentation
 
@@ -185,7 +186,7 @@ def test_the_config_chooses_the_batchs_layout_and_dtype():
     assert augment(channels_last=True).channels_last
     assert not augment(channels_last=False).channels_last
     assert augment(use_amp=True, amp_dtype="bfloat16").dtype(cuda) == torch.bfloat16
-    assert augment(use_amp=True, amp_dtype="float16").dtype(cuda) == torch.float32
+    assert augment(use_amp=True, amp_dtype="float16").dtype(cuda) == torch.float16
     assert augment(use_amp=False, amp_dtype="bfloat16").dtype(cuda) == torch.float32
     assert augment(cpu, use_amp=True, amp_dtype="bfloat16").dtype(cpu) == torch.float32
     assert augment(channels_last=False).layout(cuda) == torch.contiguous_format

@@ -45,17 +45,23 @@ def test_throughput_runs_its_rows_and_writes_its_json(tmp_path: Path):
     assert sum(shares.values()) == pytest.approx(1.0)
     assert trainer["seconds_to_first_step"] > 0
     assert trainer["allreduce_wait_share"] is not None
+    first = trainer["first_epoch"]  # the cache filling and the decode check beside it
+    assert first["images_per_sec"] > 0 and sum(first["step_shares"].values()) == pytest.approx(1)
 
     # The summary: one line per world size and source, the figures of the JSON.
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["world", "source"])
-    assert lines[header].split() == (
-        "world source watchdog img/s ceiling trainer/ceiling data wait of bf16 peak".split()
+    assert (
+        lines[header].split()
+        == (
+            "world source watchdog img/s ceiling trainer/ceiling data wait first epoch of bf16 peak"
+        ).split()
     )
     assert lines[header + 1].split() == [
         "2", row["source"], "-", f"{trainer['images_per_sec']:.1f}",
         f"{ceiling['images_per_sec']:.1f}", f"{row['efficiency']:.3f}",
-        f"{shares['data_wait']:.1%}", "n/a",
+        f"{shares['data_wait']:.1%}",
+        f"{first['images_per_sec'] / ceiling['images_per_sec']:.3f}", "n/a",
     ]  # fmt: skip
 
     assert ceiling["optimizer_kernels"] == ["fused"]  # the trainer's AdamW (fused on this torch)

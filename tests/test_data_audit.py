@@ -5,6 +5,7 @@ its reference form. And the prefetch's out-of-memory retry: the same batch, made
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -111,3 +112,32 @@ def test_out_of_memory_preparing_a_batch_makes_the_same_batch_again_in_smaller_p
     train.retry_on_oom, failures[:] = False, []  # without the retry: the error ends the run
     with pytest.raises(torch.OutOfMemoryError):
         next(iter(train))
+
+
+@pytest.mark.slow  # two training runs, in this process
+def test_a_run_audited_at_every_batch_trains_the_same_weights_as_one_without(tmp_path):
+    """The audit reads; it draws nothing from the run's random streams (the sample row holds
+    every draw): every batch audited or none, the weights come out bit for bit the same, and
+    the audited run's history says how many images it checked."""
+    from conftest import TINY_FLAGS, run_train, write_tiny_dataset
+
+    train, val = write_tiny_dataset(tmp_path / "data")
+    weights = {}
+    for every in (1, 0):
+        root = tmp_path / f"every{every}"
+        flags = [*TINY_FLAGS, "--train_dir", train, "--val_dir", val, "--epochs", "2"]
+        flags += ["--model", "test_resnet", "--auto_augment", "trivialaugment"]
+        flags += ["--random_erasing", "0.25", "--audit_data_every", str(every)]
+        flags += ["--checkpoint_dir", root / "checkpoints", "--log_dir", root / "logs"]
+        assert run_train(flags, cwd=tmp_path) == 0
+        state = torch.load(root / "checkpoints" / "checkpoint_latest.pth", weights_only=True)
+        weights[every] = state["model_state_dict"]
+        history = json.loads((root / "logs" / "training_history.json").read_text())["epochs"]
+        if every:
+            steps = [48 // 8] * 2  # 3 classes of 16 images: 6 steps of 8 an epoch
+            assert [e["audit_images"] for e in history] == steps
+            assert all(e["audit_max_diff"] == 0 for e in history)
+        else:
+            assert all("audit_images" not in e for e in history)
+    assert weights[1].keys() == weights[0].keys()
+    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])

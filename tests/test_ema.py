@@ -397,3 +397,47 @@ def test_device_update_matches_timm_bitwise_and_a_skip_changes_nothing():
         assert all(
             torch.equal(a, b) for a, b in zip(bits(reference.module), bits(ema.module), strict=True)
         ), n
+
+
+def test_an_update_without_a_grad_scaler_is_timms_own_call_bitwise():
+    """No device skip flag (bfloat16, float32): the count is known on the host and the update
+    is timm's multi-tensor lerp with a Python weight, bit for bit, past the first table too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ema = ModelEma(model, decay=0.999)
+    reference = timm.utils.ModelEmaV3(model, decay=0.999, use_warmup=True, warmup_power=0.75)
+    for n in [*range(1, 6), 1500, 1501]:
+        if n > 5:
+            ema.updates = n - 1
+            reference.module.load_state_dict(ema.module.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model.train()
+        model(torch.randn(8, 4))
+        ema.on_step_end(StepInfo(n, n, SUMS))
+        reference.update(model, step=n)
+        assert ema.updates == n
+        assert all(
+            torch.equal(a, b) for a, b in zip(bits(reference.module), bits(ema.module), strict=True)
+        ), n
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("skip_flag", [False, True])
+def test_an_update_is_a_few_launches_not_one_per_tensor(skip_flag):
+    """ResNet18's 102 floating-point state tensors: the lerp runs as multi-tensor kernels (a
+    handful of launches), with and without the GradScaler's device skip flag."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = timm.create_model("resnet18", num_classes=10).cuda()
+    ema = ModelEma(model, decay=0.999)
+    skipped = torch.tensor(False, device="cuda") if skip_flag else None
+    ema.update(skipped)  # the state lists and weights made once
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ema.update(skipped)
+        torch.cuda.synchronize()
+    lerps = [e for e in prof.events() if e.device_type.name == "CUDA" and "lerp" in e.name.lower()]
+    assert 0 < len(lerps) <= 8, [e.name for e in lerps]

@@ -397,38 +397,84 @@ def test_files_on_cuda_hand_over_bytes_through_loader_workers(folder, tmp_path_f
     assert (images - BatchAugment(SIZE)(cpu_canvas, cpu_params)).abs().max() <= 1.01 * LEVEL
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_nvjpeg_never_writes_blocks_that_queued_work_still_uses(folder):
-    """pytorch/vision#9606's race: kernels queued on the current stream use tensors that are
-    then freed, so the caching allocator may hand their blocks to decode_jpeg's outputs, which
-    nvjpeg writes on its own stream without waiting. Blocks of exactly the decoded images'
-    sizes are freed behind a long sleep; the queued work and the batch must both come out
-    right."""
-    on_device, (batch, params, labels), _, _ = both_paths(folder, KEYS)
-    cpu = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, device_decoder("cpu"))
-    expected, expected_params, expected_labels = cpu(batch, params, labels)
-    sizes = [device_decoder("cpu")([jpeg.data])[0].shape for jpeg in batch.jpegs]
+def baited(stream: torch.cuda.Stream, sizes, record_on: torch.cuda.Stream | None = None):
+    """Blocks of exactly ``sizes`` (twice each) allocated on ``stream``, then a long sleep, writes
+    and reads of them queued (on ``record_on`` where given, else on ``stream``), then freed
+    (recorded on ``record_on`` first, as the decoder records its outputs): the sums the queued
+    reads will give, 101 x each size when no one else wrote the blocks meanwhile."""
     cuda = torch.device("cuda")
-    decoder = JpegDecoder(cuda, SIZE, on_device.pixel_sample)
-    decoder(batch, params, labels)  # nvjpeg and the streams set up
-    torch.cuda.synchronize()
-    for _ in range(5):
+    with torch.cuda.stream(stream):
         bait = [torch.full(size, 1, dtype=torch.uint8, device=cuda) for size in sizes * 2]
+    with torch.cuda.stream(record_on or stream):
         torch.cuda._sleep(200_000_000)  # the stream stays busy for a while (~0.1 s)
         for t in bait:
             t.add_(100)  # queued writes into the blocks freed below
         sums = torch.stack([t.sum(dtype=torch.int64) for t in bait])  # queued reads of them
-        del bait, t
+    if record_on is not None:
+        for t in bait:
+            t.record_stream(record_on)
+    expected = torch.tensor([101 * torch.Size(size).numel() for size in sizes * 2])
+    return sums, expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_nvjpeg_never_writes_blocks_that_queued_work_still_uses(folder):
+    """pytorch/vision#9606's race, where the decoder allocates: nvjpeg's outputs come from the
+    pool of the decoder's allocation stream, which runs no kernel; every block there was an
+    earlier output, read by crops queued on the decoder's stream and recorded on it. The bait is
+    exactly that: blocks of the decoded images' sizes allocated on the allocation stream, used
+    by long queued work on the decoder's stream, recorded there, freed. The caching allocator
+    must keep them until that work is done, so the next call's outputs cannot take them: the
+    queued sums and the batch both come out right. (The naive decoder of the next test, which
+    takes its outputs where the queued work runs, fails this same bait.)"""
+    on_device, (batch, params, labels), _, _ = both_paths(folder, KEYS)
+    cpu = JpegDecoder(torch.device("cpu"), SIZE, on_device.pixel_sample, device_decoder("cpu"))
+    expected, expected_params, expected_labels = cpu(batch, params, labels)
+    sizes = [device_decoder("cpu")([jpeg.data])[0].shape for jpeg in batch.jpegs]
+    decoder = JpegDecoder(torch.device("cuda"), SIZE, on_device.pixel_sample)
+    decoder(batch, params, labels)  # nvjpeg and the streams set up
+    torch.cuda.synchronize()
+    for _ in range(5):
+        sums, right = baited(decoder.alloc_stream, sizes, record_on=decoder.stream)
         canvas, out_params, out_labels = decoder(batch, params, labels)
         images = canvas.cpu()  # waits for everything queued on the current stream
-        assert torch.equal(sums.cpu(), torch.tensor([101 * s.numel() for s in sizes * 2]))
+        torch.cuda.synchronize()
+        assert torch.equal(sums.cpu(), right)
         assert torch.equal(out_params, expected_params) and torch.equal(out_labels, expected_labels)
         assert images.shape == expected.shape
         # nvjpeg's IDCT and chroma upsampling differ from libjpeg's by a few levels; a write
         # of the bait's +100 into an image would not.
         gap = (images.int() - expected.int()).abs()
         assert gap.max() <= 16 and gap.float().mean() < 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_bait_catches_a_decoder_that_takes_memory_queued_work_still_uses(folder):
+    """The control of the test above: torchvision's decode_jpeg called plainly on a stream with
+    the bait's work queued on it (vision#9606's use: its outputs from that stream's pool, the
+    bait freed there without a wait, which the allocator allows for work of the same stream,
+    while nvjpeg writes from its own stream at once). nvjpeg then overwrites blocks the queued
+    work still reads: the sums come out wrong in at least one of the tries. Were it not so, the
+    bait could not tell the protected decoder from this one."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    on_device, (batch, _, _), _, _ = both_paths(folder, KEYS)
+    sizes = [device_decoder("cpu")([jpeg.data])[0].shape for jpeg in batch.jpegs]
+    data = [jpeg.data for jpeg in batch.jpegs]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")  # nvjpeg set up
+    torch.cuda.synchronize()
+    corrupted = 0
+    for _ in range(5):
+        sums, right = baited(stream, sizes)
+        with torch.cuda.stream(stream):
+            decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
+        torch.cuda.synchronize()
+        corrupted += int(not torch.equal(sums.cpu(), right))
+    assert corrupted > 0, "the bait never caught the unprotected decoder: it cannot judge"
 
 
 @pytest.mark.cuda

@@ -144,3 +144,12 @@ def test_a_kill_and_its_resume_are_read_from_the_logs(tmp_path):
     history["epochs"][2]["epoch"] = 2  # epoch 2 written twice: the resume repeated it
     (logs / "training_history.json").write_text(json.dumps(history))
     assert "epochs [1, 2, 2]" in problem(repeated)
+
+
+def test_phone_photos_are_a_share_of_the_photos_at_12_and_24_megapixels(tmp_path: Path):
+    from support.harness import PHONE_SIZES, write_photo_folder
+
+    folder = write_photo_folder(tmp_path / "p", 1, 4, 64, panorama=False, phones=2, threads=2)
+    sizes = [Image.open(path).size for path in sorted(folder.rglob("*.jpg"))]
+    assert sizes[1] == PHONE_SIZES[0] and sizes[3] == PHONE_SIZES[1]  # every 2nd: 12 MP, 24 MP
+    assert max(sizes[0]) < 1000 and max(sizes[2]) < 1000

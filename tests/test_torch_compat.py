@@ -93,3 +93,27 @@ def test_a_missing_internal_is_named_in_one_line():
         "which the out-of-memory retry needs"
     )
     assert isinstance(err.value, RuntimeError)
+
+
+def test_tf32_and_autotuning_switches_are_put_back_as_they_were():
+    """The resample's TF32 block and the policy's block without cuDNN autotuning change the
+    global switches inside only, on this torch's own API (2.9 and later refuse a mix of the
+    TF32 switches' old and new names)."""
+    from imgtrainer import torch_compat
+
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if torch_compat.torch_at_least(2, 9) else "allow_tf32"
+    before = getattr(matmul, name)
+    with torch_compat.tf32_matmuls():
+        assert getattr(matmul, name) in ("tf32", True)
+    assert getattr(matmul, name) == before
+    torch.backends.cudnn.benchmark = True
+    try:
+        with torch_compat.cudnn_autotuning_off():
+            assert torch.backends.cudnn.benchmark is False
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = False
+    assert torch_compat.is_device_fault(RuntimeError("CUDA error: an illegal memory access"))
+    assert not torch_compat.is_device_fault(RuntimeError("CUDA error: out of memory"))
+    assert not torch_compat.is_device_fault(RuntimeError("nvjpeg: bad bitstream"))

@@ -120,6 +120,9 @@ CONFIGS: dict[str, list[str]] = {
     "recipe + lr 0.002": [*RECIPE, "--learning_rate", "0.002"],
     "recipe + lr 0.004 + warmup 1": [*RECIPE, "--learning_rate", "0.004", "--warmup_epochs", "1"],
     "defaults + files (no cache)": ["--cache_images", "none"],
+    # The data audit reads, it draws nothing: off, or at every batch, the same weights.
+    "defaults + no data audit": ["--audit_data_every", "0"],
+    "defaults + data audit every batch": ["--audit_data_every", "1"],
     "lr 0.004 + label smoothing": ["--learning_rate", "0.004", "--label_smoothing", "0.1"],
     "batch 64 + lr 0.004 + label smoothing": [
         "--batch_size", "64", "--learning_rate", "0.004", "--label_smoothing", "0.1",

@@ -28,11 +28,10 @@ class Precision:
         return torch.autocast(device.type, dtype=self.dtype, enabled=self.enabled)
 
     def batch_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype of the batches handed to the model on ``device``: bfloat16 where CUDA
-        trains under bfloat16 autocast, whose first layer would cast them so anyway (half the
-        bytes written and read); float32 otherwise."""
-        bfloat16 = self.enabled and self.dtype == torch.bfloat16 and device.type == "cuda"
-        return torch.bfloat16 if bfloat16 else torch.float32
+        """The dtype of the batches handed to the model on ``device``: where CUDA trains under
+        autocast, its dtype (bfloat16 or float16), to which the first layer would cast them
+        anyway (the same values, half the bytes written and read); float32 otherwise."""
+        return self.dtype if self.enabled and device.type == "cuda" else torch.float32
 
 
 FLOAT32 = Precision(False, torch.float32)

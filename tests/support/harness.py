@@ -106,6 +106,10 @@ def photo_textures(rng: np.random.Generator, count: int = 4) -> list[Image.Image
     return textures
 
 
+# Phone cameras' photos (width, height): 12 MP (4032 x 3024) and 24 MP (6000 x 4000).
+PHONE_SIZES = ((4032, 3024), (6000, 4000))
+
+
 def photo_size(index: int, short_side: int, rng: np.random.Generator) -> tuple[int, int]:
     """(width, height) of a class's ``index``-th photo: a PHOTO_ASPECTS shape in turn, its short
     side ``short_side`` to 1.25 x that."""
@@ -149,11 +153,14 @@ def write_photo_folder(
     panorama: bool = True,
     quality: int = 85,
     threads: int = 1,
+    phones: int = 0,
 ) -> Path:
     """``root/<class>/img_<i>.jpg``: ``per_class`` photo-like JPEGs per class of mixed aspect
     (PHOTO_ASPECTS: 4:3, 3:2, 16:9 and square, both orientations; short side ``short_side`` to
     1.25 x that) and, with ``panorama``, the first class's first image a 4:1 panorama: the
-    shapes that make image caches and crops larger than square bench patches do. Cut from a few
+    shapes that make image caches and crops larger than square bench patches do. With
+    ``phones``, every ``phones``-th photo of a class is a phone camera's (PHONE_SIZES: 12 and
+    24 MP, both orientations), the decoded sizes the memory bounds must meet. Cut from a few
     textures drawn once per call (``photo_textures``), toned per class; ``threads`` cut and
     encode in parallel. The same arguments write the same files."""
     rng = np.random.default_rng(seed)
@@ -166,6 +173,9 @@ def write_photo_folder(
             size = photo_size(i, short_side, rng)
             if panorama and c == 0 and i == 0:
                 size = (round(short_side * PANORAMA_ASPECT), short_side)
+            elif phones and i % phones == phones - 1:
+                width, height = PHONE_SIZES[(i // phones) % len(PHONE_SIZES)]
+                size = (width, height) if (i // phones) % 4 < 2 else (height, width)
             path = root / name / f"img_{i:03d}.jpg"
             jobs.append(
                 (path, textures[int(rng.integers(len(textures)))], size, c, rng.spawn(1)[0])
@@ -190,18 +200,21 @@ def write_split_folder(
     photos: bool = False,
     noise: float = 30.0,
     threads: int | None = None,
+    phones: int = 0,
 ) -> Path:
     """``root/{train,val}/class_NN/*.jpg`` (seeds 0 and 1): noisy square patches of ``side`` px,
     one colour per class, Gaussian noise of std ``noise``, JPEG quality 90; or with ``photos``
     photo-like JPEGs of mixed aspect, short side ``side`` px to 1.25 x that, one 4:1 panorama
-    among the training images. ``threads`` (default: one per core) encode in parallel."""
+    among the training images, and every ``phones``-th a phone's 12 or 24 MP photo
+    (``write_photo_folder``). ``threads`` (default: one per core) encode in parallel."""
     threads = threads or os.cpu_count() or 1
     for split, per_class, seed in (("train", train_per_class, 0), ("val", val_per_class, 1)):
         if photos:
             panorama = split == "train"
             write_photo_folder(
-                root / split, classes, per_class, side, seed, panorama=panorama, threads=threads
-            )
+                root / split, classes, per_class, side, seed,
+                panorama=panorama, threads=threads, phones=phones,
+            )  # fmt: skip
         else:
             write_image_folder(
                 root / split, classes, per_class, side, seed, noise=noise, quality=90,

@@ -59,6 +59,8 @@ class ModelEma(Hook):
         self._count = torch.zeros((), dtype=torch.int64)
         self._bound = 0  # known on the host: the count is at most this
         self._tables: dict[torch.dtype, torch.Tensor] = {}
+        self._spread: list[torch.Tensor] | None = None  # the skip path's weights, made once
+        self._spread_buffers: list[torch.Tensor] = []  # the one buffer per dtype they view
         if model is not None:
             # A copy of the model as it is now (device, dtype, memory layout); its weights are
             # replaced by the first update.
@@ -91,23 +93,24 @@ class ModelEma(Hook):
     @torch.no_grad()
     def update(self, skipped: torch.Tensor | None = None) -> None:
         """One more step into the average, unless the device flag ``skipped`` is set (the
-        GradScaler skipped the optimizer step): decided on the device, never read here (no
-        host synchronisation). The update count lives in a device tensor; each update's weight
-        ``1 - decay(n)`` comes from a device table of the Python numbers timm computes; a
-        skipped step lerps with weight 0 (every value unchanged, up to the sign of an exact
-        zero) and copies no integer buffer, and does not advance the count."""
+        GradScaler skipped the optimizer step). Without one, the count is known here and the
+        update is timm's own call, one multi-tensor lerp with the weight as a Python number.
+        With one, it is decided on the device, never read here (no host synchronisation): the
+        count lives in a device tensor, each update's weight ``1 - decay(n)`` comes from a
+        device table of the Python numbers timm computes, times ``taken``, spread over weight
+        tensors shaped like the state (a multi-tensor lerp takes them; 0-d weights would make
+        it one launch per tensor); a skipped step lerps with weight 0 (every value unchanged,
+        up to the sign of an exact zero), copies no integer buffer and does not advance the
+        count."""
         if self._state is None:  # the same tensors every step: loads copy into them in place
             self._state = self._paired_state()
         ema_values, model_values, counters = self._state
         taken = None if skipped is None else ~skipped.to(self._count.device)
-        # timm's weight of this update, ``1 - get_decay(count + 1)``, for each dtype; 0 if skipped.
-        weights = {dtype: self._weight(dtype, taken) for dtype in {v.dtype for v in ema_values}}
-        if ema_values:
-            # Weights as tensors (the List overload): a 0-d tensor passed as timm's Scalar
-            # weight would be read on the host.
-            torch_compat.foreach_lerp_(
-                ema_values, model_values, [weights[v.dtype] for v in ema_values]
-            )
+        if ema_values and taken is None:
+            weight = 1.0 - self._ema.get_decay(self._bound + 1)
+            torch_compat.foreach_lerp_(ema_values, model_values, weight)
+        elif ema_values:
+            torch_compat.foreach_lerp_(ema_values, model_values, self._spread_weights(taken))
         if counters:  # integer buffers (BatchNorm's batch counter): copied when taken
             ema_ints, model_ints = (list(c) for c in zip(*counters, strict=True))
             if taken is None:
@@ -118,6 +121,17 @@ class ModelEma(Hook):
                 torch_compat.foreach_add_(ema_ints, change)
         self._count += 1 if taken is None else taken.long()
         self._bound += 1
+
+    def _spread_weights(self, taken: torch.Tensor) -> list[torch.Tensor]:
+        """This update's weight (``_weight``, 0 when not ``taken``) in tensors shaped and laid
+        out like each state value: views into one buffer per dtype, made once and filled by one
+        broadcast copy each (a 0-d tensor given to ``_foreach_add_`` is read as a Python number:
+        a host synchronisation)."""
+        if self._spread is None:
+            self._spread, self._spread_buffers = _views_like(self._state[0])
+        for flat in self._spread_buffers:
+            flat.copy_(self._weight(flat.dtype, taken).expand_as(flat))
+        return self._spread
 
     def _paired_state(self) -> tuple[list, list, list]:
         """The EMA's and the model's floating-point state tensors, side by side, and the pairs of
@@ -199,3 +213,20 @@ def history_val_metrics(val: Mapping[str, float]) -> dict[str, float]:
 def ema_metrics(val: Mapping[str, float]) -> dict[str, float]:
     """``training.evaluation.evaluate``'s metrics of the EMA weights, under the history's EMA keys."""
     return {f"{key}{EMA_SUFFIX}": val[key] for key in VAL_KEYS}
+
+
+def _views_like(values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Tensors with each value's size and strides (a multi-tensor op's fast path wants them
+    alike), all viewing one flat buffer per dtype and device, and those buffers."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for value in values:
+        sizes[value.dtype, value.device] = sizes.get((value.dtype, value.device), 0) + value.numel()
+    buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    views = []
+    for value in values:
+        key = (value.dtype, value.device)
+        # a state value is dense: its storage spans its numel, whatever its strides
+        views.append(buffers[key].as_strided(value.size(), value.stride(), offsets[key]))
+        offsets[key] += value.numel()
+    return views, list(buffers.values())

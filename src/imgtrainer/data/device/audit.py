@@ -69,7 +69,7 @@ class DataAudit:
         self.reference, self.augment, self.source, self.every = reference, augment, source, every
         self.device = torch.device(device)
         self.tolerance = tolerance(source, self.device)
-        self.seen = 0  # batches shown
+        self.seen = 0  # the run's batches before the next one
         self.results: list[Audited] = []  # this epoch's, filled by the audit thread
         self.pending: list[Future] = []
         self.mismatches = 0
@@ -78,6 +78,11 @@ class DataAudit:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-audit")
         std = torch.tensor(augment.std, dtype=torch.float32).view(3, 1, 1)
         self._levels = std * 255  # a normalised difference in 0-255 levels, per channel
+
+    def count_from(self, batches: int) -> None:
+        """The run's batches before the next one (its steps before a resume's position): the
+        audited batches are those of an unbroken run, and so is the epoch's record."""
+        self.seen = batches
 
     def due(self) -> bool:
         """Whether the next batch is audited (counting it)."""

@@ -6,6 +6,7 @@ the ``--auto_augment`` policy grouped by op (``policy``), normalisation and eras
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ from imgtrainer.data.host.ragged import Ragged, as_canvas
 from imgtrainer.data.host.sample_row import FLIP, HEIGHT, LEFT, TOP, WIDTH, erase_of, policy_of
 from imgtrainer.data.host.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 from imgtrainer.precision import FLOAT32, Precision, uses_channels_last
+from imgtrainer.torch_compat import tf32_matmuls
 
 
 class BatchAugment:
@@ -58,23 +60,35 @@ class BatchAugment:
         return torch.contiguous_format
 
     def resample(
-        self, pixels: torch.Tensor, rows: torch.Tensor, normalise: bool = False
+        self,
+        pixels: torch.Tensor,
+        rows: torch.Tensor,
+        normalise: bool = False,
+        on_device: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every crop resized to size x size and flipped where drawn: float, 0..255 (or
         normalised, where ``normalise`` and the banded form fold it into its weights). Each
         output pixel is a weighted sum of a few source pixels, columns then rows. The sample
-        ``rows`` on the host: the number of taps is read from them without a device sync."""
+        ``rows`` on the host: the number of taps is read from them without a device sync;
+        ``on_device``: the same rows on the pixels' device, when already there."""
         size = self.size
         height_taps = tap_count(rows[:, HEIGHT], size)
         width_taps = tap_count(rows[:, WIDTH], size)
-        rows = rows.to(pixels.device, non_blocking=True)
+        rows = rows.to(pixels.device, non_blocking=True) if on_device is None else on_device
         if self.use_bmm(pixels.device):
+            # Normalised: in the output's dtype and layout, one pass; 0..255 stays float32.
+            dtype = self.dtype(pixels.device) if normalise else torch.float32
             scale, shift = (
                 folded_normaliser(self.mean, self.std, pixels.device) if normalise else (None, None)
             )
-            images = banded_resample(pixels, rows, size, (height_taps, width_taps), scale, shift)
-            # Normalised: in the output's dtype and layout, one pass; 0..255 stays float32.
-            dtype = self.dtype(pixels.device) if normalise else torch.float32
+            # TF32 where the output is bfloat16 or float16 anyway: pixels are exact in it, the
+            # weights' rounding (about 5e-4) far below the output's; float32 for the policy,
+            # whose uint8 rounding follows the CPU's.
+            reduced = tf32_matmuls() if dtype != torch.float32 else contextlib.nullcontext()
+            with reduced:
+                images = banded_resample(
+                    pixels, rows, size, (height_taps, width_taps), scale, shift
+                )
             return images.to(dtype, memory_format=self.layout(pixels.device))
         index, weights = resample_taps(rows[:, LEFT], rows[:, WIDTH], size, width_taps)
         flip = rows[:, FLIP].bool()[:, None, None]
@@ -97,13 +111,15 @@ class BatchAugment:
     def __call__(self, pixels: torch.Tensor | Ragged, rows: torch.Tensor) -> torch.Tensor:
         """The batch's pixels on the training device, its sample rows still on the host."""
         pixels = as_canvas(pixels)
+        on_device = rows.to(pixels.device, non_blocking=True)  # once, for the resample and erasing
         if self.policy is None:
-            images = self.resample(pixels, rows, normalise=True)
+            images = self.resample(pixels, rows, normalise=True, on_device=on_device)
         else:  # its choices read on the host: no device sync
-            images = self.resample(pixels, rows).round_().clamp_(0, 255).to(torch.uint8)
+            images = self.resample(pixels, rows, on_device=on_device)
+            images = images.round_().clamp_(0, 255).to(torch.uint8)
             images = self.normalise(self.policy(images, policy_of(rows)).float())
             images = images.to(self.dtype(pixels.device))
-        return erase(images, rows.to(pixels.device, non_blocking=True))
+        return erase(images, on_device)
 
 
 def erase(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

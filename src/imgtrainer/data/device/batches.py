@@ -127,6 +127,8 @@ class DeviceBatches:
             self.loader, self.jpegs, self.cache = self.cpu_path(), None, None
             self.cpu_path = None
             log.info(f"The loader workers decode {what} from this epoch on")
+        if self.audit is not None and hasattr(self.loader.sampler, "steps_before"):
+            self.audit.count_from(self.loader.sampler.steps_before)
         if self.device.type != "cuda":
             for batch in self.loader:
                 yield self.finish(self.stage(batch))

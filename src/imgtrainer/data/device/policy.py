@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 from torchvision.transforms.v2.functional._geometry import _get_inverse_affine_matrix
 
+from imgtrainer import torch_compat
 from imgtrainer.data.host.draws import GEOMETRIC, OPS, policy_transform
 from imgtrainer.data.host.sample_row import OP, slot_of
 
@@ -172,7 +173,9 @@ class BatchPolicy:
             grey = TF.rgb_to_grayscale(images).float()
             return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), factor, alpha)
         if op == "Sharpness":
-            return sharpen(images, alpha, sharpen_kernel(images.device))
+            # A new group size each batch: cuDNN would autotune the convolution for every one.
+            with torch_compat.cudnn_autotuning_off():
+                return sharpen(images, alpha, sharpen_kernel(images.device))
         if op == "Posterize":
             return images.bitwise_and_(per_image(values[:, MASK]).to(torch.uint8))
         if op == "Solarize":  # compared in float32, as uint8 >= a Python float is

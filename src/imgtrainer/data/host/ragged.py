@@ -92,8 +92,8 @@ def gather_boxes(data: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     # Row k of the window view is data[k : k + width]: one gather copies every canvas row.
     windows = data.unfold(0, width, 1)
     canvas = windows.index_select(0, starts.reshape(-1)).view(len(boxes), 3, height, width)
-    inside = inside_rows[..., None] & (torch.arange(width, device=data.device) < box_w[..., None])
-    return canvas.mul_(inside)
+    inside_cols = torch.arange(width, device=data.device) < box_w[..., None]  # (N, 1, 1, W)
+    return canvas.mul_(inside_rows[..., None]).mul_(inside_cols)  # no (N, 1, H, W) mask
 
 
 def as_canvas(pixels: torch.Tensor | Ragged) -> torch.Tensor:

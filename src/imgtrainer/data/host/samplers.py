@@ -48,6 +48,12 @@ class EpochSampler(Sampler):
         self.epoch = epoch
         self.position = position
 
+    @property
+    def steps_before(self) -> int:
+        """The run's optimizer steps before this epoch's ``position`` (a resumed run counts the
+        steps of the run it continues)."""
+        return self.epoch * self.steps_per_epoch + self.position // self.global_batch
+
     def epoch_order(self) -> list[int]:
         """The epoch's global order, the same on every rank and at every world size: a
         permutation seeded with seed + epoch, padded by repeating its head to at least
