@@ -1,5 +1,5 @@
-"""Bytes by path or URL: the one place that opens a data container, a checkpoint or a record,
-on the local disk or in an object store (``s3://``, ``gs://``, ... through fsspec).
+"""Bytes by path or URL: the one place that opens data, checkpoints and records, on the disk
+or in an object store (``s3://``, ``gs://``, ``az://`` through fsspec).
 
 Remote reads are ranged, retried with backoff and kept in a bounded local cache (``cache``);
 ``Store`` travels with the tables into forked loader workers. No torch here.

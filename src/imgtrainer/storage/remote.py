@@ -1,5 +1,7 @@
-"""Object stores through fsspec (s3fs for S3; gcsfs, adlfs where installed): one filesystem
-per process and option set, every failure one line, transient ones retried with backoff."""
+"""Object stores through fsspec: one filesystem per process, every failure one line,
+transient ones retried with backoff.
+
+s3fs for S3; gcsfs and adlfs work where installed."""
 
 from __future__ import annotations
 

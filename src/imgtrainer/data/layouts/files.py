@@ -1,5 +1,5 @@
 """Images as files of their own: a folder of class folders (ImageFolder's layout) and a
-``.csv``/``.tsv`` list of paths (or URLs) and labels, both tables of ``FILES`` rows."""
+``.csv``/``.tsv`` list of paths or URLs and labels, as ``FILES`` rows."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Names in a layout: file patterns with braces and globs (on the disk or in an object store),
-class-name files, labels given as names or indices, the columns chosen."""
+"""Names in a layout: file patterns with braces and globs (on a disk or in a bucket),
+class-name files, labels as names or indices, the columns chosen."""
 
 from __future__ import annotations
 
