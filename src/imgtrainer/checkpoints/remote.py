@@ -105,7 +105,7 @@ def fetch_resume_checkpoint(cfg: TrainConfig, resuming: bool) -> None:
 def fetch_latest(url: str, store: Store, local: Path) -> bool:
     """Download the newest checkpoint at ``url`` (``checkpoint_latest.pth``, else its kept
     previous one) into the local copy ``local``; False when there is none."""
-    names = {u.rsplit("/", 1)[-1] for u in store.listing(url)}
+    names = {u.rsplit("/", 1)[-1] for u in store.listing(url, missing_ok=True)}
     for name in (LATEST_NAME, PREVIOUS_NAME):
         if name in names:
             store.get_file(_url(url, name), local / name)

@@ -183,14 +183,23 @@ class Store:
         fs = filesystem(path, self.options)
         return bool(as_user_error(lambda: fs.isfile(path), path))
 
-    def listing(self, url: str, recursive: bool = False) -> list[str]:
+    def listing(self, url: str, recursive: bool = False, missing_ok: bool = False) -> list[str]:
         """The objects under ``url`` (a folder), sorted, each remembered with its version;
-        ``UserError`` for a bucket that does not exist."""
+        ``UserError`` for a bucket that does not exist, or (unless ``missing_ok``: a folder
+        nothing was written to yet) a folder that holds nothing."""
         fs = filesystem(url, self.options)
-        if recursive:
-            found = as_user_error(lambda: fs.find(url, detail=True), url)
-        else:
-            found = {i["name"]: i for i in as_user_error(lambda: fs.ls(url, detail=True), url)}
+
+        def objects() -> dict[str, dict[str, Any]]:
+            try:
+                if recursive:
+                    return fs.find(url, detail=True)
+                return {i["name"]: i for i in fs.ls(url, detail=True)}
+            except FileNotFoundError:
+                if missing_ok:
+                    return {}
+                raise
+
+        found = as_user_error(objects, url)
         urls = []
         for name, info in found.items():
             if info.get("type", "file") != "directory":

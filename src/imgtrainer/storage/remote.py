@@ -53,6 +53,9 @@ TRANSIENT_NAMES = {
 }
 SERVER_ERRORS = ("InternalError", "ServiceUnavailable", "SlowDown", "503", "500", "502", "504")
 RETRIES = 5  # tries of one read or write: backoff 0.25, 0.5, 1, 2 s (with jitter) between them
+# A store that has not answered a process's first request by then is named at once: the
+# client's own retries of a read timeout (3 tries x s3fs's 5, 30 s each) take minutes.
+PROBE_SECONDS = 5.0
 
 
 def is_url(path: str) -> bool:
@@ -112,8 +115,31 @@ def filesystem(url: str, options_text: str) -> Any:
             raise UserError(f"{url}: {first_line(err)}") from None
         except TypeError as err:  # an option the filesystem does not take
             raise UserError(f"--storage_options for {protocol}://: {first_line(err)}") from None
+        probe(fs, url)
         _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+def probe(fs: Any, url: str) -> None:
+    """One request about ``url`` within ``PROBE_SECONDS``: ``UserError`` if the store does
+    not answer, has no credentials or the client refuses an option; any answer (the object
+    missing, access denied) passes, for the call that follows to name."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.exceptions import FSTimeoutError
+
+    deadline = {"timeout": PROBE_SECONDS} if isinstance(fs, AsyncFileSystem) else {}
+    try:
+        if hasattr(fs, "connect"):  # s3fs: the client is made first, outside the deadline
+            fs.connect()
+        fs.info(url, **deadline)  # fsspec's sync() takes the timeout
+    except FSTimeoutError:
+        raise UserError(no_answer(url, f"nothing in {PROBE_SECONDS:.0f} s")) from None
+    except TypeError as err:  # an option the client takes only at its first request
+        raise UserError(f"--storage_options for {protocol_of(url)}://: {first_line(err)}") from None
+    except Exception as err:
+        names = {cls.__name__ for e in _chain(err) for cls in type(e).__mro__}
+        if is_transient(err) or names & {"NoCredentialsError", "PartialCredentialsError"}:
+            raise UserError(problem(err, url)) from None
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -172,19 +198,24 @@ def problem(err: BaseException, url: str) -> str:
     if any(isinstance(e, PermissionError) for e in _chain(err)) or "AccessDenied" in str(err):
         return f"{url}: access denied ({first_line(err)}); check the credentials and the bucket"
     if is_transient(err):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        where = f" at {endpoint}" if endpoint else ""
-        return (
-            f"{url}: the store{where} does not answer ({first_line(err)}); check the endpoint "
-            "(AWS_ENDPOINT_URL or --storage_options) and the network"
-        )
+        return no_answer(url, first_line(err))
     return f"{url}: {first_line(err)}"
 
 
+def no_answer(url: str, detail: str) -> str:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    where = f" at {endpoint}" if endpoint else ""
+    return (
+        f"{url}: the store{where} does not answer ({detail}); check the endpoint "
+        "(AWS_ENDPOINT_URL or --storage_options) and the network"
+    )
+
+
 def as_user_error(call: Callable[[], T], url: str) -> T:
-    """``call()`` (retried), any failure one ``UserError`` line: for the checks at start."""
+    """``call()``, any failure one ``UserError`` line: for the checks at start (the client's
+    own retries only: an endpoint that does not answer is named within seconds)."""
     try:
-        return retried(call, attempts=2)
+        return call()
     except UserError:
         raise
     except Exception as err:
