@@ -195,7 +195,10 @@ def bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
             [root / "index.csv", *folder_val, *names],
             "the label '2' of row 0 is not one of the 2 class names",
         ),
-        "an unknown column": ([root / "cols.parquet", *folder_val], "no 'image' column"),
+        "an unknown column": (
+            [root / "cols.parquet", *folder_val],
+            "no image column 'image' or 'img' (",
+        ),
         "a range matching nothing": ([root / "none-{000..003}.tar", *folder_val], "does not exist"),
         "a glob matching nothing": ([root / "none-*.tar", *folder_val], "matches no file"),
         "shards without class names": ([shards, "--val_data", val], "no class names"),

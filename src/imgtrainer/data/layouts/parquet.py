@@ -118,13 +118,20 @@ def hub_class_names(schema: Any, column: str) -> list[str] | None:
 def choose_columns(path: str, schema: Any, reading: Reading) -> tuple[str, str]:
     """(image column, label column): those chosen, else the first of the usual names there."""
     names = schema.names
-    image = reading.image_column or next((c for c in IMAGE_COLUMNS if c in names), "image")
-    label = reading.label_column or next((c for c in LABEL_COLUMNS if c in names), "label")
-    missing = [c for c in (image, label) if c not in names]
+    image = reading.image_column or next((c for c in IMAGE_COLUMNS if c in names), "")
+    label = reading.label_column or next((c for c in LABEL_COLUMNS if c in names), "")
+    missing = [
+        f"{what} column {' or '.join(repr(c) for c in ([chosen] if chosen else usual))}"
+        for what, chosen, usual in (
+            ("image", image, IMAGE_COLUMNS),
+            ("label", label, LABEL_COLUMNS),
+        )
+        if chosen not in names
+    ]
     if missing:
         raise UserError(
-            f"Parquet file {path}: no {' or '.join(repr(c) for c in missing)} column "
-            f"(columns: {', '.join(names)}); choose them with --image_column / --label_column"
+            f"Parquet file {path}: no {' and no '.join(missing)} (columns: {', '.join(names)}); "
+            "choose them with --image_column / --label_column"
         )
     return image, label
 
