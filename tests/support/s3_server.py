@@ -4,6 +4,7 @@ in front of it that adds latency to every request or stalls the ones it is told 
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -38,6 +39,7 @@ class S3Server:
     def start(cls) -> S3Server:
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
@@ -87,12 +89,17 @@ class LatencyProxy:
     """A TCP proxy on 127.0.0.1 in front of ``target`` (host, port): each request (each chunk
     a client sends after the server has answered) waits ``delay`` seconds first, as a distant
     store's round trip; ``stall(match)`` makes requests whose first bytes contain ``match``
-    hang after their first 64 KiB (an upload killed half-way). Counts the requests."""
+    hang with half of their first chunk sent (an upload killed half-way): ``release`` lets
+    them go on, ``stop`` drops them. Counts the requests and the bytes the server answered."""
 
     target: tuple[str, int]
     delay: float = 0.0
     requests: int = 0
+    answered_bytes: int = 0
     stalled: list[list] = field(default_factory=list)  # [bytes to match, matches to let by]
+    stalling: threading.Event = field(default_factory=threading.Event)  # one is held now
+    _released: threading.Event = field(default_factory=threading.Event)
+    _stopped: threading.Event = field(default_factory=threading.Event)
     _socket: socket.socket | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -113,7 +120,13 @@ class LatencyProxy:
                     return rule[1] < 0
         return False
 
+    def release(self) -> None:
+        """The stalled requests go on, and no more are stalled."""
+        self.stalled.clear()
+        self._released.set()
+
     def stop(self) -> None:
+        self._stopped.set()  # the stalled requests end too
         if self._socket is not None:
             self._socket.close()
 
@@ -135,29 +148,41 @@ class LatencyProxy:
                     return
                 if client in ready:
                     data = client.recv(1 << 16)
-                    if not data:
+                    if not data or (answered and not self._start_request(data, upstream)):
                         return
-                    if answered:
-                        answered = False
-                        with self._lock:
-                            self.requests += 1
-                        if self.delay:
-                            time.sleep(self.delay)
-                        if self._stalls(data):
-                            upstream.sendall(data[: len(data) // 2])
-                            time.sleep(3600)  # until the client is killed
-                    upstream.sendall(data)
+                    if not answered:
+                        upstream.sendall(data)
+                    answered = False
                 if upstream in ready:
                     data = upstream.recv(1 << 16)
                     if not data:
                         return
-                    answered = True
+                    answered = not data.startswith(b"HTTP/1.1 100 ")  # 100: the body follows
+                    with self._lock:
+                        self.answered_bytes += len(data)
                     client.sendall(data)
         except OSError:
             return
         finally:
             client.close()
             upstream.close()
+
+    def _start_request(self, data: bytes, upstream: socket.socket) -> bool:
+        """Count a request's first chunk, wait ``delay``, stall it if told, and send it on;
+        False when a stalled request is dropped (``stop``)."""
+        with self._lock:
+            self.requests += 1
+        if self.delay:
+            time.sleep(self.delay)
+        if self._stalls(data):
+            upstream.sendall(data[: len(data) // 2])
+            data = data[len(data) // 2 :]
+            self.stalling.set()
+            while not self._released.wait(0.05):
+                if self._stopped.is_set():
+                    return False
+        upstream.sendall(data)
+        return True
 
 
 def proxied(server: S3Server, delay: float) -> tuple[LatencyProxy, str]:
