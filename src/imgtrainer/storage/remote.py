@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -92,6 +93,7 @@ def filesystem_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]
 
 
 _FILESYSTEMS: dict[tuple, Any] = {}
+_MAKING: dict[int, threading.Lock] = {}  # per process: a forked child never inherits a held one
 
 
 def filesystem(url: str, options_text: str) -> Any:
@@ -101,23 +103,31 @@ def filesystem(url: str, options_text: str) -> Any:
     # The environment names the endpoint and the credentials: a change makes another client.
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     key = (os.getpid(), protocol, options_text, env)
-    if key not in _FILESYSTEMS:
-        try:
-            import fsspec
-        except ImportError:
-            raise UserError(f"{url}: reading object storage needs fsspec: {INSTALL}") from None
-        options = filesystem_options(protocol, parse_options(options_text))
-        try:
-            fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-        except ImportError as err:
-            raise UserError(f"{url}: {first_line(err)}: {INSTALL}") from None
-        except ValueError as err:  # an unknown protocol
-            raise UserError(f"{url}: {first_line(err)}") from None
-        except TypeError as err:  # an option the filesystem does not take
-            raise UserError(f"--storage_options for {protocol}://: {first_line(err)}") from None
-        probe(fs, url)
-        _FILESYSTEMS[key] = fs
+    if key in _FILESYSTEMS:
+        return _FILESYSTEMS[key]
+    with _MAKING.setdefault(os.getpid(), threading.Lock()):  # the reading threads make one
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = _make_filesystem(url, protocol, options_text)
     return _FILESYSTEMS[key]
+
+
+def _make_filesystem(url: str, protocol: str, options_text: str) -> Any:
+    """A new filesystem for ``url``, its store probed (``probe``)."""
+    try:
+        import fsspec
+    except ImportError:
+        raise UserError(f"{url}: reading object storage needs fsspec: {INSTALL}") from None
+    options = filesystem_options(protocol, parse_options(options_text))
+    try:
+        fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    except ImportError as err:
+        raise UserError(f"{url}: {first_line(err)}: {INSTALL}") from None
+    except ValueError as err:  # an unknown protocol
+        raise UserError(f"{url}: {first_line(err)}") from None
+    except TypeError as err:  # an option the filesystem does not take
+        raise UserError(f"--storage_options for {protocol}://: {first_line(err)}") from None
+    probe(fs, url)
+    return fs
 
 
 def probe(fs: Any, url: str) -> None:
