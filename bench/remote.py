@@ -13,7 +13,10 @@ one epoch, timed by a hook (bench/instrument/step_clock.py) at each optimizer st
     the shard indices, the model, the first batch's reads);
   * images/s: the steps after the first ``--warmup`` to the epoch's last;
   * requests per image: the requests the proxy saw over the run, per image read (training and
-    validation), and the bytes the run's byte cache (<log_dir>/remote_cache) holds at its end.
+    validation), and the bytes the run's byte cache (<log_dir>/remote_cache) holds at its end;
+  * store CPU: the seconds of CPU this process (the S3 server and the proxy, in threads) took
+    during the row, on the same cores as the training: a real store's server runs elsewhere,
+    and moto closes the connection after each answer, so each request is a new connection.
 The +20 ms row writes its checkpoint to the bucket (uploaded in the background); the restart
 row then continues that run for a second epoch on an empty disk (``--resume auto`` downloads
 the checkpoint), and the checkpoint's download is timed on its own through the same proxy.
@@ -70,7 +73,7 @@ def run_row(name: str, work: Path, flags: list[str], env: dict[str, str]) -> dic
     """One ``src/train_ddp.py`` run in ``work``; its step clock's figures."""
     work.mkdir(parents=True)
     clock = work / "steps.txt"
-    started = time.time()
+    started, cpu = time.time(), time.process_time()  # this process: the S3 server, the proxy
     result = subprocess.run(
         [sys.executable, str(ROOT / "src" / "train_ddp.py"), *flags],
         cwd=work,
@@ -85,7 +88,8 @@ def run_row(name: str, work: Path, flags: list[str], env: dict[str, str]) -> dic
             f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         )
     steps = [tuple(map(float, line.split())) for line in clock.read_text().splitlines()]
-    return {"first_step": steps[0][0] - started, "steps": steps, "log": result.stdout}
+    store_cpu = time.process_time() - cpu
+    return {"first_step": steps[0][0] - started, "steps": steps, "store_cpu": store_cpu}
 
 
 def images_per_sec(steps: list[tuple], warmup: int, batch: int) -> float:
@@ -166,7 +170,7 @@ def report(args, rounds: list[dict]) -> None:
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
     )
     header = f"{'source':<24} {'first step':>10} {'vs local':>8} {'img/s':>8} {'vs local':>8}"
-    print(header + f" {'requests/image':>14} {'cached MiB':>10}")
+    print(header + f" {'requests/image':>14} {'cached MiB':>10} {'store CPU s':>11}")
     for name in rounds[0]:
         if name == "download":
             continue
@@ -177,7 +181,8 @@ def report(args, rounds: list[dict]) -> None:
         requests, cached = (f"{per_image:.2f}", f"{cached:.1f}") if remote else ("-", "-")
         print(
             f"{name:<24} {row_first:>9.2f}s {row_first / base_first:>8.2f} {row_rate:>8.1f} "
-            f"{row_rate / base_rate:>8.2f} {requests:>14} {cached:>10}"
+            f"{row_rate / base_rate:>8.2f} {requests:>14} {cached:>10} "
+            f"{median(rounds, name, lambda r: r['store_cpu']):>11.1f}"
         )
     ms = args.latencies_ms[0]
     download = rounds[-1]["download"]
