@@ -195,7 +195,10 @@ def bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
             [root / "index.csv", *folder_val, *names],
             "the label '2' of row 0 is not one of the 2 class names",
         ),
-        "an unknown column": ([root / "cols.parquet", *folder_val], "no 'image' column"),
+        "an unknown column": (
+            [root / "cols.parquet", *folder_val],
+            "no image column 'image' or 'img' (",
+        ),
         "a range matching nothing": ([root / "none-{000..003}.tar", *folder_val], "does not exist"),
         "a glob matching nothing": ([root / "none-*.tar", *folder_val], "matches no file"),
         "shards without class names": ([shards, "--val_data", val], "no class names"),
@@ -296,7 +299,9 @@ def test_a_shard_index_is_built_once_and_pax_shards_with_long_names_read_alike(
                 tar.addfile(info, io.BytesIO(data))
     scans = []
     real_scan = shards.scan_shard
-    monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path) or real_scan(path))
+    monkeypatch.setattr(
+        shards, "scan_shard", lambda path, *rest: scans.append(path) or real_scan(path, *rest)
+    )
     plain = open_datasets(pack_folder(folder, tmp_path / "plain", "shards", 4), str(folder))[0]
     pax = open_datasets(str(tmp_path / "pax" / "*.tar"), str(folder))[0]
     assert len(scans) == 1  # the pax one: prepare_data kept its 2 shards' indices
@@ -313,7 +318,7 @@ def test_prepare_data_keeps_each_shards_index_as_a_scan_would_build_it(tmp_path:
     folder = write_image_folder(tmp_path / "train", CLASSES, 3)
     pattern = pack_folder(folder, tmp_path / "tar", "shards", 4)
     scans = []
-    monkeypatch.setattr(shards, "scan_shard", lambda path: scans.append(path))
+    monkeypatch.setattr(shards, "scan_shard", lambda path, *rest: scans.append(path))
     kept = [shards.shard_index(path, None) for path in expand_pattern(pattern, ".tar")]
     assert scans == [] and sum(map(len, kept)) == 9  # read as kept: nothing scanned
     monkeypatch.undo()

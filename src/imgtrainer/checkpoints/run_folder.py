@@ -32,7 +32,8 @@ LOCK_NAME = ".lock"
 LATEST_NAME, BEST_NAME = "checkpoint_latest.pth", "checkpoint_best.pth"
 
 
-CHECKPOINT_FILES = (LATEST_NAME, "checkpoint_latest.prev.pth", BEST_NAME)
+PREVIOUS_NAME = "checkpoint_latest.prev.pth"  # the latest that the newest one replaced
+CHECKPOINT_FILES = (LATEST_NAME, PREVIOUS_NAME, BEST_NAME)
 
 
 # The epochs' checkpoints kept by --keep_checkpoints / --save_every_epochs.

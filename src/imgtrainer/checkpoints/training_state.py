@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from imgtrainer.checkpoints.files import load_training_checkpoint, training_checkpoint
+from imgtrainer.checkpoints.remote import checkpoint_folder, fetch_resume_checkpoint
 from imgtrainer.checkpoints.resume import (
     apply_optimisation_settings,
     check_resume_fits,
@@ -86,7 +87,8 @@ def find_resume(cfg: TrainConfig, dist: DistInfo) -> tuple[ResumeSource, TrainCo
     its global batch on this run's processes (unchanged when the run's own flags make it).
     Workers that torchrun restarted continue from the newest checkpoint, as under --resume
     auto. A resume whose flags change the run is refused here unless --resume_override."""
-    folder, path, world = Path(cfg.checkpoint_dir), None, dist.world_size
+    folder, path, world = checkpoint_folder(cfg), None, dist.world_size
+    fetch_resume_checkpoint(cfg, cfg.resume == "auto" or not dist.first_attempt)
     if not dist.first_attempt:
         path = find_resume_checkpoint("auto", folder)
     path = path or find_resume_checkpoint(cfg.resume, folder)

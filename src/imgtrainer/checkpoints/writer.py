@@ -10,15 +10,23 @@ from typing import Any
 import torch
 
 from imgtrainer.checkpoints.files import atomic_save, previous_path
+from imgtrainer.checkpoints.remote import (
+    CheckpointMirror,
+    Upload,
+    checkpoint_folder,
+    checkpoint_store,
+)
 from imgtrainer.checkpoints.run_folder import (
     BEST_NAME,
     LATEST_NAME,
     epoch_checkpoint_name,
     epoch_checkpoints,
 )
+from imgtrainer.config import TrainConfig
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import RunFailed, UserError
 from imgtrainer.files import atomic_link
+from imgtrainer.storage import is_url
 
 CAUSES = (
     "Usual causes: a learning rate too high for this batch and optimizer "
@@ -63,10 +71,19 @@ class CheckpointWriter:
     this run's first save, not before: a run that fails at start-up leaves them as they were.
     """
 
-    def __init__(self, checkpoint_dir: Path, enabled: bool, replace_previous_run: bool = False):
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        enabled: bool,
+        replace_previous_run: bool = False,
+        mirror: CheckpointMirror | None = None,
+    ):
         self.dir = checkpoint_dir
         self.enabled = enabled
         self.replace_previous_run = replace_previous_run
+        # --checkpoint_dir in object storage: ``dir`` is its local copy, uploaded from there.
+        self.mirror = mirror
+        self.upload: Upload | None = None
 
     @property
     def latest(self) -> Path:
@@ -89,6 +106,10 @@ class CheckpointWriter:
             if bad:
                 raise nonfinite_weights_error(what, bad)
         atomic_save(state, self.latest, keep_previous=not self.replace_previous_run)
+        if self.mirror is not None:
+            self.upload = Upload(self.mirror.snapshot(self.latest))
+            self.upload.replace_previous_run = self.replace_previous_run
+            self.upload.copies += [BEST_NAME] if is_best else []
         if self.replace_previous_run:
             # The earlier run's best, fallback and kept epochs must not pass for this run's.
             # Removed once this run's latest is written, so a failed first save leaves the
@@ -123,6 +144,10 @@ class CheckpointWriter:
             # the two loses nothing.
             self.save(state, is_best, keep_epochs)
             history.save()
+            if self.upload is not None:  # in the background: training waits for none of it
+                self.upload.records = self.mirror.records()
+                self.mirror.submit(self.upload)
+                self.upload = None
         except (UserError, RunFailed) as err:
             error = (isinstance(err, RunFailed), str(err))
         error = all_gather_objects(error)[0]
@@ -140,6 +165,25 @@ class CheckpointWriter:
             path = self.dir / epoch_checkpoint_name(epoch)
             if not atomic_link(self.latest, path):
                 atomic_save(state, path)
+            if self.upload is not None:
+                self.upload.copies.append(path.name)
         for old_epoch, path in epoch_checkpoints(self.dir).items():
             if old_epoch <= epoch and old_epoch not in epochs:
                 path.unlink(missing_ok=True)
+                if self.upload is not None:
+                    self.upload.removals.append(path.name)
+
+    def finish(self) -> None:
+        """Wait for the uploads to object storage (none for a local folder)."""
+        if self.mirror is not None and self.enabled:
+            self.mirror.close()
+
+
+def checkpoint_writer(cfg: TrainConfig, is_main: bool) -> CheckpointWriter:
+    """The run's writer: into --checkpoint_dir, or for a URL into its local copy, uploaded
+    from there in the background (``CheckpointMirror``)."""
+    local, mirror = checkpoint_folder(cfg), None
+    if is_url(cfg.checkpoint_dir):
+        store = checkpoint_store(cfg)
+        mirror = CheckpointMirror(cfg.checkpoint_dir, local, Path(cfg.log_dir), store, is_main)
+    return CheckpointWriter(local, is_main, cfg.overwrite, mirror)

@@ -102,19 +102,41 @@ _logging = functools.partial(_opt, "checkpoints and logging")
 _stopping = functools.partial(_opt, "validation, stopping and checkpoint history")
 
 
+# The longer helps of the data flags (the class holds every flag on a few screens).
+TRAIN_DATA_HELP = (
+    "training data: a folder <dir>/<class>/<image>, a .csv/.tsv list (path,label), Parquet (a file "
+    "or a folder) or tar shards (train-{000000..000099}.tar or a glob); lists, Parquet and shards "
+    "also in object storage (s3://bucket/train-{000000..000099}.tar)"
+)
+IMAGE_COLUMN_HELP = "the column holding the image: Parquet (default image or img), a list (path)"
+LABEL_COLUMN_HELP = (
+    "the column holding the label: Parquet (default label or labels), a list (label); for tar "
+    "shards, the field of a key.json member (default label)"
+)
+STORAGE_OPTIONS_HELP = (
+    "JSON object of options for the object store of s3:// (gs://, az://) data and checkpoints, "
+    "passed to its fsspec filesystem (saved with the run's config: give credentials the usual "
+    "way, AWS_* variables or a profile); the endpoint may also come from AWS_ENDPOINT_URL"
+)
+REMOTE_CACHE_HELP = (
+    "bytes read from object storage are kept on the local disk in <log_dir>/remote_cache, up to "
+    "this many GB (0: none), so later epochs and the image check read them there"
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Every training flag, in ``--help`` order; HELP_GROUPS and the bounds come from the fields."""
 
-    train_dir: str = _data("data/train").help(
-        "training data: a folder <dir>/<class>/<image>, a .csv/.tsv list (path,label), Parquet "
-        "(a file or a folder) or tar shards (train-{000000..000099}.tar or a glob)",
-        "train_data",
-    )
+    train_dir: str = _data("data/train").help(TRAIN_DATA_HELP, "train_data")
     val_dir: str = _data("data/val").help("validation data with the same classes", "val_data")
     class_names: str | None = _data(None).help(
         "file of class names, one a line, for labels given as class indices (lists, Parquet, shards)"
     )
+    image_column: str = _data("").help(IMAGE_COLUMN_HELP)
+    label_column: str = _data("").help(LABEL_COLUMN_HELP)
+    storage_options: str = _data("").help(STORAGE_OPTIONS_HELP)
+    remote_cache_gb: float = _data(10.0, ZERO_OR_MORE).help(REMOTE_CACHE_HELP)
     demo: bool = _data(False).help("write the bundled digits demo data to data/demo, train on it")
     image_size: int = _data(224, POSITIVE).help(
         "side of the square crop fed to the model, in pixels"

@@ -50,8 +50,15 @@ _EXPORTS = {
         "staged_bytes",
     ),
     "device.audit": ("audit_summary",),
-    "loaders": ("LoaderSpec", "Loaders", "build_loaders", "loader_workers", "make_loader"),
+    "loaders": (
+        "LoaderSpec",
+        "Loaders",
+        "build_loaders",
+        "loader_workers",
+        "make_loader",
+    ),
     "checks": ("check_batch_fits", "check_device_options"),
+    "reading": ("data_reading",),
     "balance": ("balanced_class_weights",),
     "demo": ("prepare_demo_data",),
 }

@@ -10,8 +10,10 @@ index), so a run resumes at any step and does not change with ``--num_workers``.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -38,6 +40,7 @@ from imgtrainer.data.image_plan import NO_BUDGET, Budgets, place_images, plan_im
 from imgtrainer.data.layouts import describe, open_datasets
 from imgtrainer.data.layouts.decode_check import DecodeCheck
 from imgtrainer.data.layouts.table import TableImages
+from imgtrainer.data.reading import data_reading
 from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
 from imgtrainer.precision import precision_rule
@@ -131,7 +134,9 @@ def build_datasets(
 def read_datasets(cfg: TrainConfig, threads: int) -> dict[str, TableImages]:
     """The training and validation images of --train_data / --val_data, in any layout
     (``layouts``), with what was read logged."""
-    tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads)
+    tables = open_datasets(
+        cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads, data_reading(cfg)
+    )
     for role, table in zip(("Training", "Validation"), tables, strict=True):
         log.info(f"{role} data: {describe(table)}")
     return {"training": TableImages(tables[0]), "validation": TableImages(tables[1])}
@@ -338,12 +343,15 @@ class LoaderSpec:
 
 def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoader:
     """Training samples are collated as uint8 pixels and sample rows for ``BatchAugment``;
-    evaluation images are normalised as they are collated."""
+    evaluation images are normalised as they are collated. Images in an object store are read
+    a batch at a time, many at once (``ReadAhead``)."""
     if isinstance(dataset, TrainingSamples):
         collate = collate_samples
         dataset = dataset.for_loader()  # for the GPU cache: sizes and labels, not the canvas
     else:
         collate = partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std))
+    if reads_remote(dataset):
+        dataset = ReadAhead(dataset)
     return DataLoader(
         dataset,
         batch_size=spec.batch_size,
@@ -364,3 +372,49 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.
         prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
     )
+
+
+def reads_remote(dataset: Dataset) -> bool:
+    """Whether ``dataset``'s samples read their images from an object store (not those of the
+    GPU cache, decoded up front)."""
+    for _ in range(4):  # the table under its wrappers: samples, checked rows, the RAM cache
+        table = getattr(dataset, "table", None)
+        if table is not None:
+            return table.remote
+        dataset = getattr(dataset, "images", None) or getattr(dataset, "dataset", None)
+        if dataset is None:
+            return False
+    return False
+
+
+class ReadAhead(Dataset):
+    """A dataset whose samples read objects one request each, read a loader batch at a time
+    in ``READ_AHEAD`` threads of the worker: the batch waits about one round trip per
+    ``READ_AHEAD`` samples, not one per sample. Each sample is the same as read alone (its
+    draws are seeded by its key), in the same order."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.pool: tuple[int, ThreadPoolExecutor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset[key]
+
+    def __getitems__(self, keys: list) -> list:
+        if self.pool is None or self.pool[0] != os.getpid():  # a worker's own threads
+            self.pool = (os.getpid(), ThreadPoolExecutor(READ_AHEAD))
+        return list(self.pool[1].map(self.dataset.__getitem__, keys))
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not set yet (being copied): never recurse
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getstate__(self) -> dict:
+        return {"dataset": self.dataset, "pool": None}  # threads are a process's own
+
+
+READ_AHEAD = 16  # samples a loader worker reads at once from an object store

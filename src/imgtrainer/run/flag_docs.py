@@ -98,7 +98,7 @@ def _default(action: argparse.Action, defaults: dict[str, Any] | None, stated: s
         return _cell(stated) if " " in stated else f"`{stated}`"
     else:
         value = False if action.nargs == 0 else None
-    if value is None:
+    if value is None or value == "":
         return "—"
     if isinstance(value, bool):
         return "on" if value else "off"

@@ -29,7 +29,7 @@ END = "<!-- end of the package map -->"
 # and never in a circle within a floor.
 FLOORS = [
     ["errors"],
-    ["files", "process", "torch_compat"],
+    ["files", "process", "storage", "torch_compat"],
     ["distributed"],
     ["config"],
     ["hooks", "precision"],

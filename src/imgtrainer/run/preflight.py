@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from imgtrainer.checkpoints.remote import check_checkpoint_url, checkpoint_folder
 from imgtrainer.checkpoints.run_folder import check_checkpoint_dir, explicit_resume_file
 from imgtrainer.config import Layout, TrainConfig
 from imgtrainer.data import (
@@ -17,6 +18,7 @@ from imgtrainer.data import (
     check_device_options,
     check_no_empty_class_folder,
     count_images,
+    data_reading,
     layout_of,
     open_datasets,
 )
@@ -24,7 +26,8 @@ from imgtrainer.errors import UserError
 
 
 def check_output_folders(cfg: TrainConfig) -> None:
-    check_checkpoint_dir(Path(cfg.checkpoint_dir))
+    check_checkpoint_dir(checkpoint_folder(cfg))
+    check_checkpoint_url(cfg)
     log_dir = Path(cfg.log_dir)
     if log_dir.exists() and not log_dir.is_dir():
         raise UserError(f"--log_dir {log_dir} is a file, not a folder; choose another --log_dir")
@@ -39,10 +42,14 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
     check_device_options(cfg, device_type)
     if cfg.demo:
         return
-    if {layout_of(cfg.train_dir), layout_of(cfg.val_dir)} != {FOLDER}:
+    store = data_reading(cfg).store
+    if {layout_of(cfg.train_dir, store), layout_of(cfg.val_dir, store)} != {FOLDER}:
         # A list, Parquet or shards: read once here (a shard set's index is built and kept
         # once, before the workers start), with every check of the workers' own reading.
-        tables = open_datasets(cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir))
+        reading = data_reading(cfg)
+        tables = open_datasets(
+            cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), reading=reading
+        )
         check_batch_fits(len(tables[0]), cfg, world_size)
         return
     classes = check_data_folders(Path(cfg.train_dir), Path(cfg.val_dir))

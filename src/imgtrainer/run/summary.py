@@ -43,7 +43,12 @@ def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
 
 def log_summary(trainer: Trainer, finished: bool) -> None:
     """Why the run ended, its best epoch and the files it wrote (or the command that resumes)."""
-    cfg = trainer.cfg
+    cfg, saved = trainer.cfg, trainer.checkpoints
+    mirror = saved.mirror
+    latest, best = (mirror.target(p.name) for p in (saved.latest, saved.best)) if mirror else (
+        saved.latest,
+        saved.best,
+    )  # fmt: skip
     if not finished:
         budget = (
             f" (the --max_time budget {cfg.max_time} is nearly spent)"
@@ -52,19 +57,19 @@ def log_summary(trainer: Trainer, finished: bool) -> None:
         )
         log.info(
             f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}{budget}; checkpoint "
-            f"saved to {trainer.checkpoints.latest}. Resume with the same command plus "
-            f"--resume {trainer.checkpoints.latest}"
+            f"saved to {latest}. Resume with the same command plus "
+            f"--resume {'auto' if mirror else latest}"
         )
         return
     history = Path(cfg.log_dir) / "training_history.json"
     kept = epoch_checkpoints(trainer.checkpoints.dir) if trainer.dist.is_main else {}
     log.info(
         f"{ending_line(trainer)}\n"
-        f"  best checkpoint:   {trainer.checkpoints.best}\n"
-        f"  latest checkpoint: {trainer.checkpoints.latest}\n"
+        f"  best checkpoint:   {best}\n"
+        f"  latest checkpoint: {latest}\n"
         + (
             f"  kept epochs:       {', '.join(str(epoch) for epoch in kept)} "
-            f"({trainer.checkpoints.dir}/checkpoint_epoch_NNN.pth)\n"
+            f"({mirror.url if mirror else saved.dir}/checkpoint_epoch_NNN.pth)\n"
             if kept
             else ""
         )

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
-from imgtrainer.checkpoints.run_folder import check_new_run, claim_run_folder
+from imgtrainer.checkpoints.remote import check_run_folders, checkpoint_folder
+from imgtrainer.checkpoints.run_folder import claim_run_folder
 from imgtrainer.config import (
     TrainConfig,
     config_yaml,
@@ -65,11 +66,11 @@ def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
 
 def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     """One run per checkpoint folder, never over another run's results: the main process locks
-    the folder and checks it; every rank takes part in sharing the verdict."""
-    folder = Path(cfg.checkpoint_dir)
+    the folder (the local copy of one in object storage, which has no locks) and checks it;
+    every rank takes part in sharing the verdict."""
     return claim_run_folder(
-        folder,
-        partial(check_new_run, folder, Path(cfg.log_dir), cfg.resume, cfg.overwrite)
+        checkpoint_folder(cfg),
+        partial(check_run_folders, cfg)
         if dist.first_attempt  # restarted workers find their own run's checkpoints
         else None,
         enabled=dist.is_main,
@@ -94,6 +95,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
     finally:
         trainer.hooks.call("close")  # loggers flush their files whatever happened
         trainer.decode_check.close()  # a run that ends before the first epoch's end
+        trainer.checkpoints.finish()  # the uploads to object storage, if any
     log_summary(trainer, finished)
     write_report(trainer.cfg, dist)
     return 0 if finished else trainer.stop.exit_code

@@ -25,7 +25,7 @@ from imgtrainer.checkpoints.training_state import (
     find_resume,
     restore,
 )
-from imgtrainer.checkpoints.writer import CheckpointWriter
+from imgtrainer.checkpoints.writer import checkpoint_writer
 from imgtrainer.config import Layout, TrainConfig, parse_duration
 from imgtrainer.data import audit_summary, build_loaders
 from imgtrainer.distributed import heartbeat
@@ -169,9 +169,7 @@ class Trainer:
         self.train_loader.retry_on_oom = parts.plan.retry_on_oom
         # --mixup/--cutmix: applied by the loop to each batch (None when both are off).
         self.mixer = loaders.mixer
-        self.checkpoints = CheckpointWriter(
-            Path(cfg.checkpoint_dir), enabled=dist.is_main, replace_previous_run=cfg.overwrite
-        )
+        self.checkpoints = checkpoint_writer(cfg, dist.is_main)
         header = run_header(cfg, dist, self.class_names, parts, counts)
         self.history = HistoryWriter(
             Path(cfg.log_dir) / "training_history.json",

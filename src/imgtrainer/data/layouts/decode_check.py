@@ -14,10 +14,10 @@ import hashlib
 import json
 import logging
 import multiprocessing
-import os
 import threading
 import zipfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 512  # images a forked process checks per task
 LOST_POLL_SECONDS = 1.0  # how often the check looks for a process of its pool that ended
+REMOTE_READS = 16  # images of an object store a process checks at once
 
 
 class DecodeCheck:
@@ -145,16 +146,14 @@ class DecodeCheck:
         saved = self.cache.saved(role, start, stop)
         known = (saved == stats).all(axis=1) if saved is not None else np.zeros(len(stats), bool)
         mine = (np.arange(start, stop) % self.world_size) == self.rank
-        problems = {}
-        for i in range(start, stop):
-            if known[i - start]:
-                why = self.cache.problem(role, i)
-            elif mine[i - start]:
-                why = table.problem(i)
-            else:
-                continue
-            if why is not None:
-                problems[i] = why
+        problems = {i: self.cache.problem(role, i) for i in range(start, stop) if known[i - start]}
+        checked = [i for i in range(start, stop) if mine[i - start] and not known[i - start]]
+        if table.remote:  # a request each: many at once
+            with ThreadPoolExecutor(REMOTE_READS) as pool:
+                problems.update(zip(checked, pool.map(table.problem, checked), strict=True))
+        else:
+            problems.update((i, table.problem(i)) for i in checked)
+        problems = {i: why for i, why in problems.items() if why is not None}
         return stats, known | mine, problems
 
     def readable(self, role: str, dataset: Dataset) -> CheckedRows:
@@ -318,15 +317,15 @@ class CheckedRows(Dataset):
 
 def row_stats(table: ImageTable, start: int, stop: int) -> np.ndarray:
     """(size, modification time in ns) of the file of each row ``start:stop`` (the image
-    file, or its shard or Parquet file, each stat'ed once), (-1, -1) where it cannot be read."""
+    file, or its shard or Parquet file, each stat'ed once; an object's version as listed),
+    (-1, -1) where it cannot be read."""
     out = np.full((stop - start, 2), -1, dtype=np.int64)
     seen: dict[str, tuple[int, int]] = {}  # a shard's or Parquet file's, stat'ed once
     for i in range(start, stop):
         file = table.file_of(i)
         if file not in seen:
             try:
-                st = os.stat(file)
-                seen[file] = st.st_size, st.st_mtime_ns
+                seen[file] = table.store.stat(file)  # an object's: its size and version
             except OSError:
                 seen[file] = -1, -1
         out[i - start] = seen[file]

@@ -1,39 +1,42 @@
 """Images as files of their own: a folder of class folders (ImageFolder's layout) and a
-``.csv``/``.tsv`` list of paths and labels, both tables of ``FILES`` rows."""
+``.csv``/``.tsv`` list of paths or URLs and labels, as ``FILES`` rows."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
 from imgtrainer.data.layouts.folder_checks import find_classes
 from imgtrainer.data.layouts.image_files import is_image_file
-from imgtrainer.data.layouts.names import labels_of
+from imgtrainer.data.layouts.names import PLAIN, Reading, labels_of
 from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
 from imgtrainer.errors import UserError
+from imgtrainer.storage import is_url, join, parent
 
 
 class FileRows(RowKind):
-    """A row is a file: ``os.path.join(container, member)``."""
+    """A row is a file (or an object): ``container`` joined with ``member``."""
 
     name = "files"
 
     def location(self, table: ImageTable, i: int) -> str:
-        return os.path.join(table.containers[int(table.container[i])], table.members[i])
+        return join(table.containers[int(table.container[i])], table.members[i])
 
     def file_of(self, table: ImageTable, i: int) -> str:
         return self.location(table, i)
 
     def read(self, table: ImageTable, i: int) -> bytes:
-        with open(self.location(table, i), "rb") as f:
-            return f.read()
+        return table.store.read(self.location(table, i))
 
-    def image_file(self, table: ImageTable, i: int) -> str:
-        return self.location(table, i)
+    def image_file(self, table: ImageTable, i: int) -> str | IO[bytes]:
+        where = self.location(table, i)
+        return io.BytesIO(table.store.read(where)) if is_url(where) else where
 
 
 FILES = FileRows()
@@ -71,30 +74,35 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
     return ImageTable.build(FILES, str(root), names, rows, present=present)
 
 
-def list_table(path: Path, names: list[str] | None) -> ImageTable:
-    """A ``.csv``/``.tsv`` with a header holding ``path`` and ``label``; relative paths are
-    relative to the list file's folder."""
+def list_table(path: str, names: list[str] | None, reading: Reading = PLAIN) -> ImageTable:
+    """A ``.csv``/``.tsv`` (a file or an object) with a header holding ``path`` and ``label``
+    (or the columns chosen); relative paths are relative to the list file's folder."""
+    where, label = reading.image_column or "path", reading.label_column or "label"
     try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            header = reader.fieldnames or []
-            missing = [c for c in ("path", "label") if c not in header]
-            if missing:
-                raise UserError(
-                    f"list file {path}: no {' or '.join(repr(c) for c in missing)} column in "
-                    f"its header (found: {', '.join(header) or 'nothing'}); expected a header "
-                    "line with path and label"
-                )
-            entries = [(row["path"], row["label"]) for row in reader]
+        text = reading.store.read(path).decode()
+        delimiter = "\t" if path.lower().endswith(".tsv") else ","
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+        header = reader.fieldnames or []
+        missing = [c for c in (where, label) if c not in header]
+        if missing:
+            raise UserError(
+                f"list file {path}: no {' or '.join(repr(c) for c in missing)} column in "
+                f"its header (found: {', '.join(header) or 'nothing'}); expected a header "
+                "line with path and label, or choose them with --image_column / --label_column"
+            )
+        entries = [(row[where], row[label]) for row in reader]
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"list file {path}: cannot be read ({err})") from None
-    names, labels = labels_of([label for _, label in entries], names, f"list file {path}")
-    folder = str(path.parent)
+    names, labels = labels_of([value for _, value in entries], names, f"list file {path}")
+    folder = parent(path)
     rows: dict[str, list] = {"containers": [], "container": [], "members": [], "labels": labels}
     seen: dict[str, int] = {}
     for name, _ in entries:
-        where, member = os.path.split(os.path.join(folder, name))
-        rows["container"].append(seen.setdefault(where, len(seen)))
+        image = join(folder, name)
+        container, member = (parent(image), image.rsplit("/", 1)[-1]) if is_url(image) else (
+            os.path.split(image)
+        )  # fmt: skip
+        rows["container"].append(seen.setdefault(container, len(seen)))
         rows["members"].append(member)
     rows["containers"] = list(seen)
-    return ImageTable.build(FILES, str(path), names, rows)
+    return ImageTable.build(FILES, str(path), names, rows, store=reading.store)

@@ -1,21 +1,42 @@
-"""Names in a layout: file patterns with braces and globs, class-name files, labels given as
-names or indices."""
+"""Names in a layout: file patterns with braces and globs (on a disk or in a bucket),
+class-name files, labels as names or indices, the columns chosen."""
 
 from __future__ import annotations
 
 import glob
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from imgtrainer.errors import UserError
+from imgtrainer.storage import LOCAL, Store, is_url
 
 
-def expand_pattern(spec: str, suffix: str) -> list[str]:
+@dataclass(frozen=True)
+class Reading:
+    """How a data flag's files are read beyond their names: the ``store`` that reaches them,
+    the columns holding the image and the label (--image_column / --label_column; "": the
+    layout's own names), where shard indices are kept when not beside their shards
+    (``index_dir``), and the ``threads`` (or processes) that read a folder or scan shards."""
+
+    store: Store = LOCAL
+    image_column: str = ""
+    label_column: str = ""
+    index_dir: Path | None = None
+    threads: int = 4
+
+
+PLAIN = Reading()
+
+
+def expand_pattern(spec: str, suffix: str, store: Store = LOCAL) -> list[str]:
     """The files a shard or Parquet pattern names: braces first (``{000000..000099}`` with its
     zero padding, ``{a,b}``), then glob characters; a folder stands for its files ending in
-    ``suffix``."""
+    ``suffix``. A URL is listed in the store (one listing per folder)."""
+    if is_url(spec):
+        return expand_url(spec, suffix, store)
     if Path(spec).is_dir():
         return sorted(str(p) for p in Path(spec).rglob(f"*{suffix}"))
     found = []
@@ -26,6 +47,21 @@ def expand_pattern(spec: str, suffix: str) -> list[str]:
             found.append(name)
         else:
             raise UserError(f"{spec}: {name} does not exist")
+    return found
+
+
+def expand_url(spec: str, suffix: str, store: Store) -> list[str]:
+    names = expand_braces(spec)
+    if len(names) == 1 and not glob.has_magic(spec) and not spec.endswith(suffix):
+        return [url for url in store.listing(spec, recursive=True) if url.endswith(suffix)]
+    found, named = [], []
+    for name in names:
+        if glob.has_magic(name):
+            found += store.glob(name)
+        else:
+            named.append(name)
+            found.append(name)
+    store.files_named(named)
     return found
 
 
@@ -49,12 +85,14 @@ def expand_braces(pattern: str) -> list[str]:
     return [name for choice in choices for name in expand_braces(head + choice + tail)]
 
 
-def read_class_names(path: str | Path) -> list[str]:
-    """Class names one a line, in index order (--class_names, a shard set's classes.txt)."""
+def read_class_names(path: str | Path, text: str | None = None) -> list[str]:
+    """Class names one a line, in index order (--class_names, a shard set's classes.txt);
+    ``text``: the file's, already read (from an object store)."""
     try:
-        names = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        text = Path(path).read_text() if text is None else text
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"class names file {path}: cannot be read ({err})") from None
+    names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise UserError(f"class names file {path} is empty; expected one class name a line")
     if len(set(names)) != len(names):

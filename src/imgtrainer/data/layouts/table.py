@@ -20,6 +20,7 @@ from PIL import Image
 from imgtrainer.data.layouts.image_files import image_problem, open_rgb
 from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import first_line
+from imgtrainer.storage import LOCAL, Store, is_url
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class ImageTable:
     present: frozenset[int]
     source: str  # what the user named: the folder, list file, Parquet or shard pattern
     column: str = "image"  # Parquet: the column holding the image
+    store: Store = LOCAL  # how the containers are reached: the disk, or an object store
 
     @classmethod
     def build(
@@ -130,6 +132,11 @@ class ImageTable:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def remote(self) -> bool:
+        """Whether its images are read from an object store (each read a request)."""
+        return any(is_url(c) for c in self.containers[:1])
 
     def label(self, i: int) -> int:
         return int(self.labels[i])

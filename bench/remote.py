@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Training from tar shards on the local disk against the same shards in object storage: a real
+S3 server on 127.0.0.1 (moto's server mode) behind a loopback proxy that adds 20 ms and 50 ms to
+every request, as a distant store's round trip. Side by side in one run, on the CPU.
+
+    python bench/remote.py                                  # 2,048 images at 32 px, ResNet18
+    python bench/remote.py --images 512 --latencies_ms 20   # quicker
+    python bench/remote.py --repeat 3                       # medians of 3 rounds (a busy machine)
+
+Each row is ``python src/train_ddp.py`` (1 process, its default loader workers and threads) for
+one epoch, timed by a hook (bench/instrument/step_clock.py) at each optimizer step's end:
+  * first step: seconds from starting the command to the end of the first step (the imports,
+    the shard indices, the model, the first batch's reads);
+  * images/s: the steps after the first ``--warmup`` to the epoch's last;
+  * requests per image: the requests the proxy saw over the run, per image read (training and
+    validation), and the bytes the run's byte cache (<log_dir>/remote_cache) holds at its end;
+  * store CPU: the seconds of CPU this process (the S3 server and the proxy, in threads) took
+    during the row, on the same cores as the training: a real store's server runs elsewhere,
+    and moto closes the connection after each answer, so each request is a new connection.
+The +20 ms row writes its checkpoint to the bucket (uploaded in the background); the restart
+row then continues that run for a second epoch on an empty disk (``--resume auto`` downloads
+the checkpoint), and the checkpoint's download is timed on its own through the same proxy.
+Targets: first step within 1.2x of local shards, images/s at least 0.9x local at +20 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
+sys.path.insert(0, str(Path(__file__).parent / "instrument"))
+
+from step_clock import clock_env  # noqa: E402
+
+from imgtrainer.data.layouts.files import folder_table  # noqa: E402
+from imgtrainer.tools.pack_data import write_shards  # noqa: E402
+from support.harness import write_image_folder  # noqa: E402
+from support.s3_server import S3Server, proxied  # noqa: E402
+
+RUN_TIMEOUT = 1800  # seconds: one row on a busy machine
+TARGET_FIRST_STEP = 1.2  # at most this many times local shards' first step
+TARGET_IMAGES_PER_SEC = 0.9  # at least this share of local shards' images/s, at +20 ms
+
+
+def write_data(root: Path, images: int, classes: int, size: int) -> tuple[Path, Path, int]:
+    """``images`` training and 4 validation images per class as tar shards of 256 (with their
+    indices), in ``root``: the training and validation folders and the images in both."""
+    folders, total = [], 0
+    for role, count, seed in (("train", images // classes, 1), ("val", 4, 2)):
+        images_folder = write_image_folder(
+            root / "images" / role, classes, count, size=size, seed=seed, threads=2
+        )
+        table = folder_table(images_folder, role, None)
+        entries = [(Path(table.location(i)), table.label(i)) for i in range(len(table))]
+        write_shards(entries, table.classes, root / "shards" / role, 256, 2)
+        folders.append(root / "shards" / role)
+        total += len(entries)
+    return folders[0], folders[1], total
+
+
+def run_row(name: str, work: Path, flags: list[str], env: dict[str, str]) -> dict:
+    """One ``src/train_ddp.py`` run in ``work``; its step clock's figures."""
+    work.mkdir(parents=True)
+    clock = work / "steps.txt"
+    started, cpu = time.time(), time.process_time()  # this process: the S3 server, the proxy
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "src" / "train_ddp.py"), *flags],
+        cwd=work,
+        env={**os.environ, **env, **clock_env(clock)},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    if result.returncode != 0:
+        sys.exit(
+            f"{name}: train_ddp.py failed ({result.returncode}) in {work}:\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        )
+    steps = [tuple(map(float, line.split())) for line in clock.read_text().splitlines()]
+    store_cpu = time.process_time() - cpu
+    return {"first_step": steps[0][0] - started, "steps": steps, "store_cpu": store_cpu}
+
+
+def images_per_sec(steps: list[tuple], warmup: int, batch: int) -> float:
+    timed = steps[warmup:]
+    return (len(timed) - 1) * batch / (timed[-1][0] - timed[0][0])
+
+
+def cache_bytes(work: Path) -> int:
+    """What the run's byte cache of remote reads holds on the disk."""
+    folder = work / "logs" / "remote_cache"
+    return sum(p.stat().st_blocks * 512 for p in folder.glob("*.data")) if folder.is_dir() else 0
+
+
+def one_round(args, data: tuple[Path, Path, int], server: S3Server, url: str, work: Path) -> dict:
+    train, val, images = data
+    shards = f"shard-{{000000..{len(list(train.glob('*.tar'))) - 1:06d}}}.tar"
+    flags = [
+        *("--device", "cpu", "--image_size", str(args.image_size)),
+        *("--batch_size", str(args.batch_size), "--model", args.model, "--epochs", "1"),
+        *("--cache_images", "none"),  # every image of the epoch read from where it is kept
+    ]
+    rows: dict[str, dict] = {}
+    local = ["--train_data", f"{train}/{shards}", "--val_data", str(val)]
+    rows["local shards"] = run_row("local", work / "local", [*flags, *local], {})
+    remote = ["--train_data", f"{url}/train/{shards}", "--val_data", f"{url}/val/"]
+    run_url = f"{url}/run-{work.name}"
+    for ms in args.latencies_ms:
+        proxy, endpoint = proxied(server, ms / 1000)
+        env = {**server.env(), "AWS_ENDPOINT_URL": endpoint}
+        extra = ["--checkpoint_dir", run_url] if ms == args.latencies_ms[0] else []
+        row = run_row(f"+{ms} ms", work / f"s3_{ms}ms", [*flags, *remote, *extra], env)
+        row.update(requests=proxy.requests, images=images, cached=cache_bytes(work / f"s3_{ms}ms"))
+        rows[f"s3 +{ms} ms"] = row
+        proxy.stop()
+    ms = args.latencies_ms[0]
+    proxy, endpoint = proxied(server, ms / 1000)
+    env = {**server.env(), "AWS_ENDPOINT_URL": endpoint}
+    restart = [*flags, *remote, "--checkpoint_dir", run_url, "--resume", "auto"]
+    restart[restart.index("--epochs") + 1] = "2"  # the second epoch, on an empty disk
+    row = run_row("restart", work / "restart", restart, env)
+    row.update(requests=proxy.requests, images=images, cached=cache_bytes(work / "restart"))
+    rows[f"restart from s3 +{ms} ms"] = row
+    proxy.stop()
+    rows["download"] = timed_download(server, run_url, ms, work / "download")
+    return rows
+
+
+def timed_download(server: S3Server, url: str, ms: int, folder: Path) -> dict:
+    """The restart's download alone: the store's latest checkpoint through the proxy."""
+    from imgtrainer.checkpoints.remote import fetch_latest
+    from imgtrainer.storage import Store
+
+    proxy, endpoint = proxied(server, ms / 1000)
+    os.environ.update({**server.env(), "AWS_ENDPOINT_URL": endpoint})
+    Store().listing(url)  # the client made first, as the restarted run made it for its data
+    before, started = proxy.requests, time.perf_counter()
+    assert fetch_latest(url, Store(), folder)
+    seconds = time.perf_counter() - started
+    proxy.stop()
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    return {"seconds": seconds, "bytes": size, "requests": proxy.requests - before}
+
+
+def median(rounds: list[dict], row: str, figure) -> float:
+    return statistics.median(figure(r[row]) for r in rounds)
+
+
+def report(args, rounds: list[dict]) -> None:
+    batch, warmup = args.batch_size, args.warmup
+    rate = lambda row: images_per_sec(row["steps"], warmup, batch)  # noqa: E731
+    first = lambda row: row["first_step"]  # noqa: E731
+    base_first = median(rounds, "local shards", first)
+    base_rate = median(rounds, "local shards", rate)
+    print(
+        f"\nLocal tar shards vs the same shards in S3 (moto on 127.0.0.1 behind a proxy adding "
+        f"latency per request): {args.model} at {args.image_size} px, batch {batch}, "
+        f"{args.images} images, 1 epoch, 1 process on the CPU"
+        + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
+    )
+    header = f"{'source':<24} {'first step':>10} {'vs local':>8} {'img/s':>8} {'vs local':>8}"
+    print(header + f" {'requests/image':>14} {'cached MiB':>10} {'store CPU s':>11}")
+    for name in rounds[0]:
+        if name == "download":
+            continue
+        row_first, row_rate = median(rounds, name, first), median(rounds, name, rate)
+        remote = "images" in rounds[0][name]
+        per_image = median(rounds, name, lambda r: r["requests"] / r["images"]) if remote else 0
+        cached = median(rounds, name, lambda r: r["cached"]) / 2**20 if remote else 0
+        requests, cached = (f"{per_image:.2f}", f"{cached:.1f}") if remote else ("-", "-")
+        print(
+            f"{name:<24} {row_first:>9.2f}s {row_first / base_first:>8.2f} {row_rate:>8.1f} "
+            f"{row_rate / base_rate:>8.2f} {requests:>14} {cached:>10} "
+            f"{median(rounds, name, lambda r: r['store_cpu']):>11.1f}"
+        )
+    ms = args.latencies_ms[0]
+    download = rounds[-1]["download"]
+    print(
+        f"restart: the checkpoint ({download['bytes'] / 2**20:.1f} MiB) downloaded in "
+        f"{median(rounds, 'download', lambda r: r['seconds']):.2f} s through +{ms} ms "
+        f"({download['requests']} requests); the restarted run's first step "
+        f"{median(rounds, f'restart from s3 +{ms} ms', first):.2f} s from the command"
+    )
+    at = f"s3 +{ms} ms"
+    first_ratio = median(rounds, at, first) / base_first
+    rate_ratio = median(rounds, at, rate) / base_rate
+    print(
+        f"targets at +{ms} ms: first step {first_ratio:.2f}x local (at most "
+        f"{TARGET_FIRST_STEP}x: {'met' if first_ratio <= TARGET_FIRST_STEP else 'MISSED'}), "
+        f"images/s {rate_ratio:.2f}x local (at least {TARGET_IMAGES_PER_SEC}x: "
+        f"{'met' if rate_ratio >= TARGET_IMAGES_PER_SEC else 'MISSED'})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=2048, help="training images")
+    parser.add_argument("--classes", type=int, default=16)
+    parser.add_argument("--image_size", type=int, default=32, help="the crop trained on")
+    parser.add_argument("--source_size", type=int, default=40, help="the images' side")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before images/s is timed")
+    parser.add_argument(
+        "--latencies_ms",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=[20, 50],
+        help="added to each request, comma-separated; the first also writes and restarts from "
+        "a checkpoint in the bucket (default: 20,50)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; prints the medians")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="a folder for the data and runs, kept after"
+    )
+    args = parser.parse_args()
+    if args.images // args.classes < 1 or args.images // args.batch_size <= args.warmup + 1:
+        sys.exit("--images must give more than --warmup + 1 steps of --batch_size")
+    args.images = args.images // args.classes * args.classes
+
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_remote_"))
+        else:
+            tmp = args.workdir
+            shutil.rmtree(tmp, ignore_errors=True)
+        data = write_data(Path(tmp) / "data", args.images, args.classes, args.source_size)
+        server = S3Server.start()
+        stack.callback(server.stop)
+        url = server.make_bucket("bench")
+        server.upload(data[0], f"{url}/train")
+        server.upload(data[1], f"{url}/val")
+        rounds = []
+        for number in range(args.repeat):
+            print(f"--- round {number + 1} of {args.repeat}", flush=True)
+            rounds.append(one_round(args, data, server, url, Path(tmp) / f"round{number}"))
+        report(args, rounds)
+
+
+if __name__ == "__main__":
+    main()
