@@ -170,10 +170,9 @@ class Trainer:
         # --mixup/--cutmix: applied by the loop to each batch (None when both are off).
         self.mixer = loaders.mixer
         self.checkpoints = checkpoint_writer(cfg, dist.is_main)
-        header = run_header(cfg, dist, self.class_names, parts, counts)
         self.history = HistoryWriter(
             Path(cfg.log_dir) / "training_history.json",
-            header,
+            run_header(cfg, dist, self.class_names, parts, counts),
             enabled=dist.is_main,
             live=lambda: {"best": self.best.to_plain()},
         )
