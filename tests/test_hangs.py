@@ -233,9 +233,8 @@ def test_every_process_frozen_at_every_moment_is_named_and_restarted(tmp_path: P
     print(f"\nthe matrix's {len(runs)} runs side by side: {time.monotonic() - started:.0f} s")
     for name, run in runs.items():
         assert run.returncode == 0, (name, results[name][1][-4000:])
-    reference = torch.load(
-        tmp_path / "unfaulted" / "checkpoints" / "checkpoint_latest.pth", weights_only=True
-    )
+    unfaulted = tmp_path / "unfaulted" / "checkpoints" / "checkpoint_latest.pth"
+    reference = torch.load(unfaulted, weights_only=True)
     rows = []
     for name, cells in RUNS.items():
         rows += check_matrix_run(tmp_path / name, cells, results[name][1], reference)

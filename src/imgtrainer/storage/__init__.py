@@ -68,6 +68,17 @@ def _remember(url: str, info: dict[str, Any]) -> None:
     _SEEN[url] = (int(info.get("size") or 0), _tag(info))
 
 
+def _files(fs: Any, found: dict[str, dict[str, Any]], like: str) -> list[str]:
+    """The files of a detailed listing (folders left out) as sorted URLs of ``like``'s
+    protocol, each remembered with its version."""
+    urls = []
+    for name, info in found.items():
+        if info.get("type", "file") != "directory":
+            urls.append(_url(fs, name, like))
+            _remember(urls[-1], info)
+    return sorted(urls)
+
+
 @dataclass(frozen=True)
 class Store:
     """How this run reaches its files: ``options`` (--storage_options, JSON) for object
@@ -199,23 +210,11 @@ class Store:
                     return {}
                 raise
 
-        found = as_user_error(objects, url)
-        urls = []
-        for name, info in found.items():
-            if info.get("type", "file") != "directory":
-                urls.append(_url(fs, name, url))
-                _remember(urls[-1], info)
-        return sorted(urls)
+        return _files(fs, as_user_error(objects, url), url)
 
     def glob(self, pattern: str) -> list[str]:
         fs = filesystem(pattern, self.options)
-        found = as_user_error(lambda: fs.glob(pattern, detail=True), pattern)
-        urls = []
-        for name, info in found.items():
-            if info.get("type", "file") != "directory":
-                urls.append(_url(fs, name, pattern))
-                _remember(urls[-1], info)
-        return sorted(urls)
+        return _files(fs, as_user_error(lambda: fs.glob(pattern, detail=True), pattern), pattern)
 
     def files_named(self, urls: list[str]) -> list[str]:
         """``urls`` if each exists (one listing per folder), else ``UserError`` naming one."""
