@@ -226,6 +226,60 @@ def test_launcher_runs_with_spawned_workers_too(tiny_dataset, tmp_path: Path):
     assert [e for _, e in order] == [*launcher[:2], *rank, "worker exit", launcher[2]], order
 
 
+def _killed_on(task: int, index: int) -> int:
+    if index == task:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+    return index * index
+
+
+def test_forked_map_gives_every_result_and_raises_a_childs_error():
+    assert process.process_map(abs, [-3, 1, -2, 5, -1], 2, chunksize=2) == [3, 1, 2, 5, 1]
+    forked = process.ForkedMap(lambda x: 1 // x, [1, 0], 2)
+    with pytest.raises(ZeroDivisionError):
+        dict(forked.results())
+    forked.close()
+    assert forked.children == {}
+
+
+@pytest.mark.parametrize("killed", ["before its first task", "in its task"])
+def test_forked_map_does_the_task_of_a_lost_child_itself(killed):
+    """A child ends at any moment without leaving anything waiting on it: there is no lock
+    between the processes for it to die holding (``Pool.terminate`` deadlocked on one, and
+    hung CI for good)."""
+    parent = os.getpid()
+    tasks = list(range(6))
+
+    def start(number: int) -> None:
+        if killed == "before its first task" and number == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def square(index: int) -> int:
+        return _killed_on(3 if os.getpid() != parent and killed == "in its task" else -1, index)
+
+    forked = process.ForkedMap(square, tasks, 2, start=start)
+    try:
+        done = dict(forked.results())
+    finally:
+        forked.close()
+    assert done == {i: i * i for i in tasks}
+    assert [code for _, code in forked.lost] == [-signal.SIGKILL]
+
+
+def test_forked_map_closed_from_another_thread_stops_its_results():
+    import threading
+    import time
+
+    forked = process.ForkedMap(time.sleep, [60, 60], 2)
+    children = list(forked.children.values())
+    closing = threading.Timer(0.5, forked.close)
+    closing.start()
+    started = time.monotonic()
+    assert list(forked.results()) == []
+    closing.join()
+    assert time.monotonic() - started < 30
+    assert [child.exitcode for child in children] == [-signal.SIGKILL] * 2
+
+
 # ----------------------------------------------------------------------------- decode check cache
 
 
@@ -306,8 +360,9 @@ def test_a_check_of_many_images_runs_in_processes_and_is_remembered(tmp_path: Pa
 def test_a_check_process_that_ends_early_leaves_its_share_to_the_rank(
     tmp_path: Path, monkeypatch, caplog
 ):
-    """multiprocessing's Pool waits forever for the result of a process that was killed: the
-    check's own thread notices the lost process and checks what is left itself."""
+    """multiprocessing's Pool waits forever for the result of a process that was killed (and
+    deadlocked on its queue's lock when ending a pool whose replacement child died waiting
+    for a task, which hung CI): the check's own thread checks the lost process's share."""
     folder = write_image_folder(tmp_path / "train", ["a", "b"], 150, size=8)
     (folder / "b" / "img_100.jpg").write_bytes(b"broken")
     parent, real = os.getpid(), decode_check.DecodeCheck.rows
@@ -318,7 +373,6 @@ def test_a_check_process_that_ends_early_leaves_its_share_to_the_rank(
         return real(self, role, start, stop)
 
     monkeypatch.setattr(decode_check.DecodeCheck, "rows", killed_in_a_child)
-    monkeypatch.setattr(decode_check, "LOST_POLL_SECONDS", 0.1)
     images = {"training": folder_images(folder)}
     check = decode_check.DecodeCheck(images, None, workers=1)
     assert check.pool is not None

@@ -7,14 +7,15 @@ forked processes, and the GPUs a process started from here would see.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import multiprocessing
-import multiprocessing.pool
+import multiprocessing.connection
 import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -148,50 +149,147 @@ def return_free_memory() -> None:
 
 
 def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> list:
-    """``[function(item) for item in items]`` in ``workers`` forked processes
-    (``forked_pool``)."""
-    global _FUNCTION
-    _FUNCTION = function  # inherited by the forked children: never pickled (a bound method
-    # would carry its whole object, e.g. a table of a million images, with every chunk)
-    pool = forked_pool(workers)
+    """``[function(item) for item in items]`` in ``workers`` forked processes (``ForkedMap``),
+    ``chunksize`` items per task."""
+    chunks = [items[i : i + chunksize] for i in range(0, len(items), chunksize)]
+    forked = ForkedMap(_apply_to_chunk(function), chunks, workers)
     try:
-        results = pool.map(_call, items, chunksize=chunksize)
-    except BaseException:
-        pool.terminate()
-        pool.join()
-        raise
+        done = dict(forked.results())
     finally:
-        _FUNCTION = None
-    pool.close()  # the children leave on their own once the queue is empty
-    pool.join()
-    return results
+        forked.close()
+    return [result for i in range(len(chunks)) for result in done[i]]
 
 
-def forked_pool(
-    workers: int, background: bool = False, start: Callable[[], None] | None = None
-) -> multiprocessing.pool.Pool:
-    """A pool of ``workers`` forked processes that take the default signal actions: a
-    training process's stop handlers, inherited, would keep them alive through the pool's
-    own SIGTERM. The stop signals stay blocked across the fork until a child has reset them,
-    so one that arrives meanwhile ends the child rather than run the parent's handler (which
-    would leave a start waiting forever on a child that outlived the signal). They die
-    with this process, however it ends. ``background``: the children run only on CPU time
-    that nothing else wants (Linux's SCHED_IDLE; else the lowest nice level), as a check that
-    runs beside training should. ``start``: called in each child as it starts, after that."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return multiprocessing.get_context("fork").Pool(
-            workers, initializer=_child_start, initargs=(background, start)
-        )
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+class _apply_to_chunk:  # noqa: N801 - a function of a chunk, named as one
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, chunk: Sequence) -> list:
+        return [self.function(item) for item in chunk]
 
 
-_FUNCTION = None  # process_map's function, in its forked children
+class ForkedMap:
+    """``function(task)`` for each of ``tasks`` in ``workers`` forked processes, the results
+    as they come: ``(index of the task, result)`` from ``results()``, in any one thread.
+
+    Each child has a pipe of its own and asks for its next task there; no lock is shared
+    between processes. A child that ends at any moment (the out-of-memory killer, a signal)
+    therefore leaves nothing waiting on it: its unfinished task is done by this process
+    (``lost`` names it), the others go on. ``multiprocessing.Pool`` waits forever for a lost
+    task, and deadlocks on its queue's lock when a child dies waiting for one. ``function`` and
+    the tasks are inherited by the fork, never pickled (a bound method would carry its whole
+    object, e.g. a table of a million images); only the results travel.
+
+    The children take the default signal actions: a training process's stop handlers,
+    inherited, would keep them alive. The stop signals stay blocked across the fork until a
+    child has reset them, so one that arrives meanwhile ends the child rather than run the
+    parent's handler. They die with the thread that made this object, however it ends.
+    ``background``: they run only on CPU time that nothing else wants (Linux's SCHED_IDLE;
+    else the lowest nice level), as a check that runs beside training should. ``start``:
+    called in each child with its number (0, 1, ...), after that."""
+
+    def __init__(
+        self,
+        function: Callable,
+        tasks: Sequence,
+        workers: int,
+        background: bool = False,
+        start: Callable[[int], None] | None = None,
+    ):
+        self.function, self.tasks = function, tasks
+        self.lost: list[tuple[int, int | None]] = []  # (pid, exit code) of children lost
+        self.closed = False
+        self.children: dict = {}  # this process's end of a child's pipe -> the child
+        context = multiprocessing.get_context("fork")
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for number in range(max(1, min(workers, len(tasks)))):
+                mine, theirs = context.Pipe()
+                child = context.Process(
+                    target=_serve,
+                    args=(function, tasks, theirs, mine, background, start, number),
+                    daemon=True,
+                )
+                child.start()
+                theirs.close()  # only the child holds it: its end reads as closed here
+                self.children[mine] = child
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def results(self) -> Iterator[tuple[int, object]]:
+        """``(index, function(tasks[index]))`` for every task, in the order they finish; an
+        error raised by ``function`` in a child is raised here. Stops early once closed."""
+        waiting = collections.deque(range(len(self.tasks)))
+        busy: dict = {}  # a child's pipe -> the index of the task it has
+        for conn in list(self.children):
+            self._give(conn, waiting, busy)
+        while busy and not self.closed:
+            try:
+                ready = multiprocessing.connection.wait(list(busy))
+            except (OSError, ValueError):  # closed meanwhile by another thread
+                if self.closed:
+                    return
+                raise
+            for conn in ready:
+                try:
+                    index, error, result = conn.recv()
+                except (EOFError, OSError):  # the child ended before its result
+                    if self.closed:
+                        return
+                    index = busy.pop(conn)
+                    self._lose(conn)
+                    yield index, self.function(self.tasks[index])
+                    continue
+                if error is not None:
+                    raise error
+                self._give(conn, waiting, busy)
+                yield index, result
+        while waiting and not self.closed:  # every child was lost
+            index = waiting.popleft()
+            yield index, self.function(self.tasks[index])
+
+    def _give(self, conn, waiting: collections.deque, busy: dict) -> None:
+        """The child's next task, or the end of its work."""
+        busy.pop(conn, None)
+        try:
+            if waiting:
+                conn.send(waiting[0])
+                busy[conn] = waiting.popleft()
+            else:
+                conn.send(None)
+        except OSError:  # ended since its last result: its task goes to another
+            self._lose(conn)
+
+    def _lose(self, conn) -> None:
+        child = self.children.pop(conn)
+        conn.close()
+        child.join(5)
+        self.lost.append((child.pid, child.exitcode))
+
+    def close(self) -> None:
+        """End the children now (their work may be unfinished) and wait for them."""
+        self.closed = True
+        for conn, child in list(self.children.items()):
+            if child.is_alive():
+                child.kill()
+            child.join()
+            conn.close()
+        self.children.clear()
 
 
-def _call(item):
-    return _FUNCTION(item)
+def _serve(function, tasks, conn, parent_end, background, start, number) -> None:
+    """A child of ``ForkedMap``: the tasks it is given, until it is told the work is done."""
+    parent_end.close()
+    _child_start(background, None if start is None else lambda: start(number))
+    while (index := conn.recv()) is not None:
+        try:
+            reply = (index, None, function(tasks[index]))
+        except Exception as err:
+            reply = (index, err, None)
+        try:
+            conn.send(reply)
+        except Exception as err:  # an error or a result that does not pickle
+            conn.send((index, RuntimeError(f"{type(err).__name__}: {err}"), None))
 
 
 def _child_start(background: bool, start: Callable[[], None] | None = None) -> None:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import threading
 import zipfile
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,18 +29,17 @@ from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import atomic_write
-from imgtrainer.process import TorchrunEnv, forked_pool
+from imgtrainer.process import ForkedMap, TorchrunEnv
 
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # images a forked process checks per task
-LOST_POLL_SECONDS = 1.0  # how often the check looks for a process of its pool that ended
 REMOTE_READS = 16  # images of an object store a process checks at once
 
 
 class DecodeCheck:
     """The decode check of some datasets (``{role: TableImages}``), started here in the
-    background. Forked processes, on CPU time that training leaves (``forked_pool``), read
+    background. Forked processes, on CPU time that training leaves (``ForkedMap``), read
     the size and modification time of every image's file, and decode (at 1/8 scale, JPEG's
     DCT scaling: every byte is still read and entropy-decoded) this rank's share of them,
     every ``world_size``-th, less those whose result ``cache_dir`` remembers for an unchanged
@@ -75,26 +72,28 @@ class DecodeCheck:
             for start in range(0, len(table), CHUNK)
         ]
         self.pool, self.error, self.collected, self.thread = None, None, 0, None
-        self.lost: list[tuple[int, int]] = []  # (pid, exit code) of check processes lost
-        self.closed = False
         if not tasks:
             return
         if sum(map(len, self.tables.values())) < PARALLEL_MIN_FILES:
             # A few images: the thread checks them itself, no processes are worth starting.
             results = ((role, start, *self.rows(role, start, stop)) for role, start, stop in tasks)
         else:
-            global _CHECK
-            _CHECK = self  # the forked processes inherit it: the tables are never pickled
-            self.pool = forked_pool(
-                workers or torch.get_num_threads(), background=True, start=_open_check_slot
+            self.pool = ForkedMap(
+                self._task_rows,
+                tasks,
+                workers or torch.get_num_threads(),
+                background=True,
+                start=_open_check_slot,
             )
-            results = self._pool_results(tasks)
+            results = (result for _, result in self.pool.results())
         self.thread = threading.Thread(target=self._collect, args=(results,), daemon=True)
         self.thread.start()
 
     def _collect(self, results) -> None:
         """Each task's results into the datasets' states, as they come (no logging here: the
-        loader workers are forked while this thread runs)."""
+        loader workers are forked while this thread runs). A process of the pool that ends
+        before its result (the out-of-memory killer, a signal) leaves its task to this
+        thread (``ForkedMap``); ``wait`` says so."""
         try:
             for role, start, stats, checked, problems in results:
                 self.stats[role][start : start + len(stats)] = stats
@@ -106,36 +105,16 @@ class DecodeCheck:
         except Exception as err:  # raised again by finish, in the training process's thread
             self.error = err
         if self.pool is not None:
-            self.pool.close()  # the children leave once the queue is empty: no process idles
+            self.pool.close()  # no process idles once the work is done
 
-    def _pool_results(self, tasks: list[tuple[str, int, int]]) -> Iterator[tuple]:
-        """The pool's results as they come. A process of the pool that ends before its result
-        (the out-of-memory killer, a signal) takes its task with it, and ``Pool`` would wait
-        for that result forever: the pool is ended and this thread checks what is left."""
-        processes = list(self.pool._pool)  # Pool has no public list of its processes
-        results = self.pool.imap_unordered(_check_rows, tasks)
-        left = {(role, start): (role, start, stop) for role, start, stop in tasks}
-        while left and not self.closed:
-            try:
-                result = results.next(timeout=LOST_POLL_SECONDS)
-            except multiprocessing.TimeoutError:
-                lost = [p for p in processes if p.exitcode not in (None, 0)]
-                if lost and not self.closed:
-                    self.lost = [(p.pid, p.exitcode) for p in lost]
-                    self.pool.terminate()
-                    for task in sorted(left.values()):
-                        yield (task[0], task[1], *self.rows(*task))
-                    return
-                continue
-            del left[result[:2]]
-            yield result
+    def _task_rows(self, task: tuple[str, int, int]) -> tuple:
+        role, start, stop = task
+        return (role, start, *self.rows(role, start, stop))
 
     def close(self) -> None:
         """End the check's processes now (the run ends; ``finish`` may never come)."""
-        self.closed = True
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.close()
 
     def rows(self, role: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, dict]:
         """In a forked process: the stats of rows ``start:stop``, which of them this rank
@@ -195,20 +174,19 @@ class DecodeCheck:
                     seen = self.collected
                     heartbeat.tick()
                 self.thread.join(1.0)
-        if self.pool is not None:
-            self.pool.join()
         if self.error is not None:
             # A bug (its traceback follows): one line that says where it happened.
             raise RuntimeError(f"the images' decode check failed: {first_line(self.error)}") from (
                 self.error
             )
-        for pid, code in self.lost:
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        for pid, code in self.pool.lost if self.pool is not None else []:
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             log.warning(
                 f"a process of the images' decode check (pid {pid}) ended early ({how}): "
                 "this process checked its share"
             )
-        self.lost = []
+        if self.pool is not None:
+            self.pool.lost.clear()
 
     def readable_rows(self, role: str) -> np.ndarray:
         keep = np.ones(len(self.tables[role]), bool)
@@ -216,22 +194,12 @@ class DecodeCheck:
         return np.flatnonzero(keep)
 
 
-_CHECK: DecodeCheck | None = None  # the running check, in its forked processes
-
-
-def _open_check_slot() -> None:
+def _open_check_slot(number: int) -> None:
     """In a forked process of the check: a heartbeat slot of its own, so that the launcher's
     hang watchdog can name it when its rank waits for the check's end. Its reads are not
     marked: it runs on CPU time that training leaves, and may wait for it long."""
     env = TorchrunEnv.read()
-    number = multiprocessing.current_process().name.rpartition("-")[2]  # ForkPoolWorker-N
-    index = int(number) - 1 if number.isdigit() else 0
-    heartbeat.open_slot(env.rank, env.restart_count, index, heartbeat.CHECK_PROCESS)
-
-
-def _check_rows(task: tuple[str, int, int]):
-    role, start, stop = task
-    return (role, start, *_CHECK.rows(role, start, stop))
+    heartbeat.open_slot(env.rank, env.restart_count, number, heartbeat.CHECK_PROCESS)
 
 
 def leave_out_unreadable(
