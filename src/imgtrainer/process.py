@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -205,10 +206,11 @@ class ForkedMap:
         try:
             for number in range(max(1, min(workers, len(tasks)))):
                 mine, theirs = context.Pipe()
+                begin = functools.partial(
+                    _child_start, background, start and functools.partial(start, number)
+                )
                 child = context.Process(
-                    target=_serve,
-                    args=(function, tasks, theirs, mine, background, start, number),
-                    daemon=True,
+                    target=_serve, args=(function, tasks, theirs, mine, begin), daemon=True
                 )
                 child.start()
                 theirs.close()  # only the child holds it: its end reads as closed here
@@ -277,10 +279,10 @@ class ForkedMap:
         self.children.clear()
 
 
-def _serve(function, tasks, conn, parent_end, background, start, number) -> None:
+def _serve(function, tasks, conn, parent_end, begin: Callable[[], None]) -> None:
     """A child of ``ForkedMap``: the tasks it is given, until it is told the work is done."""
     parent_end.close()
-    _child_start(background, None if start is None else lambda: start(number))
+    begin()
     while (index := conn.recv()) is not None:
         try:
             reply = (index, None, function(tasks[index]))
