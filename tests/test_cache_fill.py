@@ -102,12 +102,13 @@ def test_a_file_broken_after_the_check_gives_the_next_image(tmp_path: Path, capl
 
 def test_the_check_processes_end_under_a_training_process_stop_handler():
     """The trainer turns SIGTERM into a stop flag; the check's forked processes must not keep
-    it, and the pool must not rely on a signal to end them: a child that had not yet reset its
-    handlers outlived the pool's SIGTERM, and the start waited forever (about 1 in 60 pools on
-    a busy machine; 40 here)."""
+    it, and their end must not rely on a signal they could handle: with multiprocessing's Pool
+    a child that had not yet reset its handlers outlived the pool's SIGTERM, and the start
+    waited forever (about 1 in 60 pools on a busy machine). ``ForkedMap`` tells its children
+    that the work is done and kills any left; 10 maps here (a map takes about 0.25 s)."""
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        for _ in range(40):
+        for _ in range(10):
             done: list = []
             thread = threading.Thread(  # a hang fails, not blocks
                 target=lambda out=done: out.append(process_map(abs, [-1, -2, 3], 2)), daemon=True
