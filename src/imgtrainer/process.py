@@ -12,10 +12,12 @@ import ctypes
 import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.pool
 import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -199,12 +201,13 @@ class ForkedMap:
     ):
         self.function, self.tasks = function, tasks
         self.lost: list[tuple[int, int | None]] = []  # (pid, exit code) of children lost
-        self.closed = False
+        self.closed, self.iterating = False, False
         self.children: dict = {}  # this process's end of a child's pipe -> the child
+        self.lock = threading.Lock()  # close() may come from another thread than results()
         context = multiprocessing.get_context("fork")
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            for number in range(max(1, min(workers, len(tasks)))):
+            for number in range(min(max(1, workers), len(tasks))):
                 mine, theirs = context.Pipe()
                 begin = functools.partial(
                     _child_start, background, start and functools.partial(start, number)
@@ -212,27 +215,41 @@ class ForkedMap:
                 child = context.Process(
                     target=_serve, args=(function, tasks, theirs, mine, begin), daemon=True
                 )
-                child.start()
-                theirs.close()  # only the child holds it: its end reads as closed here
+                try:
+                    child.start()
+                except BaseException:
+                    mine.close()
+                    raise
+                finally:
+                    theirs.close()  # only the child holds it: its end reads as closed here
                 self.children[mine] = child
+        except BaseException:  # a fork refused (no memory): none of the others is left behind
+            self.close()
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def results(self) -> Iterator[tuple[int, object]]:
         """``(index, function(tasks[index]))`` for every task, in the order they finish; an
-        error raised by ``function`` in a child is raised here. Stops early once closed."""
+        error raised by ``function`` in a child is raised here, with the child's traceback as
+        its cause. Stops early once closed."""
+        with self.lock:
+            self.iterating = True
+        try:
+            yield from self._results()
+        finally:
+            with self.lock:
+                self.iterating = False
+                if self.closed:  # close() left the pipes to this thread, which may wait on them
+                    self._close_pipes()
+
+    def _results(self) -> Iterator[tuple[int, object]]:
         waiting = collections.deque(range(len(self.tasks)))
         busy: dict = {}  # a child's pipe -> the index of the task it has
         for conn in list(self.children):
             self._give(conn, waiting, busy)
         while busy and not self.closed:
-            try:
-                ready = multiprocessing.connection.wait(list(busy))
-            except (OSError, ValueError):  # closed meanwhile by another thread
-                if self.closed:
-                    return
-                raise
-            for conn in ready:
+            for conn in multiprocessing.connection.wait(list(busy)):
                 try:
                     index, error, result = conn.recv()
                 except (EOFError, OSError):  # the child ended before its result
@@ -242,6 +259,8 @@ class ForkedMap:
                     self._lose(conn)
                     yield index, self.function(self.tasks[index])
                     continue
+                except Exception as err:  # e.g. an error that pickles but does not unpickle
+                    raise RuntimeError(f"a forked process's answer is unreadable: {err}") from err
                 if error is not None:
                     raise error
                 self._give(conn, waiting, busy)
@@ -263,20 +282,31 @@ class ForkedMap:
             self._lose(conn)
 
     def _lose(self, conn) -> None:
-        child = self.children.pop(conn)
-        conn.close()
+        with self.lock:
+            if self.closed or conn not in self.children:  # closed meanwhile: close() ends it
+                return
+            child = self.children.pop(conn)
+            conn.close()
         child.join(5)
         self.lost.append((child.pid, child.exitcode))
 
     def close(self) -> None:
-        """End the children now (their work may be unfinished) and wait for them."""
-        self.closed = True
-        for conn, child in list(self.children.items()):
-            if child.is_alive():
-                child.kill()
+        """End the children now (their work may be unfinished) and wait for them. Safe from
+        any thread, more than once."""
+        with self.lock:
+            self.closed = True
+            children = list(self.children.values())
+            for child in children:
+                if child.is_alive():
+                    child.kill()
+            if not self.iterating:
+                self._close_pipes()
+        for child in children:
             child.join()
-            conn.close()
-        self.children.clear()
+
+    def _close_pipes(self) -> None:
+        while self.children:
+            self.children.popitem()[0].close()
 
 
 def _serve(function, tasks, conn, parent_end, begin: Callable[[], None]) -> None:
@@ -286,8 +316,12 @@ def _serve(function, tasks, conn, parent_end, begin: Callable[[], None]) -> None
     while (index := conn.recv()) is not None:
         try:
             reply = (index, None, function(tasks[index]))
-        except Exception as err:
-            reply = (index, err, None)
+        except Exception as err:  # raised in the parent, with this traceback as its cause
+            reply = (
+                index,
+                multiprocessing.pool.ExceptionWithTraceback(err, err.__traceback__),
+                None,
+            )
         try:
             conn.send(reply)
         except Exception as err:  # an error or a result that does not pickle
