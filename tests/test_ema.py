@@ -13,7 +13,7 @@ import timm
 import torch
 from torch import nn
 
-from conftest import TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
+from conftest import RESNET18, TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
 from imgtrainer.checkpoints.files import CHECKPOINT_SCHEMA, CheckpointError
 from imgtrainer.hooks import StepInfo
 from imgtrainer.tools.evaluate import main as evaluate_main
@@ -208,7 +208,7 @@ def ema_run(tmp_path_factory) -> tuple[Path, list[str]]:
     # --cache_images none: training's evaluation reads the files as evaluate.py does (the RAM
     # cache decodes and resizes them its own way, which moves the loss in the 4th digit).
     flags = ["--train_dir", train, "--val_dir", val, *TINY_FLAGS, "--no_tensorboard"]
-    flags += ["--cache_images", "none"]
+    flags += ["--cache_images", "none", *RESNET18]  # loaded into timm's resnet18
     assert run_train([*flags, "--epochs", "1", "--model_ema"], cwd=root) == 0
     return root, flags
 

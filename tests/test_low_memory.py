@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import imgtrainer.run.train as train_ddp
-from conftest import CPU, FP32, TINY_FLAGS, launch_on_cpu, user_error_line
+from conftest import CPU, FP32, RESNET18, TINY_FLAGS, launch_on_cpu, user_error_line
 from imgtrainer.config import parse_config, preset_summary
 from imgtrainer.errors import UserError
 from imgtrainer.precision import Precision
@@ -345,6 +345,7 @@ def test_nothing_fits_is_one_clear_error(tiny_dataset, tmp_path: Path, capsys):
             "--max_memory_gb",
             "0.01",
             *TINY_FLAGS,
+            *RESNET18,  # the product's model does not fit 0.01 GiB
         ],
         capsys,
         cwd=tmp_path,

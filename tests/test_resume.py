@@ -16,6 +16,7 @@ import torch
 import imgtrainer.run.launcher as launch_ddp
 import imgtrainer.run.train as train_ddp
 from conftest import (
+    RESNET18,
     ROOT,
     TINY_FLAGS,
     kill_at,
@@ -352,7 +353,7 @@ def test_resume_on_other_classes_is_one_clear_error_in_process(trained_run, tmp_
     workdir, other_train, other_val = run_and_other_classes(trained_run, tmp_path)
     line = user_error_line(
         train_ddp.main,
-        ["--device", "cpu", *tiny_run_flags(other_train, other_val), "--resume", "auto"],
+        ["--device", "cpu", *tiny_run_flags(other_train, other_val), *RESNET18, "--resume", "auto"],
         capsys,
         cwd=workdir,
     )
@@ -372,6 +373,7 @@ def test_resume_on_other_classes_is_one_clear_error(trained_run, tmp_path: Path,
             "--val_dir",
             other_val,
             *TINY_FLAGS,
+            *RESNET18,  # trained_run's model
             "--resume",
             "auto",
         ],
