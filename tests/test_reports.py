@@ -167,11 +167,11 @@ def test_timm_loads_our_best_checkpoint(tiny_dataset, tmp_path: Path, monkeypatc
     assert train_main(["--device", "cpu", *tiny_run_flags(train, val), "--epochs", "1"]) == 0
     best = tmp_path / "checkpoints" / "checkpoint_best.pth"
     saved = torch.load(best, map_location="cpu", weights_only=True)
-    model = timm.create_model("resnet18", num_classes=3)
+    model = timm.create_model("test_resnet", num_classes=3)
     load_checkpoint(model, str(best))  # strict: every key must match
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved["model_state_dict"][name]), name
-    built = timm.create_model("resnet18", num_classes=3, checkpoint_path=str(best))
+    built = timm.create_model("test_resnet", num_classes=3, checkpoint_path=str(best))
     assert torch.equal(built.fc.weight, saved["model_state_dict"]["fc.weight"])
 
 
