@@ -155,7 +155,7 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     """``[function(item) for item in items]`` in ``workers`` forked processes (``ForkedMap``),
     ``chunksize`` items per task."""
     chunks = [items[i : i + chunksize] for i in range(0, len(items), chunksize)]
-    forked = ForkedMap(_apply_to_chunk(function), chunks, workers)
+    forked = ForkedMap(functools.partial(_each, function), chunks, workers)
     try:
         done = dict(forked.results())
     finally:
@@ -163,12 +163,8 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     return [result for i in range(len(chunks)) for result in done[i]]
 
 
-class _apply_to_chunk:  # noqa: N801 - a function of a chunk, named as one
-    def __init__(self, function):
-        self.function = function
-
-    def __call__(self, chunk: Sequence) -> list:
-        return [self.function(item) for item in chunk]
+def _each(function, chunk: Sequence) -> list:
+    return [function(item) for item in chunk]
 
 
 class ForkedMap:

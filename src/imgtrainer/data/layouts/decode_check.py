@@ -179,14 +179,14 @@ class DecodeCheck:
             raise RuntimeError(f"the images' decode check failed: {first_line(self.error)}") from (
                 self.error
             )
-        for pid, code in self.pool.lost if self.pool is not None else []:
+        lost = self.pool.lost if self.pool is not None else []
+        for pid, code in lost:
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             log.warning(
                 f"a process of the images' decode check (pid {pid}) ended early ({how}): "
                 "this process checked its share"
             )
-        if self.pool is not None:
-            self.pool.lost.clear()
+        lost.clear()  # said once
 
     def readable_rows(self, role: str) -> np.ndarray:
         keep = np.ones(len(self.tables[role]), bool)
