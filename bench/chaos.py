@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 
-from imgtrainer.distributed.heartbeat import (  # noqa: E402
+from imgtrainer.heartbeat import (  # noqa: E402
     HEARTBEAT_DIR_ENV,
     Beat,
     Phase,

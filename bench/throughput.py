@@ -208,7 +208,7 @@ def run_worker(
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
     watchdog = contextlib.nullcontext()
     if heartbeats is not None:
-        from imgtrainer.distributed.heartbeat import HEARTBEAT_DIR_ENV
+        from imgtrainer.heartbeat import HEARTBEAT_DIR_ENV
         from imgtrainer.run.watchdog import Watchdog, WatchPlan
 
         env[HEARTBEAT_DIR_ENV] = str(heartbeats)
@@ -381,7 +381,7 @@ def heartbeat_costs(folder: Path, calls: int = 200_000) -> dict:
     2 per host collective) and to each image read (the file's marker)."""
     import os as _os
 
-    from imgtrainer.distributed import heartbeat
+    from imgtrainer import heartbeat
 
     _os.environ[heartbeat.HEARTBEAT_DIR_ENV] = str(folder)
     try:
@@ -557,13 +557,14 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     ``warmup``, the first epoch then run to its end."""
     import torch
 
+    from imgtrainer.training.assemble import assemble
     from imgtrainer.training.trainer import Trainer
 
     setup_started = time.perf_counter()
-    trainer = Trainer(cfg, dist)
+    trainer = Trainer(assemble(cfg, dist))
     trainer.register_hooks()  # the run's own per-step work (TensorBoard is off: see worker_main)
     setup_seconds = time.perf_counter() - setup_started
-    from imgtrainer.distributed import heartbeat
+    from imgtrainer import heartbeat
 
     # Under --watchdog: this rank's heartbeat slot, as the trainer opens it (``run.train.watched``)
     if heartbeat.open_slot(dist.rank, 0) is not None:
@@ -571,7 +572,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     cpu = dist.device.type == "cpu"
     first = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=0)
     audited = trainer.train_loader.audit_results()  # the data audit's images, both epochs
-    trainer.decode_check.finish()  # as the trainer does at the first epoch's end
+    trainer.loaders.check.finish()  # as the trainer does at the first epoch's end
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
     timed = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=1)
@@ -646,8 +647,8 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer, epoch
                 return epoch > 0
             return False
 
-    mixer = trainer.mixer.for_epoch(epoch) if trainer.mixer else None  # --mixup/--cutmix
-    trainer.sampler.set_epoch(epoch)
+    mixer = trainer.loaders.mixer.for_epoch(epoch) if trainer.loaders.mixer else None  # --mixup/--cutmix
+    trainer.loaders.sampler.set_epoch(epoch)
     with timer.attached():
         train_one_epoch(
             trainer.parts,

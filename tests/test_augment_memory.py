@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from imgtrainer.data.device.augment import BatchAugment
-from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.batches import BatchPlan, DeviceBatches
 from imgtrainer.data.device.memory import augment_bytes_per_image, augment_chunk, canvas_side_bound
 from imgtrainer.data.device.policy import BatchPolicy
 from imgtrainer.data.host.draws import AugmentDraws
@@ -38,16 +38,15 @@ def batch(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.
     return Ragged.of(crops).canvas(), torch.stack(params), torch.arange(count)
 
 
-def device_batches(augment) -> DeviceBatches:
-    return DeviceBatches([], augment, "cpu")
+def device_batches(augment, chunk=None, retry_on_oom=False) -> DeviceBatches:
+    return DeviceBatches([], augment, "cpu", plan=BatchPlan(chunk, retry_on_oom))
 
 
 def test_chunks_make_the_images_of_one_go():
     pixels, params, labels = batch(10)
     augment = BatchAugment(SIZE, BatchPolicy("trivialaugment", SIZE))
     whole = device_batches(augment)
-    chunked = device_batches(augment)
-    chunked.chunk = 3  # 3, 3, 3, 1
+    chunked = device_batches(augment, chunk=3)  # 3, 3, 3, 1
     expected, _ = whole.augmented(pixels, params, labels)
     got, got_labels = chunked.augmented(pixels, params, labels)
     assert torch.equal(got, expected) and torch.equal(got_labels, labels)
@@ -71,8 +70,7 @@ def test_out_of_memory_in_the_augmentation_halves_its_chunk_and_makes_the_same_i
     pixels, params, labels = batch(8, seed=1)
     expected = BatchAugment(SIZE)(pixels, params)
     flaky = RunsOutAbove(3)
-    batches = device_batches(flaky)
-    batches.retry_on_oom = True
+    batches = device_batches(flaky, retry_on_oom=True)
     with caplog.at_level(logging.WARNING):
         images, _ = batches.augmented(pixels, params, labels)
     assert torch.equal(images, expected)
@@ -90,12 +88,10 @@ def test_without_the_retry_or_at_one_image_the_error_stands():
     batches = device_batches(RunsOutAbove(2))
     with pytest.raises(torch.OutOfMemoryError):
         batches.augmented(pixels, params, labels)
-    batches = device_batches(RunsOutAbove(0))
-    batches.retry_on_oom = True
+    batches = device_batches(RunsOutAbove(0), retry_on_oom=True)
     with pytest.raises(UserError, match="out of memory augmenting a single image"):
         batches.augmented(pixels, params, labels)
-    batches = device_batches(RunsOutAbove(0, ValueError))
-    batches.retry_on_oom = True
+    batches = device_batches(RunsOutAbove(0, ValueError), retry_on_oom=True)
     with pytest.raises(ValueError):  # only memory errors are retried
         batches.augmented(pixels, params, labels)
     assert batches.augment.sizes == [4]

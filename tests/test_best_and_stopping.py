@@ -18,7 +18,6 @@ import torch.multiprocessing as mp
 import imgtrainer.training.stopping as stopping
 from conftest import CLASSES, ROOT, TINY_FLAGS, run_cli, run_train, write_image_folder
 from imgtrainer.checkpoints.files import CheckpointError, load_checkpoint_file
-from imgtrainer.checkpoints.periodic import CheckpointAndStop, SaveSchedule
 from imgtrainer.checkpoints.run_folder import (
     check_new_run,
     epoch_checkpoint_name,
@@ -29,6 +28,7 @@ from imgtrainer.config import TrainConfig, parse_config, parse_duration
 from imgtrainer.errors import UserError
 from imgtrainer.hooks import StepInfo
 from imgtrainer.training.best import BestTracker, metric_value
+from imgtrainer.training.periodic import CheckpointAndStop, SaveSchedule
 from imgtrainer.training.stopping import StopRequest, TimeBudget
 from imgtrainer.training.trainer import Trainer
 

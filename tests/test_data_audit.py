@@ -14,13 +14,17 @@ import torch
 from conftest import ONE_CPU_PROCESS, data_config
 from imgtrainer.data.device import audit as audit_module
 from imgtrainer.data.device.audit import FIRST_BATCHES, Audited, audit_summary
-from imgtrainer.data.loaders import build_loaders
+from imgtrainer.data.loaders import open_data
+
+
+def open_data_of(tiny_dataset, **flags):
+    train, val = tiny_dataset
+    values = {"image_size": 16, "batch_size": 4, "seed": 3, "num_workers": 0, **flags}
+    return open_data(data_config(train, val, **values), ONE_CPU_PROCESS)
 
 
 def loaders_of(tiny_dataset, **flags):
-    train, val = tiny_dataset
-    values = {"image_size": 16, "batch_size": 4, "seed": 3, "num_workers": 0, **flags}
-    return build_loaders(data_config(train, val, **values), ONE_CPU_PROCESS)
+    return open_data_of(tiny_dataset, **flags).loaders()
 
 
 @pytest.mark.parametrize("cache", ["none", "ram"])
@@ -89,9 +93,7 @@ def test_out_of_memory_preparing_a_batch_makes_the_same_batch_again_in_smaller_p
     clean = loaders_of(tiny_dataset, audit_data_every=0).train
     clean.sampler.set_epoch(0)
     expected = [batch for batch in clean]
-    loaders = loaders_of(tiny_dataset, audit_data_every=0)
-    train = loaders.train
-    train.retry_on_oom = True
+    train = open_data_of(tiny_dataset, audit_data_every=0).loaders(retry_on_oom=True).train
     real_moved, failures = type(train).moved, []
 
     def moved(self, pixels, rows, labels):

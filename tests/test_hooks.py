@@ -79,9 +79,9 @@ def test_only_enabled_hooks_that_implement_a_point_are_selected():
 
 
 def test_the_trainers_per_step_work_is_made_of_hooks():
-    from imgtrainer.checkpoints.periodic import CheckpointAndStop, PositionKeeper
     from imgtrainer.reports.trackers.tensorboard_tracker import Tracker as TensorBoard
     from imgtrainer.training.ema import ModelEma
+    from imgtrainer.training.periodic import CheckpointAndStop, PositionKeeper
 
     for cls in (ModelEma, PositionKeeper, CheckpointAndStop, TensorBoard, ProgressBar):
         assert issubclass(cls, Hook), cls

@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import folder_images
 from imgtrainer.data.device.augment import BatchAugment
-from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.batches import BatchPlan, DeviceBatches
 from imgtrainer.data.device.jpeg import JpegDecoder, device_decoder
 from imgtrainer.data.host.collate import EncodedBatch, JpegBytes, collate_samples
 from imgtrainer.data.host.draws import AugmentDraws
@@ -213,7 +213,7 @@ def test_after_the_decoder_switched_itself_off_the_next_epoch_loads_decoded_imag
         BatchAugment(SIZE),
         "cpu",
         jpegs=decoder,
-        cpu_path=lambda: loader_of(on_cpu),
+        plan=BatchPlan(cpu_path=lambda: loader_of(on_cpu)),
     )
     first, _ = next(iter(batches))
     assert isinstance(loaded[-1], EncodedBatch) and not decoder.enabled

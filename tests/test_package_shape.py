@@ -303,8 +303,9 @@ def test_the_data_floors_import_only_downwards_and_only_the_top_reads_the_config
 
 
 def test_other_rooms_enter_data_by_its_entrance():
-    """Outside ``data`` the package imports ``imgtrainer.data`` only, never an inner module;
-    inside, nothing imports the entrance (its names would hide a circle)."""
+    """Outside ``data`` the package imports ``imgtrainer.data`` only, never an inner module
+    (``tools``, the user's tools over the data floors, aside); inside, nothing imports the
+    entrance (its names would hide a circle)."""
     homes = _entrance_homes()
     strays = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -313,9 +314,41 @@ def test_other_rooms_enter_data_by_its_entrance():
         for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
-            if not inside and node.module.startswith("imgtrainer.data."):
+            tools = module.startswith("imgtrainer.tools")
+            if not inside and not tools and node.module.startswith("imgtrainer.data."):
                 strays.append(f"{module} imports {node.module}")
             if inside and node.module == "imgtrainer.data":
                 strays.append(f"{module} imports the entrance")
     assert not strays, "\n".join(strays)
     assert homes and all(name in dir(importlib.import_module(home)) for name, home in homes.items())
+
+
+def _type_checking_mirror() -> dict[str, str]:
+    """The module each name of the entrance's ``if TYPE_CHECKING:`` block is imported from."""
+    tree = _tree(PACKAGE / "data" / "__init__.py")
+    block = next(n for n in tree.body if isinstance(n, ast.If) and _is_type_checking(n.test))
+    return {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def test_static_readers_see_the_entrance_names_where_they_live():
+    """The data entrance hands its names out on first use; its ``TYPE_CHECKING`` block imports
+    the same names from the same modules, so type checkers and go-to-definition follow them."""
+    assert _type_checking_mirror() == _entrance_homes()
+
+
+def test_every_entrance_name_serves_another_room():
+    """The door keeps only what other rooms (``tools`` aside, which may go in) import from it."""
+    used = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_of(path)
+        if module.startswith(("imgtrainer.data", "imgtrainer.tools")):
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and node.module == "imgtrainer.data":
+                used.update(alias.name for alias in node.names)
+    assert set(_entrance_homes()) == used

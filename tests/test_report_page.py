@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import imgtrainer.reports.run_report as run_report
-from imgtrainer.reports.compare import (
+import imgtrainer.reports.page.run_report as run_report
+from imgtrainer.reports.page.compare import (
     Comparison,
     build_comparison_page,
     mcnemar_exact,
     wilson_interval,
 )
-from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
-from imgtrainer.reports.report_page import GALLERY_IMAGES, classes_section, mistakes_section
-from imgtrainer.reports.run_report import build_run_report
-from imgtrainer.reports.svg_chart import (
+from imgtrainer.reports.page.report_page import GALLERY_IMAGES, classes_section, mistakes_section
+from imgtrainer.reports.page.run_report import build_run_report
+from imgtrainer.reports.page.svg_chart import (
     LEFT,
     RIGHT,
     WIDTH,
@@ -34,6 +33,7 @@ from imgtrainer.reports.svg_chart import (
     nice_ticks,
     tick_label,
 )
+from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from support.report_folder import write_log_folder
 
 MAX_PAGE_BYTES = 8 * 2**20

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from conftest import SRC, run_main, write_image_folder
-from imgtrainer.reports.compare import mcnemar_exact
+from imgtrainer.reports.page.compare import mcnemar_exact
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from imgtrainer.tools.evaluate import main as evaluate_main
 from test_report_page import Page

@@ -29,6 +29,7 @@ from imgtrainer.data.layouts.image_files import class_folders
 from imgtrainer.data.layouts.shards import TAR
 from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable
 from imgtrainer.errors import UserError
+from imgtrainer.run import outcome as run_outcome
 
 # ----------------------------------------------------------------------------- torch-free launcher
 
@@ -552,7 +553,7 @@ def test_launcher_prints_the_first_failure_once(capsys):
         outcome(0, 1, 0.9, "error: RuntimeError: peer closed", "Traceback ...\n"),
     ]
     outcomes.sort(key=lambda o: o["time"])
-    assert launch_ddp.exit_code(1, outcomes, [], log) == 2
+    assert run_outcome.exit_code(1, outcomes, [], log) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"error: rank 1: bad folder (torchrun's report and every rank's stderr: {log})"
@@ -563,7 +564,7 @@ def test_launcher_prints_the_first_failure_once(capsys):
             1, 1, 0.2, "error: KeyError: 'x'", "Traceback (most recent call last):\nKeyError: 'x'\n"
         )
     ]
-    assert launch_ddp.exit_code(1, bug, [], log) == 1
+    assert run_outcome.exit_code(1, bug, [], log) == 1
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "error: rank 1: KeyError: 'x'" in err
 
@@ -571,19 +572,19 @@ def test_launcher_prints_the_first_failure_once(capsys):
 def test_launcher_exit_codes_after_signals_and_silent_failures(capsys):
     log = Path("logs/torchrun.log")
     stopped = [outcome(0, 130, 1.0), outcome(1, 130, 1.0)]
-    assert launch_ddp.exit_code(1, stopped, [signal.SIGINT], log) == 130
-    assert launch_ddp.exit_code(1, [outcome(0, 143, 1.0)], [], log) == 143  # SIGTERM to torchrun
-    assert launch_ddp.exit_code(1, [], [signal.SIGHUP], log) == 143
+    assert run_outcome.exit_code(1, stopped, [signal.SIGINT], log) == 130
+    assert run_outcome.exit_code(1, [outcome(0, 143, 1.0)], [], log) == 143  # SIGTERM to torchrun
+    assert run_outcome.exit_code(1, [], [signal.SIGHUP], log) == 143
     assert capsys.readouterr().err == ""
-    assert launch_ddp.exit_code(0, [outcome(0, 0, 1.0)], [], log) == 0
+    assert run_outcome.exit_code(0, [outcome(0, 0, 1.0)], [], log) == 0
     # A node joined: the agent stopped its rank (143, the same restart count), whose new rank
     # in the next round is another; torchrun's 0 is the run's.
     joined = [
         outcome(0, 143, 1.0, "Stopped at epoch 1, step 2; resume with ..."),
         outcome(1, 0, 2.0),
     ]
-    assert launch_ddp.exit_code(0, joined, [], log) == 0
-    assert launch_ddp.exit_code(1, [], [], log) == 1
+    assert run_outcome.exit_code(0, joined, [], log) == 0
+    assert run_outcome.exit_code(1, [], [], log) == 1
     assert "no rank said why" in capsys.readouterr().err
 
 
@@ -668,10 +669,10 @@ def test_a_stop_signal_after_training_lets_the_run_finish_its_files(caplog):
             signal.signal(s, handler)
     log = Path("unused.log")
     finished = [outcome(0, 0, 1.0), outcome(1, 0, 1.1)]
-    assert launch_ddp.exit_code(0, finished, [signal.SIGTERM], log) == 0
+    assert run_outcome.exit_code(0, finished, [signal.SIGTERM], log) == 0
     stopped = [outcome(0, 143, 1.0), outcome(1, 143, 1.1)]
-    assert launch_ddp.exit_code(0, stopped, [signal.SIGTERM], log) == 143
-    assert launch_ddp.exit_code(0, [], [signal.SIGTERM], log) == 143
+    assert run_outcome.exit_code(0, stopped, [signal.SIGTERM], log) == 143
+    assert run_outcome.exit_code(0, [], [signal.SIGTERM], log) == 143
 
 
 def test_the_launcher_counts_images_only_as_far_as_its_checks_need(tmp_path: Path):

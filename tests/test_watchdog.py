@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from imgtrainer import heartbeat
 from imgtrainer.config import hang_seconds, parse_config
-from imgtrainer.distributed import heartbeat
-from imgtrainer.distributed.heartbeat import (
+from imgtrainer.errors import UserError
+from imgtrainer.heartbeat import (
     CHECK_PROCESS,
     EVAL_WORKER,
     Beat,
@@ -23,9 +24,8 @@ from imgtrainer.distributed.heartbeat import (
     SlotName,
     read_slot,
 )
-from imgtrainer.errors import UserError
 from imgtrainer.process import EXIT_HUNG
-from imgtrainer.run import launcher
+from imgtrainer.run import outcome
 from imgtrainer.run.watchdog import HangJudge, Watchdog, WatchPlan, hang_line, read_slots
 from imgtrainer.training.stragglers import STRAGGLER_GATHERS, StragglerWatch
 
@@ -332,13 +332,13 @@ def test_after_a_hang_the_run_ends_with_its_code_and_no_healthy_rank_is_blamed(t
     healthy = {"rank": 0, "attempt": 0, "code": 1, "line": "error: RuntimeError: gloo: "
                "Connection closed by peer", "traceback": "Traceback ...", "time": 1.0}  # fmt: skip
     log_file = tmp_path / "torchrun.log"
-    assert launcher.exit_code(1, [healthy], [], log_file, [verdict]) == EXIT_HUNG
+    assert outcome.exit_code(1, [healthy], [], log_file, [verdict]) == EXIT_HUNG
     err = capsys.readouterr().err
     assert "rank 0" not in err and "Traceback" not in err
     assert "error: rank 1 (pid 101) made no progress" in err and "--resume auto" in err
     # A later attempt that failed otherwise is reported as usual.
     later = {**healthy, "attempt": 1, "line": "error: ValueError: bad", "traceback": ""}
-    assert launcher.exit_code(1, [later], [], log_file, [verdict]) == 1
+    assert outcome.exit_code(1, [later], [], log_file, [verdict]) == 1
     assert "error: rank 0: ValueError: bad" in capsys.readouterr().err
 
 

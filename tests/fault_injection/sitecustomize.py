@@ -105,7 +105,7 @@ def record_indices(trainer):
                 f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
             )
             self.keys: list[tuple[int, int]] = []
-            sampler = trainer.sampler
+            sampler = trainer.loaders.sampler
             base = type(sampler)
 
             def recording_iter(this):
@@ -212,7 +212,7 @@ def freeze_worker_in_read(rank: int, reads: int, kind: str, say) -> None:
     """Worker 0 of this rank's training loader (``kind`` "w") or validation loader ("v") stops
     itself inside its ``reads``-th file read (forked after this, the workers inherit the
     patch; the validation loader's at the attempt's first validation)."""
-    from imgtrainer.distributed import heartbeat
+    from imgtrainer import heartbeat
 
     real, count = heartbeat.reading, [0]
     who = "loader worker 0" if kind == "w" else "validation loader worker 0"
@@ -237,7 +237,7 @@ FROZEN_KINDS = {"worker": "w", "valworker": "v", "check": "c"}
 def freeze_at_phases(trainer, points: list[tuple[int, int, str]], say) -> None:
     """``freeze_hook``'s WHO@PHASE points: ``heartbeat.mark`` (and for "rank@write"
     ``torch.save``) wrapped in this rank."""
-    from imgtrainer.distributed import heartbeat
+    from imgtrainer import heartbeat
 
     phases = {
         "data": heartbeat.Phase.DATA,
@@ -317,7 +317,7 @@ def hold_check_processes(module) -> None:
     """The decode check's processes of the attempts and ranks that $TRAIN_DDP_FREEZE freezes
     with "check@..." wait in their first task (forever: the rank stops them at its point), so
     that the check still runs then, however few images it has."""
-    from imgtrainer.distributed import heartbeat
+    from imgtrainer import heartbeat
 
     real = module.DecodeCheck.rows
 

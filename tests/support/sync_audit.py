@@ -326,12 +326,12 @@ def audit_run(
     import torch
 
     import imgtrainer.data.loaders as loaders
-    from imgtrainer.checkpoints.periodic import CheckpointAndStop, SaveSchedule
     from imgtrainer.config import parse_config
     from imgtrainer.distributed.setup import DistInfo
     from imgtrainer.precision import Precision, make_grad_scaler
     from imgtrainer.training.build import build_run_parts
     from imgtrainer.training.ema import ModelEma
+    from imgtrainer.training.periodic import CheckpointAndStop, SaveSchedule
     from imgtrainer.training.stopping import StopRequest
 
     dist = DistInfo(0, 0, 1, 1, torch.device(device))

@@ -22,12 +22,13 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from imgtrainer import heartbeat
 from imgtrainer.config import Layout, TrainConfig, optimizer_batch
 from imgtrainer.data.balance import class_counts, imbalance_note
 from imgtrainer.data.checks import check_batch_fits, check_device_options
 from imgtrainer.data.device.audit import DataAudit
 from imgtrainer.data.device.augment import BatchAugment
-from imgtrainer.data.device.batches import DeviceBatches
+from imgtrainer.data.device.batches import BatchPlan, DeviceBatches
 from imgtrainer.data.device.jpeg import JpegDecoder
 from imgtrainer.data.device.mixing import BatchMixer, Mixing
 from imgtrainer.data.device.policy import BatchPolicy
@@ -41,7 +42,6 @@ from imgtrainer.data.layouts import describe, open_datasets
 from imgtrainer.data.layouts.decode_check import DecodeCheck
 from imgtrainer.data.layouts.table import TableImages
 from imgtrainer.data.reading import data_reading
-from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
 from imgtrainer.precision import precision_rule
 from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, die_with_parent
@@ -59,14 +59,52 @@ class Loaders(NamedTuple):
     mixer: BatchMixer | None  # --mixup/--cutmix, None when both are off
 
 
+@dataclass(frozen=True)
+class RunData:
+    """The run's data before its training batches are made: the maker of the training loader's
+    ``DeviceBatches`` and the audit and CPU path it takes (``batch_plan``), which the memory
+    plan completes (``loaders``); the rest as ``Loaders`` holds it."""
+
+    train_batches: Callable[[BatchPlan], DeviceBatches]
+    batch_plan: BatchPlan
+    steps_per_epoch: int
+    source: Source  # where the training images live (``image_plan``)
+    val: DataLoader
+    sampler: EpochSampler
+    class_names: list[str]
+    check: DecodeCheck
+    class_counts: list[int]
+    mixer: BatchMixer | None
+
+    def loaders(self, chunk: int | None = None, retry_on_oom: bool = False) -> Loaders:
+        """The run's loaders, the training batches augmented ``chunk`` images at a time (all
+        when None), an out-of-memory error retried in smaller pieces with ``retry_on_oom``."""
+        plan = replace(self.batch_plan, chunk=chunk, retry_on_oom=retry_on_oom)
+        return Loaders(
+            self.train_batches(plan),
+            self.val,
+            self.sampler,
+            self.class_names,
+            self.check,
+            self.class_counts,
+            self.mixer,
+        )
+
+
 def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
-    """The run's loaders. Every rank must call this. In order: the flags this device cannot
-    run are refused; the augmentation is split into its host and device halves; both datasets
-    are read and placed where the plan puts the images (``build_datasets``); the training
-    order is drawn per epoch (``build_train_sampler``); the training loader's batches are
-    augmented on the device (``DeviceBatches``) and audited against the CPU reference
-    (``data_audit``), the validation loader's normalised as they are collated; mixing follows
-    the flags."""
+    """The run's loaders (``open_data``), the training batches augmented whole. Every rank
+    must call this."""
+    return open_data(cfg, dist).loaders()
+
+
+def open_data(cfg: TrainConfig, dist: DistInfo) -> RunData:
+    """The run's data, its training batches not yet made. Every rank must call this. In order:
+    the flags this device cannot run are refused; the augmentation is split into its host and
+    device halves; both datasets are read and placed where the plan puts the images
+    (``build_datasets``); the training order is drawn per epoch (``build_train_sampler``); the
+    training loader's batches will be augmented on the device (``DeviceBatches``) and audited
+    against the CPU reference (``data_audit``), the validation loader's normalised as they are
+    collated; mixing follows the flags."""
     check_device_options(cfg, dist.device.type)
     draws, augment = train_augmentation(cfg, dist.device)
     cores = max(1, cpu_cores_available() // dist.local_world_size)
@@ -76,15 +114,12 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
     sampler = build_train_sampler(cfg, datasets.train.targets, counts, datasets.class_names, dist)
     spec = train_loader_spec(cfg, dist, datasets.train.source, cores)
     log.info(loader_line(spec, datasets.train.source, cores, cfg.num_workers is None))
-    train = DeviceBatches(
-        make_loader(datasets.train, sampler, spec),
-        augment,
-        dist.device,
-        datasets.train.canvas,
-        device_jpeg_decoder(datasets.train, cfg, dist),
-        cpu_path(datasets.train, sampler, train_loader_spec(cfg, dist, Source.FILES, cores)),
+    batches = BatchPlan(
+        audit=data_audit(cfg, datasets.train, augment, dist),
+        cpu_path=cpu_path(
+            datasets.train, sampler, train_loader_spec(cfg, dist, Source.FILES, cores)
+        ),
     )
-    train.audit = data_audit(cfg, datasets.train, augment, dist)
     val = make_loader(
         datasets.val,
         # Its length is read as it runs: the check's end leaves unreadable images out.
@@ -98,8 +133,20 @@ def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
             num_workers=0 if datasets.train.source is Source.GPU else spec.num_workers,
         ),
     )
-    mixer = batch_mixer(cfg, len(datasets.class_names), dist)
-    return Loaders(train, val, sampler, datasets.class_names, datasets.check, counts, mixer)
+    host_train = make_loader(datasets.train, sampler, spec)
+    jpegs = device_jpeg_decoder(datasets.train, cfg, dist)
+    return RunData(
+        partial(DeviceBatches, host_train, augment, dist.device, datasets.train.canvas, jpegs),
+        batches,
+        len(host_train),
+        datasets.train.source,
+        val,
+        sampler,
+        datasets.class_names,
+        datasets.check,
+        counts,
+        batch_mixer(cfg, len(datasets.class_names), dist),
+    )
 
 
 class Datasets(NamedTuple):

@@ -1,1 +1,1 @@
-"""Every rank rule: the process group, collectives, per-rank logs, the heartbeat, NCCL checks."""
+"""Every rank rule: the process group, collectives, per-rank logs, NCCL checks."""

@@ -16,7 +16,7 @@ import resource
 import torch
 import torch.distributed as torch_dist
 
-from imgtrainer.distributed import heartbeat
+from imgtrainer import heartbeat
 from imgtrainer.errors import UserError
 
 

@@ -14,7 +14,7 @@ from imgtrainer.distributed.setup import (
 )
 from imgtrainer.errors import first_line
 from imgtrainer.reports.history import best_line
-from imgtrainer.reports.run_report import report_line, write_run_report
+from imgtrainer.reports.page.run_report import report_line, write_run_report
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
     log.info(
-        f"Training {cfg.model} on {len(trainer.class_names)} classes, "
+        f"Training {cfg.model} on {len(trainer.loaders.class_names)} classes, "
         f"{len(trainer.train_loader.dataset)} train / "
-        f"{len(trainer.val_loader.dataset)} val images, world size {dist.world_size} "
+        f"{len(trainer.loaders.val.dataset)} val images, world size {dist.world_size} "
         f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
         f"{trainer.train_loader.num_workers} loader worker(s) per process"
     )

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+from imgtrainer import heartbeat
 from imgtrainer.checkpoints.remote import check_run_folders, checkpoint_folder
 from imgtrainer.checkpoints.run_folder import claim_run_folder
 from imgtrainer.config import (
@@ -29,7 +30,6 @@ from imgtrainer.config import (
     print_config_requested,
 )
 from imgtrainer.data import prepare_demo_data
-from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
 )
@@ -45,6 +45,7 @@ from imgtrainer.precision import configure_backends
 from imgtrainer.process import TorchrunEnv
 from imgtrainer.run.lifecycle import exit_now, run_reporting
 from imgtrainer.run.summary import log_run_start, log_summary, write_report
+from imgtrainer.training.assemble import assemble
 from imgtrainer.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
         log.info(preset_summary(cfg, "low_memory"))
     configure_backends(dist.device, cfg.deterministic)
     prepare_demo_data(cfg, dist)
-    trainer = Trainer(cfg, dist)
+    trainer = Trainer(assemble(cfg, dist))
     try:
         trainer.resume()
         log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size
@@ -93,9 +94,7 @@ def train(cfg: TrainConfig, dist: DistInfo) -> int:
         trainer.stop.installed_for_wrap_up()
         trainer.end_hooks(finished)
     finally:
-        trainer.hooks.call("close")  # loggers flush their files whatever happened
-        trainer.decode_check.close()  # a run that ends before the first epoch's end
-        trainer.checkpoints.finish()  # the uploads to object storage, if any
+        trainer.close()
     log_summary(trainer, finished)
     write_report(trainer.cfg, dist)
     return 0 if finished else trainer.stop.exit_code

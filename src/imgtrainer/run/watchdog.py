@@ -1,7 +1,7 @@
 """The hang watchdog of launch_ddp.py: a launcher thread that names and ends a stuck process.
 
 A thread of the launcher (a process that a frozen rank cannot freeze) reads the heartbeat slots
-of this node's ranks, loader workers and decode-check processes (``distributed.heartbeat``); one
+of this node's ranks, loader workers and decode-check processes (``heartbeat``); one
 that makes no progress for --hang_timeout is named in one line, the stacks of every rank go to
 <log_dir>/hang/, and the stuck process is killed so that torchrun restarts the workers
 (--max_restarts) from the newest checkpoint. An error inside the watch is one line, and the
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrainer.distributed.heartbeat import (
+from imgtrainer.errors import first_line
+from imgtrainer.heartbeat import (
     CHECK_PROCESS,
     EVAL_WORKER,
     TRAIN_WORKER,
@@ -34,7 +35,6 @@ from imgtrainer.distributed.heartbeat import (
     SlotName,
     read_slot,
 )
-from imgtrainer.errors import first_line
 
 # The process states of /proc/PID/stat, most suspect first: stopped (SIGSTOP, a debugger),
 # uninterruptible sleep (a hung driver call or network file system), running (a busy loop);

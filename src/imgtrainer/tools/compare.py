@@ -13,8 +13,8 @@ import logging
 
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
-from imgtrainer.reports.compare import Comparison, build_comparison_page
-from imgtrainer.reports.thumbnails import DataImages
+from imgtrainer.reports.page.compare import Comparison, build_comparison_page
+from imgtrainer.reports.page.thumbnails import DataImages
 from imgtrainer.tools.inference import load_classifier
 from imgtrainer.tools.scoring import build_eval_folder, score
 

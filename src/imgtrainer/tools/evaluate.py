@@ -38,9 +38,9 @@ from imgtrainer.reports.confusion import (
     plot_confusion_summary,
     write_confusion_csv,
 )
-from imgtrainer.reports.evaluation_report import build_evaluation_report
-from imgtrainer.reports.run_report import REPORT_NAME
-from imgtrainer.reports.thumbnails import DataImages
+from imgtrainer.reports.page.evaluation_report import build_evaluation_report
+from imgtrainer.reports.page.run_report import REPORT_NAME
+from imgtrainer.reports.page.thumbnails import DataImages
 from imgtrainer.tools.inference import (
     Classifier,
     add_inference_arguments,

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from imgtrainer import torch_compat
-from imgtrainer.data import eval_resize_side, normalize_batch, open_rgb
+from imgtrainer.data import open_rgb
+from imgtrainer.data.host.transforms import eval_resize_side, normalize_batch
 from imgtrainer.errors import UserError, exit_on_user_error, first_line
 from imgtrainer.files import atomic_write
 from imgtrainer.models import build_model

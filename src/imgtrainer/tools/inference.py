@@ -18,7 +18,8 @@ from torchvision.transforms import v2
 
 from imgtrainer.checkpoints.files import INFERENCE_KEYS, CheckpointError, load_checkpoint_file
 from imgtrainer.config import add_device_argument, check_bound
-from imgtrainer.data import EVAL_RESIZE_RATIO, IMAGENET_MEAN, IMAGENET_STD, eval_transforms
+from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
+from imgtrainer.data.host.transforms import EVAL_RESIZE_RATIO, eval_transforms
 from imgtrainer.errors import message_line
 from imgtrainer.models import build_model, strip_wrapper_prefixes
 from imgtrainer.precision import Precision, precision_rule

@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from imgtrainer.data import find_unreadable, keep_index
+from imgtrainer.data.layouts.image_files import find_unreadable
+from imgtrainer.data.layouts.shards import keep_index
 
 # Rows per Parquet row group: the trainer reads a whole group for one image, so keep them small
 # (the Hub's image datasets use 100).

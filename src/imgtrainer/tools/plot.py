@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from imgtrainer.errors import UserError, exit_on_user_error
-from imgtrainer.reports.curves import load_history, plot_curves
-from imgtrainer.reports.run_report import report_line, write_run_report
+from imgtrainer.reports.page.curves import load_history, plot_curves
+from imgtrainer.reports.page.run_report import report_line, write_run_report
 
 
 @exit_on_user_error

@@ -17,14 +17,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from imgtrainer.data import (
+from imgtrainer.data import open_rgb
+from imgtrainer.data.host.transforms import normalize_batch
+from imgtrainer.data.layouts.image_files import (
     IMAGE_EXTENSIONS,
     is_hidden_folder_name,
     is_image_file,
-    loader_workers,
-    normalize_batch,
-    open_rgb,
 )
+from imgtrainer.data.loaders import loader_workers
 from imgtrainer.distributed.setup import choose_device, cpu_cores_available
 from imgtrainer.errors import UserError, exit_on_user_error, first_line
 from imgtrainer.tools.inference import (

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrainer.data import (
+from imgtrainer.data.layouts.image_files import (
     IMAGE_EXTENSIONS,
     class_folders,
     is_hidden_folder_name,

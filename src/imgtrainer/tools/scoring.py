@@ -16,19 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from imgtrainer.data import (
-    FOLDER,
-    LoaderSpec,
-    SeededImageDataset,
-    ShardSampler,
-    TableImages,
-    find_classes,
-    layout_of,
-    leave_out_unreadable,
-    loader_workers,
-    make_loader,
-    open_table,
-)
+from imgtrainer.data import FOLDER, layout_of, open_table
+from imgtrainer.data.host.samplers import ShardSampler
+from imgtrainer.data.host.samples import SeededImageDataset
+from imgtrainer.data.layouts.decode_check import leave_out_unreadable
+from imgtrainer.data.layouts.folder_checks import find_classes
+from imgtrainer.data.layouts.table import TableImages
+from imgtrainer.data.loaders import LoaderSpec, loader_workers, make_loader
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
 from imgtrainer.errors import UserError
 from imgtrainer.reports.predictions import Predictions

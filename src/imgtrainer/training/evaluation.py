@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from imgtrainer import heartbeat
 from imgtrainer.config import TrainConfig
-from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, broadcast_buffers
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.distributed.setup import DistInfo

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from imgtrainer.distributed import heartbeat
+from imgtrainer import heartbeat
 from imgtrainer.distributed.collectives import all_reduce_sum, world_size
 from imgtrainer.distributed.logs import console_is_terminal
 from imgtrainer.hooks import Hook, Hooks, StepInfo

@@ -1,102 +1,36 @@
-"""The Trainer: the epoch loop of one run, over the parts it assembles."""
+"""The Trainer: the epoch loop of one run, over the parts ``assemble`` built."""
 
 from __future__ import annotations
 
 import logging
-import platform
-import socket
-import sys
 import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
-import torchvision
 
-from imgtrainer.checkpoints.periodic import CheckpointAndStop, PositionKeeper, SaveSchedule
+from imgtrainer import heartbeat
 from imgtrainer.checkpoints.resume import rank_state
-from imgtrainer.checkpoints.training_state import (
-    Progress,
-    RunState,
-    checkpoint_state,
-    find_resume,
-    restore,
-)
-from imgtrainer.checkpoints.writer import checkpoint_writer
-from imgtrainer.config import Layout, TrainConfig, parse_duration
-from imgtrainer.data import audit_summary, build_loaders
-from imgtrainer.distributed import heartbeat
+from imgtrainer.config import Layout
+from imgtrainer.data import audit_summary
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
     check_ranks_in_sync,
     peak_memory_mb,
 )
-from imgtrainer.distributed.setup import DistInfo
-from imgtrainer.errors import UserError
 from imgtrainer.hooks import Hook, Hooks, declared_hooks
-from imgtrainer.reports.history import EpochRecord, HistoryWriter, best_note
-from imgtrainer.reports.trackers import TrackerContext, build_trackers
-from imgtrainer.training.best import BestTracker
-from imgtrainer.training.build import build_run_parts
-from imgtrainer.training.ema import ModelEma, history_val_metrics
+from imgtrainer.reports.history import EpochRecord, best_note
+from imgtrainer.reports.trackers import TrackerContext
+from imgtrainer.training.assemble import Assembly, main_process_trackers
+from imgtrainer.training.ema import history_val_metrics
 from imgtrainer.training.evaluation import epoch_validation, is_validation_epoch
 from imgtrainer.training.loop import EpochPlan, ProgressBar, train_one_epoch
-from imgtrainer.training.memory_fit import TrialParts, build_memory_plan
-from imgtrainer.training.nonfinite import NonFiniteLoss
-from imgtrainer.training.optim import restore_optimizer_state, restore_scheduler_state
-from imgtrainer.training.predictions import BestPredictions
-from imgtrainer.training.stopping import StopRequest, TimeBudget
-from imgtrainer.training.stragglers import StragglerWatch
+from imgtrainer.training.periodic import CheckpointAndStop, PositionKeeper
+from imgtrainer.training.run_state import Progress, ResumeSource, checkpoint_state, restore
 
 log = logging.getLogger(__name__)
-
-
-def run_header(
-    cfg: TrainConfig, dist: DistInfo, class_names: list[str], parts, class_counts: list[int]
-) -> dict[str, Any]:
-    """The history file's head: what the run is, on what, with which data (the report's)."""
-    return {
-        "config": cfg.to_dict(),
-        "world_size": dist.world_size,
-        "effective_batch_size": Layout.of(cfg, dist.world_size).global_batch,
-        "device": str(dist.device.type),
-        "class_names": class_names,
-        "train_class_counts": class_counts,
-        "command": sys.argv,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torchvision": torchvision.__version__,
-            "timm": timm.__version__,
-        },
-        "environment": environment(dist, parts.precision),
-    }
-
-
-def environment(dist: DistInfo, precision) -> dict[str, Any]:
-    """The main process's host, its GPUs and CUDA, and the precision of the forward pass."""
-    cuda = dist.device.type == "cuda"
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    return {
-        "host": socket.gethostname(),
-        "cuda": torch.version.cuda if cuda else None,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "gpus": gpus,
-        "precision": f"{str(precision.dtype).removeprefix('torch.')} autocast"
-        if precision.enabled
-        else "float32",
-    }
-
-
-def load_optimisation(parts, ckpt: dict[str, Any], regroup: bool) -> None:
-    """The optimizer's and scheduler's saved states into ``parts`` (``restore``'s hand)."""
-    restore_optimizer_state(
-        parts.optimizer, ckpt["optimizer_state_dict"], parts.plain_model, regroup=regroup
-    )
-    restore_scheduler_state(parts.scheduler, ckpt["scheduler_state_dict"])
 
 
 def augmented_images(loader, count: int = 16) -> tuple[torch.Tensor, Any, Any]:
@@ -105,21 +39,6 @@ def augmented_images(loader, count: int = 16) -> tuple[torch.Tensor, Any, Any]:
     normalisation."""
     keys = [(index, 0) for index in range(min(count, len(loader.dataset)))]
     return loader.preview(keys), loader.augment.mean, loader.augment.std
-
-
-def main_process_trackers(cfg: TrainConfig, dist: DistInfo, context: TrackerContext) -> list[Hook]:
-    """TensorBoard and --log_to's trackers, on the main process; a missing package or a
-    refused login there stops every rank with its line."""
-    trackers, error = [], None
-    if dist.is_main:
-        try:
-            trackers = build_trackers(cfg.log_to, context, tensorboard=cfg.tensorboard)
-        except UserError as err:
-            error = str(err)
-    error = all_gather_objects(error)[0]
-    if error is not None:
-        raise UserError(error)
-    return trackers
 
 
 def epoch_audit(train_loader) -> dict[str, float]:
@@ -136,67 +55,17 @@ def epoch_audit(train_loader) -> dict[str, float]:
 class Trainer:
     """The epoch loop of one run: ``resume``, then ``fit``; the parts come from their rooms."""
 
-    def __init__(self, cfg: TrainConfig, dist: DistInfo):
-        # The flags as given: checkpoints keep them, so a restart can tell whether its own
-        # flags change the run. ``self.cfg`` is the layout that makes the global batch here.
-        self.requested, self.dist = cfg, dist
-        # --max_time counts from here: loading and caching the data count too.
-        self.budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
-        self.resume_from, cfg = find_resume(cfg, dist)
-        self.cfg = cfg
-        loaders = build_loaders(cfg, dist)
-        self.train_loader, self.val_loader, self.sampler = (
-            loaders.train,
-            loaders.val,
-            loaders.sampler,
-        )
-        self.class_names, self.decode_check = loaders.class_names, loaders.check
-        self.steps_per_epoch = steps = len(self.train_loader)
-        counts = loaders.class_counts
-        self.parts = parts = build_run_parts(cfg, dist, len(self.class_names), steps, counts)
-        # Built before the memory plan, so --auto_micro_batch's trials see its memory in use.
-        self.ema = ModelEma(parts.plain_model if cfg.model_ema else None, cfg.ema_decay)
-        # The micro-batch; with --auto_micro_batch found by trials (every rank takes part).
-        parts.plan = build_memory_plan(
-            cfg,
-            TrialParts.of(parts),
-            dist.processes_on_device,
-            len(self.class_names),
-            self.train_loader.dataset.source,
-        )
-        # The augmentation runs before the step, in the plan's chunks, retried like the step.
-        self.train_loader.chunk = parts.plan.augment_chunk
-        self.train_loader.retry_on_oom = parts.plan.retry_on_oom
-        # --mixup/--cutmix: applied by the loop to each batch (None when both are off).
-        self.mixer = loaders.mixer
-        self.checkpoints = checkpoint_writer(cfg, dist.is_main)
-        self.history = HistoryWriter(
-            Path(cfg.log_dir) / "training_history.json",
-            run_header(cfg, dist, self.class_names, parts, counts),
-            enabled=dist.is_main,
-            live=lambda: {"best": self.best.to_plain()},
-        )
-        # Every rank's host clocks, gathered with each stop agreement (none on one process).
-        self.stragglers = (
-            StragglerWatch(all_gather_objects(socket.gethostname()))
-            if dist.is_distributed
-            else None
-        )
-        self.stop = StopRequest(dist.is_distributed, self.stragglers)
-        self.nonfinite = NonFiniteLoss(dist.device, dist.is_distributed)
-        self.best = BestTracker(cfg)  # --best_metric, early stopping, the kept epochs
-        # The best epoch's validation predictions, for the run's report.
-        self.best_predictions = BestPredictions(Path(cfg.log_dir), self.class_names, dist.is_main)
+    def __init__(self, run: Assembly):
+        self.run = run  # the parts, as ``assemble`` built them
+        self.cfg, self.dist, self.parts = run.cfg, run.dist, run.parts
+        self.loaders, self.train_loader = run.loaders, run.loaders.train
+        self.ema, self.best, self.history, self.stop = run.ema, run.best, run.history, run.stop
+        self.checkpoints, self.budget = run.checkpoints, run.budget
+        self.steps_per_epoch = len(self.train_loader)
         self.progress = Progress()
-        self.checkpoint_written = False  # by this process: a --max_time stop may rely on it
-        # --save_every_steps, --save_every_minutes: the checkpoints inside an epoch.
-        self.saves = SaveSchedule(cfg.save_every_steps, cfg.save_every_minutes * 60)
         self.resumed_sums: torch.Tensor | None = None
+        self.checkpoint_written = False  # by this process: a --max_time stop may rely on it
         self.hooks = Hooks()  # registered by register_hooks, once the resumed position is known
-        load = partial(load_optimisation, parts)
-        self.run_state = RunState(
-            parts, self.ema, self.best, self.history, self.class_names, cfg, self.requested, load
-        )
 
     @property
     def layout(self) -> Layout:
@@ -223,9 +92,9 @@ class Trainer:
     def resume(self) -> None:
         """The checkpoint found at the start (if any) into the built parts; then the hooks."""
         self.progress, self.resumed_sums = restore(
-            self.resume_from, self.run_state, self.dist, self.layout, self.steps_per_epoch
+            self.run.resume_from, self.run.run_state, self.dist, self.layout, self.steps_per_epoch
         )
-        self.resume_from = None  # the weights are in the model now
+        self.run.resume_from = ResumeSource()  # the weights are in the model now
         self.register_hooks()
 
     def register_hooks(self) -> None:
@@ -237,7 +106,7 @@ class Trainer:
             raise RuntimeError("the trainer's hooks are already registered")
         steps = self.steps_per_epoch
         saves = CheckpointAndStop(
-            self.stop, self.step_done, self.save_checkpoint, steps, self.saves
+            self.stop, self.step_done, self.save_checkpoint, steps, self.run.saves
         )
         for hook in (self.ema, PositionKeeper(self.progress), saves, *self.trackers()):
             self.hooks.register(hook)
@@ -260,14 +129,14 @@ class Trainer:
         """Every rank must call this: each contributes its random state and running metrics.
         At an epoch's end (``epoch_end``) the epochs' checkpoints to keep are kept. Nothing is
         saved once the loss or the weights are no longer finite."""
-        self.nonfinite.check(self.steps_per_epoch)
+        self.run.nonfinite.check(self.steps_per_epoch)
         heartbeat.mark(heartbeat.Phase.CHECKPOINT)
         started = self.budget.clock()
         rank_states = all_gather_objects(rank_state(sums, self.dist.device))
         keep = self.best.kept_epochs(self.history.records) if epoch_end else None
-        state = checkpoint_state(self.run_state, self.progress, self.layout, rank_states)
+        state = checkpoint_state(self.run.run_state, self.progress, self.layout, rank_states)
         self.checkpoints.save_with_history(state, self.history, is_best, keep)
-        self.saves.saved()
+        self.run.saves.saved()
         self.checkpoint_written = True
         self.budget.timed_save(self.budget.clock() - started)
 
@@ -275,19 +144,19 @@ class Trainer:
     def run_epoch(self) -> bool:
         """Train and evaluate one epoch; False if a stop signal ended it early."""
         # set_epoch reshuffles: without it every epoch would visit samples in the same order.
-        self.sampler.set_epoch(self.epoch, position=self.position)
+        self.loaders.sampler.set_epoch(self.epoch, position=self.position)
         first_step, started = self.step, time.perf_counter()
         self.budget.start_steps()
         progress = ProgressBar(self.dist.is_main, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
-        mixer = self.mixer.for_epoch(self.epoch) if self.mixer else None
+        mixer = self.loaders.mixer.for_epoch(self.epoch) if self.loaders.mixer else None
         plan = EpochPlan(
             start_step=self.step,
             first_global_step=self.global_step,
             sums=self.resumed_sums,
             log_interval=self.cfg.log_interval,
             mixer=mixer,
-            nonfinite=self.nonfinite,
-            clock=self.stragglers.clock if self.stragglers else None,
+            nonfinite=self.run.nonfinite,
+            clock=self.run.stragglers.clock if self.run.stragglers else None,
         )
         train = train_one_epoch(
             self.parts, self.train_loader, hooks=self.hooks, progress=progress, epoch=plan
@@ -299,8 +168,8 @@ class Trainer:
         audit = epoch_audit(self.train_loader)
         # The images that do not decode, known on every rank from here (before the first
         # validation, which leaves them out): the check ran beside this epoch.
-        self.decode_check.finish()
-        recorders = self.best_predictions.recorders(self.ema.enabled)
+        self.loaders.check.finish()
+        recorders = self.run.best_predictions.recorders(self.ema.enabled)
         val = (
             self.validate_epoch(recorders) if is_validation_epoch(self.cfg, self.epoch + 1) else {}
         )
@@ -313,7 +182,7 @@ class Trainer:
         record = self.history.append(epoch := replace(epoch, audit=audit))
         is_best = self.best.agree(record, self.dist.is_distributed)
         if is_best:
-            self.best_predictions.keep(recorders, self.val_loader, record, self.best.state)
+            self.run.best_predictions.keep(recorders, self.loaders.val, record, self.best.state)
         self.save_checkpoint(None, is_best, epoch_end=True)
         self.hooks.call("on_epoch_end", self.epoch, record)
         note = best_note(self.best.state, self.ema.enabled) if is_best else ""
@@ -324,7 +193,7 @@ class Trainer:
         """The epoch's validation metrics (``epoch_validation``), timed for --max_time."""
         started = self.budget.clock()
         heartbeat.mark(heartbeat.Phase.VALIDATION)
-        val = epoch_validation(self.parts, self.ema, self.val_loader, self.dist, recorders)
+        val = epoch_validation(self.parts, self.ema, self.loaders.val, self.dist, recorders)
         self.budget.timed_validation(self.budget.clock() - started)
         return val
 
@@ -345,7 +214,7 @@ class Trainer:
             peak_memory_mb=peak_memory_mb(self.dist.device),
             micro_batch=self.parts.plan.micro_batch,
             data_wait_share=round(train["data_wait"] / train_seconds, 4),
-            ranks=self.stragglers.epoch_figures() if self.stragglers else {},
+            ranks=self.run.stragglers.epoch_figures() if self.run.stragglers else {},
         )
 
     def end_hooks(self, finished: bool) -> None:
@@ -365,6 +234,13 @@ class Trainer:
                 return False
         return True
 
+    def close(self) -> None:
+        """Whatever happened: the loggers flush their files, the decode check ends (a run
+        that stops before the first epoch's end), the uploads to object storage finish."""
+        self.hooks.call("close")
+        self.loaders.check.close()
+        self.checkpoints.finish()
+
     @property
     def stopped_early(self) -> bool:
         """Early stopping ended the run before its last epoch."""
@@ -381,5 +257,5 @@ class Trainer:
         longer fit: after an epoch's last step its validation, else the next ``steps_ahead``
         steps."""
         validation = at_epoch_end and is_validation_epoch(self.cfg, self.epoch + 1)
-        batches = len(self.val_loader) if validation else None
+        batches = len(self.loaders.val) if validation else None
         return self.budget.too_short_for_next_stop(at_epoch_end, batches, steps_ahead)

@@ -43,6 +43,19 @@ def ahead(batches: Iterable, start: Callable, finish: Callable, depth: int = 1) 
         yield finish(started.popleft())
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a run decided about making its training batches, beyond the loader and the
+    augmentation: images augmented at a time (``chunk``, the memory plan's; all when None),
+    whether an out-of-memory error is retried in smaller pieces, the data audit, and the maker
+    of the loader whose workers do the device's half on the CPU (``cpu_path``)."""
+
+    chunk: int | None = None
+    retry_on_oom: bool = False
+    audit: DataAudit | None = None
+    cpu_path: Callable[[], Iterable] | None = None
+
+
 @dataclass
 class Staged:
     """A collated batch on its way to the device: its tensors (or the decoding thread's future
@@ -80,7 +93,7 @@ class DeviceBatches:
     CPU fallback included (which seeds the process's CPU generator). With ``retry_on_oom``, a
     batch whose preparation runs out of memory is made again here, in smaller pieces.
 
-    ``cpu_path()`` builds a loader whose workers do on the CPU what this source does on the
+    ``plan.cpu_path()`` builds a loader whose workers do on the CPU what this source does on the
     device (the JPEG decoding; the device cache's crops). It takes over at the next epoch once
     the decoder has switched itself off, or once the data ``audit`` has found the device's
     images repeatedly unlike the CPU reference; without one, the augmentation takes its
@@ -93,14 +106,14 @@ class DeviceBatches:
         device: torch.device,
         cache=None,
         jpegs: JpegDecoder | None = None,
-        cpu_path: Callable[[], Iterable] | None = None,
+        plan: BatchPlan | None = None,
     ):
+        plan = plan or BatchPlan()
         self.loader, self.augment, self.device = loader, augment, torch.device(device)
         self.cache = cache  # the device cache's canvas when the batches are its indices
-        self.jpegs, self.cpu_path = jpegs, cpu_path
-        self.chunk: int | None = None  # images augmented at a time (the memory plan's)
-        self.retry_on_oom = False
-        self.audit: DataAudit | None = None
+        self.jpegs, self.cpu_path = jpegs, plan.cpu_path
+        self.chunk = plan.chunk  # halved on an out-of-memory error (``retry_on_oom``)
+        self.retry_on_oom, self.audit = plan.retry_on_oom, plan.audit
         self.take_cpu_path = False  # from the next epoch on
         self._streams: Streams | None = None
 

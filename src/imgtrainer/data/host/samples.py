@@ -18,12 +18,12 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from imgtrainer import heartbeat
 from imgtrainer.data.host.collate import JpegBytes
 from imgtrainer.data.host.image_cache import DecodedImageCache
 from imgtrainer.data.host.sample_row import crop_of, set_key, set_whole_crop
 from imgtrainer.data.layouts.image_files import nvjpeg_size
 from imgtrainer.data.layouts.table import UNREADABLE, TableImages
-from imgtrainer.distributed import heartbeat
 
 
 class Source(enum.StrEnum):

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from imgtrainer import heartbeat
 from imgtrainer.data.layouts.folder_checks import refuse_empty_classes
 from imgtrainer.data.layouts.image_files import PARALLEL_MIN_FILES, write_unreadable_list
 from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable, TableImages
-from imgtrainer.distributed import heartbeat
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.errors import UserError, first_line
 from imgtrainer.files import atomic_write

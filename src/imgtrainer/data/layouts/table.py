@@ -17,8 +17,8 @@ from typing import IO, Any
 import numpy as np
 from PIL import Image
 
+from imgtrainer import heartbeat
 from imgtrainer.data.layouts.image_files import image_problem, open_rgb
-from imgtrainer.distributed import heartbeat
 from imgtrainer.errors import first_line
 from imgtrainer.storage import LOCAL, Store, is_url
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,11 +34,9 @@ from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.reports.history import HistoryWriter, best_line
-
-if TYPE_CHECKING:  # a floor above: its types only
-    from imgtrainer.training.best import BestTracker
-    from imgtrainer.training.ema import ModelEma
-    from imgtrainer.training.step import RunParts
+from imgtrainer.training.best import BestTracker
+from imgtrainer.training.ema import ModelEma
+from imgtrainer.training.step import RunParts
 
 log = logging.getLogger(__name__)
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from imgtrainer.checkpoints.training_state import Progress
 from imgtrainer.hooks import Hook, StepInfo
-
-if TYPE_CHECKING:  # a floor above: its types only
-    from imgtrainer.training.stopping import StopRequest
+from imgtrainer.training.run_state import Progress
+from imgtrainer.training.stopping import StopRequest
 
 
 class PositionKeeper(Hook):

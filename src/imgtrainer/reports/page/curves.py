@@ -10,7 +10,7 @@ from typing import Any
 from imgtrainer.errors import UserError
 from imgtrainer.reports.figures import new_figure, save_figure
 from imgtrainer.reports.history import read_history
-from imgtrainer.reports.svg_chart import Series, line_chart
+from imgtrainer.reports.page.svg_chart import Series, line_chart
 
 
 def load_history(path: Path) -> dict:

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from imgtrainer.reports.html import Section, cards, esc, folded, number, page, percent, table, text
+from imgtrainer.reports.page.html import (
+    Section,
+    cards,
+    esc,
+    folded,
+    number,
+    page,
+    percent,
+    table,
+    text,
+)
+from imgtrainer.reports.page.report_page import classes_section, curves_section, mistakes_section
+from imgtrainer.reports.page.thumbnails import ImageReader
 from imgtrainer.reports.predictions import Predictions
-from imgtrainer.reports.report_page import classes_section, curves_section, mistakes_section
-from imgtrainer.reports.thumbnails import ImageReader
 
 
 def build_evaluation_report(

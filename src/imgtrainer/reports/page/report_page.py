@@ -22,8 +22,8 @@ from imgtrainer.reports.confusion import (
     most_confused_pairs,
     per_class_metrics,
 )
-from imgtrainer.reports.curves import other_charts, report_charts
-from imgtrainer.reports.html import (
+from imgtrainer.reports.page.curves import other_charts, report_charts
+from imgtrainer.reports.page.html import (
     Cell,
     Section,
     esc,
@@ -33,8 +33,8 @@ from imgtrainer.reports.html import (
     table,
     text,
 )
+from imgtrainer.reports.page.thumbnails import ImageReader, thumbnail_uri
 from imgtrainer.reports.predictions import Predictions
-from imgtrainer.reports.thumbnails import ImageReader, thumbnail_uri
 
 # The highest-loss images shown, and the worst classes given a row of their mistakes.
 GALLERY_IMAGES = 24

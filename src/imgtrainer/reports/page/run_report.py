@@ -16,7 +16,7 @@ from typing import Any
 
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.history import read_history
-from imgtrainer.reports.html import (
+from imgtrainer.reports.page.html import (
     Section,
     cards,
     command_line,
@@ -28,15 +28,15 @@ from imgtrainer.reports.html import (
     table,
     text,
 )
-from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
-from imgtrainer.reports.report_page import (
+from imgtrainer.reports.page.report_page import (
     best_epoch,
     classes_section,
     curves_section,
     mistakes_section,
 )
-from imgtrainer.reports.run_log import RunLog, launcher_lines
-from imgtrainer.reports.thumbnails import DataImages
+from imgtrainer.reports.page.run_log import RunLog, launcher_lines
+from imgtrainer.reports.page.thumbnails import DataImages
+from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 
 log = logging.getLogger(__name__)
 

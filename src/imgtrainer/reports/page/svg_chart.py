@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from imgtrainer.reports.html import esc
+from imgtrainer.reports.page.html import esc
 
 WIDTH, HEIGHT = 440, 270
 LEFT, RIGHT, TOP, BOTTOM = 62, 12, 26, 40  # the plot area's margins

@@ -16,7 +16,7 @@ from PIL import Image
 
 from imgtrainer.data import open_rgb, open_table
 from imgtrainer.errors import UserError, first_line
-from imgtrainer.reports.html import data_uri
+from imgtrainer.reports.page.html import data_uri
 
 log = logging.getLogger(__name__)
 

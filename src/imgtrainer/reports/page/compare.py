@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from imgtrainer.reports.html import Section, cards, esc, page, percent, table, text
+from imgtrainer.reports.page.html import Section, cards, esc, page, percent, table, text
+from imgtrainer.reports.page.report_page import Tiles
+from imgtrainer.reports.page.thumbnails import ImageReader
 from imgtrainer.reports.predictions import Predictions
-from imgtrainer.reports.report_page import Tiles
-from imgtrainer.reports.thumbnails import ImageReader
 
 Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
 DISAGREEMENTS_SHOWN = 24
