@@ -343,6 +343,11 @@ def test_early_stopping_keeps_checkpoints_and_its_count_across_a_resume(tmp_path
     # improvement ends it, not two.
     assert run_train([*flags, "--early_stopping_patience", "2", "--resume", "auto"], tmp_path) == 0
     assert "Stopped early after epoch 3 of 8" in capsys.readouterr().out
+    # Its events: three starts, each ended by early stopping, a finished run; resumed by the user.
+    events = json.loads((tmp_path / "logs" / "training_history.json").read_text())["events"]
+    ends = [(e["reason"], e["finished"], e["epoch"]) for e in events if e["kind"] == "stop"]
+    assert ends == [("early_stopping", True, 2)] * 2 + [("early_stopping", True, 3)]
+    assert [e["by"] for e in events if e["kind"] == "resume"] == ["user", "user"]
     records = history_of(tmp_path)
     assert [r["epoch"] for r in records] == [1, 2, 3]
     best_epoch = min((1, 2, 3), key=lambda e: (records[e - 1]["val_loss"], e))
@@ -422,6 +427,14 @@ def test_max_time_stops_with_a_checkpoint_and_exit_0_then_resumes(
     monkeypatch.undo()
     assert run_train([*flags, "--resume", "auto"], cwd=tmp_path) == 0
     assert "Done: best val_acc" in capsys.readouterr().out
+    # The three starts' events, the stopped ones' too; the last ends done.
+    events = json.loads((tmp_path / "logs" / "training_history.json").read_text())["events"]
+    ends = [(e["kind"], e.get("reason"), e["finished"]) for e in events if "finished" in e]
+    assert ends == [("stop", "max_time", False)] * 2 + [("done", None, True)]
+    resumes = [
+        (e["epoch"], e["step"], e["world_size_before"]) for e in events if e["kind"] == "resume"
+    ]
+    assert resumes == [(1, 1, 1), (1, 2, 1)]  # where each stop saved
     # Only the last epoch is validated (--val_every_epochs 2): the first has no val_* keys.
     assert [("val_acc" in r) for r in history_of(tmp_path)] == [False, True]
     assert [r["epoch"] for r in history_of(tmp_path)] == [1, 2]

@@ -28,6 +28,7 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
+from imgtrainer.events import LAUNCHER_EVENTS, read_events
 
 TIMING_KEYS = {"epoch_seconds", "train_images_per_sec", "peak_memory_mb", "data_wait_share"}
 
@@ -146,6 +147,15 @@ def test_sigkill_mid_epoch_then_torchrun_restart_is_bitwise_exact(resume_dataset
     )
     assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 2 of 4" in log0
     assert "Training data: 72 images in 3 classes from tar shards" in log0
+    # The same as events: the first attempt's survive the restart, and the launcher's launch.
+    logs = tmp_path / "crashed" / "logs"
+    events = json.loads((logs / "training_history.json").read_text())["events"]
+    assert [e["attempt"] for e in events if e["kind"] == "start"] == [0, 1]
+    (resumed,) = [e for e in events if e["kind"] == "resume"]
+    assert (resumed["by"], resumed["epoch"], resumed["step"]) == ("torchrun", 2, 2)
+    assert events[-1]["kind"] == "done" and events[1]["layout"] == "tar shards"
+    assert [e["kind"] for e in read_events(logs / LAUNCHER_EVENTS)] == ["launch"]
+    assert "restarted by torchrun: Resumed from" in (logs / "report.html").read_text()
 
     a, b = latest(tmp_path / "clean"), latest(tmp_path / "crashed")
     compared = assert_same_tensors(a["model_state_dict"], b["model_state_dict"], "model")

@@ -82,6 +82,10 @@ def test_a_diverging_run_exits_1_with_one_line_and_keeps_its_last_good_checkpoin
     assert all(torch.isfinite(t).all() for t in ckpt["model_state_dict"].values())
     history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
     assert [r["epoch"] for r in history["epochs"]] == [1]
+    # The history's events end with why, though the line went to stderr, not to the log.
+    stop = history["events"][-1]
+    assert (stop["kind"], stop["reason"], stop["code"]) == ("stop", "nonfinite", 1)
+    assert stop["text"] == lines[0] and stop["finished"] is False
 
 
 # ----------------------------------------------------------------------------- a full disk

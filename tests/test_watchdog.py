@@ -15,6 +15,7 @@ import pytest
 from imgtrainer import heartbeat
 from imgtrainer.config import hang_seconds, parse_config
 from imgtrainer.errors import UserError
+from imgtrainer.events import LAUNCHER_EVENTS, read_events
 from imgtrainer.heartbeat import (
     CHECK_PROCESS,
     EVAL_WORKER,
@@ -256,6 +257,12 @@ def test_the_watchdog_names_dumps_and_kills_a_stopped_process(tmp_path, capsys):
     assert "phase forward-backward" in err and "ending the run (--max_restarts 0" in err
     stacks = (tmp_path / "logs" / "hang" / "attempt0-rank0.txt").read_text()
     assert "state T" in stacks
+    # The verdict as an event for the report page, beside the line for people.
+    (hang,) = read_events(tmp_path / "logs" / LAUNCHER_EVENTS)
+    assert (hang["kind"], hang["rank"], hang["attempt"]) == ("hang", 0, 0)
+    assert hang["text"].startswith("watchdog: rank 0 (host ") and hang["stacks"].endswith(
+        "attempt0-rank0.txt"
+    )
     assert "<module>" in stacks or "/proc/" in stacks  # py-spy's Python stack, or the kernel's
 
 

@@ -29,6 +29,7 @@ from imgtrainer.data.layouts.table import TableImages
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo, available_memory_bytes, memory_share
 from imgtrainer.errors import UserError
+from imgtrainer.events import event
 from imgtrainer.files import format_bytes
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,13 @@ def plan_images(
     if source is Source.RAM:
         capacity = ram_cache_capacity(cfg.cache_images, budgets.ram, dist)
         why += f"; filled as the images are first read, up to {format_bytes(capacity, 'MiB', 0)}"
-    log.info(f"Image cache: {cache} ({why})")
+    log_plan(cache, source, why)
     return ImagePlan(cache, source, capacity, why)
+
+
+def log_plan(cache: str, source: Source, why: str) -> None:
+    facts = event("image_cache", cache=cache, source=str(source), why=why)
+    log.info(f"Image cache: {cache} ({why})", extra=facts)
 
 
 def place_images(
@@ -197,8 +203,8 @@ def decoded_plan(
     started = time.perf_counter()
     decoded = decode_up_front(images, cfg, dist.world_size, threads)
     cache, why = settle_device_cache(cfg, decoded.values(), budget_bytes, why)
-    log.info(f"Image cache: {cache} ({why})")
     source = choose_source(cache, dist.device)
+    log_plan(cache, source, why)
     if source is Source.GPU:
         for role in decoded:
             decoded[role].pack(dist.device)

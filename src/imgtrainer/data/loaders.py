@@ -38,11 +38,12 @@ from imgtrainer.data.host.samplers import BalancedClassSampler, EpochSampler, Sh
 from imgtrainer.data.host.samples import SeededImageDataset, Source, TrainingSamples
 from imgtrainer.data.host.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
 from imgtrainer.data.image_plan import NO_BUDGET, Budgets, place_images, plan_images
-from imgtrainer.data.layouts import describe, open_datasets
+from imgtrainer.data.layouts import describe, open_datasets, table_facts
 from imgtrainer.data.layouts.decode_check import DecodeCheck
 from imgtrainer.data.layouts.table import TableImages
 from imgtrainer.data.reading import data_reading
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
+from imgtrainer.events import event
 from imgtrainer.precision import precision_rule
 from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, die_with_parent
 
@@ -113,7 +114,9 @@ def open_data(cfg: TrainConfig, dist: DistInfo) -> RunData:
     counts = class_counts(datasets.train.targets, len(datasets.class_names))
     sampler = build_train_sampler(cfg, datasets.train.targets, counts, datasets.class_names, dist)
     spec = train_loader_spec(cfg, dist, datasets.train.source, cores)
-    log.info(loader_line(spec, datasets.train.source, cores, cfg.num_workers is None))
+    source, chosen = datasets.train.source, cfg.num_workers is None
+    facts = event("loader", workers=spec.num_workers, source=str(source), chosen=chosen)
+    log.info(loader_line(spec, source, cores, chosen), extra=facts)
     batches = BatchPlan(
         audit=data_audit(cfg, datasets.train, augment, dist),
         cpu_path=cpu_path(
@@ -185,7 +188,8 @@ def read_datasets(cfg: TrainConfig, threads: int) -> dict[str, TableImages]:
         cfg.train_dir, cfg.val_dir, cfg.class_names, Path(cfg.log_dir), threads, data_reading(cfg)
     )
     for role, table in zip(("Training", "Validation"), tables, strict=True):
-        log.info(f"{role} data: {describe(table)}")
+        facts = table_facts(table)
+        log.info(f"{role} data: {describe(table, facts)}", extra=event("data", role=role, **facts))
     return {"training": TableImages(tables[0]), "validation": TableImages(tables[1])}
 
 

@@ -1,20 +1,23 @@
-"""logs/training_history.json: the run's config and environment, and one record per epoch.
+"""logs/training_history.json: the run's config and environment, one record per epoch, its events.
 
-Rewritten atomically by the main process right after every checkpoint (so the file and the
-newest checkpoint agree, and a run started with --overwrite replaces the earlier run's history
-together with its checkpoints). On resume it is rebuilt from the history stored in the
-checkpoint, so records after the checkpoint's position are dropped and every epoch appears
-exactly once. ``metrics.csv`` beside it holds the same records, one row per epoch.
+Rewritten atomically by the main process after every checkpoint (the file and the newest
+checkpoint agree) and, from a start's first, after each event (``imgtrainer.events``). A resume
+rebuilds the records from the checkpoint, so every epoch appears once, but keeps every event of
+the earlier starts: they tell what happened, the dropped epochs' too. ``metrics.csv`` holds the
+records, a row each.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from imgtrainer.errors import UserError
+from imgtrainer.events import EventLog, stamp
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.trackers.csv_file import METRICS_CSV, metrics_csv
 
@@ -102,21 +105,27 @@ def _weights(best: Best) -> str:
 
 
 class HistoryWriter:
-    """Keeps the epoch records; writes the file only where ``enabled`` (the main process)."""
+    """Keeps the epoch records, with ``events``; writes the file only where ``enabled`` (the
+    main process)."""
 
     def __init__(
         self,
         path: Path,
         header: dict[str, Any],
         enabled: bool,
-        records: list[dict[str, Any]] | None = None,
         live: Callable[[], dict[str, Any]] | None = None,
+        events: EventLog | None = None,
     ):
         self.path = path
         self.header = header
         self.enabled = enabled
-        self.records: list[dict[str, Any]] = list(records or [])
+        self.records: list[dict[str, Any]] = []
         self.live = live  # head fields that change as the run goes (the best epoch so far)
+        self.events = events or EventLog()
+        # The records of the newest checkpoint; None until this start's first: a start that
+        # fails before it leaves the file as it was, like the checkpoints.
+        self.written: list[dict[str, Any]] | None = None
+        self._lock, self._pending = threading.Lock(), False
 
     def append(self, record: EpochRecord | dict[str, Any]) -> dict[str, Any]:
         """Add an epoch's record (kept as its dict, returned); the file is written by ``save``,
@@ -126,14 +135,54 @@ class HistoryWriter:
         self.records.append(record)
         return record
 
+    def open_events(self, continues: bool) -> None:
+        """Once saved, the file is rewritten at each event. A start that ``continues`` the run
+        (a resume, a torchrun restart) keeps its earlier starts' events, before its own."""
+        if not self.enabled:
+            return
+        try:
+            events = read_history(self.path).get("events") if continues else None
+        except (OSError, ValueError):
+            events = None
+        if isinstance(events, list):
+            self.events.items[:0] = [e for e in events if isinstance(e, dict)]
+        self.events.listener = self.write_events
+
     def save(self) -> None:
         if not self.enabled:
             return
-        live = self.live() if self.live else {}
-        text = json.dumps({**self.header, **live, "epochs": self.records}, indent=2).encode()
-        atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
+        with self._lock:
+            self.written, self._pending = list(self.records), False
+            self._write()
         table = metrics_csv(self.records).encode()
         atomic_write(self.csv_path, lambda f: f.write(table), lambda: len(table))
+        if self._pending:  # an event came while the file was being written
+            self.write_events()
+
+    def write_events(self) -> None:
+        """The file again, for a new event: from any thread, or a signal handler that
+        interrupted a write (which then writes again once done). A failure is left to the
+        next checkpoint's save, which reports it."""
+        if self.written is None:
+            return
+        self._pending = True
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._pending = False
+                self._write()
+            except (OSError, UserError):
+                pass
+            finally:
+                self._lock.release()
+
+    def _write(self) -> None:
+        live = self.live() if self.live else {}
+        starts = [e for e in self.events.items if e.get("kind") == "start"]
+        if starts:  # how long this start ran, for one that is killed
+            starts[-1]["until"] = stamp()
+        head = {**self.header, **live, "epochs": self.written, "events": list(self.events.items)}
+        text = json.dumps(head, indent=2, default=str).encode()
+        atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
 
     @property
     def csv_path(self) -> Path:

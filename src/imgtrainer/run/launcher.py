@@ -37,6 +37,7 @@ from imgtrainer.config import (
     run_file_parser,
 )
 from imgtrainer.errors import UserError, exit_on_user_error
+from imgtrainer.events import LAUNCHER_EVENTS, append_event
 from imgtrainer.heartbeat import HEARTBEAT_DIR_ENV
 from imgtrainer.process import (
     STOP_SIGNALS,
@@ -253,6 +254,7 @@ def run_torchrun(
         open(log_file, "ab") as log,
     ):
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
+        append_event(log_dir / LAUNCHER_EVENTS, "launch", command=shlex.join(command))
         log.flush()
         env = {**env, REPORT_DIR_ENV: reports}
         timeout, max_restarts, whole_job = hang_watch

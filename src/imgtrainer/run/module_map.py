@@ -28,7 +28,7 @@ END = "<!-- end of the package map -->"
 # The floors of the package, lowest first: a module imports only from its own floor or below,
 # and never in a circle within a floor.
 FLOORS = [
-    ["errors", "heartbeat"],  # heartbeat: like logging, any floor may mark it
+    ["errors", "heartbeat", "events"],  # heartbeat and events: like logging, any floor may use them
     ["files", "process", "storage", "torch_compat"],
     ["distributed"],
     ["config"],

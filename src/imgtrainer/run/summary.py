@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import signal
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ from imgtrainer.distributed.setup import (
     DistInfo,
 )
 from imgtrainer.errors import first_line
+from imgtrainer.events import event
 from imgtrainer.reports.history import best_line
 from imgtrainer.reports.page.run_report import report_line, write_run_report
 from imgtrainer.training.trainer import Trainer
@@ -21,15 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def log_run_start(cfg: TrainConfig, dist: DistInfo, trainer: Trainer) -> None:
+    classes, threads = len(trainer.loaders.class_names), torch.get_num_threads()
+    train, val = len(trainer.train_loader.dataset), len(trainer.loaders.val.dataset)
+    # The model, processes and device are the history's head already.
+    facts = event("training", train_images=train, val_images=val, threads=threads)
     log.info(
-        f"Training {cfg.model} on {len(trainer.loaders.class_names)} classes, "
-        f"{len(trainer.train_loader.dataset)} train / "
-        f"{len(trainer.loaders.val.dataset)} val images, world size {dist.world_size} "
-        f"on {dist.device.type}, {torch.get_num_threads()} thread(s) per process, "
-        f"{trainer.train_loader.num_workers} loader worker(s) per process"
+        f"Training {cfg.model} on {classes} classes, {train} train / {val} val images, world "
+        f"size {dist.world_size} on {dist.device.type}, {threads} thread(s) per process, "
+        f"{trainer.train_loader.num_workers} loader worker(s) per process",
+        extra=facts,
     )
+    layout = Layout.of(cfg, dist.world_size)
     log.info(
-        f"Effective batch: {Layout.of(cfg, dist.world_size).describe()} images per optimizer step"
+        f"Effective batch: {layout.describe()} images per optimizer step",
+        extra=event("batch", global_batch=layout.global_batch, **dataclasses.asdict(layout)),
     )
     if dist.preflight is not None:
         log.info(dist.preflight.line)
@@ -55,14 +63,18 @@ def log_summary(trainer: Trainer, finished: bool) -> None:
             if trainer.stop.by_time
             else ""
         )
+        signum, reason = trainer.stop.signum, "max_time" if trainer.stop.by_time else "signal"
+        by = {"signal": signal.Signals(signum).name} if signum and reason == "signal" else {}
         log.info(
             f"Stopped at epoch {trainer.epoch + 1}, step {trainer.step}{budget}; checkpoint "
             f"saved to {latest}. Resume with the same command plus "
-            f"--resume {'auto' if mirror else latest}"
+            f"--resume {'auto' if mirror else latest}",
+            extra=ending(trainer, "stop", reason=reason, finished=False, **by),
         )
         return
     history = Path(cfg.log_dir) / "training_history.json"
     kept = epoch_checkpoints(trainer.checkpoints.dir) if trainer.dist.is_main else {}
+    early = {"reason": "early_stopping"} if trainer.stopped_early else {}
     log.info(
         f"{ending_line(trainer)}\n"
         f"  best checkpoint:   {best}\n"
@@ -74,8 +86,14 @@ def log_summary(trainer: Trainer, finished: bool) -> None:
             else ""
         )
         + f"  history:           {history}\n"
-        f"  plot the curves:   python src/utils.py --history {history} --output curves.png"
+        f"  plot the curves:   python src/utils.py --history {history} --output curves.png",
+        extra=ending(trainer, "stop" if early else "done", finished=True, **early),
     )
+
+
+def ending(trainer: Trainer, kind: str, **fields) -> dict:
+    """The event of how the run ended ("done", or "stop" and its reason), at which position."""
+    return event(kind, epoch=trainer.epoch, step=trainer.step, **fields)
 
 
 def ending_line(trainer: Trainer) -> str:

@@ -33,17 +33,18 @@ from imgtrainer.data import prepare_demo_data
 from imgtrainer.distributed.collectives import (
     all_gather_objects,
 )
-from imgtrainer.distributed.logs import logging_for_run
+from imgtrainer.distributed.logs import PROJECT_LOGGER, logging_for_run
 from imgtrainer.distributed.setup import (
     DistInfo,
     cleanup_distributed,
     setup_distributed,
 )
-from imgtrainer.errors import exit_on_user_error
+from imgtrainer.errors import RunFailed, exit_on_user_error
+from imgtrainer.events import EventLog, event
 from imgtrainer.files import atomic_write
 from imgtrainer.precision import configure_backends
 from imgtrainer.process import TorchrunEnv
-from imgtrainer.run.lifecycle import exit_now, run_reporting
+from imgtrainer.run.lifecycle import ending_for, exit_now, run_reporting
 from imgtrainer.run.summary import log_run_start, log_summary, write_report
 from imgtrainer.training.assemble import assemble
 from imgtrainer.training.trainer import Trainer
@@ -52,8 +53,22 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: TrainConfig, dist: DistInfo) -> int:
-    with logging_for_run(Path(cfg.log_dir), dist), claim_checkpoint_dir(cfg, dist):
-        return train(cfg, dist)
+    project = logging.getLogger(PROJECT_LOGGER)
+    with logging_for_run(Path(cfg.log_dir), dist), EventLog().kept(project, dist.is_main) as events:
+        try:
+            with claim_checkpoint_dir(cfg, dist):
+                return train(cfg, dist, events)
+        except BaseException as err:
+            events.add("stop", **failure(err))
+            raise
+
+
+def failure(err: BaseException) -> dict:
+    """The fields of the "stop" event of a run that ``err`` ended: why, its exit code and its
+    line (which goes to stderr, not to the log)."""
+    code, line, _ = ending_for(err)
+    reason = "nonfinite" if isinstance(err, RunFailed) else "signal" if code > 128 else "error"
+    return {"reason": reason, "code": code, "text": line, "finished": False}
 
 
 def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
@@ -62,7 +77,9 @@ def write_run_config(cfg: TrainConfig, dist: DistInfo) -> None:
         path = Path(cfg.log_dir) / "config.yaml"
         text = config_yaml(cfg, launcher_flags_from_env()).encode()
         atomic_write(path, lambda f: f.write(text), lambda: len(text))
-        log.info(f"Configuration: {path} (rerun: python launch_ddp.py --config {path})")
+        rerun = f"python launch_ddp.py --config {path}"
+        start = event("start", attempt=TorchrunEnv.read().restart_count, rerun=rerun)
+        log.info(f"Configuration: {path} (rerun: {rerun})", extra=start)
 
 
 def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
@@ -79,13 +96,13 @@ def claim_checkpoint_dir(cfg: TrainConfig, dist: DistInfo):
     )
 
 
-def train(cfg: TrainConfig, dist: DistInfo) -> int:
+def train(cfg: TrainConfig, dist: DistInfo, events: EventLog) -> int:
     write_run_config(cfg, dist)
     if cfg.low_memory:
         log.info(preset_summary(cfg, "low_memory"))
     configure_backends(dist.device, cfg.deterministic)
     prepare_demo_data(cfg, dist)
-    trainer = Trainer(assemble(cfg, dist))
+    trainer = Trainer(assemble(cfg, dist, events))
     try:
         trainer.resume()
         log_run_start(trainer.cfg, dist, trainer)  # the layout chosen for this world size

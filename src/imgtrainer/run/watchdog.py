@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrainer.errors import first_line
+from imgtrainer.events import LAUNCHER_EVENTS, append_event
 from imgtrainer.heartbeat import (
     CHECK_PROCESS,
     EVAL_WORKER,
@@ -351,7 +352,7 @@ class Watchdog:
         self.say(
             f"watchdog: error while watching ({first_line(err)}, at {where}); still watching{log}"
         )
-        self.say("".join(traceback.format_exception(err)).rstrip(), console=False)
+        self.say("".join(traceback.format_exception(err)).rstrip(), console=False, kind=None)
 
     def end_lingering(self) -> None:
         now = time.monotonic()
@@ -387,7 +388,8 @@ class Watchdog:
             if left > 0
             else f"ending the run (--max_restarts {self.plan.max_restarts}: none left)"
         )
-        self.say(f"watchdog: {line}; {then}")
+        where = {"rank": culprit.rank, "attempt": culprit.attempt, "stacks": str(stacks)}
+        self.say(f"watchdog: {line}; {then}", kind="hang", **where)
         self.hangs.append((verdict, line))
         self.ended.update(n.pid for n in self.judge.seen)
         for pid in {culprit.pid, rank_pid(verdict)}:
@@ -398,7 +400,11 @@ class Watchdog:
             if name.pid != rank_pid(verdict):
                 self.lingering[name] = deadline
 
-    def say(self, text: str, console: bool = True) -> None:
+    def say(self, text: str, console: bool = True, kind: str | None = "watchdog", **fields) -> None:
+        """``text`` on the console and in torchrun.log, and an event of ``kind`` with ``fields``
+        for the report (none for a traceback)."""
+        if kind is not None:
+            append_event(self.plan.log_dir / LAUNCHER_EVENTS, kind, text=text, **fields)
         if console:
             with contextlib.suppress(OSError, ValueError):  # a console gone: the log still has it
                 print(text, file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ from imgtrainer.data import Loaders, open_data
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
+from imgtrainer.events import EventLog
 from imgtrainer.hooks import Hook
 from imgtrainer.reports.history import HistoryWriter
 from imgtrainer.reports.trackers import TrackerContext, build_trackers
@@ -65,8 +66,9 @@ class Assembly:
     best_predictions: BestPredictions  # the best epoch's validation predictions, for the report
 
 
-def assemble(cfg: TrainConfig, dist: DistInfo) -> Assembly:
-    """The parts of the run of ``cfg``. Every rank must call this."""
+def assemble(cfg: TrainConfig, dist: DistInfo, events: EventLog | None = None) -> Assembly:
+    """The parts of the run of ``cfg``; its history keeps ``events`` (the main process's).
+    Every rank must call this."""
     requested = cfg
     budget = TimeBudget(parse_duration(cfg.max_time) if cfg.max_time else None)
     resume_from, cfg = find_resume(cfg, dist)  # the layout that keeps a resumed global batch
@@ -87,7 +89,10 @@ def assemble(cfg: TrainConfig, dist: DistInfo) -> Assembly:
         run_header(cfg, dist, names, parts, counts),
         enabled=dist.is_main,
         live=lambda: {"best": best.to_plain()},
+        events=events,
     )
+    # The same run: its earlier starts' events stay.
+    history.open_events(continues=resume_from.path is not None or not dist.first_attempt)
     load = partial(load_optimisation, parts)
     run_state = RunState(parts, ema, best, history, names, cfg, requested, load)
     stragglers = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from imgtrainer.data import (
 )
 from imgtrainer.distributed.collectives import all_reduce_min
 from imgtrainer.errors import UserError
+from imgtrainer.events import event
 from imgtrainer.precision import uses_channels_last
 from imgtrainer.torch_compat import none_if_out_of_memory
 from imgtrainer.training.memory import (
@@ -273,13 +275,16 @@ def build_memory_plan(
     precision = parts.precision
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = checkpointing_in_use(model)
+    fields = {"step_batch": step_batch, "dtype": dtype, "checkpointing": checkpointing}
+    facts = event("memory", **dataclasses.asdict(plan), **fields)
     log.info(
         f"Memory: micro-batch {plan.micro_batch} ({step_batch // plan.micro_batch} "
         f"forward/backward pass(es) per optimizer step of {step_batch} images per "
         f"process), {dtype}, channels_last {'on' if channels_last else 'off'}, "
         f"activation checkpointing {checkpointing}"
         + (", halving on out-of-memory" if plan.retry_on_oom else "")
-        + (f", augmenting {plan.augment_chunk} images at a time" if plan.augment_chunk else "")
+        + (f", augmenting {plan.augment_chunk} images at a time" if plan.augment_chunk else ""),
+        extra=facts,
     )
     return plan
 

@@ -33,6 +33,7 @@ from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
 from imgtrainer.distributed.collectives import all_gather_objects
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
+from imgtrainer.events import event
 from imgtrainer.reports.history import HistoryWriter, best_line
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.ema import ModelEma
@@ -112,12 +113,24 @@ def restore(
     progress, sums = Progress(), None
     if source.state is not None:
         progress, sums = _load(source, run, dist, layout)
+        position, before = progress.position(layout.global_batch), saved_world_size(source.state)
+        resumed = event(
+            "resume",
+            by="user" if dist.first_attempt else "torchrun",
+            checkpoint=str(source.path),
+            epoch=progress.epoch + 1,
+            step=progress.step,
+            position=position,
+            world_size_before=before,
+            world_size=dist.world_size,
+            layout=dataclasses.asdict(layout),
+        )
         log.info(
             f"Resumed from {source.path}: epoch {progress.epoch + 1}, step {progress.step} of "
-            f"{steps_per_epoch} (sample {progress.position(layout.global_batch)} of the "
-            f"epoch's order), {best_line(run.best.state)}; processes "
-            f"{saved_world_size(source.state) or '?'} -> {dist.world_size}, layout "
-            f"{layout.describe()}"
+            f"{steps_per_epoch} (sample {position} of the epoch's order), "
+            f"{best_line(run.best.state)}; processes {before or '?'} -> {dist.world_size}, "
+            f"layout {layout.describe()}",
+            extra=resumed,
         )
     # Only rank 0 writes checkpoints: a rank on another node that finds none (or another
     # one) would train other weights from another position, and hang at the epoch's end.

@@ -12,6 +12,8 @@ import logging
 import statistics
 import time
 
+from imgtrainer.events import event
+
 log = logging.getLogger(__name__)
 
 # A rank is a straggler when its time outside the step is this many times the others' median...
@@ -87,7 +89,8 @@ class StragglerWatch:
                     f"{own[rank] / max(others, 1e-9):.1f}x the other ranks' {others:.3f} s, at "
                     f"{STRAGGLER_GATHERS} agreements in a row (the others wait for it every "
                     f"step); its data wait is {row[WAITED] / max(row[WINDOW], 1e-9):.0%} of its "
-                    "time"
+                    "time",
+                    extra=event("straggler", rank=rank, host=self.hosts[rank]),
                 )
         return named
 

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from imgtrainer.data.device.augment import BatchAugment
 from imgtrainer.data.host.sample_row import drawn_of, key_of, set_whole_crop
 from imgtrainer.data.host.samples import Source, crop_pixels
+from imgtrainer.events import event
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ class DataAudit:
         name = location.location(index) if location is not None else f"image {index}"
         log.warning(
             f"data audit: {name} made from {self.source} on {self.device} differs from the CPU "
-            f"reference by {difference:.1f} levels (tolerance {self.tolerance:g})"
+            f"reference by {difference:.1f} levels (tolerance {self.tolerance:g})",
+            extra=event("audit", image=str(name), difference=round(difference, 2)),
         )
         with self._lock:
             self.mismatches += 1

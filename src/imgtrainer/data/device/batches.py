@@ -20,6 +20,7 @@ from imgtrainer.data.device.jpeg import JpegDecoder
 from imgtrainer.data.host.collate import EncodedBatch, collate_samples
 from imgtrainer.data.host.ragged import as_canvas
 from imgtrainer.errors import UserError
+from imgtrainer.events import event
 from imgtrainer.torch_compat import none_if_out_of_memory
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,10 @@ class DeviceBatches:
         jpegs_off = self.jpegs is not None and not self.jpegs.enabled
         if (jpegs_off or self.take_cpu_path) and self.cpu_path is not None:
             what = "every JPEG" if self.jpegs is not None else "every image, from its file"
+            switch = event("data_path", switch="cpu_path", jpegs_only=self.jpegs is not None)
             self.loader, self.jpegs, self.cache = self.cpu_path(), None, None
             self.cpu_path = None
-            log.info(f"The loader workers decode {what} from this epoch on")
+            log.info(f"The loader workers decode {what} from this epoch on", extra=switch)
         if self.device.type != "cuda":
             for batch in self.loader:
                 yield self.finish(self.stage(batch))
@@ -291,7 +293,11 @@ class DeviceBatches:
         else:
             self.augment.banded = False
             then = "the augmentation resamples with the gathered taps (the CPU's form) from now on"
-        log.warning(f"data audit: the device's images repeatedly differ from the CPU's; {then}")
+        switch = event("data_path", switch="reference", cause="audit", cpu_path=self.take_cpu_path)
+        log.warning(
+            f"data audit: the device's images repeatedly differ from the CPU's; {then}",
+            extra=switch,
+        )
 
     def audit_results(self) -> list:
         """This epoch's audited images (``DataAudit.epoch_results``); none without an audit."""

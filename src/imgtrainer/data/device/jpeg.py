@@ -22,6 +22,7 @@ from imgtrainer.data.host.collate import EncodedBatch, JpegBytes
 from imgtrainer.data.host.sample_row import crop_of, crop_size_of
 from imgtrainer.data.host.samples import shrink_factor, shrunk_size
 from imgtrainer.errors import first_line
+from imgtrainer.events import event
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,8 @@ class JpegDecoder:
                 f"({self.failures.error}); decoding every JPEG on the CPU from here on: in "
                 "this process, one image at a time, until this epoch ends (expect it to be "
                 "many times slower), then in the loader workers (--cache_images ram, or "
-                "fixing nvjpeg, is faster)"
+                "fixing nvjpeg, is faster)",
+                extra=event("data_path", switch="nvjpeg_off", cause=str(self.failures.error)),
             )
         return decoded
 

@@ -88,11 +88,16 @@ def open_table(
     return shard_table(spec, names, fallback, reading)
 
 
-def describe(table: ImageTable) -> str:
-    """One line for the log: what was read, from where."""
-    layout = layout_of(table.source, table.store)
+def table_facts(table: ImageTable) -> dict[str, str | int]:
+    """What was read, from where (an event's fields)."""
+    layout, files = layout_of(table.source, table.store), len(table.containers)
+    return {"layout": layout, "images": len(table), "classes": len(table.classes), "files": files}
+
+
+def describe(table: ImageTable, facts: dict) -> str:
+    """One line for the log: what was read (``table_facts``), from where."""
+    layout, files = facts["layout"], facts["files"]
     named = {FOLDER: "a folder", LIST: "a list file"}.get(layout, layout)
-    files = len(table.containers)
     many = f" ({files} file{'s' * (files != 1)})" if layout in (PARQUET, SHARDS) else ""
     return f"{len(table)} images in {len(table.classes)} classes from {named} {table.source}{many}"
 
