@@ -4,6 +4,7 @@ out by hand, and the size and build time of the page at 1,000 classes."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -224,8 +225,13 @@ def test_the_run_page_shows_what_the_log_folder_holds(tmp_path: Path):
     for field in ("audit_max_diff", "rank1_step_s", "made_up_by_a_later_version", "val_acc_ema"):
         assert f">{field}<" in text, field
     assert "Done: best val_acc 0.9 (EMA weights, epoch 3)" in text
+    # The starts from the history's events; the wall time from each start's first event to
+    # its last (or its last write of the history): 10:00-10:05 and 10:06-10:09.
+    assert "start 1 at 2026-01-01 10:00:00: a new run" in text
     assert "start 2 at 2026-01-01 10:06:00: Resumed from" in text
+    assert "<b>8m00s</b><span>wall time, 2 start(s)</span>" in text
     assert "1 straggler(s) named" in text and "watchdog: rank 1" in text
+    assert "2026-01-01 09:59:58 python -m torch.distributed.run" in text  # the launcher's
     assert "attempt0-rank1.txt" in text and "1 unreadable image(s)" in text
     assert "its EMA weights" in text
     # The data audit over the run, and its warning; the command that continues the run.
@@ -256,6 +262,25 @@ def test_predictions_of_another_epoch_are_not_shown(tmp_path: Path):
     text = build_run_report(tmp_path)
     assert "holds the predictions of epoch 1, not of the best epoch of this history (3)" in text
     assert "id='per-class'" not in text and "id='gallery'" not in text and "id='epochs'" in text
+
+
+def test_a_history_without_events_still_makes_its_page(tmp_path: Path):
+    """An older run's history (no events) and launches of earlier runs: the page without the
+    parts that need the events."""
+    write_log_folder(tmp_path, ["a", "b"], epochs=3, images_per_class=4)
+    path = tmp_path / "training_history.json"
+    history = json.loads(path.read_text())
+    del history["events"]
+    path.write_text(json.dumps(history))
+    text = build_run_report(tmp_path)
+    assert "No ending recorded yet" in text and "wall time" not in text and "start 1" not in text
+    assert Page(text).rows["epochs"] == 3 and "0 warning(s)" in text
+    assert "To continue the run from its latest checkpoint" in text  # no ending: not finished
+    # Without a first event, every launch is listed; with one, only this run's.
+    assert "09:59:58 python -m torch.distributed.run" in text
+    history["events"] = [{"kind": "start", "time": "2026-01-01T10:30:00"}]
+    path.write_text(json.dumps(history))
+    assert "09:59:58 python -m torch.distributed.run" not in build_run_report(tmp_path)
 
 
 def test_an_empty_log_folder_gives_a_page_that_says_so(tmp_path: Path):

@@ -44,6 +44,27 @@ def test_a_finished_run_leaves_its_report_with_the_best_epochs_predictions(train
     assert "Done: best val_acc" in text
     log = (logs / "train_rank_0.log").read_text()
     assert "Report: logs/report.html (" in log
+    # What the page read: the run's events, each with its fields and its sentence.
+    events = {e["kind"]: e for e in history["events"]}
+    kinds = ["start", "data", "image_cache", "loader", "memory", "training", "batch", "done"]
+    assert [e["kind"] for e in history["events"]] == kinds[:2] + kinds[1:]
+    assert (events["start"]["attempt"], events["start"]["rerun"]) == (
+        0,
+        "python launch_ddp.py --config logs/config.yaml",
+    )
+    training, validation = history["events"][1:3]
+    assert (training["role"], training["images"], training["classes"]) == ("Training", 48, 3)
+    assert (validation["role"], validation["images"], validation["layout"]) == (
+        "Validation",
+        15,
+        "folder",
+    )
+    assert (events["loader"]["workers"], events["memory"]["micro_batch"]) == (0, 8)
+    assert events["batch"]["global_batch"] == history["effective_batch_size"]
+    assert events["done"]["finished"] and events["done"]["epoch"] == 2
+    assert events["start"]["until"] >= events["done"]["time"]  # the last write of the history
+    assert all(e["text"] in log for e in history["events"] if e["kind"] != "done")
+    assert "start 1 at " in text and ": a new run</li>" in text
 
 
 def pictures(page: Page) -> int:

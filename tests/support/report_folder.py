@@ -76,6 +76,7 @@ def write_log_folder(
             "weights": "ema",
         },
         "epochs": records,
+        "events": run_events(),
     }
     (folder / "training_history.json").write_text(json.dumps(history))
     k = len(classes)
@@ -91,19 +92,6 @@ def write_log_folder(
         rng.exponential(1.0, n).astype(np.float32),
         {"epoch": epochs, "weights": "ema"},
     ).save(folder / BEST_PREDICTIONS)
-    (folder / "train_rank_0.log").write_text(
-        "2026-01-01 10:00:00,000 [rank 0] Configuration: logs/config.yaml (rerun: python "
-        "launch_ddp.py --config logs/config.yaml)\n"
-        "2026-01-01 10:00:01,000 [rank 0] Training data: 100 images in 3 classes from a folder x\n"
-        "2026-01-01 10:04:00,000 [rank 0] WARNING: data audit: train/cat/a.jpg made from gpu "
-        "on cuda:0 differs from the CPU reference by 4.2 levels (tolerance 3)\n"
-        "2026-01-01 10:05:00,000 [rank 0] WARNING: straggler: rank 1 on host h spends 0.2 s\n"
-        "2026-01-01 10:06:00,000 [rank 0] Configuration: logs/config.yaml (rerun: python "
-        "launch_ddp.py --config logs/config.yaml)\n"
-        "2026-01-01 10:06:02,000 [rank 0] Resumed from checkpoints/checkpoint_latest.pth: epoch 2\n"
-        "2026-01-01 10:09:00,000 [rank 0] Done: best val_acc 0.9 (EMA weights, epoch 3); ...\n"
-        "  best checkpoint:   checkpoints/checkpoint_best.pth\n"
-    )
     # The checkpoints as files the page lists (it reads their size and time, not them).
     (folder / "checkpoints").mkdir()
     for name in ("checkpoint_best.pth", "checkpoint_latest.pth"):
@@ -111,7 +99,63 @@ def write_log_folder(
     (folder / "unreadable_images.txt").write_text("val/cat/broken.jpg\tcannot identify image\n")
     (folder / "hang").mkdir()
     (folder / "hang" / "attempt0-rank1.txt").write_text("stacks")
-    (folder / "torchrun.log").write_text(
-        "=== 2026-01-01 09:59:58 python -m torch.distributed.run ...\n"
-        "2026-01-01 10:05:30,000 watchdog: rank 1 (pid 7) made no progress for 60 s\n"
-    )
+    launcher = [
+        {
+            "kind": "launch",
+            "time": "2026-01-01T09:59:58",
+            "command": "python -m torch.distributed.run",
+        },
+        {"kind": "hang", "time": "2026-01-01T10:05:30", "rank": 1, "attempt": 0, "text": HANG},
+    ]
+    (folder / "launcher_events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in launcher))
+
+
+RERUN = "python launch_ddp.py --config logs/config.yaml"
+HANG = "watchdog: rank 1 (pid 7) made no progress for 60 s"
+
+
+def run_events() -> list[dict]:
+    """The events of a run started, resumed once by the user, and done (``imgtrainer.events``)."""
+    start = {
+        "kind": "start",
+        "attempt": 0,
+        "rerun": RERUN,
+        "text": f"Configuration: (rerun: {RERUN})",
+    }
+    return [
+        {**start, "time": "2026-01-01T10:00:00"},
+        {
+            "kind": "data",
+            "time": "2026-01-01T10:00:01",
+            "role": "Training",
+            "images": 100,
+            "text": "Training data: 100 images in 3 classes from a folder x",
+        },
+        {
+            "kind": "audit",
+            "level": "WARNING",
+            "time": "2026-01-01T10:04:00",
+            "text": "data audit: train/cat/a.jpg made from gpu on cuda:0 differs from the CPU "
+            "reference by 4.2 levels (tolerance 3)",
+        },
+        {
+            "kind": "straggler",
+            "level": "WARNING",
+            "time": "2026-01-01T10:05:00",
+            "text": "straggler: rank 1 on host h spends 0.2 s",
+        },
+        {**start, "time": "2026-01-01T10:06:00", "until": "2026-01-01T10:09:00"},
+        {
+            "kind": "resume",
+            "time": "2026-01-01T10:06:02",
+            "by": "user",
+            "epoch": 2,
+            "text": "Resumed from checkpoints/checkpoint_latest.pth: epoch 2",
+        },
+        {
+            "kind": "done",
+            "time": "2026-01-01T10:09:00",
+            "finished": True,
+            "text": "Done: best val_acc 0.9 (EMA weights, epoch 3); ...\n  best checkpoint: x",
+        },
+    ]

@@ -1,7 +1,7 @@
 """``<log_dir>/report.html``: one page that explains a run, built from the files it writes.
 
 The same page at the run's end (the main process) and from ``python src/utils.py --report
-LOG_DIR`` at any time, mid-run too: the history, the best epoch's predictions, the run's log,
+LOG_DIR`` at any time, mid-run too: the history and its events, the best epoch's predictions,
 its configuration and its checkpoints, each shown as far as it exists.
 """
 
@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from imgtrainer.events import LAUNCHER_EVENTS
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.history import read_history
 from imgtrainer.reports.page.html import (
@@ -34,7 +35,7 @@ from imgtrainer.reports.page.report_page import (
     curves_section,
     mistakes_section,
 )
-from imgtrainer.reports.page.run_log import RunLog, launcher_lines
+from imgtrainer.reports.page.run_events import RunEvents, Start, clock, launcher_events
 from imgtrainer.reports.page.thumbnails import DataImages
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 
@@ -54,7 +55,7 @@ class RunFiles:
     history: dict[str, Any] | None
     predictions: Predictions | None
     predictions_note: str
-    run_log: RunLog
+    events: RunEvents
     config_text: str | None
 
     @classmethod
@@ -67,7 +68,7 @@ class RunFiles:
             history,
             predictions,
             note,
-            RunLog.read(log_dir / "train_rank_0.log"),
+            RunEvents.of(history),
             config.read_text(errors="replace") if config.is_file() else None,
         )
 
@@ -137,9 +138,9 @@ def no_predictions_section(files: RunFiles) -> Section:
 
 def head(files: RunFiles) -> str:
     """How the run ended (its own words), then its key figures as tiles."""
-    history, run_log = files.history, files.run_log
-    ending = run_log.ending() or "No ending recorded yet: the run is going on, or was killed."
-    lead = f"<p class='lead'>{esc(ending.splitlines()[0])}</p>"
+    history, ending = files.history, files.events.ending() or {}
+    said = ending.get("text") or "No ending recorded yet: the run is going on, or was killed."
+    lead = f"<p class='lead'>{esc(said.splitlines()[0])}</p>"
     if not history:
         return lead + f"<p class='warn'>No {HISTORY_NAME} in {esc(files.log_dir)} yet.</p>"
     return lead + cards(best_tiles(history) + run_tiles(files))
@@ -164,15 +165,15 @@ def best_tiles(history: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def run_tiles(files: RunFiles) -> list[tuple[str, str]]:
-    history, config, run_log = files.history or {}, files.config, files.run_log
+    history, config, events = files.history or {}, files.config, files.events
     tiles = [
         (f"{len(history.get('epochs', []))} / {config.get('epochs', '?')}", "epochs trained"),
         (f"{history.get('world_size', '?')} × {history.get('device', '?')}", "processes"),
         (config.get("model", "?"), "model"),
     ]
-    wall = run_log.wall_seconds()
+    wall = events.wall_seconds()
     if wall is not None:
-        tiles.append((duration(wall), f"wall time, {len(run_log.starts)} start(s)"))
+        tiles.append((duration(wall), f"wall time, {len(events.starts)} start(s)"))
     return tiles
 
 
@@ -193,7 +194,7 @@ def data_section(files: RunFiles) -> Section:
             ],
         )
     ]
-    lines = files.run_log.data_lines()
+    lines = files.events.data_lines()
     if lines:
         parts.append(preformatted("\n".join(lines)))
     parts.append(unreadable_block(files.log_dir / UNREADABLE_LIST))
@@ -214,7 +215,7 @@ def audit_block(files: RunFiles) -> str:
         return f"<p>The data audit (--audit_data_every {esc(every)}) checked no image yet.</p>"
     worst = max(audited, key=lambda r: r.get("audit_max_diff") or 0.0)
     largest = worst.get("audit_max_diff") or 0.0
-    warnings = [w for w in files.run_log.warnings() if "data audit:" in w]
+    warnings = files.events.warnings("audit")
     line = (
         f"The data audit (--audit_data_every {every}) made {images} of the training images "
         f"again on the CPU reference path: the largest difference was {largest:g} levels of "
@@ -239,13 +240,13 @@ def unreadable_block(path: Path) -> str:
 
 
 def run_section(files: RunFiles) -> Section:
-    history, run_log = files.history or {}, files.run_log
+    history, events = files.history or {}, files.events
     parts = ["<h3>Command</h3>"]
     command = history.get("command")
     if command:
         parts.append(command_line(" ".join(map(str, command))))
-    since = run_log.starts[0].began if run_log.starts else None
-    launches, watchdog = launcher_lines(files.log_dir / "torchrun.log", since)
+    since = events.starts[0].began if events.starts else None
+    launches, watchdog = launcher_events(files.log_dir / LAUNCHER_EVENTS, since)
     if launches:
         parts.append(
             folded(
@@ -258,8 +259,8 @@ def run_section(files: RunFiles) -> Section:
             folded("The resolved configuration (config.yaml)", preformatted(files.config_text))
         )
     parts.append("<h3>Environment</h3>" + environment_table(history))
-    parts.append("<h3>Timings</h3>" + timings_table(history, run_log))
-    parts.append("<h3>Starts, restarts, hangs and stragglers</h3>" + events(files, watchdog))
+    parts.append("<h3>Timings</h3>" + timings_table(history, events))
+    parts.append("<h3>Starts, restarts, hangs and stragglers</h3>" + starts(files, watchdog))
     return Section("run", "Run", "\n".join(parts))
 
 
@@ -279,15 +280,15 @@ def environment_table(history: dict[str, Any]) -> str:
     return table(["", ""], [[text(k), text("–" if v is None else v)] for k, v in rows])
 
 
-def timings_table(history: dict[str, Any], run_log: RunLog) -> str:
+def timings_table(history: dict[str, Any], events: RunEvents) -> str:
     records = history.get("epochs") or []
     seconds = [r["epoch_seconds"] for r in records if isinstance(r.get("epoch_seconds"), float)]
     speeds = [r["train_images_per_sec"] for r in records if r.get("train_images_per_sec")]
     waits = [r["data_wait_share"] for r in records if r.get("data_wait_share") is not None]
     rows = []
-    wall = run_log.wall_seconds()
+    wall = events.wall_seconds()
     if wall is not None:
-        rows.append(("wall time of the run's starts (from its log)", duration(wall)))
+        rows.append(("wall time of the run's starts (from its events)", duration(wall)))
     if seconds:
         rows += [
             ("time in epochs (training and validation)", duration(sum(seconds))),
@@ -312,12 +313,11 @@ def timings_table(history: dict[str, Any], run_log: RunLog) -> str:
     return table(["", ""], [[text(k), text(v)] for k, v in rows])
 
 
-def events(files: RunFiles, watchdog: list[str]) -> str:
-    run_log = files.run_log
+def starts(files: RunFiles, watchdog: list[str]) -> str:
+    events = files.events
     items = []
-    for number, start in enumerate(run_log.starts, 1):
-        how = start.resumed.splitlines()[0] if start.resumed else "a new run"
-        items.append(f"<li>start {number} at {start.began:%Y-%m-%d %H:%M:%S}: {esc(how)}</li>")
+    for number, start in enumerate(events.starts, 1):
+        items.append(f"<li>start {number} at {clock(start.began)}: {esc(how_started(start))}</li>")
     parts = ["<ul>" + "".join(items) + "</ul>"] if items else []
     hangs = sorted((files.log_dir / "hang").glob("*.txt"))
     if watchdog or hangs:
@@ -325,8 +325,8 @@ def events(files: RunFiles, watchdog: list[str]) -> str:
             f"<p class='warn'>The hang watchdog acted {len(watchdog)} time(s); stacks in {esc(files.log_dir / 'hang')}:</p>"
         )
         parts.append(preformatted("\n".join(watchdog + [str(p) for p in hangs])))
-    warnings = run_log.warnings()
-    stragglers = [w for w in warnings if "straggler:" in w]
+    warnings = events.warnings()
+    stragglers = events.warnings("straggler")
     parts.append(
         f"<p>{len(stragglers)} straggler(s) named; {len(warnings)} warning(s) in the log.</p>"
     )
@@ -335,6 +335,16 @@ def events(files: RunFiles, watchdog: list[str]) -> str:
             folded("The warnings", preformatted("\n".join(warnings)), open_=bool(stragglers))
         )
     return "\n".join(parts)
+
+
+def how_started(start: Start) -> str:
+    """A new run, a resume (its own sentence), or a restart by torchrun."""
+    resumed, begun = start.first("resume"), start.first("start") or {}
+    if resumed is not None:
+        said = str(resumed.get("text")).splitlines()[0]
+        return f"restarted by torchrun: {said}" if resumed.get("by") == "torchrun" else said
+    attempt = begun.get("attempt") or 0
+    return f"restarted by torchrun (attempt {attempt}), from the start" if attempt else "a new run"
 
 
 def checkpoints_section(files: RunFiles) -> Section:
@@ -370,9 +380,9 @@ def checkpoints_section(files: RunFiles) -> Section:
 def resume_block(files: RunFiles, folder: Path) -> str:
     """The command that continues the run from its latest checkpoint (a finished run: for
     more epochs), from the command its log says reruns its configuration."""
-    config, ending = files.config, files.run_log.ending() or ""
-    finished = ending.startswith(("Done", "Stopped early"))
-    rerun = files.run_log.rerun_command()
+    config, ending = files.config, files.events.ending() or {}
+    finished = ending.get("finished") is True
+    rerun = files.events.rerun_command()
     if rerun is None:  # a log without it: the flags alone
         command = f"--resume {folder / 'checkpoint_latest.pth'}    (or --resume auto)"
     else:
