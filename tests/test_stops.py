@@ -4,6 +4,7 @@ one line and exit 2, and a killed launcher leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -148,6 +149,9 @@ def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, 
         assert "Resume with the same command plus --resume" in out
         assert "Report: logs/report.html (" in out  # a stopped run's page too
         assert "Stopped at epoch 1, step" in (tmp_path / "logs" / "report.html").read_text()
+        history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+        stop, name = history["events"][-1], signal.Signals(signum).name
+        assert (stop["kind"], stop["reason"], stop["signal"]) == ("stop", "signal", name), stop
         if step:
             assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in out
         epoch, stopped = saved_step(latest)
