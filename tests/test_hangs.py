@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from conftest import TINY_FLAGS, run_launcher, start_launcher, write_image_folder
+from imgtrainer.events import LAUNCHER_EVENTS, read_events
+from imgtrainer.reports.page.run_report import build_run_report
 from support.harness import descendants
 
 pytestmark = pytest.mark.slow
@@ -335,6 +337,10 @@ def test_a_rank_frozen_in_a_collective_without_restarts_ends_with_code_3(tmp_pat
     stacks = (tmp_path / "logs" / "hang" / "attempt0-rank1.txt").read_text()
     assert "all_reduce" in stacks or "all_gather" in stacks, stacks
     assert (tmp_path / "checkpoints" / "checkpoint_latest.pth").exists()
+    # The verdict as the launcher's event, on the run's page (built afterwards, as --report).
+    hangs = [e for e in read_events(tmp_path / "logs" / LAUNCHER_EVENTS) if e["kind"] == "hang"]
+    assert [(e["rank"], e["attempt"], e["text"]) for e in hangs] == [(1, 0, line)]
+    assert "The hang watchdog acted 1 time(s)" in build_run_report(tmp_path / "logs")
     frozen = stamps(tmp_path / "logs" / "train_rank_1.log", "TRAIN_DDP_FREEZE")[0]
     named = stamps(tmp_path / "logs" / "torchrun.log", "made no progress")[0]
     # The rank's last progress is its entry into the collective, just after its log line; the
