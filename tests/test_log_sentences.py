@@ -9,6 +9,7 @@ expression); a match of one in the other, outside the module that writes it, is 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 from test_package_shape import ROOT, _product_files, _tree
@@ -39,14 +40,14 @@ def called_names(node: ast.AST) -> set[str]:
     return names - {""}
 
 
-def returned(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
-    """What each function of the package (by name) returns."""
-    found: dict[str, list[ast.AST]] = {}
-    for tree in trees.values():
+def returned(trees: dict[str, ast.Module]) -> dict[str, list[tuple[str, ast.AST]]]:
+    """What each function of the package (by name) returns, with the module that holds it."""
+    found: dict[str, list[tuple[str, ast.AST]]] = {}
+    for module, tree in trees.items():
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef):
                 values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value]
-                found.setdefault(fn.name, []).extend(values)
+                found.setdefault(fn.name, []).extend((module, value) for value in values)
     return found
 
 
@@ -54,19 +55,17 @@ def sentence_pieces(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
     """Each module's literal pieces of the sentences it logs, with those of the functions that
     make them (followed three calls deep), credited to the module that holds the literal."""
     makers = returned(trees)
-    homes = {id(n): name for name, tree in trees.items() for n in ast.walk(tree)}
     pieces: dict[str, set[str]] = {}
-    for tree in trees.values():
+    for module, tree in trees.items():
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and says(call.func) and call.args):
                 continue
-            nodes, seen = [call.args[0]], set()
+            nodes, seen = [(module, call.args[0])], set()
             for _ in range(3):
                 more = []
-                for node in nodes:
-                    for piece in (n for n in ast.walk(node) if isinstance(n, ast.Constant)):
-                        if isinstance(piece.value, str) and len(piece.value.strip()) >= 3:
-                            pieces.setdefault(homes[id(piece)], set()).add(piece.value)
+                for home, node in nodes:
+                    texts = [t for t in strings(node) if len(t.strip()) >= 3]
+                    pieces.setdefault(home, set()).update(texts)
                     for name in called_names(node) - seen:
                         seen.add(name)
                         more += makers.get(name, [])
@@ -99,6 +98,7 @@ def regex_text(pattern: str) -> str:
     return text
 
 
+@functools.cache
 def matched_literals(tree: ast.Module) -> list[str]:
     """The literals ``tree`` looks for in text, its module-level names for them resolved."""
     constants = {
@@ -144,9 +144,12 @@ def is_sentence_like(raw: str) -> bool:
     return len(text) >= 3 and wordy and not A_NAME.fullmatch(text)
 
 
-def sentence_matches(trees: dict[str, ast.Module]) -> list[str]:
-    """Every match, as "module: 'literal' matches a sentence of other_module"."""
-    pieces = sentence_pieces(trees)
+def sentence_matches(
+    trees: dict[str, ast.Module], pieces: dict[str, set[str]] | None = None
+) -> list[str]:
+    """Every match, as "module: 'literal' matches a sentence of other_module" (``pieces``:
+    the trees' ``sentence_pieces``, found here when not given)."""
+    pieces = pieces or sentence_pieces(trees)
     found = []
     for name, tree in trees.items():
         for literal in matched_literals(tree):
@@ -187,9 +190,10 @@ OLD_KEYS += ("Validation data:", "Image cache:", "Loader:", "Memory:", "Effectiv
 
 def test_the_check_finds_a_sentence_matched_elsewhere():
     trees, where = product_trees(), "src/imgtrainer/reports/page/planted.py"
+    pieces = sentence_pieces(trees)  # the planted modules log nothing
     for how, source in PLANTED.items():
-        found = sentence_matches({**trees, where: ast.parse(source)})
+        found = sentence_matches({**trees, where: ast.parse(source)}, pieces)
         assert len(found) == 1 and found[0].startswith(f"{where}: "), (how, found)
     source = f"KEYS = {OLD_KEYS!r}\ndef kind(line):\n    return line.startswith(KEYS)\n"
-    found = sentence_matches({**trees, where: ast.parse(source)})
+    found = sentence_matches({**trees, where: ast.parse(source)}, pieces)
     assert {line.split("'")[1] for line in found} == {key.strip() for key in OLD_KEYS}, found
