@@ -98,6 +98,7 @@ def plan_images(
 
 
 def log_plan(cache: str, source: Source, why: str) -> None:
+    """The cache chosen, for people and as an event."""
     facts = event("image_cache", cache=cache, source=str(source), why=why)
     log.info(f"Image cache: {cache} ({why})", extra=facts)
 

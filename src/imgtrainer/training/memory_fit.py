@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -276,7 +275,7 @@ def build_memory_plan(
     dtype = str(precision.dtype).removeprefix("torch.") if precision.enabled else "float32"
     checkpointing = checkpointing_in_use(model)
     fields = {"step_batch": step_batch, "dtype": dtype, "checkpointing": checkpointing}
-    facts = event("memory", **dataclasses.asdict(plan), **fields)
+    facts = event("memory", **asdict(plan), **fields)
     log.info(
         f"Memory: micro-batch {plan.micro_batch} ({step_batch // plan.micro_batch} "
         f"forward/backward pass(es) per optimizer step of {step_batch} images per "
