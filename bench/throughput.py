@@ -647,7 +647,9 @@ def run_trainer_steps(trainer, warmup: int, steps: int, timer: PhaseTimer, epoch
                 return epoch > 0
             return False
 
-    mixer = trainer.loaders.mixer.for_epoch(epoch) if trainer.loaders.mixer else None  # --mixup/--cutmix
+    mixer = (
+        trainer.loaders.mixer.for_epoch(epoch) if trainer.loaders.mixer else None
+    )  # --mixup/--cutmix
     trainer.loaders.sampler.set_epoch(epoch)
     with timer.attached():
         train_one_epoch(
