@@ -67,29 +67,42 @@ def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
         pass
 
 
+HOLDER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from imgtrainer.checkpoints.run_folder import FolderLock
+
+FolderLock(Path(sys.argv[2])).acquire()
+child = os.fork()  # as a rank forks its loader workers
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print("locked", child, flush=True)
+time.sleep(60)
+"""
+
+
 def test_lock_of_a_killed_process_is_free_at_once(tmp_path: Path):
-    """The kernel drops the lock with its process, so a crash never leaves a folder stuck."""
+    """The kernel drops the lock with its process, so a crash never leaves a folder stuck;
+    a child it forked (a loader worker that outlives its rank for a moment) does not keep it,
+    so torchrun's restarted workers find the folder free."""
     folder = tmp_path / "ckpt"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from imgtrainer.checkpoints.run_folder import FolderLock; from pathlib import Path; "
-            "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
-            str(SRC),
-            str(folder),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, "-c", HOLDER, str(SRC), str(folder)]
+    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        word, child = holder.stdout.readline().split()
+        assert word == "locked"
         assert f"pid {holder.pid} " in lock_holder(folder)
-    finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-    assert lock_holder(folder) is None
+        assert lock_holder(folder) is None  # the forked child still lives
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        if child is not None:
+            os.kill(int(child), signal.SIGKILL)
 
 
 def test_checkpoint_dir_that_is_a_file_is_one_clear_error(tmp_path: Path):

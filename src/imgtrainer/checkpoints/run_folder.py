@@ -76,6 +76,23 @@ def check_checkpoint_dir(folder: Path) -> None:
         )
 
 
+_held: dict[int, FolderLock] = {}  # the locks this process holds, by descriptor
+
+
+def _forget_inherited_locks() -> None:
+    """In a forked child (a loader worker): its copies of the lock descriptors closed. An flock
+    lives while any copy is open: the lock then ends with the process that took it, and
+    torchrun's restarted workers do not find the folder busy while the old ones' children die."""
+    for fd, lock in _held.items():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        lock._fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_locks)
+
+
 class FolderLock:
     """``flock`` on ``folder/.lock``; ``acquire`` raises ``FolderBusy`` naming the holder."""
 
@@ -109,6 +126,7 @@ class FolderLock:
                 raise
             raise folder_busy(self.path.parent, read_holder(self.path)) from None
         self._fd = fd
+        _held[fd] = self
         started = datetime.datetime.now().isoformat(timespec="seconds")
         try:
             os.ftruncate(fd, 0)
@@ -122,6 +140,7 @@ class FolderLock:
     def release(self) -> None:
         # The file stays: deleting a lock file races with a process that has just opened it.
         if self._fd is not None:
+            _held.pop(self._fd, None)
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
