@@ -10,12 +10,12 @@ The faults, a random order of every kind in turn: SIGKILL of a rank, of a loader
 the whole job (launcher, torchrun, ranks, workers; then the same command again); SIGSTOP of a
 rank or of a loader worker (the launcher's hang watchdog must name it and restart the workers);
 SIGTERM to the launcher (a stop with a checkpoint), then the same command again; a full disk
-for a moment under the checkpoint folder (a small tmpfs there, in a user and mount namespace
-of this process: ``unshare -rm``, no root needed; left out, and said so, where the kernel does
-not allow it). Each comes at a global step that the seed chose in its own share of the run's
-steps, where the ranks wait for it (tests/fault_injection/step_gate.py): no machine is too fast
-or too slow for the schedule. The command is the same every time, with ``--resume auto``: a
-relaunch continues from the newest checkpoint.
+under the checkpoint folder until the run met it at a checkpoint (a small tmpfs there, in a
+user and mount namespace of this process: ``unshare -rm``, no root needed; left out, and said
+so, where the kernel does not allow it). Each comes at a global step that the seed chose in its
+own share of the run's steps, where the ranks wait for it (tests/fault_injection/step_gate.py):
+no machine is too fast or too slow for the schedule. The command is the same every time, with
+``--resume auto``: a relaunch continues from the newest checkpoint.
 
 Prints a line per fault (the global step it came at, the step the run resumed from: the steps
 trained again, the seconds from the fault to the resumed line and to training past that step

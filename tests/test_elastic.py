@@ -594,6 +594,9 @@ child = (
     "ignored = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN\\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\\n"
     "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\\n"
+    # A child of its own that nothing else ends (as one wedged at its fork): its pid, then sleep.
+    "left = os.fork()\\n"
+    "time.sleep(60) if left == 0 else open(sys.argv[1], 'w').write(str(left))\\n"
     # Written whole, then renamed: the signal may come as soon as the name exists.
     f"open({ready!r} + '.tmp', 'w').write(str(ignored))\\n"
     f"os.rename({ready!r} + '.tmp', {ready!r})\\n"
@@ -606,7 +609,8 @@ def warn_when_ready():
     os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning before the time limit
 
 threading.Thread(target=warn_when_ready, daemon=True).start()
-received, code = run_forwarding_signals([sys.executable, "-c", child], dict(os.environ), None)
+command = [sys.executable, "-c", child, ready + ".left"]
+received, code = run_forwarding_signals(command, dict(os.environ), None)
 print(received, code)
 """
 
@@ -614,7 +618,7 @@ print(received, code)
 def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
     """torchrun's agent stops its workers on SIGTERM (SIGUSR1 would end it at once); it starts
     with SIGUSR1 ignored, for SLURM's warning sent to every process of the step, and a worker
-    that handles SIGUSR1 still gets it."""
+    that handles SIGUSR1 still gets it. Nothing of torchrun's session outlives it."""
     result = run_cli(
         ["-c", FORWARD_SCRIPT, tmp_path / "ready"],
         tmp_path,
@@ -624,3 +628,5 @@ def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [f"[{int(signal.SIGUSR1)}]", "7"]
     assert (tmp_path / "ready").read_text() == "True"  # torchrun started with SIGUSR1 ignored
+    left = Path(f"/proc/{(tmp_path / 'ready.left').read_text()}/stat")
+    assert not left.exists() or left.read_text().rsplit(")", 1)[1].split()[0] == "Z"

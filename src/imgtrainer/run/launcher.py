@@ -300,6 +300,9 @@ def run_forwarding_signals(
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = child.wait()
+    # Its session's leftovers: a child wedged at its fork (CPython < 3.11.8) has no death signal.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
     return received, (128 - code if code < 0 else code)
 
 
