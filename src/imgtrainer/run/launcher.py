@@ -268,8 +268,9 @@ def run_torchrun(
         hangs = [verdict for verdict, _ in watchdog.hangs] if watchdog else []
         agent = None if code == 0 or received or hangs else read_agent_failure(Path(reports))
         if agent and agent.startswith(LOST_STORE):
-            endpoint = next(a for a in command if a.startswith("--rdzv-endpoint="))
-            return report_lost_store(endpoint.split("=", 1)[1], resume, log_file)
+            flag = "--rdzv-endpoint="
+            endpoint = next((a[len(flag) :] for a in command if a.startswith(flag)), "unknown")
+            return report_lost_store(endpoint, resume, log_file)
         if agent:
             return report_agent_failure(agent, read_outcomes(Path(reports)), code, log_file)
         return exit_code(code, read_outcomes(Path(reports)), received, log_file, hangs)
