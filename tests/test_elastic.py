@@ -40,6 +40,7 @@ from imgtrainer.run.rendezvous import claim_store_host
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
 from sitecustomize import RECORD_ENV  # noqa: E402
+from step_gate import GATE_ENV, write_atomic  # noqa: E402
 
 PREEMPT_ENV = "PREEMPT_AT"
 
@@ -493,23 +494,26 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
         *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", conf),
     ]
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
-    # Held 4 s after each step at world size 2, so the kill (at most a second after the
-    # checkpoint appears) lands after the mid-epoch checkpoint and before the epoch's end
-    # whatever the machine's speed (an epoch is 2 steps).
+    # Both ranks held after step 1 and its checkpoint until the kill (an epoch is 2 steps): it
+    # lands after the mid-epoch checkpoint and before the epoch's end, whatever the speeds.
     # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="4:2", LOGLEVEL="INFO")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    write_atomic(gate / "gate", "1 0")
+    hold = {GATE_ENV: str(gate), HOOKS_ENV: "step_gate:hold_at_gate"}
+    env = recording_env(workdir, LOGLEVEL="INFO", **hold)
     first = start_launcher(flags, workdir, env=env)
     # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
     # its torchrun hosts it, whichever agent imports torch first; both join the first round.
     torchrun_log = workdir / "logs" / "torchrun.log"
     wait_for(lambda: torchrun_log.exists(), 60, first)
     second = start_launcher(flags, workdir, env=env)
-    checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
-    wait_for(checkpoint.exists, 300, first)
+    wait_for(lambda: all((gate / f"held.rank{r}").exists() for r in (0, 1)), 300, first)
     assert latest(workdir)["world_size"] == 2 and latest(workdir)["step"] == 1
     victim, survivor = (second, first) if lost == "the other agent" else (first, second)
     os.killpg(agent_group(victim), signal.SIGKILL)
     victim.kill()
+    write_atomic(gate / "gate", f"{1 << 40} 0")  # the survivor's rank goes on, to lose its peer
     stdout, stderr = survivor.communicate(timeout=300)
     victim.communicate()
     if lost == "the rendezvous host":

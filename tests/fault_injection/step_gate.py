@@ -1,5 +1,5 @@
-"""A hook for the chaos soak (bench/chaos.py), named in $IMGTRAINER_HOOKS as
-``step_gate:hold_at_gate`` with this folder on PYTHONPATH: faults placed by training progress.
+"""A hook for faults placed by training progress (bench/chaos.py, tests/test_elastic.py), named
+in $IMGTRAINER_HOOKS as ``step_gate:hold_at_gate`` with this folder on PYTHONPATH.
 
 STEP_GATE=FOLDER: after each optimizer step (and its checkpoint, if any), each rank reads
 FOLDER/gate, "STEP ATTEMPT": at the first global step at or after STEP, on a torchrun attempt
