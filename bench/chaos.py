@@ -10,11 +10,12 @@ The faults, a random order of every kind in turn: SIGKILL of a rank, of a loader
 the whole job (launcher, torchrun, ranks, workers; then the same command again); SIGSTOP of a
 rank or of a loader worker (the launcher's hang watchdog must name it and restart the workers);
 SIGTERM to the launcher (a stop with a checkpoint), then the same command again; a full disk
-for a moment under the checkpoint folder (a small tmpfs there, in a user and mount namespace
-of this process: ``unshare -rm``, no root needed; left out, and said so, where the kernel does
-not allow it). Each comes at a random moment once the run trains again after the last one. The
-command is the same every time, with ``--resume auto``: a relaunch continues from the newest
-checkpoint.
+under the checkpoint folder until the run met it at a checkpoint (a small tmpfs there, in a
+user and mount namespace of this process: ``unshare -rm``, no root needed; left out, and said
+so, where the kernel does not allow it). Each comes at a global step that the seed chose in its
+own share of the run's steps, where the ranks wait for it (tests/fault_injection/step_gate.py):
+no machine is too fast or too slow for the schedule. The command is the same every time, with
+``--resume auto``: a relaunch continues from the newest checkpoint.
 
 Prints a line per fault (the global step it came at, the step the run resumed from: the steps
 trained again, the seconds from the fault to the resumed line and to training past that step
@@ -46,8 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
+sys.path.insert(0, str(ROOT / "tests"))  # support/, fault_injection/: shared with the tests
 
+from fault_injection.step_gate import GATE_ENV, write_atomic  # noqa: E402
 from imgtrainer.heartbeat import (  # noqa: E402
     HEARTBEAT_DIR_ENV,
     Beat,
@@ -68,6 +70,8 @@ KINDS = (
 )
 # Kinds after which the same command is launched again (the launcher has ended).
 RELAUNCHED = ("kill job", "term launcher")
+RANKS, STEPS_PER_EPOCH = 2, 8  # trainer_flags: 264 training images, 16 per process
+NO_GATE = 1 << 40  # a step no run reaches: after the last fault, the run trains to its end
 IN_NAMESPACE_ENV = "CHAOS_IN_NAMESPACE"
 TMPFS_MB = 64  # the checkpoint folder's size under "disk full": a few checkpoints' worth
 FAULT_TIMEOUT = 180.0  # seconds for a fault's recovery before it counts as not survived
@@ -105,6 +109,7 @@ class Job:
     command: list[str]
     cwd: Path
     launch: int
+    env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen = field(init=False)
     folder: Path | None = None
 
@@ -113,7 +118,7 @@ class Job:
             open(self.cwd / "launcher.out", "a") as out,
             open(self.cwd / "launcher.err", "a") as err,
         ):
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
             self.process = subprocess.Popen(
                 self.command, cwd=self.cwd, stdout=out, stderr=err, env=env
             )
@@ -144,6 +149,10 @@ class Job:
         if len(beats) < 2 or any(b.phase in (Phase.NOT_STARTED, Phase.DONE) for b in beats):
             return None
         return attempt, max(b.step for b in beats)
+
+    def newest_attempt(self) -> int:
+        """The newest torchrun attempt that has a live rank (-1 while none has)."""
+        return max((n.attempt for n in self.slots() if n.is_rank), default=-1)
 
     def processes(self, kind: str) -> list[SlotName]:
         """The live processes of the newest attempt: its ranks ("rank") or loader workers."""
@@ -227,6 +236,44 @@ class FullDisk:
         subprocess.run(["umount", str(self.folder)], check=False)
 
 
+class Gate:
+    """Where the run's ranks wait for the next fault (tests/fault_injection/step_gate.py): at the
+    first global step at or after ``step`` of a torchrun attempt at or after ``attempt``."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.step = NO_GATE
+
+    @property
+    def env(self) -> dict[str, str]:
+        path = [str(ROOT / "tests" / "fault_injection"), os.environ.get("PYTHONPATH", "")]
+        return {
+            GATE_ENV: str(self.folder),
+            "IMGTRAINER_HOOKS": "step_gate:hold_at_gate",
+            "PYTHONPATH": os.pathsep.join(filter(None, path)),
+        }
+
+    def open(self, step: int, attempt: int) -> None:
+        """The next gate; ranks held at the last one go on."""
+        self.step = step
+        write_atomic(self.folder / "gate", f"{step} {attempt}")
+
+    def held(self) -> tuple[int, int] | None:
+        """(attempt, global step) where every rank holds at this gate, else None."""
+        found = set()
+        for rank in range(RANKS):
+            try:
+                text = (self.folder / f"held.rank{rank}").read_text()
+                gate, attempt, step = (int(v) for v in text.split())
+            except (OSError, ValueError):
+                return None
+            if gate != self.step:
+                return None
+            found.add((attempt, step))
+        return found.pop() if len(found) == 1 else None
+
+
 def namespace_ok() -> str | None:
     """None when ``unshare -rm`` can make this process a mount namespace of its own, else why
     not."""
@@ -259,6 +306,7 @@ class Soak:
     def __init__(self, args: argparse.Namespace, workdir: Path, command: list[str]):
         self.args, self.workdir, self.command = args, workdir, command
         self.run_dir = workdir / "chaos"
+        self.gate = Gate(self.run_dir / "gate")
         self.rng = random.Random(args.seed)
         self.faults: list[Fault] = []
         self.launches = 0
@@ -266,9 +314,14 @@ class Soak:
         self.disk: FullDisk | None = None
         self.say: Callable[[str], None] = lambda text: print(text, flush=True)
 
+    def relaunch(self, next_step: int) -> None:
+        """The same command again, held at ``next_step`` (its attempts count from 0 again)."""
+        self.gate.open(next_step, 0)
+        self.launch()
+
     def launch(self) -> Job:
         self.launches += 1
-        self.job = Job(self.command, self.run_dir, self.launches)
+        self.job = Job(self.command, self.run_dir, self.launches, self.gate.env)
         return self.job
 
     def schedule(self) -> list[str]:
@@ -280,29 +333,48 @@ class Soak:
             order += block
         return order[: self.args.faults]
 
+    def fault_steps(self) -> list[int]:
+        """A global step for each fault, one in each equal share of the run's steps (the last
+        step left out), early enough in its share for a full disk's checkpoint before the
+        next share begins (``disk_full_moment``)."""
+        share = self.share(self.args)
+        window = self.args.save_every_steps
+        return [i * share + 1 + self.rng.randrange(share - window) for i in range(self.args.faults)]
+
+    @staticmethod
+    def share(args: argparse.Namespace) -> int:
+        return (args.epochs * STEPS_PER_EPOCH - 1) // args.faults
+
     def run(self) -> None:
+        kinds, steps = self.schedule(), self.fault_steps()
+        self.gate.open(steps[0], 0)
         self.launch()
-        for index, kind in enumerate(self.schedule(), 1):
-            ready = self.wait_training(after=None)
-            if ready is None:
-                self.say(f"  the run ended before fault {index}: {len(self.faults)} faults")
-                break
-            time.sleep(self.rng.uniform(0.3, self.args.max_delay))
-            fault = self.inject(index, kind)
+        for index, kind in enumerate(kinds, 1):
+            held = self.wait_held()
+            fault = None if held is None else self.inject(index, kind, held)
             if fault is None:
                 self.say(f"  the run ended before fault {index}: {len(self.faults)} faults")
                 break
-            self.recover(fault)
+            self.recover(fault, steps[index] if index < len(steps) else NO_GATE)
             self.faults.append(fault)
             self.say("  " + fault_line(fault))
         self.finish()
 
-    def wait_training(
-        self, after: tuple[int, int, int] | None, same_attempt_steps: int | None = None
-    ) -> tuple[int, int] | None:
+    def wait_held(self) -> tuple[int, int] | None:
+        """(attempt, global step) once the ranks hold at the gate; None when the run ended."""
+        deadline = time.monotonic() + FAULT_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.job.ended is not None:
+                return None
+            held = self.gate.held()
+            if held is not None:
+                return held
+            time.sleep(POLL)
+        raise TimeoutError
+
+    def wait_training(self, after: tuple[int, int, int]) -> tuple[int, int] | None:
         """Wait until the job trains past ``after``'s (launch, attempt, step): at a later step
-        of a newer attempt or launch (or, with ``same_attempt_steps``, that many steps later in
-        the same attempt); its (attempt, step), or None when it ended."""
+        of a newer attempt or launch; its (attempt, step), or None when it ended."""
         deadline = time.monotonic() + FAULT_TIMEOUT
         while time.monotonic() < deadline:
             job = self.job
@@ -310,24 +382,15 @@ class Soak:
                 return None
             now = job.training()
             if now is not None:
-                attempt, step = now
-                if after is None:
-                    return now
                 launch, old_attempt, old_step = after
-                newer = (job.launch, attempt) > (launch, old_attempt)
-                if newer and step > old_step:
-                    return now
-                if not newer and same_attempt_steps and step >= old_step + same_attempt_steps:
+                if (job.launch, now[0]) > (launch, old_attempt) and now[1] > old_step:
                     return now
             time.sleep(POLL)
         raise TimeoutError
 
-    def inject(self, index: int, kind: str) -> Fault | None:
+    def inject(self, index: int, kind: str, held: tuple[int, int]) -> Fault | None:
         job = self.job
-        now = job.training()
-        if now is None:
-            return None
-        fault = Fault(index, kind, attempt=now[0], at_step=now[1], launch=job.launch)
+        fault = Fault(index, kind, attempt=held[0], at_step=held[1], launch=job.launch)
         if kind in ("kill rank", "stop rank", "kill worker", "stop worker"):
             who = "rank" if "rank" in kind else "worker"
             choices = job.processes(who)
@@ -349,52 +412,63 @@ class Soak:
             self.disk.fill()
         return fault
 
-    def recover(self, fault: Fault) -> None:
+    def recover(self, fault: Fault, next_step: int) -> None:
         """Wait for the run to train past the fault's step again (relaunching the command where
-        the fault ended the launcher); what it cost."""
+        the fault ended the launcher), the gate open at ``next_step`` for an attempt after the
+        fault's; what it cost."""
         before = (fault.launch, fault.attempt, fault.at_step)
         job = self.job
-        # A full disk that no checkpoint met ends nothing: two checkpoints' steps after it, the
-        # run went on without a restart.
-        unharmed = 2 * self.args.save_every_steps if fault.kind == "disk full" else None
         try:
-            if fault.kind == "disk full":
-                time.sleep(self.rng.uniform(1.0, 3.0))  # the moment
-                self.disk.free()
-                before = (
-                    fault.launch,
-                    fault.attempt,
-                    job.training()[1] if job.training() else fault.at_step,
-                )
+            now = self.disk_full_moment(fault, next_step) if fault.kind == "disk full" else None
             if fault.kind in RELAUNCHED:
                 code = job.process.wait(timeout=FAULT_TIMEOUT)
                 fault.note = f"launcher exit {code}; the same command again"
-                self.launch()
-            elif fault.kind == "disk full" and job.ended is not None:
-                fault.note = (
-                    f"launcher exit {job.ended} (the disk was full); the same command again"
-                )
-                self.launch()
-            now = self.wait_training(before, unharmed)
+                self.relaunch(next_step)
+            elif fault.kind != "disk full":
+                self.gate.open(next_step, fault.attempt + 1)
+            if now is None:
+                now = self.wait_training(before)
             if now is None and self.job.ended == 0:
                 fault.survived, fault.note = True, (fault.note or "the run finished")
                 return
             if now is None:
                 fault.note = f"launcher exit {self.job.ended}: not survived; the same command again"
-                self.launch()
+                self.relaunch(next_step)
                 now = self.wait_training(before)
             else:
                 fault.survived = True
-        except TimeoutError:
+        except (TimeoutError, subprocess.TimeoutExpired):
             fault.note = "no progress: not survived; killed, the same command again"
             self.job.kill_all()
-            self.launch()
+            self.relaunch(next_step)
             now = self.wait_training(before)
         fault.to_recovered = time.time() - fault.at_wall
         fault.restarts = (self.job.launch - fault.launch) + (
             now[0] if self.job.launch != fault.launch else now[0] - fault.attempt
         )
         self.resumed(fault)
+
+    def disk_full_moment(self, fault: Fault, next_step: int) -> tuple[int, int] | None:
+        """The disk stays full until the run passed a checkpoint (held ``--save_every_steps``
+        steps later: every such window holds one), restarted or ended; then freed, and the
+        gate opened at ``next_step`` (relaunching the command where the launcher ended).
+        (attempt, step) where the run went on unharmed, else None."""
+        job = self.job
+        self.gate.open(fault.at_step + self.args.save_every_steps, fault.attempt)
+        deadline = time.monotonic() + FAULT_TIMEOUT
+        held = None
+        while job.ended is None and job.newest_attempt() <= fault.attempt:
+            held = self.gate.held()
+            if held is not None or time.monotonic() > deadline:
+                break
+            time.sleep(POLL)
+        self.disk.free()
+        if job.ended is not None:
+            fault.note = f"launcher exit {job.ended} (the disk was full); the same command again"
+            self.relaunch(next_step)
+        else:
+            self.gate.open(next_step, fault.attempt + (held is None))
+        return held
 
     def resumed(self, fault: Fault) -> None:
         """The first "Resumed from" line between the fault and training past it again: the
@@ -415,6 +489,7 @@ class Soak:
 
     def finish(self) -> None:
         """The run to its end (once more with the same command if it ended otherwise)."""
+        self.gate.open(NO_GATE, 0)
         for _ in range(3):
             code = self.job.process.wait(timeout=FAULT_TIMEOUT * 4)
             if code == 0:
@@ -508,14 +583,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--save_every_steps", type=int, default=3)
     parser.add_argument("--hang_timeout", default="4s")
-    parser.add_argument(
-        "--max_delay", type=float, default=3.0, help="seconds of training between faults, at most"
-    )
     parser.add_argument("--no_disk", action="store_true", help="leave out the full disk")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="kept (default: a temporary folder)"
     )
     args = parser.parse_args(argv)
+    if Soak.share(args) <= args.save_every_steps:
+        parser.error(
+            f"--faults {args.faults} over --epochs {args.epochs} ({STEPS_PER_EPOCH} steps each) "
+            f"leave {Soak.share(args)} steps per fault; a full disk needs more than "
+            f"--save_every_steps {args.save_every_steps}: give more epochs or fewer faults"
+        )
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     return args

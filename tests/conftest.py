@@ -129,11 +129,24 @@ def tiny_run_flags(train: Path, val: Path) -> list[str]:
 # ----------------------------------------------------------------------------- new interpreters
 
 
+def fault_env(**variables: str) -> dict[str, str]:
+    """``variables`` of tests/fault_injection/sitecustomize.py, and that folder on PYTHONPATH:
+    every process of the run loads it and adds the hooks they name."""
+    path = [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH", "")]
+    return {**variables, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
 def kill_at(spec: str) -> dict[str, str]:
     """The environment that makes a run SIGKILL itself at EPOCH:STEP[:RANK] (first torchrun
-    attempt only): tests/fault_injection/sitecustomize.py, on PYTHONPATH, adds the hook."""
-    path = [str(Path(__file__).parent / "fault_injection"), os.environ.get("PYTHONPATH", "")]
-    return {"TRAIN_DDP_KILL_AT": spec, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    attempt only)."""
+    return fault_env(TRAIN_DDP_KILL_AT=spec)
+
+
+def held_until_stopped(processes: int = 2) -> dict[str, str]:
+    """The environment that makes every rank of a run on ``processes`` wait after each step
+    (after its checkpoint) until a stop signal comes: a signal sent once a checkpoint exists
+    lands in the same epoch, however fast the machine."""
+    return fault_env(TRAIN_DDP_STEP_DELAY=f"300:{processes}")
 
 
 def launch_on_cpu(

@@ -26,7 +26,7 @@ def test_a_short_chaos_soak_survives_each_fault_and_ends_bitwise(tmp_path: Path)
     full disk, a stopped rank, a killed loader worker and a killed rank where the soak can make
     a tmpfs of its own (``unshare -rm``), else a killed worker and rank, a stopped rank and
     SIGTERM to the launcher with the same command again."""
-    flags = ["--faults", 4, "--epochs", 5, "--max_delay", 1, "--seed", 5, "--workdir", tmp_path]
+    flags = ["--faults", 4, "--epochs", 5, "--seed", 5, "--workdir", tmp_path]
     result = run_cli([BENCH / "chaos.py", *flags], cwd=tmp_path, timeout=300)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -40,6 +40,7 @@ from imgtrainer.run.rendezvous import claim_store_host
 FAULTS = Path(__file__).parent / "fault_injection"
 sys.path.insert(0, str(FAULTS))
 from sitecustomize import RECORD_ENV  # noqa: E402
+from step_gate import GATE_ENV, write_atomic  # noqa: E402
 
 PREEMPT_ENV = "PREEMPT_AT"
 
@@ -366,18 +367,17 @@ from imgtrainer.run.lifecycle import write_outcome
 class DistNetworkError(RuntimeError):
     pass
 
-class RendezvousConnectionError(Exception):
-    pass
-
 def main():
-    # Rank 0's worker failed (its peer was lost), then the agent lost its rendezvous store.
+    # Rank 0's worker failed (its peer was lost), then the agent itself failed: lost its
+    # rendezvous store (RendezvousConnectionError), or another error of its own.
     os.environ.update(RANK="0", TORCHELASTIC_RESTART_COUNT="0")
     write_outcome(__import__("pathlib").Path(os.environ["TRAIN_DDP_REPORT_DIR"]), 1,
                   "error: RuntimeError: Connection closed by peer", "Traceback: the worker's")
+    error = type(os.environ["AGENT_ERROR"], (Exception,), {})
     try:
         raise DistNetworkError("Connection reset by peer")
     except DistNetworkError as cause:
-        raise RendezvousConnectionError("The connection to the C10d store has failed.") from cause
+        raise error("The connection to the C10d store has failed.") from cause
 """
 
 RUN_AGENT = """
@@ -385,31 +385,45 @@ import sys
 from pathlib import Path
 from imgtrainer.run import launcher
 
+command = [sys.executable, str(launcher.QUICK_EXIT), "agent_fails:main"]
+command.append("--rdzv-endpoint=node0:29400")
 sys.exit(launcher.run_torchrun(
-    [sys.executable, str(launcher.QUICK_EXIT), "agent_fails:main"], dict(__import__("os").environ),
-    Path(sys.argv[1]),
+    command, dict(__import__("os").environ), Path(sys.argv[1]), resume="python launch_ddp.py -x"
 ))
 """
 
 
 def test_the_launcher_names_the_agents_own_failure_not_the_rank_it_was_restarting(tmp_path):
-    """torchrun's agent that fails itself (here, as when its rendezvous store is gone) is named
-    in the launcher's line, with the rank failure it was handling; no rank's traceback."""
+    """torchrun's agent that fails itself is named in the launcher's line, with the rank failure
+    it was handling; no rank's traceback. One that lost the rendezvous store (its host is gone)
+    gets the line that names that host and the command that continues the run."""
     (tmp_path / "agent_fails.py").write_text(AGENT_FAILS)
     pythonpath = os.pathsep.join([str(tmp_path), str(ROOT / "src")])
-    result = run_cli(
-        ["-c", RUN_AGENT, tmp_path / "logs"], tmp_path, timeout=60, env={"PYTHONPATH": pythonpath}
-    )
-    assert result.returncode == 1
-    *_, line = result.stderr.strip().splitlines()
-    assert line == (
-        "error: torchrun's agent failed: RendezvousConnectionError: The connection to the C10d "
+    log = tmp_path / "logs" / "torchrun.log"
+    lines = {}
+    for error in ("RendezvousClosedError", "RendezvousConnectionError"):
+        env = {"PYTHONPATH": pythonpath, "AGENT_ERROR": error}
+        result = run_cli(["-c", RUN_AGENT, tmp_path / "logs"], tmp_path, timeout=60, env=env)
+        assert result.returncode == 1
+        assert "Traceback: the worker's" not in result.stderr
+        [lines[error]] = result.stderr.strip().splitlines()
+    assert lines["RendezvousClosedError"] == (
+        "error: torchrun's agent failed: RendezvousClosedError: The connection to the C10d "
         "store has failed. (DistNetworkError: Connection reset by peer); no restart was tried "
-        "after rank 0's failure (RuntimeError: Connection closed by peer); the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is gone, and a job "
-        f"cannot outlive that one node (torchrun's log: {tmp_path / 'logs' / 'torchrun.log'})"
+        f"after rank 0's failure (RuntimeError: Connection closed by peer) (torchrun's log: {log})"
     )
-    assert "Traceback: the worker's" not in result.stderr
-    assert "RendezvousConnectionError" in (tmp_path / "logs" / "torchrun.log").read_text()
+    assert lines["RendezvousConnectionError"] == (
+        "error: the rendezvous host node0:29400 is gone: its torchrun agent held the job's c10d "
+        f"store, which a job cannot outlive (torchrun's log: {log}); the checkpoints are kept: "
+        "continue with `python launch_ddp.py -x` on each node, starting on the one that will "
+        "host the rendezvous at node0:29400 (or with --rdzv_endpoint naming a node that stays)"
+    )
+    assert "RendezvousConnectionError" in log.read_text()
+    # The command that continues: this launcher's, with --resume auto (the last one given wins).
+    assert launch_ddp.resume_command(["--nnodes", "2", "--resume", "a b.pth"], "a b.pth") == (
+        "python launch_ddp.py --nnodes 2 --resume 'a b.pth' --resume auto"
+    )
+    assert launch_ddp.resume_command(["--resume", "auto"], "auto").endswith(" --resume auto")
 
 
 def test_only_the_agents_own_failures_are_reported_as_its_own(tmp_path, monkeypatch):
@@ -455,11 +469,15 @@ def agent_group(launcher) -> int:
 
 
 @pytest.mark.slow
-def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_path):
-    """Two torchrun agents (--nnodes 1:2, c10d on localhost, one process each); the second
-    (not the rendezvous host) is SIGKILLed with its worker after a mid-epoch checkpoint. The
-    survivor restarts its worker on its own, which resumes at world size 1: every epoch once
-    in the history, each index once per epoch, the uninterrupted run's step count."""
+@pytest.mark.parametrize("lost", ["the other agent", "the rendezvous host"])
+def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_path, lost):
+    """Two torchrun agents (--nnodes 1:2, c10d on localhost, one process each), one SIGKILLed
+    with its worker after a mid-epoch checkpoint. The second agent lost: the survivor restarts
+    its worker on its own, at world size 1. The first, which hosts the rendezvous store, lost:
+    the survivor ends (exit 1) with one line naming that host and the command that continues,
+    the checkpoint kept; that command, run here, hosts the rendezvous itself and goes on at
+    world size 1. Either way: every epoch once in the history, each index once per epoch, the
+    uninterrupted run's step count."""
     train, val = elastic_dataset
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -476,25 +494,43 @@ def test_two_agents_one_sigkilled_the_survivor_finishes(elastic_dataset, tmp_pat
         *("--max_restarts", "2", "--rdzv_id", "elastic-test", "--rdzv_conf", conf),
     ]
     flags = [*elastic, *vit_flags(train, val, "--resume", "auto")]
-    # Held 4 s after each step at world size 2, so the kill (at most a second after the
-    # checkpoint appears) lands after the mid-epoch checkpoint and before the epoch's end
-    # whatever the machine's speed (an epoch is 2 steps).
+    # Both ranks held after step 1 and its checkpoint until the kill (an epoch is 2 steps): it
+    # lands after the mid-epoch checkpoint and before the epoch's end, whatever the speeds.
     # LOGLEVEL: torchrun's agents log their rendezvous rounds and restarts (shown on a failure).
-    env = recording_env(workdir, TRAIN_DDP_STEP_DELAY="4:2", LOGLEVEL="INFO")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    write_atomic(gate / "gate", "1 0")
+    hold = {GATE_ENV: str(gate), HOOKS_ENV: "step_gate:hold_at_gate"}
+    env = recording_env(workdir, LOGLEVEL="INFO", **hold)
     first = start_launcher(flags, workdir, env=env)
     # The first launcher claims the rendezvous store (run.rendezvous) before it starts torchrun:
     # its torchrun hosts it, whichever agent imports torch first; both join the first round.
     torchrun_log = workdir / "logs" / "torchrun.log"
     wait_for(lambda: torchrun_log.exists(), 60, first)
-    second = start_launcher(flags, workdir, env=env, stdout=subprocess.DEVNULL)
-    checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
-    wait_for(checkpoint.exists, 300, first)
+    second = start_launcher(flags, workdir, env=env)
+    wait_for(lambda: all((gate / f"held.rank{r}").exists() for r in (0, 1)), 300, first)
     assert latest(workdir)["world_size"] == 2 and latest(workdir)["step"] == 1
-    os.killpg(agent_group(second), signal.SIGKILL)
-    second.kill()
-    stdout, stderr = first.communicate(timeout=300)
-    assert first.returncode == 0, with_torchrun_log(stderr, torchrun_log)
-    assert "is_host=1" in stdout  # the survivor's agent hosted the store
+    victim, survivor = (second, first) if lost == "the other agent" else (first, second)
+    os.killpg(agent_group(victim), signal.SIGKILL)
+    victim.kill()
+    write_atomic(gate / "gate", f"{1 << 40} 0")  # the survivor's rank goes on, to lose its peer
+    stdout, stderr = survivor.communicate(timeout=300)
+    victim.communicate()
+    if lost == "the rendezvous host":
+        assert "is_host=0" in stdout  # the survivor's agent did not host the store
+        assert survivor.returncode == 1, with_torchrun_log(stderr, torchrun_log)
+        [line] = stderr.strip().splitlines()
+        assert line.startswith(f"error: the rendezvous host {endpoint} is gone: "), line
+        assert (latest(workdir)["world_size"], latest(workdir)["step"]) == (2, 1)  # kept
+        command = shlex.split(line.split("`")[1])
+        assert command[:2] == ["python", str(ROOT / "launch_ddp.py")], line
+        # The printed command, on this machine: it hosts the rendezvous now, and goes on alone.
+        resumed = run_cli(command[1:], workdir, env=env)
+        stdout, stderr = resumed.stdout, resumed.stderr
+        assert resumed.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    else:
+        assert survivor.returncode == 0, with_torchrun_log(stderr, torchrun_log)
+    assert "is_host=1" in stdout  # the agent that finished hosted the store
     assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es)" in stdout
     history = json.loads((workdir / "logs" / "training_history.json").read_text())["epochs"]
     assert [r["epoch"] for r in history] == [1, 2]
@@ -562,6 +598,9 @@ child = (
     "ignored = signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN\\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\\n"
     "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\\n"
+    # A child of its own that nothing else ends (as one wedged at its fork): its pid, then sleep.
+    "left = os.fork()\\n"
+    "time.sleep(60) if left == 0 else open(sys.argv[1], 'w').write(str(left))\\n"
     # Written whole, then renamed: the signal may come as soon as the name exists.
     f"open({ready!r} + '.tmp', 'w').write(str(ignored))\\n"
     f"os.rename({ready!r} + '.tmp', {ready!r})\\n"
@@ -574,7 +613,8 @@ def warn_when_ready():
     os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning before the time limit
 
 threading.Thread(target=warn_when_ready, daemon=True).start()
-received, code = run_forwarding_signals([sys.executable, "-c", child], dict(os.environ), None)
+command = [sys.executable, "-c", child, ready + ".left"]
+received, code = run_forwarding_signals(command, dict(os.environ), None)
 print(received, code)
 """
 
@@ -582,7 +622,7 @@ print(received, code)
 def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
     """torchrun's agent stops its workers on SIGTERM (SIGUSR1 would end it at once); it starts
     with SIGUSR1 ignored, for SLURM's warning sent to every process of the step, and a worker
-    that handles SIGUSR1 still gets it."""
+    that handles SIGUSR1 still gets it. Nothing of torchrun's session outlives it."""
     result = run_cli(
         ["-c", FORWARD_SCRIPT, tmp_path / "ready"],
         tmp_path,
@@ -592,3 +632,5 @@ def test_the_launcher_passes_slurms_sigusr1_on_as_sigterm(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [f"[{int(signal.SIGUSR1)}]", "7"]
     assert (tmp_path / "ready").read_text() == "True"  # torchrun started with SIGUSR1 ignored
+    left = Path(f"/proc/{(tmp_path / 'ready.left').read_text()}/stat")
+    assert not left.exists() or left.read_text().rsplit(")", 1)[1].split()[0] == "Z"

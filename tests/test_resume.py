@@ -19,6 +19,7 @@ from conftest import (
     RESNET18,
     ROOT,
     TINY_FLAGS,
+    held_until_stopped,
     kill_at,
     pack_folder,
     run_cli,
@@ -226,11 +227,13 @@ def test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact(resume_
 def test_sigterm_saves_at_the_current_step_and_resume_continues(resume_dataset, tmp_path):
     train, val = resume_dataset
     # 36 samples per rank at batch 4: 9 steps per epoch, a checkpoint after each one; the
-    # signal is sent once the first is written, so it lands inside the (only) epoch.
+    # signal is sent once the first is written, the ranks held until it comes, so it lands
+    # inside the (only) epoch.
     flags = train_flags(train, val, "--epochs", "1", "--save_every_steps", "1", "--batch_size", "4")
     workdir = tmp_path / "run"
     workdir.mkdir()
-    launcher = start_launcher(["--device", "cpu", "--nproc", "2", *flags], workdir)
+    args = ["--device", "cpu", "--nproc", "2", *flags]
+    launcher = start_launcher(args, workdir, env=held_until_stopped())
     checkpoint = workdir / "checkpoints" / "checkpoint_latest.pth"
     deadline = time.monotonic() + 120
     while not checkpoint.exists() and time.monotonic() < deadline:

@@ -54,8 +54,8 @@ def lock_holder(folder: Path) -> str | None:
 def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
     folder = tmp_path / "ckpt"
     with FolderLock(folder):
-        assert (folder / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
-        # flock locks belong to an open file: a second open in this very process is refused too.
+        # A second lock in this very process is refused too (the file is not opened again: that
+        # would drop a POSIX lock).
         with pytest.raises(FolderBusy, match=rf"{folder} is in use .*pid {os.getpid()} on host"):
             FolderLock(folder).acquire()
         assert f"pid {os.getpid()}" in lock_holder(folder)
@@ -67,29 +67,44 @@ def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Path):
         pass
 
 
+HOLDER = """
+import ctypes, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from imgtrainer.checkpoints.run_folder import FolderLock
+
+FolderLock(Path(sys.argv[2])).acquire()
+# As a rank forks a loader worker; libc's fork runs none of Python's at-fork code, as in a child
+# wedged at its birth by CPython's fork deadlock (gh-112275, before 3.11.8).
+child = ctypes.CDLL(None).fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print("locked", child, flush=True)
+time.sleep(60)
+"""
+
+
 def test_lock_of_a_killed_process_is_free_at_once(tmp_path: Path):
-    """The kernel drops the lock with its process, so a crash never leaves a folder stuck."""
+    """The kernel drops the lock with its process, so a crash never leaves a folder stuck; a
+    child it forked (a loader worker that outlives its rank, however briefly) does not keep it,
+    so torchrun's restarted workers find the folder free."""
     folder = tmp_path / "ckpt"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; sys.path.insert(0, sys.argv[1]); "
-            "from imgtrainer.checkpoints.run_folder import FolderLock; from pathlib import Path; "
-            "FolderLock(Path(sys.argv[2])).acquire(); print('locked', flush=True); time.sleep(60)",
-            str(SRC),
-            str(folder),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, "-c", HOLDER, str(SRC), str(folder)]
+    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    child = None
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        word, child = holder.stdout.readline().split()
+        assert word == "locked"
         assert f"pid {holder.pid} " in lock_holder(folder)
-    finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-    assert lock_holder(folder) is None
+        assert lock_holder(folder) is None  # the forked child still lives
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        if child is not None:
+            os.kill(int(child), signal.SIGKILL)
 
 
 def test_checkpoint_dir_that_is_a_file_is_one_clear_error(tmp_path: Path):

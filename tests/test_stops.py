@@ -18,6 +18,7 @@ from conftest import (
     ROOT,
     TINY_FLAGS,
     assert_user_error,
+    held_until_stopped,
     run_cli,
     start_launcher,
     write_image_folder,
@@ -65,7 +66,8 @@ def stop_dataset(tmp_path: Path) -> list[str]:
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return start_launcher(args, cwd, env={"PYTHONUNBUFFERED": "1"})
+    """The launcher, its ranks held after each step until they are signalled."""
+    return start_launcher(args, cwd, env={"PYTHONUNBUFFERED": "1", **held_until_stopped()})
 
 
 def inode(path: Path) -> int | None:

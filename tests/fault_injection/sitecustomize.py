@@ -16,7 +16,8 @@ torchrun restart), epoch, step, rank, world size and indices. The loader reads t
 
 TRAIN_DDP_FREEZE="ATTEMPT:EPOCH:STEP:RANK:WHERE[,...]" freezes a process with SIGSTOP on that
 torchrun attempt (``freeze_hook``): WHERE "rank" stops the rank after that step, "collective" stops
-it inside the checkpoint's collective of that step (the other ranks enter it late), "worker" stops
+it inside the checkpoint's collective of that step (the other ranks enter it once it is
+stopped), "worker" stops
 its loader worker 0 inside its STEP-th file read of that attempt (EPOCH is not used), "valworker"
 its validation loader's worker 0 (forked at the attempt's first validation).
 
@@ -41,12 +42,14 @@ is still training when another node joins (``step_delay``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 KILL_AT_ENV = "TRAIN_DDP_KILL_AT"
 RECORD_ENV = "TRAIN_DDP_RECORD_INDICES"
@@ -194,18 +197,47 @@ def freeze_hook(trainer):
                     continue
                 if frozen_rank != rank:
                     if where == "collective":
-                        time.sleep(1.5)  # the frozen rank waits in the collective meanwhile
+                        wait_until_stopped(frozen_rank)  # it waits in the collective meanwhile
                     continue
                 say(f"{FREEZE_ENV}: freezing rank {rank} ({where}) at epoch {epoch}, step {step}")
                 if where == "rank":
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:  # inside the collective this step's checkpoint starts with
-                    stop = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP))
-                    stop.daemon = True
-                    stop.start()
+                    threading.Thread(target=stop_in_collective, daemon=True).start()
             return False
 
     return Freeze() if points else None
+
+
+def stop_in_collective() -> None:
+    """SIGSTOP to this process once its main thread is inside a torch.distributed call."""
+    import threading
+
+    main = threading.main_thread().ident
+    while True:
+        frame = sys._current_frames().get(main)
+        while frame is not None and "distributed_c10d" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is not None:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        time.sleep(0.01)
+
+
+def wait_until_stopped(rank: int) -> None:
+    """Until this attempt's rank ``rank`` (found by its heartbeat slot) is stopped, at most 5
+    minutes."""
+    from imgtrainer import heartbeat
+
+    pattern = f"rank{rank}.a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.w-1.p*.hb"
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        for path in heartbeat.heartbeat_dir().glob(pattern):
+            stat = Path(f"/proc/{path.name.split('.p')[-1][:-3]}/stat")
+            with contextlib.suppress(OSError):
+                if stat.read_text().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+        time.sleep(0.02)
 
 
 def freeze_worker_in_read(rank: int, reads: int, kind: str, say) -> None:

@@ -76,15 +76,29 @@ def check_checkpoint_dir(folder: Path) -> None:
         )
 
 
+_held: dict[tuple[int, int], str] = {}  # this process's locks: (device, inode) -> holder line
+os.register_at_fork(after_in_child=_held.clear)  # a forked child holds none of them
+
+
 class FolderLock:
-    """``flock`` on ``folder/.lock``; ``acquire`` raises ``FolderBusy`` naming the holder."""
+    """A POSIX record lock (``fcntl.lockf``) on ``folder/.lock``: this process's alone, so a
+    child it forks never holds it (not even one wedged at its birth, before any of its Python
+    ran: CPython before 3.11.8 can deadlock there), and the kernel drops it when the process
+    dies. ``acquire`` raises ``FolderBusy`` naming the holder. Nothing else in the holding
+    process may open the file: closing any descriptor of it drops the lock."""
 
     def __init__(self, folder: Path):
         self.path = folder / LOCK_NAME
         self._fd: int | None = None
+        self._key = (0, 0)
 
     def acquire(self) -> None:
         check_checkpoint_dir(self.path.parent)
+        # This process's own lock refused from memory: opening and closing the file would drop it.
+        with contextlib.suppress(OSError):
+            found = os.stat(self.path)
+            if (found.st_dev, found.st_ino) in _held:
+                raise folder_busy(self.path.parent, _held[found.st_dev, found.st_ino])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # No O_TRUNC: opening must not erase the holder's pid before we know we are not it.
@@ -95,7 +109,7 @@ class FolderLock:
                 f"{err.strerror}; choose a folder you can write to"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
             if err.errno in NO_LOCKS:
@@ -108,21 +122,22 @@ class FolderLock:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise folder_busy(self.path.parent, read_holder(self.path)) from None
-        self._fd = fd
         started = datetime.datetime.now().isoformat(timespec="seconds")
+        holder = f"pid {os.getpid()} on host {socket.gethostname()}, started {started}"
+        found = os.fstat(fd)
+        self._fd, self._key = fd, (found.st_dev, found.st_ino)
+        _held[self._key] = holder
         try:
             os.ftruncate(fd, 0)
-            os.write(
-                fd,
-                f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(),
-            )
+            os.write(fd, f"{holder}\n".encode())
         except OSError:
             pass  # a full disk: the lock holds all the same; only the holder's name is missing
 
     def release(self) -> None:
         # The file stays: deleting a lock file races with a process that has just opened it.
         if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
+            _held.pop(self._key, None)
+            os.close(self._fd)  # closing the descriptor releases the lock
             self._fd = None
 
     def __enter__(self) -> FolderLock:

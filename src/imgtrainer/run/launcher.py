@@ -48,7 +48,7 @@ from imgtrainer.process import (
     visible_gpu_count,
 )
 from imgtrainer.run.lifecycle import REPORT_DIR_ENV, read_agent_failure, read_outcomes
-from imgtrainer.run.outcome import exit_code, report_agent_failure
+from imgtrainer.run.outcome import LOST_STORE, exit_code, report_agent_failure, report_lost_store
 from imgtrainer.run.preflight import launcher_checks
 from imgtrainer.run.rendezvous import claim_store_host
 from imgtrainer.run.watchdog import Watchdog, WatchPlan
@@ -242,11 +242,12 @@ def run_torchrun(
     env: dict[str, str],
     log_dir: Path,
     hang_watch: tuple[float | None, int, bool] = (None, 0, True),
+    resume: str = "the same command with --resume auto",
 ) -> int:
     """Run torchrun with its stderr in LOG_DIR/torchrun.log, and return the run's exit code.
     ``hang_watch``: (--hang_timeout in seconds or None for off, --max_restarts, whether this
     node runs every rank) for the hang watchdog (``run.watchdog``), which watches this node's
-    ranks from here."""
+    ranks from here; ``resume``: the command that continues the run (``resume_command``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / TORCHRUN_LOG
     with (
@@ -267,12 +268,12 @@ def run_torchrun(
         with watchdog or contextlib.nullcontext():
             received, code = run_forwarding_signals(command, env, log)
         hangs = [verdict for verdict, _ in watchdog.hangs] if watchdog else []
-        if (
-            code != 0
-            and not received
-            and not hangs
-            and (agent := read_agent_failure(Path(reports)))
-        ):
+        agent = None if code == 0 or received or hangs else read_agent_failure(Path(reports))
+        if agent and agent.startswith(LOST_STORE):
+            flag = "--rdzv-endpoint="
+            endpoint = next((a[len(flag) :] for a in command if a.startswith(flag)), "unknown")
+            return report_lost_store(endpoint, resume, log_file)
+        if agent:
             return report_agent_failure(agent, read_outcomes(Path(reports)), code, log_file)
         return exit_code(code, read_outcomes(Path(reports)), received, log_file, hangs)
 
@@ -302,6 +303,9 @@ def run_forwarding_signals(
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
     code = child.wait()
+    # Its session's leftovers: a child wedged at its fork (CPython < 3.11.8) has no death signal.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
     return received, (128 - code if code < 0 else code)
 
 
@@ -370,10 +374,18 @@ def main(argv: list[str] | None = None) -> int:
         restarts = restart_budget(args.max_restarts, args.nnodes)
         hang_watch = (hang_seconds(cfg.hang_timeout), restarts, one_node)
         env = torchrun_env(args, device, nproc)
-        return run_torchrun(command, env, Path(cfg.log_dir), hang_watch)
+        resume = resume_command(sys.argv[1:] if argv is None else argv, cfg.resume)
+        return run_torchrun(command, env, Path(cfg.log_dir), hang_watch, resume)
     finally:
         if lock is not None:
             lock.close()
+
+
+def resume_command(argv: list[str], resume: str | None) -> str:
+    """This launcher's command with --resume auto (the last --resume given wins)."""
+    script = sys.argv[0] if sys.argv[0].endswith("launch_ddp.py") else "launch_ddp.py"
+    flags = argv if resume == "auto" else [*argv, "--resume", "auto"]
+    return shlex.join(["python", script, *map(str, flags)])
 
 
 def elastic_store_host(args: argparse.Namespace):

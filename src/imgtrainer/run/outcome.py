@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from imgtrainer.errors import EXIT_RUN_FAILED
 from imgtrainer.process import EXIT_HUNG, exit_code_for
 from imgtrainer.run.watchdog import Verdict
 
@@ -72,17 +73,32 @@ def report_agent_failure(line: str, outcomes: list[dict], code: int, log_file: P
     if failures:
         reason = failures[0]["line"].removeprefix("error: ") or f"code {failures[0]['code']}"
         after = f"; no restart was tried after rank {failures[0]['rank']}'s failure ({reason})"
-    if line.startswith("RendezvousConnectionError"):
-        after += (
-            "; the agent that hosts the rendezvous store (on the --rdzv_endpoint host) is "
-            "gone, and a job cannot outlive that one node"
-        )
     print(
         f"error: torchrun's agent failed: {line}{after} (torchrun's log: {log_file})",
         file=sys.stderr,
         flush=True,
     )
     return code
+
+
+# The agent's failure when the agent that hosted the rendezvous store is gone.
+LOST_STORE = "RendezvousConnectionError"
+
+
+def report_lost_store(endpoint: str, resume: str, log_file: Path) -> int:
+    """The agent that hosted the rendezvous store is gone: no round can be held, so no restart
+    either. One line naming it and the command that continues from the kept checkpoints; exit
+    code 1, a failure (130 and 143 are stops on request, 3 a hang), torchrun's own."""
+    print(
+        f"error: the rendezvous host {endpoint} is gone: its torchrun agent held the "
+        f"job's c10d store, which a job cannot outlive (torchrun's log: {log_file}); the "
+        f"checkpoints are kept: continue with `{resume}` on each node, starting on the "
+        f"one that will host the rendezvous at {endpoint} (or with --rdzv_endpoint "
+        "naming a node that stays)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_RUN_FAILED
 
 
 def report_hang(verdict: Verdict, log_file: Path) -> int:
