@@ -109,9 +109,9 @@ def test_tar_members_named_with_any_bytes_train_and_their_index_is_read_back(tmp
         "garbage",
         "imgtrainer-tar-index 1 {size} {time}\n0\t1\t0\tname\n",  # the first version's
         "{stamp}\n0\t1\n",  # cut short
-        "{stamp}\nx\ty\tz\t\"n\"\n",
+        '{stamp}\nx\ty\tz\t"n"\n',
         "{stamp}\n0\t1\t0\tnot json\n",
-        "{stamp}\n0\t-5\t0\t\"n\"\n",
+        '{stamp}\n0\t-5\t0\t"n"\n',
         "{stamp}\n0\t1\t0\t[1]\n",
     ],
 )
@@ -211,3 +211,20 @@ def test_a_file_name_with_a_newline_keeps_its_prediction_row(tmp_path: Path):
     predictions.save(tmp_path / "p.npz")
     loaded = Predictions.load(tmp_path / "p.npz")
     assert loaded.locations == predictions.locations and len(loaded) == 2
+
+
+@pytest.mark.parametrize("fields", [{"effective_batch_size": 1}, {"config": None}])
+def test_the_checkpoints_fuzzing_found_resume_with_one_line(fields):
+    """Found by tests/test_fuzz.py: a checkpoint with an effective batch but no layout or
+    config (TypeError), or a None config (AttributeError), ended a resume with a traceback."""
+    from imgtrainer.checkpoints.files import CheckpointError
+    from imgtrainer.checkpoints.resume import check_resume_fits, check_resume_settings
+    from imgtrainer.config import TrainConfig
+
+    state = {"model_state_dict": {}, "optimizer_state_dict": {}, "epoch": 0, **fields}
+    config = TrainConfig().to_dict()
+    check_resume_fits(state, Path("x.pth"), ["a"], "resnet18", "adamw")
+    try:
+        check_resume_settings(state, Path("x.pth"), config, 2, override=False)
+    except CheckpointError as err:
+        assert "\n" not in str(err)
