@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
-from imgtrainer.checkpoints.remote import fetch_latest
+from imgtrainer.checkpoints.remote import DOWNLOADED, fetch_latest
 from imgtrainer.config import parse_config
 from imgtrainer.data.layouts import open_datasets
 from imgtrainer.data.layouts.names import Reading
@@ -376,9 +377,79 @@ def test_an_upload_does_not_hold_training_up_and_resume_downloads_it(s3, tmp_pat
     proxy.stop()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
     assert s3.keys(url) == ["run/checkpoint_best.pth", "run/checkpoint_latest.pth"]
-    assert fetch_latest(url, Store(), tmp_path / "fresh")
-    loaded = torch.load(tmp_path / "fresh" / "checkpoint_latest.pth", weights_only=True)
+    assert fetch_latest(url, Store(), tmp_path / "fresh") == f"{url}/checkpoint_latest.pth"
+    loaded = torch.load(tmp_path / "fresh" / DOWNLOADED, weights_only=True)
     assert torch.equal(loaded["model_state_dict"]["w"], state["model_state_dict"]["w"])
+
+
+def test_queued_uploads_are_bounded_and_a_replaced_best_is_still_uploaded(
+    s3, tmp_path, monkeypatch
+):
+    """Four checkpoints saved while the first's upload hangs: the second (a best epoch) and the
+    third wait, each replaced by the next: the store gets the first and the last as its latest,
+    and the second as its best; no more than the held and the waiting snapshots stay on the disk
+    (and the replaced best's), and none once the uploads end. Leftovers of a killed run go."""
+    from imgtrainer.checkpoints.remote import CheckpointMirror
+    from imgtrainer.checkpoints.writer import CheckpointWriter
+
+    url = new_bucket(s3) + "/run"
+    proxy, endpoint = proxied(s3, delay=0.0)
+    proxy.stall(f"PUT /{url[5:]}/checkpoint_latest.pth HTTP".encode())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    for leftover in (".upload-1-1.pth", DOWNLOADED):
+        (local / leftover).write_bytes(b"a killed run's")
+    mirror = CheckpointMirror(url, local, tmp_path, Store(), enabled=True)
+    assert sorted(p.name for p in local.iterdir()) == []
+    writer = CheckpointWriter(local, True, mirror=mirror)
+    history = type("History", (), {"save": lambda self: None})()
+    for step in range(4):
+        state = {"model_state_dict": {"w": torch.full((1000,), float(step))}, "step": step}
+        writer.save_with_history(state, history, is_best=step in (0, 1), keep_epochs=None)
+        if step == 0:
+            assert proxy.stalling.wait(30)
+        assert len(list(local.glob(".upload-*"))) <= 3
+    proxy.release()
+    writer.finish()
+    proxy.stop()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    assert list(local.glob(".upload-*")) == []
+    assert fetch_latest(url, Store(), tmp_path / "fresh")
+    assert torch.load(tmp_path / "fresh" / DOWNLOADED, weights_only=True)["step"] == 3
+    Store().get_file(f"{url}/checkpoint_best.pth", tmp_path / "best.pth")
+    assert torch.load(tmp_path / "best.pth", weights_only=True)["step"] == 1
+
+
+def test_a_resume_from_a_bucket_takes_the_newest_checkpoint_local_or_remote(s3, tmp_path, caplog):
+    """A restart after an upload that did not finish: the store one checkpoint behind the disk.
+    The local one is kept; had the store been ahead, its own would be taken."""
+    from conftest import ONE_CPU_PROCESS
+    from imgtrainer.config import TrainConfig
+    from imgtrainer.training.run_state import take_newest_checkpoint
+
+    url = new_bucket(s3) + "/run"
+    cfg = TrainConfig(checkpoint_dir=url, log_dir=str(tmp_path / "logs"), resume="auto")
+    local = tmp_path / "logs" / "checkpoints"
+    local.mkdir(parents=True)
+
+    def checkpoint(epoch: int, position: int) -> bytes:
+        state = {"model_state_dict": {}, "optimizer_state_dict": {}, "epoch": epoch}
+        torch.save({**state, "epoch_position": position}, tmp_path / "c.pth")
+        return (tmp_path / "c.pth").read_bytes()
+
+    latest = local / "checkpoint_latest.pth"
+    for mine, theirs, taken in (((1, 32), (1, 16), "local"), ((1, 32), (2, 0), "store")):
+        latest.write_bytes(checkpoint(*mine))
+        Store().put_bytes(f"{url}/checkpoint_latest.pth", checkpoint(*theirs))
+        with caplog.at_level(logging.INFO):
+            take_newest_checkpoint(cfg, ONE_CPU_PROCESS)
+        kept = torch.load(latest, weights_only=True)
+        assert (kept["epoch"], kept["epoch_position"]) == (mine if taken == "local" else theirs)
+        line = caplog.records[-1].getMessage()
+        first = "the local" if taken == "local" else url
+        assert line.startswith(f"Resume: {first}") and "is the newest checkpoint, not" in line
+        assert not (local / DOWNLOADED).exists()
 
 
 # ----------------------------------------------------------------------------- runs
@@ -483,7 +554,7 @@ def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(hub_data
     } == {k.removeprefix("to-the-bit/") for k in keys}
     fetched = tmp_path / "fetched"
     assert fetch_latest(f"{hub_data.url}/to-the-bit", Store(), fetched)
-    remote = torch.load(fetched / "checkpoint_latest.pth", weights_only=True)["model_state_dict"]
+    remote = torch.load(fetched / DOWNLOADED, weights_only=True)["model_state_dict"]
     reference = latest_weights(hub_data.reference)
     assert remote.keys() == reference.keys()
     assert all(torch.equal(remote[name], reference[name]) for name in reference)
@@ -524,7 +595,7 @@ def test_killed_at_two_processes_resumed_from_the_bucket_on_an_empty_disk_at_one
     assert f"Training data: 32 images in 2 classes from Parquet {hub_data.url}/train.parquet" in log
     in_bucket = tmp_path / "in_bucket"
     assert fetch_latest(url, Store(), in_bucket)
-    kept = torch.load(in_bucket / "checkpoint_latest.pth", weights_only=True)
+    kept = torch.load(in_bucket / DOWNLOADED, weights_only=True)
     assert (kept["epoch"], kept["step"]) == (0, 1)  # the upload before the killed one, whole
     local = torch.load(tmp_path / "logs/checkpoints/checkpoint_latest.pth", weights_only=True)
     assert (local["epoch"], local["step"]) > (0, 1)  # newer, on this disk only
@@ -532,7 +603,7 @@ def test_killed_at_two_processes_resumed_from_the_bucket_on_an_empty_disk_at_one
     shutil.rmtree(tmp_path / "logs")  # a new machine: nothing of the run on its disk
     assert run_recorded(flags, tmp_path, monkeypatch) == 0  # 1 process
     log = (tmp_path / "logs" / "train_rank_0.log").read_text()
-    assert f"Downloaded {url}/checkpoint_latest.pth" in log
+    assert f"Resume: {url}/checkpoint_latest.pth (epoch 1, sample 16) is the newest" in log
     assert "Resumed from logs/checkpoints/checkpoint_latest.pth: epoch 1, step 1 of 2" in log
     assert "processes 2 -> 1, layout --batch_size 8 x --accum_steps 2 x 1 process(es)" in log
     assert_each_index_once_per_epoch(tmp_path, 2, 32)

@@ -94,6 +94,39 @@ CHECKPOINT_SCHEMA = {
 
 
 # What resuming needs, and what the inference tools need.
+# The type each key's value must have where it is present (None allowed): a file of another
+# shape is refused with one line, whatever reads it next.
+CHECKPOINT_TYPES: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(
+        ("model_state_dict", "state_dict", "model_ema_state_dict", "state_dict_ema"), dict
+    ),
+    **dict.fromkeys(
+        ("optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict", "config"), dict
+    ),
+    **dict.fromkeys(("layout", "early_stopping"), dict),
+    **dict.fromkeys(("epoch", "step", "epoch_position", "micro_batch", "ema_updates"), int),
+    **dict.fromkeys(("best_epoch", "image_size", "world_size", "effective_batch_size"), int),
+    **dict.fromkeys(("best_acc", "best_value"), (int, float)),
+    **dict.fromkeys(("best_weights", "best_metric", "model_name"), str),
+    **dict.fromkeys(("class_names", "mean", "std", "history", "rank_states"), (list, tuple)),
+}
+
+
+def check_checkpoint_shape(state: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose known keys hold values of other types (hand-made, or another
+    tool's file under a known name): one line naming the key."""
+    for key, kind in CHECKPOINT_TYPES.items():
+        value = state.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise CheckpointError(
+                f"checkpoint {path} is not one of src/train_ddp.py: its {key!r} holds a "
+                f"{type(value).__name__}"
+            )
+    names = state.get("class_names") or []
+    if not all(isinstance(name, str) for name in names):
+        raise CheckpointError(f"checkpoint {path} is not one of src/train_ddp.py: its class names")
+
+
 RESUME_KEYS = ("model_state_dict", "optimizer_state_dict", "epoch")
 
 
@@ -166,6 +199,7 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict")
     check_format_version(obj, path)
+    check_checkpoint_shape(obj, path)
     return obj
 
 

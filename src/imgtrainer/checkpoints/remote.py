@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,52 +93,76 @@ def check_checkpoint_url(cfg: TrainConfig) -> None:
         checkpoint_store(cfg).check_writable(cfg.checkpoint_dir)
 
 
-def fetch_resume_checkpoint(cfg: TrainConfig, resuming: bool) -> None:
-    """Before ``--resume auto`` (or a restart) looks in the local copy of a --checkpoint_dir
-    in a store: the store's newest checkpoint, downloaded there (the store is the truth; the
-    local copy stays when the store holds none)."""
-    if resuming and is_url(cfg.checkpoint_dir):
-        fetch_latest(cfg.checkpoint_dir, checkpoint_store(cfg), checkpoint_folder(cfg))
+DOWNLOADED = ".store-latest.pth"  # the store's newest, compared with the local copy's
 
 
-def fetch_latest(url: str, store: Store, local: Path) -> bool:
+def fetch_latest(url: str, store: Store, local: Path) -> str | None:
     """Download the newest checkpoint at ``url`` (``checkpoint_latest.pth``, else its kept
-    previous one) into the local copy ``local``; False when there is none."""
+    previous one) into ``local`` as ``DOWNLOADED``; its URL, or None when there is none."""
     names = {u.rsplit("/", 1)[-1] for u in store.listing(url, missing_ok=True)}
     for name in (LATEST_NAME, PREVIOUS_NAME):
         if name in names:
-            store.get_file(_url(url, name), local / name)
-            if name == PREVIOUS_NAME:
-                (local / LATEST_NAME).unlink(missing_ok=True)
-            log.info(f"Downloaded {_url(url, name)} to {local / name}")
-            return True
-    return False
+            store.get_file(_url(url, name), local / DOWNLOADED)
+            return _url(url, name)
+    return None
+
+
+def remove_leftovers(local: Path) -> None:
+    """The snapshots of uploads and the downloads a killed run left in its local copy: each
+    kept a replaced checkpoint's blocks alive."""
+    for path in [*local.glob(".upload-*.pth"), local / DOWNLOADED]:
+        path.unlink(missing_ok=True)
 
 
 @dataclass
 class Upload:
     """One checkpoint's uploads: ``snapshot`` (a second name of the local latest at the save)
-    as the latest, then copies in the store (best, kept epochs), removals, the records."""
+    as the latest, then copies in the store (best, kept epochs), removals, the records.
+    ``earlier``: snapshots of checkpoints it replaced in the queue, each to upload under the
+    names their own copies gave them (a best epoch's, a kept epoch's)."""
 
     snapshot: Path | None
     copies: list[str] = field(default_factory=list)
     removals: list[str] = field(default_factory=list)
     records: dict[str, bytes] = field(default_factory=dict)
     replace_previous_run: bool = False  # --overwrite's first checkpoint: the earlier run's go
+    earlier: dict[str, Path] = field(default_factory=dict)
+
+    def after(self, queued: Upload) -> Upload:
+        """This upload in place of ``queued``, still waiting: one checkpoint on the disk and
+        one upload instead of two, and what ``queued`` named that this one does not name again
+        uploaded from its snapshot."""
+        names = set(self.copies) | set(self.removals)
+        kept = {n: p for n, p in queued.earlier.items() if n not in names}
+        kept |= {n: queued.snapshot for n in queued.copies if n not in names and queued.snapshot}
+        for path in {*queued.earlier.values(), queued.snapshot} - {*kept.values(), None}:
+            path.unlink(missing_ok=True)
+        self.earlier = kept
+        self.removals = [n for n in queued.removals if n not in self.copies] + self.removals
+        self.replace_previous_run |= queued.replace_previous_run
+        return self
+
+    def files(self) -> set[Path]:
+        return {p for p in (self.snapshot, *self.earlier.values()) if p is not None}
 
 
 class CheckpointMirror:
     """Uploads the checkpoints written to ``local`` to ``url`` in a background thread, in
-    the order they were written; does nothing where not ``enabled`` (every rank but 0). An
-    upload that fails is one warning; the next checkpoint is uploaded whole all the same."""
+    the order they were written; does nothing where not ``enabled`` (every rank but 0). At most
+    one upload waits behind the one under way: a newer checkpoint takes its place. An upload
+    that fails is one warning; the next checkpoint is uploaded whole all the same."""
 
     def __init__(self, url: str, local: Path, log_dir: Path, store: Store, enabled: bool):
         self.url, self.local, self.log_dir = url, local, log_dir
         self.store, self.enabled = store, enabled
-        self.jobs: queue.Queue[Upload | None] = queue.Queue()
+        self.pending: Upload | None = None
+        self.busy = False
+        self.changed = threading.Condition()
         self.failed: str | None = None
         self.count = 0
         self.thread: threading.Thread | None = None
+        if enabled:
+            remove_leftovers(local)
 
     def target(self, name: str) -> str:
         return _url(self.url, name)
@@ -150,7 +173,9 @@ class CheckpointMirror:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, daemon=True, name="upload")
             self.thread.start()
-        self.jobs.put(upload)
+        with self.changed:
+            self.pending = upload.after(self.pending) if self.pending else upload
+            self.changed.notify_all()
 
     def snapshot(self, latest: Path) -> Path:
         """A second name of the latest checkpoint just written (or a copy): what is uploaded
@@ -174,12 +199,17 @@ class CheckpointMirror:
                 continue
         return found
 
+    def _next(self) -> Upload | None:
+        """The waiting upload, once there is one; None once the mirror is closed."""
+        with self.changed:
+            while self.pending is None and self.thread is not None:
+                self.changed.wait()
+            upload, self.pending = self.pending, None
+            self.busy = upload is not None
+            return upload
+
     def _run(self) -> None:
-        while True:
-            upload = self.jobs.get()
-            if upload is None:
-                self.jobs.task_done()
-                return
+        while (upload := self._next()) is not None:
             try:
                 self._upload(upload)
                 self.failed = None
@@ -188,9 +218,11 @@ class CheckpointMirror:
                 log.warning(f"could not upload to {self.url} ({self.failed}); the checkpoints "
                             f"are in {self.local}, the next one is uploaded again")  # fmt: skip
             finally:
-                if upload.snapshot is not None:
-                    upload.snapshot.unlink(missing_ok=True)
-                self.jobs.task_done()
+                for path in upload.files():
+                    path.unlink(missing_ok=True)
+                with self.changed:
+                    self.busy = False
+                    self.changed.notify_all()
 
     def _upload(self, upload: Upload) -> None:
         store = self.store
@@ -206,6 +238,8 @@ class CheckpointMirror:
             for url in remote_run_files(self.url, store):
                 if not url.endswith((LATEST_NAME, HISTORY_NAME)):
                     store.remove(url)
+        for name, path in upload.earlier.items():  # a replaced checkpoint's best or kept epoch
+            store.put_file(path, self.target(name))
         for name in upload.copies:
             store.copy(self.target(LATEST_NAME), self.target(name))
         for name in upload.removals:
@@ -216,7 +250,9 @@ class CheckpointMirror:
     def flush(self) -> None:
         """Wait for the uploads queued so far (the end of a run)."""
         if self.thread is not None:
-            self.jobs.join()
+            with self.changed:
+                while self.pending is not None or self.busy:
+                    self.changed.wait()
             if self.failed:
                 log.warning(f"the last upload to {self.url} failed ({self.failed}); "
                             f"the newest checkpoint is in {self.local}")  # fmt: skip
@@ -224,6 +260,7 @@ class CheckpointMirror:
     def close(self) -> None:
         self.flush()
         if self.thread is not None:
-            self.jobs.put(None)
-            self.thread.join()
-            self.thread = None
+            thread, self.thread = self.thread, None
+            with self.changed:
+                self.changed.notify_all()
+            thread.join()

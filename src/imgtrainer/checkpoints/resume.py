@@ -54,7 +54,7 @@ def check_resume_fits(
             f"than the data's {len(class_names)} ({difference}); point --train_dir/--val_dir at "
             "the same dataset or start a new run"
         )
-    saved = state.get("config", {})
+    saved = state.get("config") or {}
     for flag, value in (("model", model_name), ("optimizer", optimizer)):
         if saved.get(flag, value) != value:
             raise CheckpointError(
@@ -110,12 +110,16 @@ def saved_global_batch(state: dict[str, Any]) -> int | None:
 
 
 def _saved_layout_text(state: dict[str, Any]) -> str:
-    saved = state.get("layout")
-    if saved:
-        layout = Layout(saved["batch_size"], saved["accum_steps"], saved["world_size"])
-    else:
-        layout = Layout(*saved_step_batch(state), saved_world_size(state))
-    return layout.short()
+    """The saved layout, short; "?" where the checkpoint does not say."""
+    saved = state.get("layout") or {}
+    numbers = [saved.get(key) for key in ("batch_size", "accum_steps", "world_size")]
+    if not all(numbers):
+        step, processes = saved_step_batch(state), saved_world_size(state)
+        numbers = [*step, processes] if step and processes else []
+    try:
+        return Layout(*numbers).short()
+    except (TypeError, ValueError):
+        return "?"
 
 
 def requested_global_batch(

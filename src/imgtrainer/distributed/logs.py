@@ -26,7 +26,9 @@ def logging_for_run(log_dir: Path, dist: DistInfo, name: str = "train") -> Itera
     project.handlers.clear()
     project.setLevel(logging.INFO)
     project.propagate = False
-    file_handler = logging.FileHandler(log_dir / f"{name}_rank_{dist.rank}.log")
+    # A file or member name that is not UTF-8 is written escaped, never a logging error.
+    path = log_dir / f"{name}_rank_{dist.rank}.log"
+    file_handler = logging.FileHandler(path, encoding="utf-8", errors="backslashreplace")
     file_handler.setFormatter(_LevelFormatter("%(asctime)s [rank %(rank)s] %(message)s"))
     file_handler.addFilter(_RankFilter(dist.rank))
     project.addHandler(file_handler)

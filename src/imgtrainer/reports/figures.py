@@ -15,6 +15,8 @@ def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    # Class names and paths are drawn as written: "$...$" in a folder name is not TeX.
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt

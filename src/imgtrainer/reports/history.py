@@ -191,7 +191,66 @@ class HistoryWriter:
 
 def read_history(path: Path) -> dict[str, Any]:
     """Parse a history file; raises ValueError with a reason if it is not one."""
-    data = json.loads(path.read_text())
+    return checked_history(json.loads(path.read_text()))
+
+
+# The history's head: each key a reader takes, and the type its value must have when present.
+HEAD_TYPES: dict[str, type] = {
+    "epochs": list,
+    "events": list,
+    "best": dict,
+    "config": dict,
+    "versions": dict,
+    "environment": dict,
+    "world_size": int,
+    "effective_batch_size": int,
+    "device": str,
+    "class_names": list,
+    "train_class_counts": list,
+    "command": list,
+}
+# What every epoch record holds, and what a validated one holds besides.
+RECORD_KEYS = ("train_loss", "train_acc", "lr")
+VALIDATED_KEYS = ("val_loss", "val_acc", "val_top5")
+ITEM_TYPES = {"events": dict, "class_names": str, "train_class_counts": int, "command": str}
+
+
+def _is(value: Any, kind: type) -> bool:
+    """``isinstance``, but True and False are not numbers here; an int is a float."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def checked_history(data: Any) -> dict[str, Any]:
+    """``data`` if it has a history's shape (the keys readers take, of their types; epoch
+    records of numbers with an int ``epoch``), else ValueError naming what is wrong: a file of
+    any other shape is not read as one."""
     if not isinstance(data, dict) or not isinstance(data.get("epochs"), list):
         raise ValueError("no 'epochs' list")
+    for key, kind in HEAD_TYPES.items():
+        value = data.get(key)
+        if value is not None and not _is(value, kind):
+            raise ValueError(f"{key!r} is not a {kind.__name__}")
+        item = ITEM_TYPES.get(key)
+        if item is not None and value and not all(_is(v, item) for v in value):
+            raise ValueError(f"{key!r} holds other things than {item.__name__}s")
+    for record in data["epochs"]:
+        _check_record(record)
+    best = data.get("best") or {}
+    if not all(best.get(k) is None or _is(best[k], str) for k in ("metric", "weights")):
+        raise ValueError("'best' names its metric or weights otherwise than by a string")
+    if best.get("epoch") is not None and not _is(best["epoch"], int):
+        raise ValueError("'best' epoch is not a number")
     return data
+
+
+def _check_record(record: Any) -> None:
+    if not isinstance(record, dict) or not _is(record.get("epoch"), int):
+        raise ValueError("an epoch record without its epoch number")
+    needed = RECORD_KEYS + (VALIDATED_KEYS if any(k in record for k in VALIDATED_KEYS) else ())
+    missing = [key for key in needed if key not in record]
+    if missing:
+        raise ValueError(f"epoch {record['epoch']}'s record has no {', '.join(missing)}")
+    if not all(value is None or _is(value, float) for value in record.values()):
+        raise ValueError(f"epoch {record['epoch']}'s record holds values that are not numbers")

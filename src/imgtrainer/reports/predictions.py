@@ -76,7 +76,7 @@ class Predictions:
             predicted=self.predicted.astype(np.int32),
             confidence=self.confidence.astype(np.float32),
             loss=self.loss.astype(np.float32),
-            locations=_text("\n".join(self.locations)),
+            locations=_text(json.dumps(self.locations)),  # any character in a file's name
             class_names=_text(json.dumps(self.class_names)),
             about=_text(json.dumps(self.about)),
         )
@@ -88,10 +88,9 @@ class Predictions:
         """Raises OSError or ValueError for a file that is missing or not one of these."""
         with np.load(path, allow_pickle=False) as saved:
             try:
-                locations = _string(saved["locations"])
-                return cls(
+                predictions = cls(
                     json.loads(_string(saved["class_names"])),
-                    locations.split("\n") if locations else [],
+                    _locations(_string(saved["locations"])),
                     saved["targets"].astype(np.int64),
                     saved["predicted"].astype(np.int64),
                     saved["confidence"],
@@ -100,11 +99,28 @@ class Predictions:
                 )
             except KeyError as err:
                 raise ValueError(f"{path} is not a predictions file (no {err})") from None
+        if not _well_formed(predictions):
+            raise ValueError(f"{path} is not a predictions file (its rows do not match)")
+        return predictions
+
+
+def _well_formed(p: Predictions) -> bool:
+    texts = (p.class_names, p.locations)
+    if not all(isinstance(t, list) and all(isinstance(n, str) for n in t) for t in texts):
+        return False
+    return isinstance(p.about, dict) and len(p.locations) == len(p.targets) == len(p.loss)
+
+
+def _locations(text: str) -> list[str]:
+    """A JSON list; older files joined the locations with newlines."""
+    if text.startswith("["):
+        return json.loads(text)
+    return text.split("\n") if text else []
 
 
 def _text(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode(), dtype=np.uint8)
+    return np.frombuffer(text.encode(errors="surrogateescape"), dtype=np.uint8)
 
 
 def _string(array: np.ndarray) -> str:
-    return array.tobytes().decode()
+    return array.tobytes().decode(errors="surrogateescape")

@@ -23,6 +23,7 @@ from imgtrainer.data.host.transforms import EVAL_RESIZE_RATIO, eval_transforms
 from imgtrainer.errors import message_line
 from imgtrainer.models import build_model, strip_wrapper_prefixes
 from imgtrainer.precision import Precision, precision_rule
+from imgtrainer.reports.history import checked_history
 from imgtrainer.training.memory import MemoryPlan
 
 
@@ -157,15 +158,19 @@ def load_classifier(
 
 def checkpoint_history(state: dict[str, Any]) -> dict[str, Any] | None:
     """The training history a checkpoint carries, in the history file's form (for the report's
-    curves); None for a checkpoint without one."""
+    curves); None for a checkpoint without one, or with one of another shape."""
     if not state.get("history"):
         return None
     best = {"epoch": state.get("best_epoch"), "metric": state.get("best_metric")}
-    return {
+    history = {
         "config": state.get("config") or {},
-        "epochs": list(state["history"]),
+        "epochs": list(state["history"]) if isinstance(state["history"], list) else None,
         "best": {**best, "weights": state.get("best_weights")},
     }
+    try:
+        return checked_history(history)
+    except ValueError:  # a history of another shape: the report without its curves
+        return None
 
 
 def training_precision(config: dict[str, Any], device: torch.device) -> Precision:

@@ -21,8 +21,7 @@ from imgtrainer.data import open_rgb
 from imgtrainer.data.host.transforms import normalize_batch
 from imgtrainer.data.layouts.image_files import (
     IMAGE_EXTENSIONS,
-    is_hidden_folder_name,
-    is_image_file,
+    images_under,
 )
 from imgtrainer.data.loaders import loader_workers
 from imgtrainer.distributed.setup import choose_device, cpu_cores_available
@@ -67,15 +66,7 @@ def collect_images(inputs: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for item in inputs:
         if item.is_dir():
-            found = sorted(
-                p
-                for p in item.rglob("*")
-                if p.is_file()
-                and is_image_file(p)
-                and not any(
-                    is_hidden_folder_name(part) for part in p.relative_to(item).parent.parts
-                )
-            )
+            found = images_under(item, lambda line: print(f"WARNING: {line}", file=sys.stderr))
             if not found:
                 raise UserError(f"{item} holds no image files ({'/'.join(IMAGE_EXTENSIONS)})")
             files += found

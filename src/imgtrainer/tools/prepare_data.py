@@ -26,6 +26,7 @@ from imgtrainer.data.layouts.image_files import (
     class_folders,
     is_hidden_folder_name,
     is_image_file,
+    walk_once,
     write_unreadable_list,
 )
 from imgtrainer.errors import UserError, exit_on_user_error
@@ -129,11 +130,15 @@ def _holds_images(folder: Path) -> bool:
     return any(is_image_file(name) for _, _, names in os.walk(folder) for name in names)
 
 
+def warn_line(line: str) -> None:
+    print(f"WARNING: {line}", file=sys.stderr)
+
+
 def list_class_files(class_folder: Path) -> tuple[list[Path], int]:
     """Image files under a class folder (relative, sorted: independent of the file system's
     listing order) and the number of other files, which are left out."""
     images, others = [], 0
-    for dirpath, dirnames, names in os.walk(class_folder, followlinks=True):
+    for dirpath, dirnames, names in walk_once(class_folder, warn_line):
         dirnames[:] = [d for d in dirnames if not is_hidden_folder_name(d)]
         for name in names:
             path = Path(dirpath, name)

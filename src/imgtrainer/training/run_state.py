@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,8 +16,18 @@ from typing import Any
 
 import torch
 
-from imgtrainer.checkpoints.files import load_training_checkpoint, training_checkpoint
-from imgtrainer.checkpoints.remote import checkpoint_folder, fetch_resume_checkpoint
+from imgtrainer.checkpoints.files import (
+    CheckpointError,
+    load_training_checkpoint,
+    previous_path,
+    training_checkpoint,
+)
+from imgtrainer.checkpoints.remote import (
+    DOWNLOADED,
+    checkpoint_folder,
+    checkpoint_store,
+    fetch_latest,
+)
 from imgtrainer.checkpoints.resume import (
     apply_optimisation_settings,
     check_resume_fits,
@@ -28,13 +39,15 @@ from imgtrainer.checkpoints.resume import (
     saved_global_batch,
     saved_world_size,
 )
+from imgtrainer.checkpoints.run_folder import LATEST_NAME
 from imgtrainer.config import Layout, TrainConfig, choose_layout
 from imgtrainer.data import IMAGENET_MEAN, IMAGENET_STD
-from imgtrainer.distributed.collectives import all_gather_objects
+from imgtrainer.distributed.collectives import all_gather_objects, barrier
 from imgtrainer.distributed.setup import DistInfo
 from imgtrainer.errors import UserError
 from imgtrainer.events import event
 from imgtrainer.reports.history import HistoryWriter, best_line
+from imgtrainer.storage import is_url
 from imgtrainer.training.best import BestTracker
 from imgtrainer.training.ema import ModelEma
 from imgtrainer.training.step import RunParts
@@ -87,7 +100,8 @@ def find_resume(cfg: TrainConfig, dist: DistInfo) -> tuple[ResumeSource, TrainCo
     Workers that torchrun restarted continue from the newest checkpoint, as under --resume
     auto. A resume whose flags change the run is refused here unless --resume_override."""
     folder, path, world = checkpoint_folder(cfg), None, dist.world_size
-    fetch_resume_checkpoint(cfg, cfg.resume == "auto" or not dist.first_attempt)
+    if is_url(cfg.checkpoint_dir) and (cfg.resume == "auto" or not dist.first_attempt):
+        take_newest_checkpoint(cfg, dist)
     if not dist.first_attempt:
         path = find_resume_checkpoint("auto", folder)
     path = path or find_resume_checkpoint(cfg.resume, folder)
@@ -103,6 +117,49 @@ def find_resume(cfg: TrainConfig, dist: DistInfo) -> tuple[ResumeSource, TrainCo
         return source, cfg
     layout = choose_layout(target, world, cfg.batch_size)
     return source, replace(cfg, batch_size=layout.batch_size, accum_steps=layout.accum_steps)
+
+
+def take_newest_checkpoint(cfg: TrainConfig, dist: DistInfo) -> None:
+    """Before a resume from a --checkpoint_dir in a store: the newer of the store's newest
+    checkpoint and the local copy's, by their position in training, as the local latest (a
+    restart after an upload that did not finish must not go back). One process per node
+    downloads and decides; every rank must call this."""
+    if dist.local_rank == 0:
+        local = checkpoint_folder(cfg)
+        url = fetch_latest(cfg.checkpoint_dir, checkpoint_store(cfg), local)
+        if url is not None:
+            settle_newest(local, url)
+    barrier()
+
+
+def settle_newest(local: Path, url: str) -> None:
+    """The store's checkpoint (downloaded from ``url`` to ``local/DOWNLOADED``) as the local
+    latest if it is further in training than the local one; one line says which is taken."""
+    fetched, latest = local / DOWNLOADED, local / LATEST_NAME
+    theirs, mine = training_position(fetched), training_position(latest)
+    if mine is not None and (theirs is None or mine >= theirs):
+        fetched.unlink()
+        taken, other = f"the local {latest} ({where(mine)})", f"{url} ({where(theirs)})"
+    else:
+        os.replace(fetched, latest)
+        taken, other = f"{url} ({where(theirs)})", f"the local copy ({where(mine)})"
+    log.info(f"Resume: {taken} is the newest checkpoint, not {other}")
+
+
+def where(position: tuple[int, int] | None) -> str:
+    return "none" if position is None else f"epoch {position[0] + 1}, sample {position[1]}"
+
+
+def training_position(path: Path) -> tuple[int, int] | None:
+    """(epoch, samples of its order consumed) of a checkpoint (or the copy it replaced, if it is
+    damaged); None when there is none to resume."""
+    if not path.is_file() and not previous_path(path).is_file():
+        return None
+    try:
+        state = load_training_checkpoint(path)
+    except CheckpointError:
+        return None
+    return int(state["epoch"]), resumed_position(state)
 
 
 def restore(

@@ -13,7 +13,7 @@ from typing import IO
 import numpy as np
 
 from imgtrainer.data.layouts.folder_checks import find_classes
-from imgtrainer.data.layouts.image_files import is_image_file
+from imgtrainer.data.layouts.image_files import is_image_file, walk_once
 from imgtrainer.data.layouts.names import PLAIN, Reading, labels_of
 from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
 from imgtrainer.errors import UserError
@@ -52,7 +52,7 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
         # Python strings together (their memory would stay with the process).
         return [
             (where, Strings.of([f for f in sorted(files) if is_image_file(f)]))
-            for where, _, files in sorted(os.walk(root / name, followlinks=True))
+            for where, _, files in sorted(walk_once(root / name))
         ]
 
     wanted = sorted(range(len(names)), key=lambda i: names[i])

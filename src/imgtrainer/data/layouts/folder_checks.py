@@ -5,10 +5,14 @@ The classes of a folder, the same classes in training and validation, classes wi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from imgtrainer.data.layouts.image_files import IMAGE_EXTENSIONS, class_folders, is_image_file
+from imgtrainer.data.layouts.image_files import (
+    IMAGE_EXTENSIONS,
+    class_folders,
+    is_image_file,
+    walk_once,
+)
 from imgtrainer.errors import UserError
 
 SHOWN_CLASSES = 5  # class names listed a side when two class lists differ
@@ -59,8 +63,8 @@ def class_difference(first: list[str], second: list[str], names: tuple[str, str]
 
 def image_files_in(folder: Path):
     """The image files (by extension) under ``folder``, walked the way torchvision's
-    ImageFolder walks it (recursively, following links), as they are found."""
-    for _, _, files in os.walk(folder, followlinks=True):
+    ImageFolder walks it (recursively, following links, each folder once), as they are found."""
+    for _, _, files in walk_once(folder):
         yield from (file for file in files if is_image_file(file))
 
 

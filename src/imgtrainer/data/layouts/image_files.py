@@ -8,8 +8,9 @@ second.
 from __future__ import annotations
 
 import io
+import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -18,6 +19,8 @@ from PIL import Image, ImageOps
 from imgtrainer.errors import first_line
 from imgtrainer.files import atomic_write
 from imgtrainer.process import process_map
+
+log = logging.getLogger(__name__)
 
 # The extensions torchvision's ImageFolder accepts (``datasets.folder.IMG_EXTENSIONS``), repeated
 # so this module needs no torch import; a test checks that the two stay equal.
@@ -45,6 +48,35 @@ NOT_CLASS_FOLDERS = frozenset({"__MACOSX"})
 def is_hidden_folder_name(name: str) -> bool:
     """A folder name that never holds a class or user images (see ``NOT_CLASS_FOLDERS``)."""
     return name.startswith(".") or name in NOT_CLASS_FOLDERS
+
+
+def walk_once(
+    folder: str | Path, warn: Callable[[str], None] | None = None
+) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk`` following links, as torchvision's ImageFolder walks, but each folder once: a
+    folder reached again through a link (``ln -s . again`` makes a cycle that repeats every image
+    it holds) is skipped, with one warning (``warn``, the log's by default)."""
+    seen: set[tuple[int, int]] = set()
+    for where, folders, files in os.walk(folder, followlinks=True):
+        try:
+            status = os.stat(where)
+        except OSError:  # gone while walked
+            continue
+        if (status.st_dev, status.st_ino) in seen:
+            folders[:] = []
+            (warn or log.warning)(f"{where} is a folder already read (through a link): skipped")
+            continue
+        seen.add((status.st_dev, status.st_ino))
+        yield where, folders, files
+
+
+def images_under(folder: Path, warn: Callable[[str], None] | None = None) -> list[Path]:
+    """The image files under ``folder`` (``walk_once``; hidden folders left out), sorted."""
+    found = []
+    for where, folders, names in walk_once(folder, warn):
+        folders[:] = [name for name in folders if not is_hidden_folder_name(name)]
+        found += [Path(where, n) for n in names if is_image_file(n) and Path(where, n).is_file()]
+    return sorted(found)
 
 
 def class_folders(root: Path) -> list[Path]:
@@ -141,6 +173,12 @@ def find_unreadable(
     }
 
 
+def printable(name: str) -> str:
+    """``name`` as it is, or escaped (``\\n``, ``\\udce9``) when it holds a control character or
+    bytes that are not UTF-8: one line of a list, whatever a file or tar member is called."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
 def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
     """Write ``folder/unreadable_images.txt`` (one ``path<TAB>reason`` line per file).
 
@@ -149,6 +187,7 @@ def write_unreadable_list(unreadable: dict[str, str], folder: Path) -> Path:
     """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / UNREADABLE_LIST
-    text = "".join(f"{p}\t{reason}\n" for p, reason in sorted(unreadable.items())).encode()
+    lines = (f"{printable(p)}\t{reason}\n" for p, reason in sorted(unreadable.items()))
+    text = "".join(lines).encode(errors="backslashreplace")
     atomic_write(path, lambda f: f.write(text), lambda: len(text))
     return path

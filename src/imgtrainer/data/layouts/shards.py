@@ -34,7 +34,7 @@ from imgtrainer.process import process_map
 from imgtrainer.storage import LOCAL, Store, is_url, join, parent
 
 INDEX_SUFFIX = ".imgtrainer-index"
-INDEX_VERSION = "imgtrainer-tar-index 1"
+INDEX_VERSION = "imgtrainer-tar-index 2"  # 2: member names JSON-quoted (any bytes)
 CLASSES_FILE = "classes.txt"
 
 # The image extensions webdataset's own decoders read (``webdataset.autodecode``: Pillow's
@@ -232,18 +232,28 @@ def _stamp_holds(line: str, stamp: str, uploaded: bool) -> bool:
 
 
 def _read_index(place: str, stamp: str, store: Store) -> list[IndexRow] | None:
+    """The index kept at ``place``; None when there is none, it is another shard's or an older
+    one's, or it does not parse (hand-made, cut short): it is then built again."""
     uploaded = is_url(place)
     try:
-        lines = (store.read(place).decode() if uploaded else Path(place).read_text()).splitlines()
+        text = store.read(place) if uploaded else Path(place).read_bytes()
+        lines = text.decode().splitlines()
     except Exception:  # none there (a missing object, an unreadable file): build it
         return None
     if not lines or not _stamp_holds(lines[0], stamp, uploaded):
         return None  # another shard by that name, or the shard changed: build it again
-    rows = []
-    for line in lines[1:]:
-        offset, size, label, name = line.split("\t", 3)
-        rows.append((int(offset), int(size), int(label), name))
-    return rows
+    try:
+        return [_index_row(line) for line in lines[1:]]
+    except (ValueError, TypeError):
+        return None
+
+
+def _index_row(line: str) -> IndexRow:
+    offset, size, label, name = line.split("\t", 3)
+    name = json.loads(name)
+    if not isinstance(name, str) or min(int(offset), int(size)) < 0:
+        raise ValueError(line)
+    return int(offset), int(size), int(label), name
 
 
 def shard_index(path: str, index_dir: Path | None, reading: Reading = PLAIN) -> list[IndexRow]:
@@ -266,7 +276,10 @@ def keep_index(
     """Keep ``rows``, the index of the (finished) shard at ``path``, beside it (or in
     ``index_dir`` when that fails: a read-only share, an object store: never written there)."""
     stamp = stamp or _stamp(path)
-    text = (stamp + "\n" + "".join(f"{o}\t{s}\t{c}\t{n}\n" for o, s, c, n in rows)).encode()
+    # JSON-quoted names: a tab, a newline or bytes that are not UTF-8 (surrogate escapes) in a
+    # member's name stay inside its field.
+    lines = "".join(f"{o}\t{s}\t{c}\t{json.dumps(n)}\n" for o, s, c, n in rows)
+    text = (stamp + "\n" + lines).encode()
     for place in _index_places(path, index_dir):
         if is_url(place):
             continue

@@ -35,11 +35,15 @@ class Strings:
 
     @classmethod
     def of(cls, strings: Sequence[str]) -> Strings:
-        data = "".join(strings).encode()
+        # Names from the file system or a tar header may hold bytes that are not UTF-8, kept
+        # as Python keeps them (surrogate escapes) and written back as the same bytes.
+        data = "".join(strings).encode(errors="surrogateescape")
         if len(data) == sum(map(len, strings)):  # ASCII: one byte a character
             lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
         else:
-            lengths = np.fromiter((len(s.encode()) for s in strings), np.int64, len(strings))
+            lengths = np.fromiter(
+                (len(s.encode(errors="surrogateescape")) for s in strings), np.int64, len(strings)
+            )
         return cls(np.frombuffer(data, dtype=np.uint8).copy(), np.cumsum(lengths))
 
     @classmethod
@@ -56,7 +60,7 @@ class Strings:
 
     def __getitem__(self, i: int) -> str:
         start = int(self.ends[i - 1]) if i > 0 else 0
-        return self.data[start : int(self.ends[i])].tobytes().decode()
+        return self.data[start : int(self.ends[i])].tobytes().decode(errors="surrogateescape")
 
     def take(self, indices: np.ndarray) -> Strings:
         return Strings.of([self[int(i)] for i in indices])

@@ -49,7 +49,7 @@ def plot_curves(history: dict, output: Path) -> None:
         ax.grid(alpha=0.3)
     ax_loss.legend()
     ax_acc.legend()
-    model = history.get("config", {}).get("model", "model")
+    model = (history.get("config") or {}).get("model", "model")
     best = max((r["val_acc"] for r in validated), default=None)
     fig.suptitle(
         f"{model}, world size {history.get('world_size', '?')}"
