@@ -81,7 +81,7 @@ def test_a_resume_keeps_the_earlier_starts_events_and_a_new_run_does_not(tmp_pat
     first.open_events(continues=False)
     first.events.add("start", attempt=0)
     for epoch in (1, 2):
-        first.append({"epoch": epoch})
+        first.append({"epoch": epoch, "train_loss": 1.0, "train_acc": 0.5, "lr": 0.1})
     first.save()
     first.events.add("warning", level="WARNING", text="dropped epoch's warning")
     before = path.read_bytes()
@@ -93,7 +93,7 @@ def test_a_resume_keeps_the_earlier_starts_events_and_a_new_run_does_not(tmp_pat
     resumed.open_events(continues=True)
     resumed.events.add("data", images=48)
     assert path.read_bytes() == before
-    resumed.records = [{"epoch": 1}]
+    resumed.records = [{"epoch": 1, "train_loss": 1.0, "train_acc": 0.5, "lr": 0.1}]
     resumed.save()
     resumed.events.add("resume", epoch=2)
     written = history(path)
