@@ -150,6 +150,18 @@ def test_gpu_check_without_cuda_measures_nothing_and_exits_0(tmp_path: Path):
     assert not output.exists()
 
 
+def test_gpu_checks_verdicts_fail_every_planted_fault_and_pass_the_clean_set(tmp_path: Path):
+    """``gpu_check.py --self_test`` on any machine (no torch): its verdict code fed planted
+    rows gives exit 0 for a set that meets every target and 1 for each planted fault."""
+    result = run_cli([BENCH / "gpu_check.py", "--self_test"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = [line for line in result.stdout.splitlines() if line.startswith("self-test: ")]
+    codes = [line.split(": exit ")[1][0] for line in cases if ": exit " in line]
+    assert codes == ["0", "1", "1", "1", "1", "1", "1"] and "(ok)" in cases[0]
+    assert all(line.endswith("(ok)") for line in cases[:-1]), cases
+    assert cases[-1] == "self-test: 7 of 7 cases right"
+
+
 # ----------------------------------------------------------------------------- recipes.py
 
 

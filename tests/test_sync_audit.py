@@ -7,6 +7,7 @@ the GPU cache's logic runs on CPU tensors."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,39 @@ def test_the_summary_names_what_synchronised_outside_the_logging_steps():
     assert summary["unexpected_syncs"] == [("step 2", "scalar read", "x")]
     assert summary["unexpected_cuda_warnings"] == [("step 3", "synchronizing")]
     assert summary["ops_per_plain_step"][:2] == [5, 5]  # steps 2 and 3; step 4 logs
+
+
+def test_a_non_blocking_copy_is_no_sync_whether_its_flag_is_positional_or_named(monkeypatch):
+    """``copy_(src, True)`` passes non_blocking positionally (as the data audit's copy does): the
+    auditor once counted it as a blocking device-to-host copy. Meta tensors stand in for the
+    device's here."""
+    from support import sync_audit
+
+    monkeypatch.setattr(sync_audit, "_is_device", lambda t: t.device.type == "meta")
+    host, device = torch.empty(2), torch.empty(2, device="meta")
+    copy = torch.ops.aten.copy_.default
+    assert sync_audit.sync_kind(copy, (host, device, True), {}) is None
+    assert sync_audit.sync_kind(copy, (host, device), {"non_blocking": True}) is None
+    for args in ((host, device), (host, device, False)):
+        assert sync_audit.sync_kind(copy, args, {}) == "blocking device-to-host copy"
+
+
+def test_a_tensor_made_in_another_thread_is_no_sync_and_a_real_scalar_read_is_one():
+    """On CUDA a CPU tensor cannot make the host wait, wherever it was made (the decode thread
+    clones its rows where the audit's mode does not see them); a scalar read of the device's
+    tensor is counted, on CUDA and by origin on the CPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as thread:
+        made = thread.submit(lambda: torch.arange(4.0)).result()
+    on_cuda = SyncAudit(cuda=True)
+    with on_cuda:
+        float(made.max())
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            torch.empty(2, device="meta").sum().item()  # a device tensor's read
+    assert [kind for _, kind, _ in on_cuda.syncs] == ["scalar read"]
+    on_cpu = SyncAudit()
+    weights = torch.ones(4)  # not from the loaded batch: the device's, by origin
+    with on_cpu:
+        float((weights * 2).sum())
+    assert [kind for _, kind, _ in on_cpu.syncs] == ["scalar read"]

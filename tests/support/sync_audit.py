@@ -64,7 +64,9 @@ def sync_kind(func, args: tuple, kwargs: dict) -> str | None:
     if func in INDEXING and len(args) > 1:
         if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
             return "boolean-mask indexing"
-    if func in COPIES and not kwargs.get("non_blocking", False):
+    # copy_(self, src, non_blocking) takes it positionally too; _to_copy only by keyword.
+    positional = func is aten.copy_.default and len(args) > 2 and bool(args[2])
+    if func in COPIES and not (kwargs.get("non_blocking", False) or positional):
         source = args[1] if func is aten.copy_.default else args[0]
         target_cpu = (
             args[0].device.type == "cpu"
@@ -79,8 +81,11 @@ def sync_kind(func, args: tuple, kwargs: dict) -> str | None:
 class SyncAudit(TorchDispatchMode):
     """Records, per window (``label``), the ops dispatched and the would-be synchronisations."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
         super().__init__()
+        # On CUDA a tensor's device says where it lives: an op on CPU tensors alone (made in
+        # another thread, where this mode does not see them) cannot wait for the GPU.
+        self.cuda = cuda
         self.label = "step 1"
         self.syncs: list[tuple[str, str, str]] = []  # (window, kind, op)
         self.ops: Counter[str] = Counter()
@@ -92,7 +97,7 @@ class SyncAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        on_host = bool(inputs) and all(t in self.host for t in inputs)
+        on_host = bool(inputs) and all(self.is_host(t) for t in inputs)
         kind = None if on_host else sync_kind(func, args, kwargs)
         if kind is not None:
             self.syncs.append((self.label, kind, str(func)))
@@ -101,6 +106,9 @@ class SyncAudit(TorchDispatchMode):
         if on_host:
             self.mark_host(out)
         return out
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor in self.host or (self.cuda and tensor.device.type == "cpu")
 
     def mark_host(self, tree) -> None:
         for t in tree_leaves(tree):
@@ -114,7 +122,7 @@ class SyncAudit(TorchDispatchMode):
         decode and audit threads read theirs without holding up a step."""
         if threading.current_thread() is not self.thread:
             return
-        if not self.paused and tensor not in self.host:
+        if not self.paused and not self.is_host(tensor):
             self.syncs.append((self.label, "host read", name))
 
     @contextlib.contextmanager
@@ -275,7 +283,7 @@ def audited_epoch(
     from imgtrainer.training.loop import EpochPlan, train_one_epoch
     from imgtrainer.training.nonfinite import NonFiniteLoss
 
-    audit = SyncAudit()
+    audit = SyncAudit(cuda=parts.device.type == "cuda")
     loader.loader = HostHalf(loader.loader, audit)
     reader = LogReader()
     check = NonFiniteLoss(parts.device, distributed=False) if nonfinite else None
