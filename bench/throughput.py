@@ -571,7 +571,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         heartbeat.start(0)
     cpu = dist.device.type == "cpu"
     first = run_trainer_steps(trainer, warmup, steps, PhaseTimer(enabled=cpu), epoch=0)
-    audited = trainer.train_loader.audit_results()  # the data audit's images, both epochs
+    audited = trainer.train_loader.audit_results()[0]  # the data audit's images, both epochs
     trainer.loaders.check.finish()  # as the trainer does at the first epoch's end
     # On CUDA the per-phase synchronisation would slow the step down: time the throughput
     # without it, then take the breakdown from a second, separately timed pass.
@@ -589,7 +589,7 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
         "train_images": len(trainer.train_loader.dataset),
         "source": str(trainer.train_loader.dataset.source),
         "first_epoch": step_figures(first, steps, cfg.batch_size * dist.world_size),
-        "audit": audit_figures(trainer, audited + trainer.train_loader.audit_results()),
+        "audit": audit_figures(trainer, audited + trainer.train_loader.audit_results()[0]),
     }
     if dist.device.type == "cuda":
         per_gpu = result["images_per_sec"] / dist.world_size

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
 
 from conftest import ONE_CPU_PROCESS, data_config
 from imgtrainer.data.device import audit as audit_module
-from imgtrainer.data.device.audit import FIRST_BATCHES, Audited, audit_summary
+from imgtrainer.data.device.audit import FIRST_BATCHES, Audited, DataAudit, audit_summary
+from imgtrainer.data.device.augment import BatchAugment
+from imgtrainer.data.host.sample_row import ROW_WIDTH
+from imgtrainer.data.host.samples import Source
 from imgtrainer.data.loaders import open_data
+from imgtrainer.training.trainer import epoch_audit
 
 
 def open_data_of(tiny_dataset, **flags):
@@ -40,20 +45,21 @@ def test_a_clean_epoch_is_audited_with_no_difference(tiny_dataset, cache):
     )
     loaders.train.sampler.set_epoch(0)
     batches = sum(1 for _ in loaders.train)
-    results = loaders.train.audit_results()
+    results, switch = loaders.train.audit_results()
     due = [n for n in range(1, batches + 1) if n <= FIRST_BATCHES or n % 2 == 0]
     assert len(results) == len(due) and all(r.difference == 0 for r in results)
     summary = audit_summary([results])
     assert summary == {"audit_images": len(due), "audit_max_diff": 0.0}
-    assert loaders.train.audit_results() == []  # each epoch starts afresh
+    assert not switch and loaders.train.audit_results() == ([], False)  # each epoch afresh
 
 
-def test_a_corrupted_block_is_named_and_repeated_mismatches_switch_to_the_reference_form(
+def test_a_corrupted_block_is_named_and_a_high_rate_switches_at_the_epochs_end(
     tiny_dataset, monkeypatch, caplog
 ):
     """A test hook flips a block of every image the device half makes: each audited image is
-    one warning naming its file and source; the third switches the augmentation to the
-    gathered taps (the RAM and file sources have no other device half), said once."""
+    one warning naming its file and source; their rate switches the augmentation to the
+    gathered taps (the RAM and file sources have no other device half) at the epoch's end,
+    never inside it, said once."""
     loaders = loaders_of(tiny_dataset, audit_data_every=1)
     train = loaders.train
     real = type(train).augmented_in_chunks
@@ -68,15 +74,63 @@ def test_a_corrupted_block_is_named_and_repeated_mismatches_switch_to_the_refere
     with caplog.at_level(logging.WARNING, logger="imgtrainer"):
         for _ in train:
             pass
-        results = train.audit_results()
+        assert train.augment.banded is not False  # not inside the epoch
+        summary = epoch_audit(train)
     warnings = [r.getMessage() for r in caplog.records if "data audit" in r.getMessage()]
     named = [w for w in warnings if "differs from the CPU reference" in w]
-    assert len(named) == len(results) >= audit_module.MISMATCHES_TO_SWITCH
+    assert len(named) == summary["audit_images"] >= audit_module.SWITCH_AT
     table = train.dataset.images.table
-    assert any(table.location(results[0].index) in w for w in named) and "from files" in named[0]
-    assert min(r.difference for r in results) > 10
+    assert any(str(table.location(0))[:-6] in w for w in named) and "from files" in named[0]
+    assert summary["audit_max_diff"] > 10
     switched = [w for w in warnings if "repeatedly differ" in w]
     assert len(switched) == 1 and "gathered taps" in switched[0] and train.augment.banded is False
+
+
+def test_the_switch_is_decided_on_the_rate_of_the_recent_audits():
+    """SWITCH_AT mismatches among the last RECENT_AUDITS switch; older ones are forgotten."""
+    audit = DataAudit(None, BatchAugment(16), Source.FILES, 1, torch.device("cpu"))
+    spread = [False] * (audit_module.RECENT_AUDITS - 1) + [True]
+    audit.recent.extend(spread * 2)  # 2 in the run, 1 in the last RECENT_AUDITS
+    assert not audit.switch_due()
+    audit.recent.extend([True] * (audit_module.SWITCH_AT - 1))
+    assert audit.switch_due() and not audit.switch_due()  # then a new count starts
+
+
+def test_an_image_the_reference_cannot_make_is_one_warning_not_the_runs_error(caplog):
+    """A remake that fails (a substitute for a file gone since) is a warning: no mismatch, no
+    result, and the epoch's end does not raise."""
+
+    class Gone:
+        def __getitem__(self, index):
+            raise OSError("file gone")
+
+    audit = DataAudit(Gone(), BatchAugment(16), Source.FILES, 1, torch.device("cpu"))
+    rows = torch.zeros(2, ROW_WIDTH)
+    with caplog.at_level(logging.WARNING, logger="imgtrainer"):
+        audit.look(torch.zeros(2, 3, 16, 16), rows)
+        assert audit.epoch_results() == []
+    assert "could not be made again on the CPU (file gone)" in caplog.text
+    assert not audit.switch_due()
+    audit.close()
+
+
+def test_the_audit_backlog_is_bounded():
+    """Audits under way at most MAX_PENDING: a due batch while they wait is left unaudited."""
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __getitem__(self, index):
+            started.set()
+            release.wait(30)
+            raise OSError("slow")
+
+    audit = DataAudit(Slow(), BatchAugment(16), Source.FILES, 1, torch.device("cpu"))
+    for _ in range(10):
+        audit.look(torch.zeros(2, 3, 16, 16), torch.zeros(2, ROW_WIDTH))
+    assert started.wait(30) and len(audit.pending) == audit_module.MAX_PENDING
+    release.set()
+    audit.epoch_results()
+    audit.close()
 
 
 def test_the_summary_counts_every_ranks_images_and_keeps_the_largest_difference():

@@ -42,11 +42,15 @@ def augmented_images(loader, count: int = 16) -> tuple[torch.Tensor, Any, Any]:
 
 
 def epoch_audit(train_loader) -> dict[str, float]:
-    """The epoch's data audit over every rank (``data.audit_summary``): every rank calls it, or
-    none (--audit_data_every 0)."""
+    """The epoch's data audit over every rank (``data.audit_summary``); every rank takes the CPU
+    path together when any rank's audits ask for it. Every rank calls it, or none
+    (--audit_data_every 0)."""
     if train_loader.audit is None:
         return {}
-    return audit_summary(all_gather_objects(train_loader.audit_results()))
+    gathered = all_gather_objects(train_loader.audit_results())
+    if any(switch for _, switch in gathered):
+        train_loader.switch_to_reference()
+    return audit_summary([results for results, _ in gathered])
 
 
 # ----------------------------------------------------------------------------- the trainer

@@ -4,12 +4,14 @@ At the first batches of a run (and of each restart: it may run on another machin
 every ``every``-th, one image of the batch is copied to the host without waiting for the device,
 and a background thread makes it again on the CPU from its sample row (the box as drawn, the
 flip, the policy's ops, the erasing: no new draws): decoded by PIL (or as the cache decodes it),
-cropped as the workers crop, resampled by the gathered taps. The difference is measured in 0-255 levels; over the source's tolerance it is
-one warning, and repeated mismatches ask ``DeviceBatches`` to take the CPU path instead.
+cropped as the workers crop, resampled by the gathered taps. The difference is measured in
+0-255 levels; over the source's tolerance it is one warning, and a high rate of mismatches
+among the recent audits asks, at the epoch's end, for the CPU path (``switch_due``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Sequence
@@ -27,7 +29,12 @@ from imgtrainer.events import event
 log = logging.getLogger(__name__)
 
 FIRST_BATCHES = 3  # the first batches of each start are all audited, then every ``every``-th
-MISMATCHES_TO_SWITCH = 3  # mismatched images of a source before it gives way to the CPU path
+# A source gives way to the CPU path when SWITCH_AT of its last RECENT_AUDITS audits mismatched:
+# a rate, so that a few odd images over a long run never switch it.
+RECENT_AUDITS, SWITCH_AT = 20, 3
+# Audits under way at most (the first batches' among them): a later one is skipped rather than
+# queued behind a slow reference decode, each holding its image in pinned memory.
+MAX_PENDING = FIRST_BATCHES
 # The share of an image's values the audited difference leaves out: a uint8 policy op can turn
 # a one-level rounding difference into a large one for a few pixels (a threshold, a histogram).
 OUTLIER_SHARE = 0.001
@@ -73,10 +80,16 @@ class DataAudit:
         self.seen = 0  # batches shown
         self.results: list[Audited] = []  # this epoch's, filled by the audit thread
         self.pending: list[Future] = []
-        self.mismatches = 0
-        self.switch_requested = False  # repeated mismatches: DeviceBatches takes the CPU path
+        self.recent: collections.deque[bool] = collections.deque(maxlen=RECENT_AUDITS)
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="data-audit")
+        # On CUDA the thread waits on this device's events: its own device, not GPU 0's context.
+        cuda = self.device.type == "cuda"
+        self._thread = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="data-audit",
+            initializer=torch.cuda.set_device if cuda else None,
+            initargs=(self.device,) if cuda else (),
+        )
         std = torch.tensor(augment.std, dtype=torch.float32).view(3, 1, 1)
         self._levels = std * 255  # a normalised difference in 0-255 levels, per channel
 
@@ -88,7 +101,7 @@ class DataAudit:
     def look(self, images: torch.Tensor, rows: torch.Tensor) -> None:
         """Audit one image of this augmented batch (``rows`` on the host) if it is due: its copy
         to the host is queued behind the batch's work, never waited for here."""
-        if not self.due():
+        if not self.due() or sum(not f.done() for f in self.pending) >= MAX_PENDING:
             return
         position = (self.seen - 1) % len(rows)
         image = images[position]
@@ -103,16 +116,23 @@ class DataAudit:
         self.pending.append(self._thread.submit(self._check, host, ready, row))
 
     def _check(self, host: torch.Tensor, ready, row: torch.Tensor) -> None:
-        """In the audit thread: the image made again, compared, recorded, warned about."""
+        """In the audit thread: the image made again, compared, recorded, warned about. An
+        image the reference cannot make (a substitute for an unreadable file, gone since) is
+        one warning, never a mismatch or the run's error."""
         if ready is not None:
             ready.synchronize()  # this thread waits, not the training one
         index, _ = key_of(row)
-        expected = self.remake(row)
+        try:
+            expected = self.remake(row)
+        except Exception as err:  # noqa: BLE001 - the audit must not end the run it checks
+            log.warning(f"data audit: image {index} could not be made again on the CPU ({err})")
+            return
         levels = (host.float() - expected).abs().mul_(self._levels).flatten()
         kept = max(1, int(round(len(levels) * (1 - OUTLIER_SHARE))))
         difference = float(levels.sort().values[kept - 1])
         with self._lock:
             self.results.append(Audited(index, difference))
+            self.recent.append(difference > self.tolerance)
         if difference > self.tolerance:
             self.mismatched(index, difference)
 
@@ -133,15 +153,20 @@ class DataAudit:
             f"reference by {difference:.1f} levels (tolerance {self.tolerance:g})",
             extra=event("audit", image=str(name), difference=round(difference, 2)),
         )
+
+    def switch_due(self) -> bool:
+        """Whether SWITCH_AT of the last RECENT_AUDITS audits mismatched (then forgotten: the
+        CPU path starts a new count)."""
         with self._lock:
-            self.mismatches += 1
-            if self.mismatches == MISMATCHES_TO_SWITCH:
-                self.switch_requested = True
+            due = sum(self.recent) >= SWITCH_AT
+            if due:
+                self.recent.clear()
+            return due
 
     def epoch_results(self) -> list[Audited]:
         """This epoch's audited images (waiting for the last ones), and a fresh list after."""
         for future in self.pending:
-            future.result()  # an error in the audit thread is raised here, in the loop's
+            future.result()  # a bug in the audit thread is raised here, in the loop's
         self.pending = []
         with self._lock:
             results, self.results = self.results, []

@@ -216,8 +216,6 @@ class DeviceBatches:
             made = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
         if self.audit is not None:
             self.audit.look(made[0], staged.rows)
-            if self.audit.switch_requested:
-                self.switch_to_reference()
         return made
 
     def augmented_staged(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,12 +279,11 @@ class DeviceBatches:
         return self.augmented(*self.moved(pixels, rows, labels))
 
     def switch_to_reference(self) -> None:
-        """The data audit found this source's images unlike the CPU reference again and
-        again: its device half gives way to the CPU path (the decoder off at once, the
-        workers' path from the next epoch), or the augmentation takes its reference form."""
-        self.audit.switch_requested = False
-        if self.jpegs is not None:
-            self.jpegs.enabled = False
+        """At an epoch's end, once the data audit found this source's images unlike the CPU
+        reference at a high rate on any rank (every rank switches, so none waits for another's
+        slower path): its device half gives way to the loader workers' CPU path from the next
+        epoch, or the augmentation takes its reference form. Never a decode in this process:
+        it would hold every rank's step up."""
         if self.cpu_path is not None:
             self.take_cpu_path = True
             then = "the loader workers decode and crop every image from the next epoch on"
@@ -299,9 +296,12 @@ class DeviceBatches:
             extra=switch,
         )
 
-    def audit_results(self) -> list:
-        """This epoch's audited images (``DataAudit.epoch_results``); none without an audit."""
-        return [] if self.audit is None else self.audit.epoch_results()
+    def audit_results(self) -> tuple[list, bool]:
+        """This epoch's audited images (``DataAudit.epoch_results``; none without an audit), and
+        whether its recent mismatches ask for the CPU path (``DataAudit.switch_due``)."""
+        if self.audit is None:
+            return [], False
+        return self.audit.epoch_results(), self.audit.switch_due()
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The augmented, normalised images of these (index, epoch) keys, as in training."""

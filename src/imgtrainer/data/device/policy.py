@@ -9,6 +9,8 @@ out as torchvision's policy, drawing the same ops, would make it. Two torchvisio
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import math
 
@@ -174,7 +176,12 @@ class BatchPolicy:
             return blend(images, grey.mean(dim=(-3, -2, -1), keepdim=True), factor, alpha)
         if op == "Sharpness":
             # A new group size each batch: cuDNN would autotune the convolution for every one.
-            with torch_compat.cudnn_autotuning_off():
+            # The flag is global: only the training thread's CUDA batches touch it (the data
+            # audit runs this policy on the CPU in its own thread).
+            off = (
+                torch_compat.cudnn_autotuning_off() if images.is_cuda else contextlib.nullcontext()
+            )
+            with off:
                 return sharpen(images, alpha, sharpen_kernel(images.device))
         if op == "Posterize":
             return images.bitwise_and_(per_image(values[:, MASK]).to(torch.uint8))
