@@ -10,7 +10,6 @@ out as torchvision's policy, drawing the same ops, would make it. Two torchvisio
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import math
 
