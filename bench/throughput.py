@@ -8,6 +8,7 @@
     python bench/throughput.py --world_sizes 1 --policy          # the policies, looped vs grouped
     python bench/throughput.py --world_sizes 1 --step_variants eager compile batch_x2
     python bench/throughput.py --world_sizes 2 --watchdog        # hang watchdog off / on, twice
+    python bench/throughput.py --world_sizes 1 --audit           # data audit off / default, twice
 
 For each world size it runs, as separate torchrun jobs with the same threads per process:
 
@@ -18,10 +19,13 @@ For each world size it runs, as separate torchrun jobs with the same threads per
    (``--dataset``: square noise patches, or photo-like mixed-aspect photos, the default on CUDA;
    tests/support/harness.py's ``write_split_folder``).
 
-With ``--watchdog``, the trainer runs ``--watchdog_pairs`` times per source without and with the
+With ``--watchdog``, the trainer runs ``--pairs`` times per source without and with the
 hang watchdog, alternating (each rank's and loader worker's heartbeat slot written, read by a
 watchdog thread of this process as the launcher's would), and prints their rates side by side
 and the cost of each heartbeat call.
+``--audit`` alternates the same way the data audit off (``--audit_data_every 0``) and at its
+default rate (the first 3 batches, then every 100th): what the audit costs when it is not
+auditing.
 With ``--sources``, the trainer runs once per image source (``--cache_images`` gpu, ram, none)
 against the same ceiling. ``--decode`` measures JPEG decoding alone: on the GPU
 (``torchvision.io.decode_jpeg(list, device="cuda")``, batches of 256) and on the CPU (files read
@@ -132,10 +136,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--watchdog",
         action="store_true",
-        help="run the trainer without and with the hang watchdog, alternating, "
-        "--watchdog_pairs times each",
+        help="run the trainer without and with the hang watchdog, alternating, --pairs times each",
     )
-    parser.add_argument("--watchdog_pairs", type=int, default=2)
+    parser.add_argument(
+        "--audit",
+        action="store_true",
+        help="run the trainer with the data audit off and at its default rate, alternating, "
+        "--pairs times each",
+    )
+    parser.add_argument("--pairs", "--watchdog_pairs", type=int, default=2)
     parser.add_argument(
         "--policy", action="store_true", help="also time the policies: per image vs grouped"
     )
@@ -282,17 +291,22 @@ def measure_sources(args: argparse.Namespace, data: Path, tmp: Path) -> list[dic
         for source in args.sources or [None]:
             flags = args.trainer_flags + (["--cache_images", source] if source else [])
             run_args = argparse.Namespace(**{**vars(args), "trainer_flags": flags})
-            pairs = [False, True] * args.watchdog_pairs
-            for watched in pairs if args.watchdog else [None]:
-                heartbeats = tmp / "heartbeat" if watched else None
+            for variant, extra in compared_variants(args):
+                heartbeats = tmp / "heartbeat" if variant == "watchdog on" else None
+                variant_args = {**vars(run_args), "trainer_flags": flags + extra}
                 trainer = run_worker(
-                    run_args, "trainer", world_size, data, tmp / "trainer.json", heartbeats
+                    argparse.Namespace(**variant_args),
+                    "trainer",
+                    world_size,
+                    data,
+                    tmp / "trainer.json",
+                    heartbeats,
                 )
                 rows.append(
                     {
                         "world_size": world_size,
                         "source": trainer["source"],
-                        "watchdog": watched,
+                        "variant": variant,
                         "ceiling": ceiling,
                         "trainer": trainer,
                         "efficiency": trainer["images_per_sec"] / ceiling["images_per_sec"],
@@ -300,6 +314,17 @@ def measure_sources(args: argparse.Namespace, data: Path, tmp: Path) -> list[dic
                 )
                 print_row(rows[-1])
     return rows
+
+
+def compared_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, extra trainer flags) of each trainer run per source: one, or --watchdog's and
+    --audit's pairs, alternating."""
+    pairs: list[tuple[str, list[str]]] = []
+    if args.watchdog:
+        pairs += [("watchdog off", []), ("watchdog on", [])]
+    if args.audit:
+        pairs += [("audit off", ["--audit_data_every", "0"]), ("audit on", [])]
+    return pairs * args.pairs if pairs else [("-", [])]
 
 
 def measure_step_variants(args: argparse.Namespace, data: Path, tmp: Path) -> list[dict]:
@@ -320,10 +345,9 @@ def measure_step_variants(args: argparse.Namespace, data: Path, tmp: Path) -> li
 def print_row(row: dict) -> None:
     c, t = row["ceiling"], row["trainer"]
     shares = "  ".join(f"{k} {v:.0%}" for k, v in t["step_shares"].items())
-    watchdog = {None: "", False: ", hang watchdog off", True: ", hang watchdog on"}
+    variant = "" if row["variant"] == "-" else f", {row['variant']}"
     print(
-        f"\nworld size {row['world_size']}, images from {row['source']}"
-        f"{watchdog[row.get('watchdog')]}, on {t['device']} "
+        f"\nworld size {row['world_size']}, images from {row['source']}{variant}, on {t['device']} "
         f"({t['threads_per_process']} thread(s)/process, {t['loader_workers']} loader "
         "worker(s)/process)"
     )
@@ -360,16 +384,15 @@ def percent(value: float | None) -> str:
 def print_summary(rows: list[dict]) -> None:
     """One line per (world size, source): the figures the issue's table compares."""
     print(
-        f"\n{'world':>5} {'source':<6} {'watchdog':>8} {'img/s':>9} {'ceiling':>9} "
+        f"\n{'world':>5} {'source':<6} {'variant':>12} {'img/s':>9} {'ceiling':>9} "
         f"{'trainer/ceiling':>15} {'data wait':>9} {'first epoch':>11} {'of bf16 peak':>12}"
     )
     for row in rows:
         t, c = row["trainer"], row["ceiling"]
-        watchdog = {None: "-", False: "off", True: "on"}[row.get("watchdog")]
         first = t.get("first_epoch")
         first_ratio = f"{first['images_per_sec'] / c['images_per_sec']:.3f}" if first else "n/a"
         print(
-            f"{row['world_size']:>5} {row['source']:<6} {watchdog:>8} {t['images_per_sec']:>9.1f} "
+            f"{row['world_size']:>5} {row['source']:<6} {row['variant']:>12} {t['images_per_sec']:>9.1f} "
             f"{c['images_per_sec']:>9.1f} {row['efficiency']:>15.3f} "
             f"{percent(t['step_shares'].get('data_wait', 0.0)):>9} {first_ratio:>11} "
             f"{percent(t.get('fraction_of_peak')):>12}"

@@ -53,12 +53,13 @@ def test_throughput_runs_its_rows_and_writes_its_json(tmp_path: Path):
     # 2 processes only: the one-process row runs the same code without the all-reduce (and
     # each row costs a ceiling run and a trainer run).
     flags += ["--world_sizes", "2", "--startup_images", "0", "--output", output]
-    flags += ["--decode", "--policy"]
+    flags += ["--decode", "--policy", "--audit", "--pairs", "1"]
     result = run_cli([BENCH / "throughput.py", *flags], cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(output.read_text())
     assert report["settings"]["dataset"] == "patches"  # the quick default on the CPU
-    [row] = report["results"]
+    off, row = report["results"]  # the data audit off, then at its default rate
+    assert (off["variant"], row["variant"]) == ("audit off", "audit on")
     assert row["world_size"] == 2
     trainer, ceiling = row["trainer"], row["ceiling"]
     assert row["efficiency"] == pytest.approx(trainer["images_per_sec"] / ceiling["images_per_sec"])
@@ -77,11 +78,11 @@ def test_throughput_runs_its_rows_and_writes_its_json(tmp_path: Path):
     assert (
         lines[header].split()
         == (
-            "world source watchdog img/s ceiling trainer/ceiling data wait first epoch of bf16 peak"
+            "world source variant img/s ceiling trainer/ceiling data wait first epoch of bf16 peak"
         ).split()
     )
-    assert lines[header + 1].split() == [
-        "2", row["source"], "-", f"{trainer['images_per_sec']:.1f}",
+    assert lines[header + 2].split() == [
+        "2", row["source"], "audit", "on", f"{trainer['images_per_sec']:.1f}",
         f"{ceiling['images_per_sec']:.1f}", f"{row['efficiency']:.3f}",
         f"{shares['data_wait']:.1%}",
         f"{first['images_per_sec'] / ceiling['images_per_sec']:.3f}", "n/a",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_an_image_the_reference_cannot_make_is_one_warning_not_the_runs_error(ca
 
 
 def test_the_audit_backlog_is_bounded():
-    """Audits under way at most MAX_PENDING: a due batch while they wait is left unaudited."""
+    """Audits under way at most MAX_PENDING (on CUDA, in the audit's thread): a due batch while
+    they wait is left unaudited."""
     started, release = threading.Event(), threading.Event()
 
     class Slow:
@@ -125,6 +127,7 @@ def test_the_audit_backlog_is_bounded():
             raise OSError("slow")
 
     audit = DataAudit(Slow(), BatchAugment(16), Source.FILES, 1, torch.device("cpu"))
+    audit._thread = ThreadPoolExecutor(1)  # as on CUDA: the audits run beside the training
     for _ in range(10):
         audit.look(torch.zeros(2, 3, 16, 16), torch.zeros(2, ROW_WIDTH))
     assert started.wait(30) and len(audit.pending) == audit_module.MAX_PENDING
