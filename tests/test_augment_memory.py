@@ -130,3 +130,63 @@ def test_the_per_image_bound_holds_on_cuda():
     bound = count * augment_bytes_per_image(size, side, policy=True)
     print(f"transient {transient / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
     assert transient <= bound
+
+
+def test_the_batches_prepared_ahead_are_reserved_beside_the_step_and_no_room_is_one_line():
+    """The micro-batch trials' budget leaves room for the batches prepared ahead (alive through
+    the step: 2 decoded nvJPEG canvases and the decoder's peak, about 1.2 GiB at 256 x 224 px);
+    a budget with no room to augment one image is one error line, not one image at a time."""
+    from imgtrainer.config import TrainConfig
+    from imgtrainer.data.device.memory import DECODER_PEAK_BYTES
+    from imgtrainer.training.memory_fit import (
+        TrialInputs,
+        TrialParts,
+        plan_augmentation,
+        prepared_ahead_bytes,
+    )
+
+    cfg = TrainConfig(batch_size=256, image_size=224)
+    canvas = 256 * 3 * canvas_side_bound(224, Source.NVJPEG) ** 2
+    ahead = prepared_ahead_bytes(cfg, Source.NVJPEG)
+    assert ahead == 2 * canvas + DECODER_PEAK_BYTES and ahead > 1.1 * 2**30
+    assert prepared_ahead_bytes(cfg, Source.GPU) == 0  # indices into the cache: nothing ahead
+    model = torch.nn.Linear(4, 2)
+    parts = TrialParts(model, torch.optim.SGD(model.parameters()), None, None, torch.device("cpu"))
+    inputs = TrialInputs((3, 224, 224), 2)
+    with pytest.raises(UserError, match="leaves no room to augment one image"):
+        plan_augmentation(cfg, parts, inputs, budget=2**30, source=Source.NVJPEG)
+    assert plan_augmentation(cfg, parts, inputs, 2**36, Source.NVJPEG) is None  # all at once
+
+
+def test_a_decode_that_ran_out_of_memory_is_dropped_before_the_batch_is_made_again():
+    """The decode thread's future keeps a failed attempt's frames (and their memory) alive:
+    finish drops it before the batch is made again, smaller, in this thread."""
+    from concurrent.futures import Future
+
+    from imgtrainer.data.device.batches import Staged
+
+    pixels, rows, labels = batch(4, seed=3)
+    failed: Future = Future()
+    failed.set_exception(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    staged = Staged((pixels, rows, labels), rows=rows, decoding=failed)
+    batches = device_batches(BatchAugment(SIZE), retry_on_oom=True)
+    images, _ = batches.finish(staged)
+    assert staged.decoding is None and batches.chunk == 2
+    expected, _ = device_batches(BatchAugment(SIZE)).augmented(pixels, rows, labels)
+    assert torch.equal(images, expected)
+
+
+def test_jpegs_are_decoded_by_the_workers_under_the_cudamallocasync_allocator(monkeypatch, caplog):
+    """nvJPEG's private stream can write memory that queued work still reads under
+    cudaMallocAsync (pytorch/vision#9606): the plan refuses the device decoder there, in one line."""
+    from imgtrainer import torch_compat
+    from imgtrainer.data.image_plan import safe_decoding
+
+    monkeypatch.setattr(torch_compat, "cuda_allocator_backend", lambda: "native")
+    assert safe_decoding(Source.NVJPEG) is Source.NVJPEG
+    monkeypatch.setattr(torch_compat, "cuda_allocator_backend", lambda: "cudaMallocAsync")
+    with caplog.at_level(logging.WARNING):
+        assert safe_decoding(Source.NVJPEG) is Source.FILES
+        assert safe_decoding(Source.RAM) is Source.RAM
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "cudaMallocAsync" in line and "loader workers decode the JPEGs" in line

@@ -117,3 +117,5 @@ def test_tf32_and_autotuning_switches_are_put_back_as_they_were():
     assert torch_compat.is_device_fault(RuntimeError("CUDA error: an illegal memory access"))
     assert not torch_compat.is_device_fault(RuntimeError("CUDA error: out of memory"))
     assert not torch_compat.is_device_fault(RuntimeError("nvjpeg: bad bitstream"))
+    # torchvision's CUDA decoder words a sticky error without "CUDA error".
+    assert torch_compat.is_device_fault(RuntimeError("Failed to synchronize CUDA stream: 700"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -77,8 +78,10 @@ def is_device_fault(err: BaseException) -> bool:
     if is_out_of_memory(err):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch 2.8 and later
+    # torchvision's CUDA decoder words a sticky error "Failed to synchronize CUDA stream: 700".
+    text = str(err)
     return (accelerator_error is not None and isinstance(err, accelerator_error)) or (
-        "CUDA error" in str(err)
+        "CUDA error" in text or re.search(r"CUDA stream: \d+", text) is not None
     )
 
 

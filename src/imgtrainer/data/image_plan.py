@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import Dataset
 
+from imgtrainer import torch_compat
 from imgtrainer.config import TrainConfig
 from imgtrainer.data.host.image_cache import (
     CANVAS_ASPECT,
@@ -86,7 +87,7 @@ def plan_images(
     total = sum(map(len, images.values()))
     cache, why = choose_cache(cfg.cache_images, total, cfg.image_size, budgets)
     cache, why = least_cache(cache, why)
-    source = choose_source(cache, dist.device)
+    source = safe_decoding(choose_source(cache, dist.device))
     if source is Source.GPU:
         return decoded_plan(cfg, dist, images, budgets.device, threads, why)
     capacity = 0
@@ -95,6 +96,20 @@ def plan_images(
         why += f"; filled as the images are first read, up to {format_bytes(capacity, 'MiB', 0)}"
     log_plan(cache, source, why)
     return ImagePlan(cache, source, capacity, why)
+
+
+def safe_decoding(source: Source) -> Source:
+    """``source``, but JPEGs read from files are decoded by the loader workers rather than by
+    nvJPEG under the cudaMallocAsync allocator, which can hand nvJPEG's private stream memory
+    that queued work still reads (pytorch/vision#9606): one line says so."""
+    if source is not Source.NVJPEG or torch_compat.cuda_allocator_backend() != "cudaMallocAsync":
+        return source
+    log.warning(
+        "PYTORCH_CUDA_ALLOC_CONF selects the cudaMallocAsync allocator, under which nvJPEG can "
+        "write memory that queued work still reads (pytorch/vision#9606): the loader workers "
+        "decode the JPEGs instead; drop backend:cudaMallocAsync to decode them on the GPU"
+    )
+    return Source.FILES
 
 
 def log_plan(cache: str, source: Source, why: str) -> None:

@@ -264,7 +264,9 @@ def build_memory_plan(
             else None,
             resident=resident,
         )
-        plan.micro_batch = fit_micro_batch(measure, start, step_batch, budget, device)
+        # The batches prepared ahead stay alive through the step: their room is not the step's.
+        ahead = prepared_ahead_bytes(cfg, source)
+        plan.micro_batch = fit_micro_batch(measure, start, step_batch, budget - ahead, device)
         plan.augment_chunk = plan_augmentation(cfg, parts, inputs, budget, source)
         if device.type == "cuda":
             # Drop the trials' cached blocks, and their peak (an out-of-memory trial peaks near
@@ -301,5 +303,19 @@ def plan_augmentation(
     staged = staged_bytes(step_batch, cfg.image_size, source)
     room = budget - resident_state_bytes(parts) - inputs.loaded_input_bytes - staged
     per_image = augment_bytes_per_image(cfg.image_size, side, cfg.auto_augment != "none")
+    if room < per_image:
+        raise UserError(
+            f"the memory budget ({gib(budget)}) leaves no room to augment one image beside the "
+            f"model's state and {gib(staged)} of batches on their way to the device; "
+            f"{OOM_HELP}"
+        )
     chunk = augment_chunk(room, per_image, step_batch)
     return None if chunk == step_batch else chunk
+
+
+def prepared_ahead_bytes(cfg: TrainConfig, source: Source) -> int:
+    """Device bytes of the batches prepared ahead while a step runs (``staged_bytes`` but the
+    canvas being augmented, which is gone by then)."""
+    step_batch = optimizer_batch(cfg)
+    canvas = step_batch * 3 * canvas_side_bound(cfg.image_size, source) ** 2
+    return max(0, staged_bytes(step_batch, cfg.image_size, source) - canvas)

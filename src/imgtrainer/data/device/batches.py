@@ -21,7 +21,7 @@ from imgtrainer.data.host.collate import EncodedBatch, collate_samples
 from imgtrainer.data.host.ragged import as_canvas
 from imgtrainer.errors import UserError
 from imgtrainer.events import event
-from imgtrainer.torch_compat import none_if_out_of_memory
+from imgtrainer.torch_compat import none_if_out_of_memory, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,10 @@ class DeviceBatches:
         made = None
         if staged.started:
             attempt = partial(self.augmented_staged, staged)
-            made = none_if_out_of_memory(attempt, self.retry_on_oom, self.device)
+            made = none_if_out_of_memory(attempt, self.retry_on_oom)
+            if made is None:  # a failed decode's future holds its frames, and their memory
+                staged.decoding = None
+                release_memory(self.device)
         while made is None:
             self.smaller_pieces(len(staged.rows), "preparing a batch on the device")
             attempt = partial(self.apply, *staged.batch)

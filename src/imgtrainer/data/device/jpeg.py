@@ -10,6 +10,7 @@ CPU exactly as the CPU path does it, and a file it failed on is sent there from 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,14 +127,8 @@ class JpegDecoder:
         # allocated on, which runs no kernel (see __call__).
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.alloc_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.wait_for_device = cuda and torch_compat.cuda_allocator_backend() == "cudaMallocAsync"
-        if self.wait_for_device:
-            log.warning(
-                "PYTORCH_CUDA_ALLOC_CONF's cudaMallocAsync backend can hand nvjpeg memory that "
-                "queued work still uses (pytorch/vision#9606): the JPEG decoder waits for the "
-                "device before each call, which costs its overlap with training; the native "
-                "allocator does not need it"
-            )
+        # One call at a time (the decode thread's, or a retry's in the training thread).
+        self.calling = threading.Lock()
 
     def __call__(
         self,
@@ -157,8 +152,8 @@ class JpegDecoder:
         # - only the canvas leaves: the consumer waits for self.stream, and record_stream
         #   keeps its block from reuse until the consumer's queued work is done.
         # Nothing here waits on the consumer: no call waits for a training step. (Under the
-        # cudaMallocAsync backend none of this holds: wait_for_device.)
-        with torch.cuda.stream(self.stream):
+        # cudaMallocAsync backend none of this holds: image_plan decodes on the CPU there.)
+        with self.calling, torch.cuda.stream(self.stream):
             canvas = self.assemble(batch, rows, labels)
         consumer.wait_stream(self.stream)
         canvas.record_stream(consumer)
@@ -289,8 +284,6 @@ class JpegDecoder:
         the decoder's stream, where they are read (see __call__)."""
         if self.alloc_stream is None:
             return list(self.decode(data))
-        if self.wait_for_device:
-            torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self.alloc_stream):
             images = list(self.decode(data))
         for image in images:
