@@ -181,6 +181,7 @@ def throughput_figures(trainer: dict[str, Any], ceiling: dict[str, Any]) -> dict
         "loader workers": trainer["loader_workers"],
         "source": trainer["source"],
         "first step s": trainer["seconds_to_first_step"],
+        "alloc retries": trainer.get("alloc_retries", "n/a"),
         f"efficiency target {target:g}": verdict(efficiency >= target),
         "ceiling target": "unknown peak" if goal is None else f"{goal:.0f} img/s",
         "ceiling": "unknown peak" if goal is None else verdict(ceiling["images_per_sec"] >= goal),

@@ -617,6 +617,9 @@ def measure_trainer(cfg, dist, warmup: int, steps: int) -> dict:
     if dist.device.type == "cuda":
         per_gpu = result["images_per_sec"] / dist.world_size
         result.update(model_flops(trainer.parts.plain_model, dist.device, cfg.image_size, per_gpu))
+        # Allocations the caching allocator retried after freeing its cached blocks (a device
+        # sync each): the copy, decode and compute streams' pools near the limit.
+        result["alloc_retries"] = torch.cuda.memory_stats(dist.device).get("num_alloc_retries", 0)
     return result
 
 
