@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from imgtrainer import redact
+
 EXIT_USER_ERROR = 2
 
 
@@ -42,11 +44,12 @@ def exit_on_user_error(main: F) -> F:
         try:
             return main(*args, **kwargs)
         except UserError as err:
-            sys.stderr.write(f"error: {err}\n")  # one write: ranks never interleave in a line
+            # One write: ranks never interleave in a line. Credentials never in it.
+            sys.stderr.write(redact.text(f"error: {err}\n"))
             sys.stderr.flush()
             sys.exit(EXIT_USER_ERROR)
         except RunFailed as err:
-            sys.stderr.write(f"error: {err}\n")
+            sys.stderr.write(redact.text(f"error: {err}\n"))
             sys.stderr.flush()
             sys.exit(EXIT_RUN_FAILED)
         except BrokenPipeError:

@@ -18,6 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from imgtrainer import redact
+
 KEY = "event"  # the log record's attribute that carries one
 LAUNCHER_EVENTS = "launcher_events.jsonl"  # in the log folder: one JSON object a line
 MAX_WARNINGS = 200  # a process's warnings kept: a flood of one repeats nothing new
@@ -77,7 +79,7 @@ class EventLog(logging.Handler):
 def append_event(path: Path, kind: str, **fields: Any) -> None:
     """One event as a line at the end of ``path`` (one write: lines never interleave); a log
     folder that cannot be written loses it, never the run."""
-    line = json.dumps({"kind": kind, "time": stamp(), **fields}, default=str) + "\n"
+    line = redact.text(json.dumps({"kind": kind, "time": stamp(), **fields}, default=str)) + "\n"
     with contextlib.suppress(OSError), open(path, "a") as f:
         f.write(line)
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from imgtrainer import redact
 from imgtrainer.config.launcher_flags import LAUNCHER_FIELDS
 from imgtrainer.config.layout import with_global_batch_layout
 from imgtrainer.config.schema import (
@@ -31,6 +32,7 @@ from imgtrainer.config.schema import (
 )
 from imgtrainer.errors import UserError, message_line
 from imgtrainer.process import TorchrunEnv
+from imgtrainer.storage.remote import parse_options
 
 # ----------------------------------------------------------------------------- parsers
 
@@ -362,9 +364,19 @@ def validate(cfg: TrainConfig) -> None:
             "(or --resume PATH)"
         )
     tracker_names(cfg.log_to)
+    keep_credentials_in_memory(cfg)
     if cfg.pretrained and cfg.pretrained_path:
         raise UserError("give either --pretrained (download) or --pretrained_path FILE, not both")
     validate_stopping(cfg)
+
+
+def keep_credentials_in_memory(cfg: TrainConfig) -> None:
+    """--storage_options checked (a JSON object, with or without a URL to use it), and every
+    credential this run was given remembered, so that no line or file shows it (``redact``)."""
+    options = parse_options(cfg.storage_options)
+    urls = [cfg.train_dir, cfg.val_dir, cfg.checkpoint_dir, cfg.log_dir]
+    urls += [os.environ.get(name, "") for name in ("AWS_ENDPOINT_URL", "MLFLOW_TRACKING_URI")]
+    redact.remember(redact.secrets_of([options, *urls]))
 
 
 def validate_stopping(cfg: TrainConfig) -> None:

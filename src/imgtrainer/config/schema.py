@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from imgtrainer import redact
 from imgtrainer.config.bounds import (
     AT_LEAST_1,
     BETA_ALPHA,
@@ -115,8 +116,8 @@ LABEL_COLUMN_HELP = (
 )
 STORAGE_OPTIONS_HELP = (
     "JSON object of options for the object store of s3:// (gs://, az://) data and checkpoints, "
-    "passed to its fsspec filesystem (saved with the run's config: give credentials the usual "
-    "way, AWS_* variables or a profile); the endpoint may also come from AWS_ENDPOINT_URL"
+    "passed to its fsspec filesystem; credentials in it (key, secret, token, ...) are written "
+    "nowhere, shown as <redacted>; the endpoint may also come from AWS_ENDPOINT_URL"
 )
 REMOTE_CACHE_HELP = (
     "bytes read from object storage are kept on the local disk in <log_dir>/remote_cache, up to "
@@ -374,7 +375,15 @@ class TrainConfig:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return written_values(self)
+
+
+def written_values(cfg: TrainConfig) -> dict[str, Any]:
+    """The flags as plain values, as every file and line of the run holds them: credentials
+    (``--storage_options``' keys, a URL's user and password) replaced (``redact``)."""
+    values = dataclasses.asdict(cfg)
+    values["storage_options"] = redact.options_text(cfg.storage_options)
+    return {k: redact.text(v) if isinstance(v, str) else v for k, v in values.items()}
 
 
 TRAIN_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from imgtrainer import redact
 from imgtrainer.distributed.setup import DistInfo
 
 # The project logger: every module logs to a child of it (``imgtrainer.<module>``), and
@@ -50,6 +51,7 @@ class _LevelFormatter(logging.Formatter):
     """Warnings and errors say so first ("WARNING: ..."); information is the message alone."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = redact.text(record.message)  # credentials never reach a log
         if record.levelno >= logging.WARNING:
             record.message = f"{record.levelname}: {record.message}"
         return super().formatMessage(record)

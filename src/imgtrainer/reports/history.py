@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from imgtrainer import redact
 from imgtrainer.errors import UserError
 from imgtrainer.events import EventLog, stamp
 from imgtrainer.files import atomic_write
@@ -181,7 +182,7 @@ class HistoryWriter:
         if starts:  # how long this start ran, for one that is killed
             starts[-1]["until"] = stamp()
         head = {**self.header, **live, "epochs": self.written, "events": list(self.events.items)}
-        text = json.dumps(head, indent=2, default=str).encode()
+        text = redact.text(json.dumps(head, indent=2, default=str)).encode()
         atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
 
     @property

@@ -24,6 +24,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from imgtrainer import redact
 from imgtrainer.config import (
     LAUNCHER_FIELDS,
     LAUNCHER_FLAGS_ENV,
@@ -254,8 +255,9 @@ def run_torchrun(
         tempfile.TemporaryDirectory(prefix="train_ddp_report_") as reports,
         open(log_file, "ab") as log,
     ):
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
-        append_event(log_dir / LAUNCHER_EVENTS, "launch", command=shlex.join(command))
+        shown = redact.text(shlex.join(command))
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shown}\n".encode())
+        append_event(log_dir / LAUNCHER_EVENTS, "launch", command=shown)
         log.flush()
         env = {**env, REPORT_DIR_ENV: reports}
         timeout, max_restarts, whole_job = hang_watch
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     store_host, lock = (None, None) if args.dry_run else elastic_store_host(args)
     try:  # the lock (an elastic job's rendezvous store hosted here) is held while torchrun runs
         command = torchrun_command(args, device, nproc, trainer_args, store_host)
-        print("Running: " + shlex.join(command), flush=True)
+        print("Running: " + redact.text(shlex.join(command)), flush=True)
         if args.dry_run:
             return 0
         launcher_checks(cfg, device, world_size=nproc * node_range(args.nnodes)[0])
@@ -385,7 +387,7 @@ def resume_command(argv: list[str], resume: str | None) -> str:
     """This launcher's command with --resume auto (the last --resume given wins)."""
     script = sys.argv[0] if sys.argv[0].endswith("launch_ddp.py") else "launch_ddp.py"
     flags = argv if resume == "auto" else [*argv, "--resume", "auto"]
-    return shlex.join(["python", script, *map(str, flags)])
+    return redact.text(shlex.join(["python", script, *map(str, flags)]))
 
 
 def elastic_store_host(args: argparse.Namespace):

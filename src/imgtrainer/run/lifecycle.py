@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from imgtrainer import redact
 from imgtrainer.errors import (
     EXIT_RUN_FAILED,
     EXIT_USER_ERROR,
@@ -52,7 +53,7 @@ def write_outcome(folder: Path, code: int, line: str = "", trace: str = "") -> N
         "time": time.time(),
     }
     path = folder / f"rank{env.rank}.attempt{env.restart_count}.json"
-    text = json.dumps(record).encode()
+    text = redact.text(json.dumps(record)).encode()
     try:
         atomic_write(path, lambda f: f.write(text), lambda: len(text), tmp=path.with_suffix(".tmp"))
     except (OSError, UserError):

@@ -28,7 +28,12 @@ END = "<!-- end of the package map -->"
 # The floors of the package, lowest first: a module imports only from its own floor or below,
 # and never in a circle within a floor.
 FLOORS = [
-    ["errors", "heartbeat", "events"],  # heartbeat and events: like logging, any floor may use them
+    [
+        "redact",
+        "errors",
+        "heartbeat",
+        "events",
+    ],  # heartbeat and events: like logging, any floor may use them
     ["files", "process", "storage", "torch_compat"],
     ["distributed"],
     ["config"],

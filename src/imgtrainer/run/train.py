@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
-from imgtrainer import heartbeat
+from imgtrainer import heartbeat, redact
 from imgtrainer.checkpoints.remote import check_run_folders, checkpoint_folder
 from imgtrainer.checkpoints.run_folder import claim_run_folder
 from imgtrainer.config import (
@@ -138,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher."""
     env = TorchrunEnv.read()
     cfg = parse_config(argv, env)
+    # What libraries read of the command line (W&B's metadata, a traceback) holds no
+    # credential: the config keeps the client's copy.
+    sys.argv[:] = [redact.text(arg) for arg in sys.argv]
     if print_config_requested(argv):
         print(config_yaml(cfg, launcher_flags_from_env()), end="")
         return 0

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from imgtrainer import redact
 from imgtrainer.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ def parse_options(text: str) -> dict[str, Any]:
                         '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from None  # fmt: skip
     if not isinstance(options, dict):
         raise UserError("--storage_options must be a JSON object of the store's options")
-    return options
+    # A run file this run wrote holds its credentials redacted: the store then takes them from
+    # the environment, or from --storage_options given again.
+    return redact.without_marks(options)
 
 
 def filesystem_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import timm
 import torch
 import torchvision
 
+from imgtrainer import redact
 from imgtrainer.checkpoints.writer import CheckpointWriter, checkpoint_writer
 from imgtrainer.config import Layout, TrainConfig, parse_duration
 from imgtrainer.data import Loaders, open_data
@@ -130,7 +131,7 @@ def run_header(
         "device": str(dist.device.type),
         "class_names": class_names,
         "train_class_counts": class_counts,
-        "command": sys.argv,
+        "command": [redact.text(arg) for arg in sys.argv],
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,

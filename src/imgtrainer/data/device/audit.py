@@ -1,12 +1,10 @@
 """The data audit: images the device made, checked against the CPU reference path as a run trains.
 
-At the first batches of a run (and of each restart: it may run on another machine) and then
-every ``every``-th, one image of the batch is copied to the host without waiting for the device,
-and a background thread makes it again on the CPU from its sample row (the box as drawn, the
-flip, the policy's ops, the erasing: no new draws): decoded by PIL (or as the cache decodes it),
-cropped as the workers crop, resampled by the gathered taps. The difference is measured in
-0-255 levels; over the source's tolerance it is one warning, and a high rate of mismatches
-among the recent audits asks, at the epoch's end, for the CPU path (``switch_due``).
+At the first batches of a run (and of each restart) and then every ``every``-th, one image of
+the batch is made again on the CPU from its sample row (no new draws; on CUDA copied out without
+waiting and remade in a thread of its own): decoded, cropped and resampled as the CPU path does.
+The difference is measured in 0-255 levels; over the source's tolerance it is one warning, and
+a high rate of mismatches among the recent audits asks for the CPU path (``switch_due``).
 """
 
 from __future__ import annotations
