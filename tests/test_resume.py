@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import signal
@@ -417,3 +418,33 @@ def test_resume_with_another_optimizer_is_one_clear_error(trained_run, tmp_path:
     )
     assert "--optimizer adamw" in line and "not --optimizer sgd" in line
     assert (workdir / "logs" / "training_history.json").read_text() == history
+
+
+class _System:
+    """Unpickles as a call of os.system: what a hostile checkpoint holds."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+class _Harmless:
+    """A plain class of this module: not code, but an object weights_only cannot rebuild."""
+
+
+@pytest.mark.parametrize("payload", ["os.system", "a class of ours"])
+def test_a_refused_checkpoint_is_called_refused_whatever_torch_says(
+    tmp_path: Path, payload, capsys
+):
+    """The review's F2: a pickle of ``os.system`` was called "corrupt" with torch's advice to load
+    it with weights_only=False, the harmless class "refused". Both are one refused line now,
+    through the evaluation tool, and torch's own advice never shows."""
+    from imgtrainer.tools.evaluate import main as evaluate_main
+
+    path = tmp_path / "evil.pth"
+    value = _Harmless() if payload == "a class of ours" else _System()
+    torch.save({"model_state_dict": value}, path)
+    line = user_error_line(
+        evaluate_main, ["--checkpoint", path, "--data_dir", tmp_path], capsys, cwd=tmp_path
+    )
+    assert line.startswith(f"error: refused to load {path}: it holds code or objects")
+    assert "weights_only=False" not in line and "likely succeed" not in line

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import warnings
 import zipfile
 from collections.abc import Iterable
@@ -203,15 +204,21 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
     return obj
 
 
+# How torch words a weights-only refusal, in any version: "Weights only load failed",
+# "Unsupported global", "unsupported GLOBAL ... whose module ... is blocked".
+REFUSED = re.compile(r"weights.only load failed|unsupported global|\bglobal\b", re.IGNORECASE)
+
+
 def _load_error(path: Path, err: Exception) -> CheckpointError:
     """Name what is wrong with a file that ``torch.load`` refused."""
     message = str(err)
-    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in message:
-        # A real pickle naming classes or functions: loading it could run code.
+    if isinstance(err, pickle.UnpicklingError) and REFUSED.search(message):
+        # torch's weights-only unpickler refused it: it names code (a class, a function, a
+        # blocked module), whatever torch's wording. Never torch's advice to load it unsafely.
         return CheckpointError(
-            f"refused to load {path}: it contains Python objects other than tensors and "
-            "plain values, which could run code when unpickled (loaded with "
-            "weights_only=True); only load checkpoints from sources you trust"
+            f"refused to load {path}: it holds code or objects that could run code when "
+            "unpickled, so it was not loaded (weights_only=True); only load checkpoints from "
+            "sources you trust"
         )
     if not zipfile.is_zipfile(path):
         # torch.save writes a zip archive (since torch 1.6); its index sits at the end, so a
