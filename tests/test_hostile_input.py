@@ -228,3 +228,20 @@ def test_the_checkpoints_fuzzing_found_resume_with_one_line(fields):
         check_resume_settings(state, Path("x.pth"), config, 2, override=False)
     except CheckpointError as err:
         assert "\n" not in str(err)
+
+
+def test_csv_cells_that_would_start_a_formula_are_written_as_text(tmp_path: Path):
+    """F12: a class folder named ``=1+2`` became a formula in confusion_matrix.csv and
+    misclassified.csv; numbers, negative ones too, stay numbers."""
+    import csv
+
+    from imgtrainer.reports.confusion import write_confusion_csv
+    from imgtrainer.reports.trackers.csv_file import metrics_csv
+
+    names = ["=1+2", "+x", "-y", "@z", "\tt", "plain"]
+    write_confusion_csv(np.eye(6, dtype=int), names, tmp_path / "c.csv")
+    rows = list(csv.reader(open(tmp_path / "c.csv", newline="")))
+    assert rows[0][1:] == ["'=1+2", "'+x", "'-y", "'@z", "'\tt", "plain"]
+    assert [row[0] for row in rows[1:]] == rows[0][1:] and rows[1][1] == "1"
+    table = list(csv.reader(io.StringIO(metrics_csv([{"epoch": 1, "lr": -0.5, "note": "=cmd"}]))))
+    assert table == [["epoch", "lr", "note"], ["1", "-0.5", "'=cmd"]]

@@ -136,3 +136,13 @@ def format_bytes(n: float, unit: str | None = None, digits: int | None = None) -
     if digits is None:
         digits = 0 if unit == "B" else 1
     return f"{n / BYTE_UNITS[unit]:.{digits}f} {unit}"
+
+
+# What a spreadsheet reads as the start of a formula in a cell (OWASP: CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value: str) -> str:
+    """A CSV text cell shown as written: one a spreadsheet would take for a formula (a class
+    folder named ``=1+2``) gets a leading apostrophe. Numbers are not text cells."""
+    return "'" + value if value.startswith(FORMULA_STARTS) else value

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from imgtrainer.files import csv_text
 from imgtrainer.reports.figures import new_figure, save_figure
 
 # Up to this many classes the full matrix is drawn with every class named; above it a drawing
@@ -139,9 +140,9 @@ def write_confusion_csv(confusion: np.ndarray, class_names: Sequence[str], outpu
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["true \\ predicted", *class_names])
+        writer.writerow(["true \\ predicted", *map(csv_text, class_names)])
         for name, row in zip(class_names, confusion.tolist(), strict=True):
-            writer.writerow([name, *row])
+            writer.writerow([csv_text(name), *row])
 
 
 def plot_confusion_summary(

@@ -28,6 +28,7 @@ from imgtrainer.distributed.setup import (
     setup_distributed,
 )
 from imgtrainer.errors import exit_on_user_error
+from imgtrainer.files import csv_text
 from imgtrainer.reports.confusion import (
     FULL_MATRIX_MAX_CLASSES,
     balanced_accuracy,
@@ -202,9 +203,8 @@ class ReportWriter:
             writer.writerow(["path", "true_class", "predicted_class", "confidence"])
             for index, predicted, confidence in rows:
                 target = p.targets[index]
-                writer.writerow(
-                    [p.locations[index], names[target], names[predicted], f"{confidence:.4f}"]
-                )
+                texts = (p.locations[index], names[target], names[predicted])
+                writer.writerow([*map(csv_text, texts), f"{confidence:.4f}"])
 
 
 def run(args: argparse.Namespace, dist: DistInfo) -> int:

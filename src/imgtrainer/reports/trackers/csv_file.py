@@ -11,6 +11,8 @@ import io
 import json
 from typing import Any
 
+from imgtrainer.files import csv_text
+
 METRICS_CSV = "metrics.csv"
 
 
@@ -24,7 +26,7 @@ def metrics_csv(records: list[dict[str, Any]]) -> str:
         return ""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(columns)
+    writer.writerow(map(csv_text, columns))
     for record in records:
         writer.writerow(_cell(record.get(column)) for column in columns)
     return out.getvalue()
@@ -34,5 +36,7 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, dict | list):
-        return json.dumps(value)
+        return csv_text(json.dumps(value))
+    if isinstance(value, str):
+        return csv_text(value)
     return str(value)  # a float's shortest exact form
