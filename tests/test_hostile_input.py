@@ -245,3 +245,24 @@ def test_csv_cells_that_would_start_a_formula_are_written_as_text(tmp_path: Path
     assert [row[0] for row in rows[1:]] == rows[0][1:] and rows[1][1] == "1"
     table = list(csv.reader(io.StringIO(metrics_csv([{"epoch": 1, "lr": -0.5, "note": "=cmd"}]))))
     assert table == [["epoch", "lr", "note"], ["1", "-0.5", "'=cmd"]]
+
+
+def test_rows_never_name_an_address_outside_files_and_their_own_store(tmp_path: Path):
+    """F10: a list or Parquet row naming http://... was fetched (a blind request to any address
+    a dataset names), and a bucket's list could reach another bucket through ../."""
+    from imgtrainer.data.layouts.files import list_table
+    from imgtrainer.data.layouts.parquet import image_bytes
+    from imgtrainer.storage import join, row_may_name
+
+    assert row_may_name("data/train.csv", "/abs/img.jpg")  # the Hub's {bytes: None, path}
+    assert row_may_name("data/train.csv", "s3://bucket/img.jpg")  # a list of objects
+    assert row_may_name("s3://bkt/lists/a.csv", "/local/img.jpg")
+    assert row_may_name("s3://bkt/lists/a.csv", join("s3://bkt/lists", "../img.jpg"))
+    assert not row_may_name("s3://bkt/lists/a.csv", join("s3://bkt/lists", "../../other/x.jpg"))
+    assert not row_may_name("data/train.csv", "http://127.0.0.1:9/latest/meta-data")
+    listed = tmp_path / "train.csv"
+    listed.write_text("path,label\na.jpg,cat\nhttp://169.254.169.254/latest/meta-data,dog\n")
+    with pytest.raises(UserError, match=r"train.csv, line 3: 'http://169.254.169.254/.*not read"):
+        list_table(str(listed), None)
+    with pytest.raises(OSError, match="not read"):  # a Parquet cell: left out as unreadable
+        image_bytes({"bytes": None, "path": "https://example.com/x.jpg"}, "p.parquet[row 0]")

@@ -13,6 +13,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 from imgtrainer.errors import UserError
 from imgtrainer.storage.cache import RangeCache
@@ -44,6 +45,23 @@ def join(folder: str, name: str) -> str:
         return os.path.join(folder, name)
     scheme, _, path = folder.partition("://")
     return f"{scheme}://{posixpath.normpath(posixpath.join(path, name))}"  # ../ resolved
+
+
+# Where a dataset's rows may point: files, and objects of these stores (fsspec's names).
+ROW_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def row_may_name(base: str, location: str) -> bool:
+    """Whether a row of the dataset at ``base`` may name ``location``: a file, or an object of
+    an object store, but never another bucket of a dataset in a bucket (``../other-bucket``),
+    nor an http:// or other address (a request to wherever a hostile dataset points)."""
+    if not is_url(location):
+        return True
+    theirs = urlsplit(location)
+    if theirs.scheme not in ROW_SCHEMES:
+        return False
+    mine = urlsplit(base)
+    return not is_url(base) or (mine.scheme, mine.netloc) == (theirs.scheme, theirs.netloc)
 
 
 def parent(path: str) -> str:

@@ -17,7 +17,7 @@ from imgtrainer.data.layouts.image_files import is_image_file, walk_once
 from imgtrainer.data.layouts.names import PLAIN, Reading, labels_of
 from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
 from imgtrainer.errors import UserError
-from imgtrainer.storage import is_url, join, parent
+from imgtrainer.storage import is_url, join, parent, row_may_name
 
 
 class FileRows(RowKind):
@@ -97,8 +97,14 @@ def list_table(path: str, names: list[str] | None, reading: Reading = PLAIN) -> 
     folder = parent(path)
     rows: dict[str, list] = {"containers": [], "container": [], "members": [], "labels": labels}
     seen: dict[str, int] = {}
-    for name, _ in entries:
+    for row, (name, _) in enumerate(entries, start=2):
         image = join(folder, name)
+        if not row_may_name(path, image):
+            raise UserError(
+                f"list file {path}, line {row}: {name!r} is not read: rows may name files and "
+                "objects in object storage (in a bucket's list, of its own bucket), not other "
+                "addresses"
+            )
         container, member = (parent(image), image.rsplit("/", 1)[-1]) if is_url(image) else (
             os.path.split(image)
         )  # fmt: skip

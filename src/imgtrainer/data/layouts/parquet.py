@@ -19,7 +19,7 @@ import numpy as np
 from imgtrainer.data.layouts.names import PLAIN, Reading, expand_pattern, labels_of
 from imgtrainer.data.layouts.table import ImageTable, RowKind
 from imgtrainer.errors import UserError
-from imgtrainer.storage import LOCAL, Store, is_url, join, parent
+from imgtrainer.storage import LOCAL, Store, is_url, join, parent, row_may_name
 
 # The columns a Parquet file's image and label are looked for in, in order, when not chosen.
 IMAGE_COLUMNS = ("image", "img")
@@ -96,7 +96,10 @@ def image_bytes(value: Any, where: str, folder: str = "", store: Store = LOCAL) 
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str) and value:
-        return store.read(join(folder, value))
+        location = join(folder, value)
+        if not row_may_name(folder or ".", location):  # never a request a hostile row names
+            raise OSError(f"{where} names {value!r}: not read (not a file nor this store's)")
+        return store.read(location)
     if not isinstance(value, bytes | bytearray) or not value:
         raise OSError(f"{where} holds no image bytes")
     return bytes(value)
