@@ -266,3 +266,24 @@ def test_rows_never_name_an_address_outside_files_and_their_own_store(tmp_path: 
         list_table(str(listed), None)
     with pytest.raises(OSError, match="not read"):  # a Parquet cell: left out as unreadable
         image_bytes({"bytes": None, "path": "https://example.com/x.jpg"}, "p.parquet[row 0]")
+
+
+def test_links_planted_in_a_shared_folder_are_never_written_through(tmp_path: Path):
+    """F7: the checkpoint folder's .lock and the temporary file of every atomic write followed a
+    link planted there (a group-writable scratch folder), truncating or filling its target."""
+    from imgtrainer.checkpoints.run_folder import FolderLock
+    from imgtrainer.files import atomic_write
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    os.symlink(victim, folder / ".lock")
+    with pytest.raises(UserError, match="remove it if it is a link"):
+        FolderLock(folder).acquire()
+    target = tmp_path / "logs" / "training_history.json"
+    target.parent.mkdir()
+    os.symlink(victim, target.with_name(f".{target.name}.{os.getpid()}.tmp"))
+    atomic_write(target, lambda f: f.write(b"{}"), lambda: 2)
+    assert victim.read_text() == "precious"
+    assert target.read_text() == "{}" and not target.is_symlink()

@@ -310,7 +310,7 @@ def test_a_full_quota_inside_torch_save_is_one_line(tmp_path: Path, monkeypatch,
 
     # The real torch.save: past its first records it reports the failed write as a
     # RuntimeError ("unexpected pos ..."), while the folder shows plenty of free space.
-    monkeypatch.setattr(run_folder, "open", quota_open, raising=False)
+    monkeypatch.setattr(run_folder, "new_file", lambda path: quota_open(path, "wb"))
     plenty = SimpleNamespace(total=1 << 40, used=0, free=1 << 40)
     monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda folder: plenty)
     with pytest.raises(UserError) as err:

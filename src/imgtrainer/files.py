@@ -15,6 +15,16 @@ from imgtrainer.errors import UserError
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
+# A file made here, never one (or a link) that was there: a shared folder's planted link is
+# never followed.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def new_file(path: Path) -> IO[bytes]:
+    """``path`` made anew for writing (``NEW_FILE``)."""
+    return os.fdopen(os.open(path, NEW_FILE, 0o644), "wb")
+
+
 def atomic_write(
     path: Path,
     write: Callable[[IO[bytes]], None],
@@ -32,8 +42,9 @@ def atomic_write(
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a link planted there goes: never written through
     try:
-        with open(tmp, "wb") as f:
+        with new_file(tmp) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -102,11 +103,16 @@ class FolderLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # No O_TRUNC: opening must not erase the holder's pid before we know we are not it.
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # Never through a link planted in a shared folder: its target would be truncated.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file")
         except OSError as err:
             raise UserError(
                 f"cannot create the lock file {self.path} in --checkpoint_dir: "
-                f"{err.strerror}; choose a folder you can write to"
+                f"{err.strerror or err}; remove it if it is a link, or choose a folder you can "
+                "write to"
             ) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -50,11 +50,17 @@ class RangeCache:
         try:
             if create:
                 self.folder.mkdir(parents=True, exist_ok=True)
-            flags = os.O_CREAT if create else 0
+            flags = (os.O_CREAT if create else 0) | os.O_NOFOLLOW  # never a planted link's target
             data = os.open(f"{base}.data", os.O_RDWR | flags, 0o644)
         except OSError:
             return None
-        log = os.open(f"{base}.log", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            log = os.open(
+                f"{base}.log", os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644
+            )
+        except OSError:
+            os.close(data)  # not left open when its log cannot be
+            return None
         self.objects[key] = found = _Object(data, log, os.fstat(data).st_ino)
         return found
 
@@ -65,6 +71,8 @@ class RangeCache:
         obj.seen += len(complete)
         for line in complete.splitlines():
             parts = line.split()
+            if not all(part.lstrip(b"-").isdigit() for part in parts):
+                continue  # a damaged line: its range is read from the store again
             if len(parts) == 3:
                 obj.ranges[int(parts[0]), int(parts[1])] = int(parts[2])
             elif len(parts) == 4:  # a whole object: its size too
