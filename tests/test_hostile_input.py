@@ -287,3 +287,14 @@ def test_links_planted_in_a_shared_folder_are_never_written_through(tmp_path: Pa
     atomic_write(target, lambda f: f.write(b"{}"), lambda: 2)
     assert victim.read_text() == "precious"
     assert target.read_text() == "{}" and not target.is_symlink()
+
+
+def test_the_pages_policy_allows_no_form_nor_base(tmp_path: Path):
+    """F13: the policy blocked scripts but not forms or <base> (the one unescaped sink, the best
+    epoch, is escaped now, and a history whose best epoch is not a number is no history)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    history = {"epochs": [RECORD], "best": {"epoch": 1}, "config": {}}
+    (logs / "training_history.json").write_text(json.dumps(history))
+    page = build_run_report(logs)
+    assert "form-action 'none'" in page and "base-uri 'none'" in page

@@ -366,7 +366,7 @@ def checkpoints_section(files: RunFiles) -> Section:
         )
     body = (
         table(["file", "size", "written"], rows)
-        + f"<p>Best epoch: {best_epoch(files.history)}.</p>"
+        + f"<p>Best epoch: {esc(best_epoch(files.history))}.</p>"
         + resume_block(files, folder)
         + "<p class='note'>Evaluate one on any data, with the pictures of its mistakes:</p>"
         + command_line(
