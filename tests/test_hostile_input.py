@@ -298,3 +298,22 @@ def test_the_pages_policy_allows_no_form_nor_base(tmp_path: Path):
     (logs / "training_history.json").write_text(json.dumps(history))
     page = build_run_report(logs)
     assert "form-action 'none'" in page and "base-uri 'none'" in page
+
+
+def test_a_list_line_without_its_label_is_named(tmp_path: Path):
+    """F15: a short line was reported as "the labels are class indices; give --class_names"."""
+    from imgtrainer.data.layouts.files import list_table
+
+    listed = tmp_path / "train.csv"
+    listed.write_text("path,label\na.png,cat\nb.png\n")
+    with pytest.raises(UserError, match=r"train.csv, line 3: no path or label value"):
+        list_table(str(listed), None)
+
+
+def test_an_object_no_listing_saw_is_cached_for_this_run_only():
+    """F16: a list's image URLs had a versionless cache key, so a changed object was served
+    stale from the byte cache by a later run."""
+    from imgtrainer.storage import UNLISTED, Store
+
+    key = Store().cache_key("s3://bucket/never-listed.jpg")
+    assert key.endswith(UNLISTED) and str(os.getpid()) in UNLISTED

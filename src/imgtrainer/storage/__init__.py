@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +35,9 @@ __all__ = ["INSTALL", "LOCAL", "Store", "is_url", "join", "parent", "parse_optio
 _SEEN: dict[str, tuple[int, str]] = {}
 _CACHES: dict[tuple[int, str], RangeCache] = {}
 
+# This run's mark for objects no listing saw: set where the package is imported first (the
+# launcher's torchrun agent, whose forked ranks and their workers share it).
+UNLISTED = f"unlisted-{os.getpid()}-{time.time_ns()}"
 STREAM_BLOCK = 8 << 20  # bytes per request when an object is read from start to end
 
 
@@ -139,8 +143,10 @@ class Store:
         return _CACHES[key]
 
     def cache_key(self, url: str) -> str:
-        """The object and its version as a listing saw it: a changed object is a new key."""
-        size, tag = _SEEN.get(url, (-1, ""))
+        """The object and its version as a listing saw it: a changed object is a new key. An
+        object no listing saw (a list's image URL) has no version to key it by: its bytes are
+        kept for this run only (``UNLISTED``), never served to a later one stale."""
+        size, tag = _SEEN.get(url, (-1, UNLISTED))
         return f"{url}\0{size}\0{tag}"
 
     def open(self, path: str) -> IO[bytes]:

@@ -91,6 +91,12 @@ def list_table(path: str, names: list[str] | None, reading: Reading = PLAIN) -> 
                 "line with path and label, or choose them with --image_column / --label_column"
             )
         entries = [(row[where], row[label]) for row in reader]
+        short = next((n for n, e in enumerate(entries, start=2) if None in e), None)
+        if short is not None:
+            raise UserError(
+                f"list file {path}, line {short}: no {where} or {label} value (each line needs "
+                "both, as its header names them)"
+            )
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"list file {path}: cannot be read ({err})") from None
     names, labels = labels_of([value for _, value in entries], names, f"list file {path}")
