@@ -274,6 +274,11 @@ def audit_due(batch: int, every: int) -> bool:
     return batch <= FIRST_BATCHES or batch % every == 0
 
 
+def host_side(audit: SyncAudit, work, *args):
+    with audit.pause():
+        return work(*args)
+
+
 def audited_epoch(
     parts, loader, *, log_interval: int, hooks: list[Hook] = (), nonfinite: bool = True
 ) -> AuditResult:
@@ -285,6 +290,11 @@ def audited_epoch(
 
     audit = SyncAudit(cuda=parts.device.type == "cuda")
     loader.loader = HostHalf(loader.loader, audit)
+    if loader.audit is not None and loader.audit._thread is None:
+        # The data audit remakes an image from its host copy: on CUDA in a thread of its own,
+        # on the CPU at once in this one; it waits for no device either way.
+        remake = loader.audit._check
+        loader.audit._check = lambda *args: host_side(audit, remake, *args)
     reader = LogReader()
     check = NonFiniteLoss(parts.device, distributed=False) if nonfinite else None
     plan = EpochPlan(log_interval=log_interval, nonfinite=check)

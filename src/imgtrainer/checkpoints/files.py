@@ -204,9 +204,10 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
     return obj
 
 
-# How torch words a weights-only refusal, in any version: "Weights only load failed",
-# "Unsupported global", "unsupported GLOBAL ... whose module ... is blocked".
-REFUSED = re.compile(r"weights.only load failed|unsupported global|\bglobal\b", re.IGNORECASE)
+# How torch words a weights-only refusal of code, in any version: "Unsupported global: GLOBAL
+# x.Y was not an allowed global", "unsupported GLOBAL posix.system whose module posix is
+# blocked". (A damaged file fails there too, as "Unsupported operand": not refused, corrupt.)
+REFUSED = re.compile(r"unsupported global|\bglobal\b", re.IGNORECASE)
 
 
 def _load_error(path: Path, err: Exception) -> CheckpointError:
