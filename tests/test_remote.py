@@ -38,6 +38,7 @@ from conftest import (
     user_error_line,
     write_image_folder,
 )
+from imgtrainer import redact
 from imgtrainer.checkpoints.remote import DOWNLOADED, fetch_latest
 from imgtrainer.config import parse_config
 from imgtrainer.data.layouts import open_datasets
@@ -319,6 +320,10 @@ def test_bad_remote_input_is_one_line_exit_2_within_seconds(s3, tmp_path, capsys
         ("no credentials", [shards], keys, [], "no credentials for the store"),
         ("endpoint refusing", [shards],
          {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}"}, [], "does not answer"),
+        # Its user and password never in a line (F11): the user info is replaced.
+        ("endpoint with credentials", [shards],
+         {"AWS_ENDPOINT_URL": f"http://canary:CANARYPASS@127.0.0.1:{closed_port()}"}, [],
+         f"the store at http://{redact.MARK}@127.0.0.1:"),
         ("endpoint silent", [shards],
          {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}"}, [],
          "does not answer (nothing in 1 s)"),

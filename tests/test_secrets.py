@@ -4,9 +4,7 @@ canary secrets writes none of them anywhere, and the redaction itself."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,23 +109,3 @@ def test_a_real_run_writes_no_canary_secret_anywhere(tiny_dataset, tmp_path):  #
     history = json.loads((work / "logs" / "training_history.json").read_text())
     assert redact.MARK in json.dumps(history["command"])
     assert len(written) > 20 and any(str(p).endswith(".wandb") for p, _ in written)
-
-
-@pytest.mark.slow
-def test_a_url_with_credentials_is_never_echoed(tmp_path):
-    """F11: the user and password in AWS_ENDPOINT_URL appeared in the error line of an endpoint
-    that does not answer."""
-    pytest.importorskip("s3fs", reason="pip install -r requirements-remote.txt")
-    env = os.environ | {"AWS_ENDPOINT_URL": "http://canaryuser:CANARYPASS99@127.0.0.1:9"}
-    env |= {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
-    result = subprocess.run(
-        [sys.executable, *launcher_command("--device", "cpu", "--train_data", "s3://b/x.csv")[1:]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert "CANARYPASS99" not in result.stdout + result.stderr
-    assert f"http://{redact.MARK}@127.0.0.1:9" in result.stderr
