@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +35,7 @@ _SEEN: dict[str, tuple[int, str]] = {}
 _CACHES: dict[tuple[int, str], RangeCache] = {}
 
 STREAM_BLOCK = 8 << 20  # bytes per request when an object is read from start to end
+CLAIM_POLL = 0.02  # seconds between looks at a range another process is fetching
 
 
 def join(folder: str, name: str) -> str:
@@ -102,6 +104,28 @@ class Store:
             if cache:
                 cache.put(key, offset, data, whole=size < 0)
         return data
+
+    def hold(self, url: str, offset: int, size: int) -> bool:
+        """Fetch the range into the cache ahead of its reads (retried), unless it is held or
+        another process of the node is fetching it (then wait for that); False when there is
+        no cache to hold it."""
+        cache, key = self._cache(), self.cache_key(url)
+        while cache and not cache.holds(key, offset, size):
+            if not cache.claim(key, offset):
+                time.sleep(CLAIM_POLL)
+                continue
+            try:
+                data = retried(lambda: self._fetch(url, offset, size))
+                cache.put(key, offset, data, whole=size < 0)
+            finally:
+                cache.release(key, offset)
+            return True
+        return cache is not None
+
+    def retire(self, url: str) -> None:
+        """The object is no longer needed this epoch: the first the cache drops."""
+        if self._cache():
+            self._cache().retire(self.cache_key(url))
 
     def _fetch(self, url: str, offset: int, size: int) -> bytes:
         fs = filesystem(url, self.options)

@@ -85,6 +85,19 @@ class RowKind:
         """What the image decoder opens: the bytes as a file (a path, for a file of its own)."""
         return io.BytesIO(self.read(table, i))
 
+    def groups(self, table: ImageTable) -> np.ndarray:
+        """Each row's reading unit, for ``--sampler window``: here ``GROUP_ROWS`` rows in a row."""
+        return np.arange(len(table)) // GROUP_ROWS
+
+    def pieces(self, table: ImageTable, rows: np.ndarray) -> list[tuple[str, int, int]]:
+        """What to fetch ahead for ``rows`` (of one group) as (object, offset, size), ranges of
+        at least ``PIECE_BYTES`` where the layout has them; here each image's object whole."""
+        return [(self.file_of(table, int(i)), 0, -1) for i in rows]
+
+
+GROUP_ROWS = 256  # images of a folder or list that --sampler window takes as one unit
+PIECE_BYTES = 64 << 20  # a whole shard fetched ahead in ranges of at most about this size
+
 
 @dataclass(frozen=True, eq=False)
 class ImageTable:
@@ -154,6 +167,10 @@ class ImageTable:
     def read(self, i: int) -> bytes:
         """The encoded image's bytes."""
         return self.kind.read(self, i)
+
+    def groups(self) -> np.ndarray:
+        """Each row's reading unit: its shard, Parquet row group or group of rows."""
+        return self.kind.groups(self)
 
     def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
         """The image as upright RGB (``image_files.open_rgb``)."""
