@@ -435,7 +435,9 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
         collate = partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std))
     table = remote_table(dataset)
     if table is not None:
-        dataset = ReadAhead(dataset, table, sampler if isinstance(sampler, WindowSampler) else None)
+        # Whole shards ahead of need in an order that reads them one after another.
+        in_groups = isinstance(sampler, WindowSampler | ShardSampler)
+        dataset = ReadAhead(dataset, table, sampler if in_groups else None)
     return DataLoader(
         dataset,
         batch_size=spec.batch_size,

@@ -116,7 +116,7 @@ class Store:
                 continue
             try:
                 data = retried(lambda: self._fetch(url, offset, size))
-                cache.put(key, offset, data, whole=size < 0)
+                cache.put(key, offset, data, whole=size < 0, span=True)
             finally:
                 cache.release(key, offset)
             return True

@@ -18,7 +18,6 @@ from pathlib import Path
 
 TRIM_SHARE = 0.05  # a process looks at the folder's size after adding this share of the bound
 KEEP_SHARE = 0.9  # and trims it to this share
-SPAN_BYTES = 1 << 20  # a range this large serves the reads inside it
 CLAIM_SECONDS = 300  # a claim older than this is taken over, as one of a process that is gone
 
 
@@ -72,16 +71,16 @@ class RangeCache:
         obj.seen += len(complete)
         for line in complete.splitlines():
             parts = line.split()
-            if len(parts) == 3:
-                self._add(obj, (int(parts[0]), int(parts[1])), int(parts[2]))
-            elif len(parts) == 4:  # a whole object: its size too
+            if len(parts) == 4 and parts[1] == b"-1":  # a whole object: its size too
                 obj.whole = int(parts[3])
-                self._add(obj, (0, -1), int(parts[2]))
+                self._add(obj, (0, -1), int(parts[2]), span=True)
+            elif len(parts) in (3, 4):  # a fourth field: a span, fetched ahead of its reads
+                self._add(obj, (int(parts[0]), int(parts[1])), int(parts[2]), len(parts) == 4)
 
     @staticmethod
-    def _add(obj: _Object, held: tuple[int, int], crc: int) -> None:
+    def _add(obj: _Object, held: tuple[int, int], crc: int, span: bool) -> None:
         obj.ranges[held] = crc
-        if held[1] < 0 or held[1] >= SPAN_BYTES:
+        if span:
             obj.spans.add(held)
 
     def _span(self, obj: _Object, offset: int, size: int) -> tuple[int, int] | None:
@@ -167,8 +166,9 @@ class RangeCache:
         except OSError:
             pass
 
-    def put(self, key: str, offset: int, data: bytes, whole: bool = False) -> None:
-        """Keep ``data``, the bytes at ``offset`` (``whole``: all of the object)."""
+    def put(self, key: str, offset: int, data: bytes, whole: bool = False, span: bool = False):
+        """Keep ``data``, the bytes at ``offset`` (``whole``: all of the object; ``span``: it
+        serves the reads inside it too)."""
         if self.limit <= 0:
             return
         obj = self._object(key, create=True)
@@ -179,13 +179,14 @@ class RangeCache:
             if os.pwrite(obj.data, data, offset) != len(data):
                 return  # a full disk: the cache is only a cache
             line = f"0 -1 {crc} {len(data)}" if whole else f"{offset} {len(data)} {crc}"
-            os.write(obj.log, f"{line}\n".encode())
+            os.write(obj.log, f"{line}{' +' * (span and not whole)}\n".encode())
         except OSError:
             return
         if whole:
             obj.whole = len(data)
-        self._add(obj, (0, -1) if whole else (offset, len(data)), crc)
-        obj.checked.add((0, -1) if whole else (offset, len(data)))
+        held = (0, -1) if whole else (offset, len(data))
+        self._add(obj, held, crc, span or whole)
+        obj.checked.add(held)
         self.added += len(data)
         if self.added > self.limit * TRIM_SHARE:
             self.added = 0

@@ -13,9 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
-from imgtrainer.data.host.samplers import WindowSampler
 from imgtrainer.data.layouts.table import ImageTable
 from imgtrainer.errors import UserError
 from imgtrainer.storage import problem
@@ -43,11 +42,12 @@ class ReadAhead(Dataset):
     ``READ_AHEAD`` samples, not one per sample. Each sample is the same as read alone (its
     draws are seeded by its key), in the same order.
 
-    With ``order`` (a ``WindowSampler`` over ``table``'s groups), the groups of the batch and
-    of the rank's next ``order.read_ahead`` samples are first fetched into the store's cache,
-    ``FETCHES`` at once, and the batch's own waited for: its samples are then read there."""
+    With ``order`` (a sampler that reads in groups: ``rank_order(epoch)``, the rank's indices,
+    and ``read_ahead``), the groups of ``table`` (shards, row groups) of the batch and of the
+    rank's next ``read_ahead`` samples are first fetched into the store's cache, ``FETCHES`` at
+    once, and the batch's own waited for: its samples are then read there."""
 
-    def __init__(self, dataset: Dataset, table: ImageTable, order: WindowSampler | None = None):
+    def __init__(self, dataset: Dataset, table: ImageTable, order: Sampler | None = None):
         self.dataset, self.table, self.order = dataset, table, order
         self.worker: _Worker | None = None
 
@@ -60,8 +60,8 @@ class ReadAhead(Dataset):
     def __getitems__(self, keys: list) -> list:
         if self.worker is None or self.worker.pid != os.getpid():  # a worker's own threads
             self.worker = _Worker(os.getpid())
-        if self.order is not None and keys:
-            self.worker.fetch(self.table, self.order, keys)
+        if self.order is not None and keys and len(self.dataset) == len(self.table):
+            self.worker.fetch(self.table, self.order, keys)  # (rows left out: its own order)
         return list(self.worker.reads.map(self.dataset.__getitem__, keys))
 
     def __getattr__(self, name: str):
@@ -85,18 +85,20 @@ class _Worker:
     upcoming: np.ndarray | None = None  # the rank's order of groups, one per sample
     last: np.ndarray | None = None  # each group's last position in the rank's order
     rows: tuple[np.ndarray, np.ndarray] | None = None  # the rows by group, each group's start
+    read_ahead: int = 0  # samples of the rank's order whose groups are fetched ahead
     pending: dict[int, Future] = field(default_factory=dict)  # group -> its fetch's URLs
     done: dict[int, list[str]] = field(default_factory=dict)  # fetched this epoch -> URLs
 
-    def fetch(self, table: ImageTable, order: WindowSampler, keys: list) -> None:
-        """Fetch what ``keys`` (a batch) and the rank's next samples read, and wait for the
-        batch's groups; one line for a group that cannot be fetched."""
-        if keys[0][1] != self.epoch:
-            self.start_epoch(order, keys[0][1])
-        at = int(self.where[keys[0][0]])
+    def fetch(self, table: ImageTable, order: Sampler, keys: list) -> None:
+        """Fetch what ``keys`` (a batch: ``(index, epoch)`` or indices) and the rank's next
+        samples read, and wait for the batch's groups; one line for a group that cannot be."""
+        first, epoch = keys[0] if isinstance(keys[0], tuple) else (keys[0], 0)
+        if epoch != self.epoch:
+            self.start_epoch(table, order, epoch)
+        at = int(self.where[first])
         if at < 0:
             return  # not of this order
-        ahead = self.upcoming[at : at + len(keys) + order.read_ahead]
+        ahead = self.upcoming[at : at + len(keys) + self.read_ahead]
         groups = ahead[np.sort(np.unique(ahead, return_index=True)[1])]
         for group in groups.tolist():
             if group not in self.pending and group not in self.done:
@@ -106,16 +108,18 @@ class _Worker:
                 self.done[group] = self.pending.pop(group).result()
         self.retire(table, at)
 
-    def start_epoch(self, order: WindowSampler, epoch: int) -> None:
+    def start_epoch(self, table: ImageTable, order: Sampler, epoch: int) -> None:
+        group = np.unique(table.groups(), return_inverse=True)[1].reshape(-1)
         if self.rows is None:
-            by_group = np.argsort(order.group, kind="stable")
-            starts = np.searchsorted(order.group[by_group], np.arange(order.num_groups + 1))
-            self.rows = by_group, starts
+            by_group = np.argsort(group, kind="stable")
+            self.rows = by_group, np.searchsorted(group[by_group], np.arange(group.max() + 2))
+            per_group = len(table) / (group.max() + 1)
+            self.read_ahead = getattr(order, "read_ahead", None) or int(2 * per_group)
         ranks = np.asarray(order.rank_order(epoch), dtype=np.int64)
-        self.where = np.full(order.dataset_size, -1, dtype=np.int64)
+        self.where = np.full(len(table), -1, dtype=np.int64)
         self.where[ranks] = np.arange(len(ranks))
-        self.upcoming = order.group[ranks]
-        self.last = np.full(order.num_groups, -1, dtype=np.int64)
+        self.upcoming = group[ranks]
+        self.last = np.full(group.max() + 1, -1, dtype=np.int64)
         np.maximum.at(self.last, self.upcoming, np.arange(len(ranks)))
         self.epoch, self.done = epoch, {}  # the cache may have dropped last epoch's
 

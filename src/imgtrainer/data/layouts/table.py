@@ -96,7 +96,7 @@ class RowKind:
 
 
 GROUP_ROWS = 256  # images of a folder or list that --sampler window takes as one unit
-PIECE_BYTES = 64 << 20  # a whole shard fetched ahead in ranges of at most about this size
+PIECE_BYTES = 16 << 20  # a shard is fetched ahead in ranges of about this size (whole if smaller)
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,6 +171,19 @@ class ImageTable:
     def groups(self) -> np.ndarray:
         """Each row's reading unit: its shard, Parquet row group or group of rows."""
         return self.kind.groups(self)
+
+    def fetch_groups(self, rows: Collection[int]) -> list[str]:
+        """Fetch the whole groups that ``rows`` are in into the store's cache ahead of their
+        reads (``Store.hold``); the objects they are of."""
+        groups = self.groups()
+        pieces = [
+            piece
+            for group in np.unique(groups[np.asarray(rows, dtype=np.int64)])
+            for piece in self.kind.pieces(self, np.flatnonzero(groups == group))
+        ]
+        for url, offset, size in pieces:
+            self.store.hold(url, offset, size)
+        return sorted({url for url, _, _ in pieces})
 
     def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
         """The image as upright RGB (``image_files.open_rgb``)."""
