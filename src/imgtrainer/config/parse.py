@@ -32,6 +32,7 @@ from imgtrainer.config.schema import (
 )
 from imgtrainer.errors import UserError, message_line
 from imgtrainer.process import TorchrunEnv
+from imgtrainer.storage import is_url
 from imgtrainer.storage.remote import parse_options
 
 # ----------------------------------------------------------------------------- parsers
@@ -305,6 +306,8 @@ def parse_config(argv: Sequence[str] | None = None, env: TorchrunEnv | None = No
     ):
         # The demo starts over only in its own folders, and never when asked to resume.
         values["overwrite"] = False
+    if "sampler" not in chosen and is_url(values.get("train_dir", "")):
+        values["sampler"] = "window"  # shards read whole from a bucket (docs/usage.md)
     cfg = TrainConfig(**values)
     validate(cfg)
     return with_global_batch_layout(cfg, set(explicit), env or TorchrunEnv.read())
@@ -363,6 +366,8 @@ def validate(cfg: TrainConfig) -> None:
             "--resume_override applies new flags to a resumed run; add --resume auto "
             "(or --resume PATH)"
         )
+    if cfg.shuffle_window is not None and cfg.sampler != "window":
+        raise UserError("--shuffle_window is a setting of --sampler window; add --sampler window")
     tracker_names(cfg.log_to)
     keep_credentials_in_memory(cfg)
     if cfg.pretrained and cfg.pretrained_path:

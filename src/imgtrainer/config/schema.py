@@ -258,10 +258,17 @@ class TrainConfig:
         "weight each class in the training loss: balanced: n_images / (n_classes x the class's "
         "images), scikit-learn's formula; none: every image counts the same"
     )
-    sampler: str = _imbalance("random", RESUME_CHECKED, choices=["random", "balanced"]).help(
-        "training order: random (each image once per epoch, shuffled) or balanced (an epoch of the "
+    sampler: str = _imbalance(
+        "random", RESUME_CHECKED, choices=["random", "balanced", "window"]
+    ).help(
+        "training order: random (each image once per epoch, shuffled), balanced (an epoch of the "
         "same length drawing every class equally often: small classes' images repeat, large "
-        "classes' are subsampled)"
+        "classes' are subsampled) or window (each image once per epoch, shuffled within a window "
+        "of --shuffle_window shards read whole; the default for training data in object storage)"
+    )
+    shuffle_window: int | None = _data(None, POSITIVE, RESUME_CHECKED).help(
+        "with --sampler window: shards (Parquet row groups; for a folder or list, groups of 256 "
+        "images) whose images are mixed at any time (default 16, or all when fewer)"
     )
     use_amp: bool = _memory(False).help(
         "automatic mixed precision (float16 + GradScaler on CUDA; bfloat16 on the CPU, usually "

@@ -10,15 +10,14 @@ index), so a run resumes at any step and does not change with ``--num_workers``.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -34,15 +33,23 @@ from imgtrainer.data.device.mixing import BatchMixer, Mixing
 from imgtrainer.data.device.policy import BatchPolicy
 from imgtrainer.data.host.collate import collate_normalized, collate_samples
 from imgtrainer.data.host.draws import AugmentDraws
-from imgtrainer.data.host.samplers import BalancedClassSampler, EpochSampler, ShardSampler
+from imgtrainer.data.host.read_ahead import ReadAhead, remote_table
+from imgtrainer.data.host.samplers import (
+    DEFAULT_WINDOW,
+    BalancedClassSampler,
+    EpochSampler,
+    ShardSampler,
+    WindowSampler,
+)
 from imgtrainer.data.host.samples import SeededImageDataset, Source, TrainingSamples
 from imgtrainer.data.host.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transforms
 from imgtrainer.data.image_plan import NO_BUDGET, Budgets, place_images, plan_images
 from imgtrainer.data.layouts import describe, open_datasets, table_facts
 from imgtrainer.data.layouts.decode_check import DecodeCheck
-from imgtrainer.data.layouts.table import TableImages
+from imgtrainer.data.layouts.table import GROUP_ROWS, ImageTable, TableImages
 from imgtrainer.data.reading import data_reading
 from imgtrainer.distributed.setup import DistInfo, cpu_cores_available
+from imgtrainer.errors import UserError
 from imgtrainer.events import event
 from imgtrainer.precision import precision_rule
 from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, die_with_parent
@@ -112,7 +119,7 @@ def open_data(cfg: TrainConfig, dist: DistInfo) -> RunData:
     datasets = build_datasets(cfg, dist, draws, Budgets.of(cfg, dist), cores)
     check_batch_fits(len(datasets.train), cfg, dist.world_size)
     counts = class_counts(datasets.train.targets, len(datasets.class_names))
-    sampler = build_train_sampler(cfg, datasets.train.targets, counts, datasets.class_names, dist)
+    sampler = build_train_sampler(cfg, datasets.train, counts, datasets.class_names, dist)
     spec = train_loader_spec(cfg, dist, datasets.train.source, cores)
     source, chosen = datasets.train.source, cfg.num_workers is None
     facts = event("loader", workers=spec.num_workers, source=str(source), chosen=chosen)
@@ -233,7 +240,7 @@ def mixing_of(cfg: TrainConfig, world_size: int) -> Mixing:
 
 def build_train_sampler(
     cfg: TrainConfig,
-    targets,
+    train_set: TrainingSamples,
     counts: list[int],
     class_names: list[str],
     dist: DistInfo,
@@ -241,11 +248,11 @@ def build_train_sampler(
     """The training order of --sampler; first, one note when the classes are far apart in
     size (with the flags that balance them, unless the run uses one)."""
     note = imbalance_note(
-        counts, class_names, handled=cfg.class_weights != "none" or cfg.sampler != "random"
+        counts, class_names, handled=cfg.class_weights != "none" or cfg.sampler == "balanced"
     )
     if note:
         log.warning(note)
-    if cfg.class_weights != "none" and cfg.sampler != "random":
+    if cfg.class_weights != "none" and cfg.sampler == "balanced":
         log.warning(
             "--class_weights balanced with --sampler balanced corrects the imbalance twice: "
             "the small classes are drawn as often as the others and weigh more too"
@@ -253,9 +260,34 @@ def build_train_sampler(
     # Each optimizer step takes the next global batch of the epoch's order, whatever the
     # number of processes: a resume on another number goes on at the same sample.
     global_batch = Layout.of(cfg, dist.world_size).global_batch
+    args = (dist.rank, dist.world_size, cfg.seed, global_batch)
     if cfg.sampler == "balanced":
-        return BalancedClassSampler(targets, dist.rank, dist.world_size, cfg.seed, global_batch)
-    return EpochSampler(len(targets), dist.rank, dist.world_size, cfg.seed, global_batch)
+        return BalancedClassSampler(train_set.targets, *args)
+    if cfg.sampler == "window":
+        return window_sampler(cfg, train_set.images.table, args)
+    return EpochSampler(len(train_set), *args)
+
+
+def window_sampler(cfg: TrainConfig, table: ImageTable, args: tuple) -> WindowSampler:
+    """--sampler window over ``table``'s groups (shards, row groups, groups of rows), with
+    one line saying how it reads; ``UserError`` for a window larger than the data."""
+    groups = table.groups()
+    count = len(np.unique(groups))
+    if cfg.shuffle_window is not None and cfg.shuffle_window > count:
+        raise UserError(
+            f"--shuffle_window {cfg.shuffle_window} is more than the training data's {count} "
+            f"groups (shards, Parquet row groups or {GROUP_ROWS} images of a folder or list); "
+            f"give at most {count}"
+        )
+    sampler = WindowSampler(groups, *args, window=cfg.shuffle_window or min(DEFAULT_WINDOW, count))
+    how = "fetched whole ahead of need" if table.remote else "read from the disk"
+    log.info(
+        f"Training order: --sampler window, the images of {sampler.window} of {count} groups "
+        f"mixed at a time, {sampler.lanes} read side by side, {how} (the default for data in "
+        "object storage; --sampler random shuffles the whole epoch)",
+        extra=event("order", sampler="window", window=sampler.window, groups=count),
+    )
+    return sampler
 
 
 def train_loader_spec(cfg: TrainConfig, dist: DistInfo, source: Source, cores: int) -> LoaderSpec:
@@ -395,14 +427,17 @@ class LoaderSpec:
 def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoader:
     """Training samples are collated as uint8 pixels and sample rows for ``BatchAugment``;
     evaluation images are normalised as they are collated. Images in an object store are read
-    a batch at a time, many at once (``ReadAhead``)."""
+    a batch at a time, many at once, and in a window order whole shards ahead (``ReadAhead``)."""
     if isinstance(dataset, TrainingSamples):
         collate = collate_samples
         dataset = dataset.for_loader()  # for the GPU cache: sizes and labels, not the canvas
     else:
         collate = partial(collate_normalized, mean=tuple(spec.mean), std=tuple(spec.std))
-    if reads_remote(dataset):
-        dataset = ReadAhead(dataset)
+    table = remote_table(dataset)
+    if table is not None:
+        # Whole shards ahead of need in an order that reads them one after another.
+        in_groups = isinstance(sampler, WindowSampler | ShardSampler)
+        dataset = ReadAhead(dataset, table, sampler if in_groups else None)
     return DataLoader(
         dataset,
         batch_size=spec.batch_size,
@@ -423,49 +458,3 @@ def make_loader(dataset: Dataset, sampler: Sampler, spec: LoaderSpec) -> DataLoa
         # Batches each worker prepares ahead; each one waits in (pinned) host memory.
         prefetch_factor=spec.prefetch_factor if spec.num_workers > 0 else None,
     )
-
-
-def reads_remote(dataset: Dataset) -> bool:
-    """Whether ``dataset``'s samples read their images from an object store (not those of the
-    GPU cache, decoded up front)."""
-    for _ in range(4):  # the table under its wrappers: samples, checked rows, the RAM cache
-        table = getattr(dataset, "table", None)
-        if table is not None:
-            return table.remote
-        dataset = getattr(dataset, "images", None) or getattr(dataset, "dataset", None)
-        if dataset is None:
-            return False
-    return False
-
-
-class ReadAhead(Dataset):
-    """A dataset whose samples read objects one request each, read a loader batch at a time
-    in ``READ_AHEAD`` threads of the worker: the batch waits about one round trip per
-    ``READ_AHEAD`` samples, not one per sample. Each sample is the same as read alone (its
-    draws are seeded by its key), in the same order."""
-
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
-        self.pool: tuple[int, ThreadPoolExecutor] | None = None
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        return self.dataset[key]
-
-    def __getitems__(self, keys: list) -> list:
-        if self.pool is None or self.pool[0] != os.getpid():  # a worker's own threads
-            self.pool = (os.getpid(), ThreadPoolExecutor(READ_AHEAD))
-        return list(self.pool[1].map(self.dataset.__getitem__, keys))
-
-    def __getattr__(self, name: str):
-        if name == "dataset":  # not set yet (being copied): never recurse
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __getstate__(self) -> dict:
-        return {"dataset": self.dataset, "pool": None}  # threads are a process's own
-
-
-READ_AHEAD = 16  # samples a loader worker reads at once from an object store

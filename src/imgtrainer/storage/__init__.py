@@ -39,6 +39,7 @@ _CACHES: dict[tuple[int, str], RangeCache] = {}
 # launcher's torchrun agent, whose forked ranks and their workers share it).
 UNLISTED = f"unlisted-{os.getpid()}-{time.time_ns()}"
 STREAM_BLOCK = 8 << 20  # bytes per request when an object is read from start to end
+CLAIM_POLL = 0.02  # seconds between looks at a range another process is fetching
 
 
 def join(folder: str, name: str) -> str:
@@ -124,6 +125,28 @@ class Store:
             if cache:
                 cache.put(key, offset, data, whole=size < 0)
         return data
+
+    def hold(self, url: str, offset: int, size: int) -> bool:
+        """Fetch the range into the cache ahead of its reads (retried), unless it is held or
+        another process of the node is fetching it (then wait for that); False when there is
+        no cache to hold it."""
+        cache, key = self._cache(), self.cache_key(url)
+        while cache and not cache.holds(key, offset, size):
+            if not cache.claim(key, offset):
+                time.sleep(CLAIM_POLL)
+                continue
+            try:
+                data = retried(lambda: self._fetch(url, offset, size))
+                cache.put(key, offset, data, whole=size < 0, span=True)
+            finally:
+                cache.release(key, offset)
+            return True
+        return cache is not None
+
+    def retire(self, url: str) -> None:
+        """The object is no longer needed this epoch: the first the cache drops."""
+        if self._cache():
+            self._cache().retire(self.cache_key(url))
 
     def _fetch(self, url: str, offset: int, size: int) -> bytes:
         fs = filesystem(url, self.options)

@@ -110,12 +110,14 @@ def filesystem(url: str, options_text: str) -> Any:
         return _FILESYSTEMS[key]
     with _MAKING.setdefault(os.getpid(), threading.Lock()):  # the reading threads make one
         if key not in _FILESYSTEMS:
-            _FILESYSTEMS[key] = _make_filesystem(url, protocol, options_text)
+            # A forked loader worker's parent probed the same store: no request of its own.
+            probed = any(made[1:] == key[1:] for made in _FILESYSTEMS)
+            _FILESYSTEMS[key] = _make_filesystem(url, protocol, options_text, probed)
     return _FILESYSTEMS[key]
 
 
-def _make_filesystem(url: str, protocol: str, options_text: str) -> Any:
-    """A new filesystem for ``url``, its store probed (``probe``)."""
+def _make_filesystem(url: str, protocol: str, options_text: str, probed: bool = False) -> Any:
+    """A new filesystem for ``url``, its store probed (``probe``) unless ``probed``."""
     try:
         import fsspec
     except ImportError:
@@ -129,7 +131,8 @@ def _make_filesystem(url: str, protocol: str, options_text: str) -> Any:
         raise UserError(f"{url}: {first_line(err)}") from None
     except TypeError as err:  # an option the filesystem does not take
         raise UserError(f"--storage_options for {protocol}://: {first_line(err)}") from None
-    probe(fs, url)
+    if not probed:
+        probe(fs, url)
     return fs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence, Sized
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -119,6 +120,79 @@ class BalancedClassSampler(EpochSampler):
         return [drawn[i] for i in mixed]
 
 
+DEFAULT_WINDOW = 16  # --shuffle_window when not given (at most the data's groups)
+
+
+class WindowSampler(EpochSampler):
+    """``--sampler window``: an order that reads whole shards (``groups[i]``: row i's shard,
+    Parquet row group or group of rows), a function of (seed, epoch, groups, global batch,
+    ``window``) only, so a resume at any step and any world size continues it exactly.
+
+    The groups are drawn in a seeded order, laid end to end and cut into ``lanes`` equal runs
+    (the largest divisor of the global batch not above ``window``); each run's samples are
+    shuffled within every ``ceil(window / lanes)`` consecutive groups of it. Each global batch
+    takes the next global_batch / lanes samples of every lane, lane after lane, and rank r the
+    r-th contiguous block of it: a rank reads its own lanes' groups, about ``window`` groups are
+    read at any time, and each batch mixes samples of all of them. Every sample once per epoch
+    (the last partial global batch's worth of the order left out, as the loader's drop_last)."""
+
+    def __init__(
+        self, groups: Sequence[int], rank: int, world_size: int, seed: int, global_batch: int = 0,
+        window: int = DEFAULT_WINDOW,
+    ):  # fmt: skip
+        super().__init__(len(groups), rank, world_size, seed, global_batch)
+        self.group = np.unique(np.asarray(groups), return_inverse=True)[1].reshape(-1)
+        self.window = window
+        self.lanes = max(d for d in range(1, window + 1) if self.global_batch % d == 0)
+        self.lane_groups = -(-window // self.lanes)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group.max()) + 1 if len(self.group) else 0
+
+    @property
+    def read_ahead(self) -> int:
+        """Samples of this rank's order whose groups its loader fetches ahead: its share of the
+        next window of every lane, read while the current one is."""
+        per_group = self.dataset_size / max(1, self.num_groups)
+        return math.ceil(self.lane_groups * per_group * self.lanes / self.world_size)
+
+    def epoch_order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        place = np.argsort(torch.randperm(self.num_groups, generator=generator).numpy())
+        total = self.steps_per_epoch * self.global_batch
+        rows = np.lexsort((np.arange(self.dataset_size), place[self.group]))[:total]
+        per_lane = total // self.lanes
+        lane = np.arange(total) // per_lane
+        group = self.group[rows]
+        # A new piece where the group or the lane changes: a group cut by a lane's end is read
+        # by both lanes.
+        starts = np.ones(total, dtype=bool)
+        starts[1:] = (group[1:] != group[:-1]) | (lane[1:] != lane[:-1])
+        piece = np.cumsum(starts) - 1
+        window = (piece - piece[lane * per_lane]) // self.lane_groups
+        keys = torch.randperm(total, generator=generator).numpy()
+        lanes = rows[np.lexsort((keys, window, lane))].reshape(self.lanes, self.steps_per_epoch, -1)
+        return lanes.transpose(1, 0, 2).reshape(-1).tolist()
+
+    def rank_order(self, epoch: int) -> list[int]:
+        """This rank's share of the whole of ``epoch`` (what its loader reads ahead by)."""
+        both = self.epoch, self.position
+        self.set_epoch(epoch)
+        try:
+            return self.indices()
+        finally:
+            self.epoch, self.position = both
+
+    def indices(self) -> list[int]:
+        if self.position % self.global_batch:
+            raise ValueError(f"position {self.position} is not a step's start")
+        share = self.global_batch // self.world_size
+        batches = np.asarray(self.epoch_order(), dtype=np.int64).reshape(-1, self.global_batch)
+        block = batches[self.position // self.global_batch :, self.rank * share :]
+        return block[:, :share].reshape(-1).tolist()
+
+
 class ShardSampler(Sampler):
     """Every world_size-th index from ``rank``, without padding: each validation image is seen by
     exactly one rank, so metrics summed over ranks count it exactly once. ``samples``: their
@@ -135,6 +209,10 @@ class ShardSampler(Sampler):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard)
+
+    def rank_order(self, epoch: int) -> list[int]:
+        """This rank's indices (the same every epoch), for its loader to read ahead by."""
+        return list(self.shard)
 
     def __len__(self) -> int:
         return len(self.shard)

@@ -127,9 +127,12 @@ class DecodeCheck:
         mine = (np.arange(start, stop) % self.world_size) == self.rank
         problems = {i: self.cache.problem(role, i) for i in range(start, stop) if known[i - start]}
         checked = [i for i in range(start, stop) if mine[i - start] and not known[i - start]]
-        if table.remote:  # a request each: many at once
+        if table.remote:  # whole shards first where the cache can hold them, else many at once
+            fetched = _fetched(table, checked)
             with ThreadPoolExecutor(REMOTE_READS) as pool:
                 problems.update(zip(checked, pool.map(table.problem, checked), strict=True))
+            for url in fetched:  # the first the cache drops: training reads in its own order
+                table.store.retire(url)
         else:
             problems.update((i, table.problem(i)) for i in checked)
         problems = {i: why for i, why in problems.items() if why is not None}
@@ -192,6 +195,14 @@ class DecodeCheck:
         keep = np.ones(len(self.tables[role]), bool)
         keep[list(self.problems[role])] = False
         return np.flatnonzero(keep)
+
+
+def _fetched(table: ImageTable, rows: list[int]) -> list[str]:
+    """``table.fetch_groups(rows)``; none when that fails: each image then names its problem."""
+    try:
+        return table.fetch_groups(rows) if rows else []
+    except Exception:  # gone or cut short: the reads say which images
+        return []
 
 
 def _open_check_slot(number: int) -> None:

@@ -27,7 +27,8 @@ LABEL_COLUMNS = ("label", "labels")
 
 
 class ParquetRows(RowKind):
-    """A row is row ``offsets[i]`` of a Parquet file, its image in the table's ``column``."""
+    """A row is row ``offsets[i]`` of a Parquet file, in its row group ``sizes[i]``, its image
+    in the table's ``column``."""
 
     name = "parquet"
 
@@ -38,6 +39,22 @@ class ParquetRows(RowKind):
         path, row = table.containers[int(table.container[i])], int(table.offsets[i])
         value = _ROW_GROUPS.cell(table.store, path, table.column, row)
         return image_bytes(value, f"{path}[row {row}]", parent(path), table.store)
+
+    def groups(self, table: ImageTable) -> np.ndarray:
+        return (table.container.astype(np.int64) << 32) | table.sizes
+
+    def pieces(self, table: ImageTable, rows: np.ndarray) -> list[tuple[str, int, int]]:
+        """The bytes of the image column in the row group of ``rows``, as pyarrow reads them."""
+        path = table.containers[int(table.container[rows[0]])]
+        group = _ROW_GROUPS.metadata(table.store, path)[0].row_group(int(table.sizes[rows[0]]))
+        chunks = [group.column(c) for c in range(group.num_columns)]
+        spans = [
+            (c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset, c)
+            for c in chunks
+            if c.path_in_schema.split(".")[0] == table.column
+        ]
+        start, end = min(s for s, _ in spans), max(s + c.total_compressed_size for s, c in spans)
+        return [(path, start, end - start)]
 
 
 PARQUET = ParquetRows()
@@ -57,8 +74,8 @@ class ParquetRowGroups:
         self.files: dict[str, tuple[Any, np.ndarray]] = {}  # path -> (metadata, group starts)
         self.groups: dict[tuple[str, str, int], Any] = {}
 
-    def cell(self, store: Store, path: str, column: str, row: int) -> Any:
-        """The value of ``column`` in ``row`` of the Parquet file at ``path``."""
+    def metadata(self, store: Store, path: str) -> tuple[Any, np.ndarray]:
+        """The file's metadata, and the first row of each row group."""
         import pyarrow.parquet as pq
 
         if self.pid != os.getpid():  # a forked worker: its own files and groups
@@ -72,7 +89,13 @@ class ParquetRowGroups:
             known = (meta, np.cumsum([0, *sizes]))
             with self.lock:
                 self.files[path] = known
-        meta, starts = known
+        return known
+
+    def cell(self, store: Store, path: str, column: str, row: int) -> Any:
+        """The value of ``column`` in ``row`` of the Parquet file at ``path``."""
+        import pyarrow.parquet as pq
+
+        meta, starts = self.metadata(store, path)
         group = int(np.searchsorted(starts, row, side="right")) - 1
         key = (path, column, group)
         with self.lock:
@@ -228,7 +251,7 @@ def parquet_table(
     if not files:
         raise UserError(f"{spec}: no Parquet file found")
     labels: list = []
-    rows: dict[str, list] = {"containers": files, "container": [], "offsets": []}
+    rows: dict[str, list] = {"containers": files, "container": [], "offsets": [], "sizes": []}
     image = ""
     for n, file in enumerate(files):
         try:
@@ -248,5 +271,9 @@ def parquet_table(
         labels += values
         rows["container"] += [n] * len(values)
         rows["offsets"] += range(len(values))
+        meta = parquet.metadata
+        rows["sizes"] += [
+            g for g in range(meta.num_row_groups) for _ in range(meta.row_group(g).num_rows)
+        ]
     names, rows["labels"] = labels_of(labels, names or fallback, spec)
     return ImageTable.build(PARQUET, spec, names, rows, column=image, store=store)

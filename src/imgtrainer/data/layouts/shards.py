@@ -27,7 +27,7 @@ from imgtrainer.data.layouts.names import (
     labels_of,
     read_class_names,
 )
-from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
+from imgtrainer.data.layouts.table import PIECE_BYTES, ImageTable, RowKind, Strings
 from imgtrainer.errors import UserError
 from imgtrainer.files import atomic_write
 from imgtrainer.process import process_map
@@ -58,6 +58,21 @@ class TarRows(RowKind):
     def read(self, table: ImageTable, i: int) -> bytes:
         path = table.containers[int(table.container[i])]
         return table.store.read(path, int(table.offsets[i]), int(table.sizes[i]))
+
+    def groups(self, table: ImageTable) -> np.ndarray:
+        return table.container
+
+    def pieces(self, table: ImageTable, rows: np.ndarray) -> list[tuple[str, int, int]]:
+        """The shard's bytes that hold ``rows``, cut between members every ``PIECE_BYTES``."""
+        rows = rows[np.argsort(table.offsets[rows])]
+        starts, ends = table.offsets[rows], table.offsets[rows] + table.sizes[rows]
+        cut = np.flatnonzero(np.diff(starts // PIECE_BYTES)) + 1  # a new piece at each boundary
+        path = table.containers[int(table.container[rows[0]])]
+        firsts, lasts = np.r_[0, cut], np.r_[cut - 1, len(rows) - 1]
+        return [
+            (path, int(starts[a]), int(ends[b] - starts[a]))
+            for a, b in zip(firsts, lasts, strict=True)
+        ]
 
 
 TAR = TarRows()

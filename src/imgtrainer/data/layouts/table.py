@@ -89,6 +89,19 @@ class RowKind:
         """What the image decoder opens: the bytes as a file (a path, for a file of its own)."""
         return io.BytesIO(self.read(table, i))
 
+    def groups(self, table: ImageTable) -> np.ndarray:
+        """Each row's reading unit, for ``--sampler window``: here ``GROUP_ROWS`` rows in a row."""
+        return np.arange(len(table)) // GROUP_ROWS
+
+    def pieces(self, table: ImageTable, rows: np.ndarray) -> list[tuple[str, int, int]]:
+        """What to fetch ahead for ``rows`` (of one group) as (object, offset, size), ranges of
+        at least ``PIECE_BYTES`` where the layout has them; here each image's object whole."""
+        return [(self.file_of(table, int(i)), 0, -1) for i in rows]
+
+
+GROUP_ROWS = 256  # images of a folder or list that --sampler window takes as one unit
+PIECE_BYTES = 16 << 20  # a shard is fetched ahead in ranges of about this size (whole if smaller)
+
 
 @dataclass(frozen=True, eq=False)
 class ImageTable:
@@ -158,6 +171,23 @@ class ImageTable:
     def read(self, i: int) -> bytes:
         """The encoded image's bytes."""
         return self.kind.read(self, i)
+
+    def groups(self) -> np.ndarray:
+        """Each row's reading unit: its shard, Parquet row group or group of rows."""
+        return self.kind.groups(self)
+
+    def fetch_groups(self, rows: Collection[int]) -> list[str]:
+        """Fetch the whole groups that ``rows`` are in into the store's cache ahead of their
+        reads (``Store.hold``); the objects they are of."""
+        groups = self.groups()
+        pieces = [
+            piece
+            for group in np.unique(groups[np.asarray(rows, dtype=np.int64)])
+            for piece in self.kind.pieces(self, np.flatnonzero(groups == group))
+        ]
+        for url, offset, size in pieces:
+            self.store.hold(url, offset, size)
+        return sorted({url for url, _, _ in pieces})
 
     def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
         """The image as upright RGB (``image_files.open_rgb``)."""

@@ -1,0 +1,150 @@
+"""Reads from an object store in a loader worker: a batch's images in threads and, in the order
+of ``--sampler window``, the shards the rank needs next, fetched whole ahead of need.
+
+The order is a function of (seed, epoch, data), so each worker knows from a batch's keys where
+its rank is in the epoch and which groups (shards, Parquet row groups) come next; the node's
+processes share the fetched bytes through the store's cache and its claims.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch.utils.data import Dataset, Sampler
+
+from imgtrainer.data.layouts.table import ImageTable
+from imgtrainer.errors import UserError
+from imgtrainer.storage import problem
+
+READ_AHEAD = 16  # samples a loader worker reads at once from an object store
+FETCHES = 8  # groups a loader worker fetches at once
+
+
+def remote_table(dataset: Dataset) -> ImageTable | None:
+    """The table of ``dataset``'s images when they are read from an object store (not those of
+    the GPU cache, decoded up front), else None."""
+    for _ in range(4):  # the table under its wrappers: samples, checked rows, the RAM cache
+        table = getattr(dataset, "table", None)
+        if table is not None:
+            return table if table.remote else None
+        dataset = getattr(dataset, "images", None) or getattr(dataset, "dataset", None)
+        if dataset is None:
+            return None
+    return None
+
+
+class ReadAhead(Dataset):
+    """A dataset whose samples read objects one request each, read a loader batch at a time
+    in ``READ_AHEAD`` threads of the worker: the batch waits about one round trip per
+    ``READ_AHEAD`` samples, not one per sample. Each sample is the same as read alone (its
+    draws are seeded by its key), in the same order.
+
+    With ``order`` (a sampler that reads in groups: ``rank_order(epoch)``, the rank's indices,
+    and ``read_ahead``), the groups of ``table`` (shards, row groups) of the batch and of the
+    rank's next ``read_ahead`` samples are first fetched into the store's cache, ``FETCHES`` at
+    once, and the batch's own waited for: its samples are then read there."""
+
+    def __init__(self, dataset: Dataset, table: ImageTable, order: Sampler | None = None):
+        self.dataset, self.table, self.order = dataset, table, order
+        self.worker: _Worker | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset[key]
+
+    def __getitems__(self, keys: list) -> list:
+        if self.worker is None or self.worker.pid != os.getpid():  # a worker's own threads
+            self.worker = _Worker(os.getpid())
+        if self.order is not None and keys and len(self.dataset) == len(self.table):
+            self.worker.fetch(self.table, self.order, keys)  # (rows left out: its own order)
+        return list(self.worker.reads.map(self.dataset.__getitem__, keys))
+
+    def __getattr__(self, name: str):
+        if name == "dataset":  # not set yet (being copied): never recurse
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "worker": None}  # threads are a process's own
+
+
+@dataclass
+class _Worker:
+    """One process's threads, and where its rank is in the epoch's order."""
+
+    pid: int
+    reads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(READ_AHEAD))
+    fetches: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(FETCHES))
+    epoch: int = -1
+    where: np.ndarray | None = None  # each index's position in the rank's order (-1: none)
+    upcoming: np.ndarray | None = None  # the rank's order of groups, one per sample
+    last: np.ndarray | None = None  # each group's last position in the rank's order
+    rows: tuple[np.ndarray, np.ndarray] | None = None  # the rows by group, each group's start
+    read_ahead: int = 0  # samples of the rank's order whose groups are fetched ahead
+    pending: dict[int, Future] = field(default_factory=dict)  # group -> its fetch's URLs
+    done: dict[int, list[str]] = field(default_factory=dict)  # fetched this epoch -> URLs
+
+    def fetch(self, table: ImageTable, order: Sampler, keys: list) -> None:
+        """Fetch what ``keys`` (a batch: ``(index, epoch)`` or indices) and the rank's next
+        samples read, and wait for the batch's groups; one line for a group that cannot be."""
+        first, epoch = keys[0] if isinstance(keys[0], tuple) else (keys[0], 0)
+        if epoch != self.epoch:
+            self.start_epoch(table, order, epoch)
+        at = int(self.where[first])
+        if at < 0:
+            return  # not of this order
+        ahead = self.upcoming[at : at + len(keys) + self.read_ahead]
+        groups = ahead[np.sort(np.unique(ahead, return_index=True)[1])]
+        for group in groups.tolist():
+            if group not in self.pending and group not in self.done:
+                self.pending[group] = self.fetches.submit(self.hold, table, int(group))
+        for group in np.unique(self.upcoming[at : at + len(keys)]).tolist():
+            if group in self.pending:
+                self.done[group] = self.pending.pop(group).result()
+        self.retire(table, at)
+
+    def start_epoch(self, table: ImageTable, order: Sampler, epoch: int) -> None:
+        group = np.unique(table.groups(), return_inverse=True)[1].reshape(-1)
+        if self.rows is None:
+            by_group = np.argsort(group, kind="stable")
+            self.rows = by_group, np.searchsorted(group[by_group], np.arange(group.max() + 2))
+            per_group = len(table) / (group.max() + 1)
+            self.read_ahead = getattr(order, "read_ahead", None) or int(2 * per_group)
+        ranks = np.asarray(order.rank_order(epoch), dtype=np.int64)
+        self.where = np.full(len(table), -1, dtype=np.int64)
+        self.where[ranks] = np.arange(len(ranks))
+        self.upcoming = group[ranks]
+        self.last = np.full(group.max() + 1, -1, dtype=np.int64)
+        np.maximum.at(self.last, self.upcoming, np.arange(len(ranks)))
+        self.epoch, self.done = epoch, {}  # the cache may have dropped last epoch's
+
+    def hold(self, table: ImageTable, group: int) -> list[str]:
+        """Fetch the group's pieces into the cache (``Store.hold``); the objects they are of.
+        One line for an object gone or cut short since the run listed it."""
+        by_group, starts = self.rows
+        pieces = table.kind.pieces(table, by_group[starts[group] : starts[group + 1]])
+        for url, offset, size in pieces:
+            try:
+                table.store.hold(url, offset, size)
+            except Exception as err:
+                raise UserError(
+                    f"training data changed during the run: {problem(err, url)}; restore it, "
+                    "or start the run again to index the data anew"
+                ) from None
+        return sorted({url for url, _, _ in pieces})
+
+    def retire(self, table: ImageTable, at: int) -> None:
+        """Objects of groups the rank's order has passed (and no group to come) go first when
+        the cache is trimmed."""
+        passed = [g for g in self.done if self.last[g] < at]
+        if not passed:
+            return
+        needed = {url for g, urls in self.done.items() if self.last[g] >= at for url in urls}
+        for group in passed:
+            for url in set(self.done.pop(group)) - needed:
+                table.store.retire(url)
