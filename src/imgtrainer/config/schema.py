@@ -126,8 +126,9 @@ REMOTE_CACHE_HELP = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Every training flag, in ``--help`` order; HELP_GROUPS and the bounds come from the fields."""
+class InputFlags:
+    """The flags of what a step sees: the data, how it is read, and its augmentation (the first
+    of ``TrainConfig``'s fields, in ``--help`` order)."""
 
     train_dir: str = _data("data/train").help(TRAIN_DATA_HELP, "train_data")
     val_dir: str = _data("data/val").help("validation data with the same classes", "val_data")
@@ -161,6 +162,10 @@ class TrainConfig:
     audit_data_every: int = _data(100, OFF_OR_MORE).help(
         "check an image of the first batches, then of every N-th, against the CPU path; 0: off"
     )
+    shuffle_window: int | None = _data(None, POSITIVE, RESUME_CHECKED).help(
+        "with --sampler window: shards (Parquet row groups; for a folder or list, groups of 256 "
+        "images) whose images are mixed at any time (default 16, or all when fewer)"
+    )
     crop_scale_min: float = _augment(0.08, interval("(0, 1]")).help(
         "smallest area fraction kept by RandomResizedCrop"
     )
@@ -185,6 +190,12 @@ class TrainConfig:
     mix_off_epochs: int = _augment(0, ZERO_OR_MORE, RESUME_CHECKED).help(
         "turn mixup/cutmix off for the last N epochs"
     )
+
+
+@dataclass(frozen=True)
+class TrainConfig(InputFlags):
+    """Every training flag, in ``--help`` order; HELP_GROUPS and the bounds come from the fields."""
+
     model: str = _model("resnet18").help("any timm model name")
     pretrained: bool = _model(False).help(
         "start from timm's pretrained weights (needs network access)"
@@ -265,10 +276,6 @@ class TrainConfig:
         "same length drawing every class equally often: small classes' images repeat, large "
         "classes' are subsampled) or window (each image once per epoch, shuffled within a window "
         "of --shuffle_window shards read whole; the default for training data in object storage)"
-    )
-    shuffle_window: int | None = _data(None, POSITIVE, RESUME_CHECKED).help(
-        "with --sampler window: shards (Parquet row groups; for a folder or list, groups of 256 "
-        "images) whose images are mixed at any time (default 16, or all when fewer)"
     )
     use_amp: bool = _memory(False).help(
         "automatic mixed precision (float16 + GradScaler on CUDA; bfloat16 on the CPU, usually "
