@@ -113,7 +113,7 @@ def test_the_resume_check_covers_the_flags_it_always_did():
         *("weight_decay", "momentum", "label_smoothing", "decay_norm_and_bias"),
         *("clip_grad_norm", "head_lr_scale", "freeze_backbone_epochs", "ema_decay"),
         *("mixup", "cutmix", "mix_switch_prob", "mix_off_epochs", "class_weights", "sampler"),
-            "shuffle_window",
+        "shuffle_window",
     }
 
 

@@ -257,9 +257,10 @@ def test_two_one_two_processes_resume_sample_exact_from_shards(
     """2 processes (killed in epoch 1), 1 (stopped by SIGUSR1 in epoch 2), 2 again, at the same
     global batch of 16: every training index once per epoch, the uninterrupted run's step
     count, and its weights to float tolerance. Trained from tar shards (the folder: the two
-    agents' tests below; Parquet: test_remote's job killed at 2 processes and resumed at 1;
-    every layout is one ImageTable to the sampler); the uninterrupted run reads the folder the
-    shards were packed from, so the two agree on the samples behind each index too."""
+    agents' tests below; every layout is one ImageTable to the sampler; --sampler window:
+    test_remote's job killed at 2 processes and resumed at 1, and test_window_order's units);
+    the uninterrupted run reads the folder the shards were packed from, so the two agree on
+    the samples behind each index too."""
     folder, val = elastic_dataset
     train = pack_folder(folder, tmp_path / "data" / "shards", "shards", shard_size=10)
     clean, elastic = tmp_path / "clean", tmp_path / "elastic"

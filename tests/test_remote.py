@@ -519,7 +519,8 @@ def hub_data(s3_server, tmp_path_factory) -> HubData:
     reference = root / "reference"
     reference.mkdir()
     on_disk = vit_flags(HubData(root, url, reference).shards(str(root / "data")),
-                        str(root / "data" / "val.parquet"), "--accum_steps", "2")  # fmt: skip
+                        str(root / "data" / "val.parquet"), "--accum_steps", "2",
+                        "--sampler", "window")  # fmt: skip
     assert run_train(on_disk, reference) == 0
     return HubData(root / "data", url, reference)
 
@@ -540,18 +541,30 @@ def latest_weights(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(hub_data, s3, tmp_path):
+def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(
+    hub_data, s3, tmp_path, monkeypatch
+):
     """Training shards and validation Parquet (image paths relative to it, the images in the
-    bucket) read from the bucket, checkpoints written there: the reference run's per-epoch
-    metrics and weights to the bit, and the bucket holds the checkpoints and the records."""
+    bucket) read from the bucket 20 ms away, checkpoints written there: the window order by
+    default, whole shards read ahead (one request per shard, not per image); the reference
+    run's (on the disk, --sampler window) per-epoch metrics and weights to the bit, and the
+    bucket holds the checkpoints and the records."""
     flags = vit_flags(
         hub_data.shards(hub_data.url), f"{hub_data.url}/val.parquet", "--accum_steps", "2",
         "--checkpoint_dir", f"{hub_data.url}/to-the-bit",
     )  # fmt: skip
+    proxy, endpoint = proxied(s3, delay=0.02)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     assert run_train(flags, tmp_path) == 0
     log = (tmp_path / "logs" / "train_rank_0.log").read_text()
     assert f"from tar shards {hub_data.shards(hub_data.url)} (4 files)" in log
     assert f"from Parquet {hub_data.url}/val.parquet (1 file)" in log
+    assert "Training order: --sampler window, the images of 4 of 4 groups mixed" in log
+    # 32 training images in 4 shards: each shard's index scan and one read of its images
+    # ahead of need, and a few single reads before training starts (the memory plan's look at
+    # the first images); never one per image (4 + 32, as --sampler random reads them).
+    shard_reads = [r for r in proxy.request_lines if r.startswith("GET ") and ".tar HTTP" in r]
+    assert len(shard_reads) <= 4 + 4 + 2, "\n".join(proxy.request_lines)
     assert epoch_figures(history_of(tmp_path)) == epoch_figures(history_of(hub_data.reference))
     keys = s3.keys(f"{hub_data.url}/to-the-bit")
     assert {"checkpoint_latest.pth", "checkpoint_latest.prev.pth", "checkpoint_best.pth"} | {
@@ -563,22 +576,24 @@ def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(hub_data
     reference = latest_weights(hub_data.reference)
     assert remote.keys() == reference.keys()
     assert all(torch.equal(remote[name], reference[name]) for name in reference)
+    proxy.stop()
 
 
 @pytest.mark.slow
 def test_killed_at_two_processes_resumed_from_the_bucket_on_an_empty_disk_at_one(
     hub_data, s3, tmp_path, monkeypatch
 ):
-    """Parquet of image paths (``datasets``) in the bucket, checkpoints there too, through a
-    proxy that hangs the second upload of checkpoint_latest.pth half-way; the 2-process job
-    SIGKILLed then: the bucket holds the first checkpoint, whole. The machine's run folder
-    deleted, resumed at 1 process from the bucket: every training index once per epoch and
-    the weights of the reference run on the disk."""
+    """Shards in the bucket (the window order, its default there), checkpoints there too,
+    through a proxy that hangs the second upload of checkpoint_latest.pth half-way; the
+    2-process job SIGKILLed then: the bucket holds the first checkpoint, whole. The machine's
+    run folder deleted, resumed at 1 process from the bucket: every training index once per
+    epoch and the weights of the reference run on the disk (--sampler window). Parquet
+    training data in a bucket: its samples to the bit above."""
     from test_elastic import assert_each_index_once_per_epoch, recording_env, run_recorded
 
     url = f"{hub_data.url}/killed"
     flags = vit_flags(
-        f"{hub_data.url}/train.parquet", f"{hub_data.url}/val.parquet",
+        hub_data.shards(hub_data.url), f"{hub_data.url}/val.parquet",
         "--checkpoint_dir", url, "--resume", "auto",
     )  # fmt: skip
     proxy, endpoint = proxied(s3, delay=0.0)
@@ -597,7 +612,10 @@ def test_killed_at_two_processes_resumed_from_the_bucket_on_an_empty_disk_at_one
     proxy.stop()
     assert stalled, (tmp_path / "killed.out").read_text()[-3000:]
     log = (tmp_path / "logs" / "train_rank_0.log").read_text()
-    assert f"Training data: 32 images in 2 classes from Parquet {hub_data.url}/train.parquet" in log
+    assert (
+        f"Training data: 32 images in 2 classes from tar shards {hub_data.shards(hub_data.url)}"
+        in log
+    )
     in_bucket = tmp_path / "in_bucket"
     assert fetch_latest(url, Store(), in_bucket)
     kept = torch.load(in_bucket / DOWNLOADED, weights_only=True)

@@ -95,6 +95,7 @@ class LatencyProxy:
     target: tuple[str, int]
     delay: float = 0.0
     requests: int = 0
+    request_lines: list[str] = field(default_factory=list)  # "GET /bucket/key HTTP/1.1", ...
     answered_bytes: int = 0
     stalled: list[list] = field(default_factory=list)  # [bytes to match, matches to let by]
     stalling: threading.Event = field(default_factory=threading.Event)  # one is held now
@@ -172,6 +173,7 @@ class LatencyProxy:
         False when a stalled request is dropped (``stop``)."""
         with self._lock:
             self.requests += 1
+            self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
         if self.delay:
             time.sleep(self.delay)
         if self._stalls(data):
