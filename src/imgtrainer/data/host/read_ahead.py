@@ -1,7 +1,7 @@
-"""Reads from an object store in a loader worker: a batch's images in threads and, in the order
-of ``--sampler window``, the shards the rank needs next, fetched whole ahead of need.
+"""Object-store reads in a loader worker: a batch's images in threads; the shards ahead, whole.
 
-The order is a function of (seed, epoch, data), so each worker knows from a batch's keys where
+In the order of ``--sampler window``, the shards the rank needs next are fetched whole ahead of
+need. The order is a function of (seed, epoch, data), so each worker knows from a batch's keys where
 its rank is in the epoch and which groups (shards, Parquet row groups) come next; the node's
 processes share the fetched bytes through the store's cache and its claims.
 """
