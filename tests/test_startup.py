@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from unittest.mock import ANY
@@ -29,6 +31,7 @@ from imgtrainer.data.layouts.image_files import class_folders
 from imgtrainer.data.layouts.shards import TAR
 from imgtrainer.data.layouts.table import READABLE, UNKNOWN, UNREADABLE, ImageTable
 from imgtrainer.errors import UserError
+from imgtrainer.process import STOP_SIGNALS
 from imgtrainer.run import outcome as run_outcome
 
 # ----------------------------------------------------------------------------- torch-free launcher
@@ -685,3 +688,27 @@ def test_the_launcher_counts_images_only_as_far_as_its_checks_need(tmp_path: Pat
     assert count_images(folder, classes, enough=7) == {"a": 5, "b": 2, "c": 1, "d": 0}
     assert count_images(folder, classes, enough=0) == {"a": 1, "b": 1, "c": 1, "d": 0}
     assert count_images(folder, classes, enough=99) == {"a": 5, "b": 5, "c": 5, "d": 0}
+
+
+def _worker_ignoring_sigterm() -> None:  # as data.quiet_loader_worker makes them
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(300)
+
+
+def test_the_ending_kills_loader_workers_left_alive_that_multiprocessing_would_wait_for():
+    """A rank whose epoch iterator was never shut down still has loader workers when its main
+    returns; they ignore SIGTERM, so multiprocessing's exit (SIGTERM, then join) would wait for
+    them for ever (a finished hang-matrix run held its launcher so). ``ending_of`` kills them."""
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    worker = multiprocessing.get_context("fork").Process(
+        target=_worker_ignoring_sigterm, daemon=True
+    )
+    worker.start()
+    try:
+        assert lifecycle.ending_of(lambda: 0) == (0, "", "")
+        assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if worker.is_alive():
+            worker.kill()

@@ -156,19 +156,31 @@ def ending_of(main: Callable[[], int]) -> tuple[int, str, str]:
     ignored: torchrun stops the other ranks of a failed attempt with SIGTERM, and one that
     raised ``StoppedEarly`` while this rank wrote its ending escaped it, leaving the rank in
     multiprocessing's exit, waiting for its loader workers (which ignore SIGTERM) until
-    torchrun's SIGKILL 30 s later."""
+    torchrun's SIGKILL 30 s later. For the same reason, loader workers still alive then (an
+    epoch's iterator that was never shut down) are killed: multiprocessing's exit would send
+    them SIGTERM, which they ignore, and wait for them for ever."""
     try:
         try:
             code = main()
         finally:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
+            end_daemon_children()
     except BaseException as err:
         cause = err.__context__
         if isinstance(err, StoppedEarly) and isinstance(cause, Exception):
             err = cause  # the stop came while a failure ended the rank: the failure is why
         return ending_for(err)
     return code, "", ""
+
+
+def end_daemon_children() -> None:
+    """Kill this process's daemonic children (loader workers, which die with it anyway) and
+    wait for them, so that multiprocessing's exit finds none to wait for."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
 
 
 def ending_for(err: BaseException) -> tuple[int, str, str]:
