@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ from conftest import (
 from imgtrainer import redact
 from imgtrainer.checkpoints.remote import DOWNLOADED, fetch_latest
 from imgtrainer.config import parse_config
+from imgtrainer.data.host.read_ahead import ReadAhead
+from imgtrainer.data.host.samplers import WindowSampler
 from imgtrainer.data.layouts import open_datasets
 from imgtrainer.data.layouts.names import Reading
 from imgtrainer.data.layouts.shards import SHARD_IMAGE_EXTENSIONS
@@ -164,6 +167,49 @@ def test_one_request_per_sample_then_none_from_the_bounded_cache(s3, tmp_path, m
         where = table.containers[int(table.container[i])]
         assert small.read(where, int(table.offsets[i]), int(table.sizes[i])) == first[i]
     assert 0 < small._cache().size() <= 16 << 10 < store._cache().size()  # on disk, in blocks
+    proxy.stop()
+
+
+@dataclass(frozen=True)
+class RawSamples:
+    """A dataset of a table's encoded images, keyed as the training samples are."""
+
+    table: Any
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, key: tuple[int, int]) -> bytes:
+        return self.table.read(key[0])
+
+
+def test_the_window_order_reads_whole_shards_ahead_and_names_one_gone_or_cut_short(
+    s3, tmp_path, monkeypatch
+):
+    """In the window order a loader worker fetches the shards of its batch and of its next
+    window whole (one request each, whatever their images), and reads the images there. A
+    shard deleted or cut short after the listing is one line, not a traceback."""
+    train, _ = write_data(tmp_path)
+    url = new_bucket(s3)
+    pack_folder(train, tmp_path / "tar", "shards", shard_size=3)  # 6 shards of 3 images
+    s3.upload(tmp_path / "tar", f"{url}/tar")
+    proxy, endpoint = proxied(s3, delay=0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    store = Store(cache_dir=str(tmp_path / "cache"), cache_bytes=1 << 30)
+    table, _ = open_datasets(f"{url}/tar/", f"{url}/tar/", reading=Reading(store))
+    order = WindowSampler(table.groups(), 0, 1, seed=0, global_batch=6, window=2)
+    reads = ReadAhead(RawSamples(table), table, order)
+    keys = [(i, 0) for i in order.indices()]
+    before = proxy.requests
+    assert reads.__getitems__(keys[:6]) == [table.read(i) for i, _ in keys[:6]]
+    # 2 lanes of 3 shards: the batch reads a shard of each, the next batch the next two;
+    # 4 whole shards fetched, no image read alone.
+    assert proxy.requests - before == 4
+    gone = table.containers[int(table.container[keys[-1][0]])]  # not fetched yet
+    s3.client().delete_object(Bucket=url.removeprefix("s3://"), Key=gone.split("/", 3)[3])
+    with pytest.raises(UserError, match="training data changed during the run: .* restore it"):
+        for start in range(6, len(keys), 6):
+            reads.__getitems__(keys[start : start + 6])
     proxy.stop()
 
 
