@@ -698,17 +698,24 @@ def _worker_ignoring_sigterm() -> None:  # as data.quiet_loader_worker makes the
 def test_the_ending_kills_loader_workers_left_alive_that_multiprocessing_would_wait_for():
     """A rank whose epoch iterator was never shut down still has loader workers when its main
     returns; they ignore SIGTERM, so multiprocessing's exit (SIGTERM, then join) would wait for
-    them for ever (a finished hang-matrix run held its launcher so). ``ending_of`` kills them."""
-    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    worker = multiprocessing.get_context("fork").Process(
-        target=_worker_ignoring_sigterm, daemon=True
-    )
-    worker.start()
+    them for ever (a finished hang-matrix run held its launcher so). ``ending_of`` kills them
+    all, though a loader's SIGCHLD handler raises at the first one killed (as torch's does)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGCHLD)}
+
+    def loader_sigchld(signum, frame):
+        raise RuntimeError("DataLoader worker is killed by signal: Killed.")
+
+    fork = multiprocessing.get_context("fork")
+    workers = [fork.Process(target=_worker_ignoring_sigterm, daemon=True) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    signal.signal(signal.SIGCHLD, loader_sigchld)
     try:
         assert lifecycle.ending_of(lambda: 0) == (0, "", "")
-        assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+        assert [w.exitcode for w in workers] == [-signal.SIGKILL] * 2
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if worker.is_alive():
-            worker.kill()
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()

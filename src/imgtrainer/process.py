@@ -78,6 +78,19 @@ def exit_code_for(signum: int) -> int:
     return 128 + (signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
 
+def end_children(daemon_only: bool = False) -> None:
+    """Kill this process's multiprocessing children (``daemon_only``: its loader workers) and
+    wait for them, so that multiprocessing's exit finds none to wait for: loader workers ignore
+    its SIGTERM (``data.loaders.quiet_loader_worker``). torch's loader SIGCHLD handler is
+    removed first: it would raise at the first worker killed and leave the others alive."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon or not daemon_only:
+            child.kill()
+            child.join()
+
+
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Ask Linux to send ``signum`` to this process when its parent dies. A no-op elsewhere.
 

@@ -28,7 +28,7 @@ from imgtrainer.errors import (
     first_line,
 )
 from imgtrainer.files import atomic_write
-from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, exit_code_for
+from imgtrainer.process import STOP_SIGNALS, TorchrunEnv, end_children, exit_code_for
 
 REPORT_DIR_ENV = "TRAIN_DDP_REPORT_DIR"
 
@@ -165,22 +165,13 @@ def ending_of(main: Callable[[], int]) -> tuple[int, str, str]:
         finally:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-            end_daemon_children()
+            end_children(daemon_only=True)
     except BaseException as err:
         cause = err.__context__
         if isinstance(err, StoppedEarly) and isinstance(cause, Exception):
             err = cause  # the stop came while a failure ended the rank: the failure is why
         return ending_for(err)
     return code, "", ""
-
-
-def end_daemon_children() -> None:
-    """Kill this process's daemonic children (loader workers, which die with it anyway) and
-    wait for them, so that multiprocessing's exit finds none to wait for."""
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(5)
 
 
 def ending_for(err: BaseException) -> tuple[int, str, str]:
@@ -237,8 +228,6 @@ def exit_now(code: int) -> None:
         except (AttributeError, OSError, ValueError):
             pass
     if code == 0 and multiprocessing.parent_process() is not None:
-        for child in multiprocessing.active_children():
-            child.kill()
-            child.join()
+        end_children()
         raise SystemExit(0)
     os._exit(code)
