@@ -606,11 +606,12 @@ def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(
     assert f"from tar shards {hub_data.shards(hub_data.url)} (4 files)" in log
     assert f"from Parquet {hub_data.url}/val.parquet (1 file)" in log
     assert "Training order: --sampler window, the images of 4 of 4 groups mixed" in log
-    # 32 training images in 4 shards: each shard's index scan and its images read whole, by
-    # the image check or the loader (both at once for a shard at times), and a few single
-    # reads before training starts; never one per image (4 + 32, as --sampler random reads).
+    # 32 training images in 4 shards: each shard's index scan and its images read whole (by
+    # the image check or the loader, whichever comes first; the TensorBoard preview reads the
+    # first batch's images as the loader does); never one per image (4 + 32, as
+    # --sampler random reads them). Two to spare for a request tried again.
     shard_reads = [r for r in proxy.request_lines if r.startswith("GET ") and ".tar HTTP" in r]
-    assert len(shard_reads) <= 4 + 2 * 4 + 4, "\n".join(proxy.request_lines)
+    assert len(shard_reads) <= 4 + 4 + 2, "\n".join(proxy.request_lines)
     assert epoch_figures(history_of(tmp_path)) == epoch_figures(history_of(hub_data.reference))
     keys = s3.keys(f"{hub_data.url}/to-the-bit")
     assert {"checkpoint_latest.pth", "checkpoint_latest.prev.pth", "checkpoint_best.pth"} | {

@@ -33,11 +33,11 @@ from imgtrainer.training.run_state import Progress, ResumeSource, checkpoint_sta
 log = logging.getLogger(__name__)
 
 
-def augmented_images(loader, count: int = 16) -> tuple[torch.Tensor, Any, Any]:
-    """What the model sees: the first training images of epoch 1, augmented as in training
-    (the dataset draws each sample's augmentation from (seed, epoch, index)), and their
-    normalisation."""
-    keys = [(index, 0) for index in range(min(count, len(loader.dataset)))]
+def augmented_images(loader, sampler, count: int = 16) -> tuple[torch.Tensor, Any, Any]:
+    """What the model sees: this rank's first training images of epoch 1, augmented as in
+    training (the dataset draws each sample's augmentation from (seed, epoch, index)), and
+    their normalisation."""
+    keys = [(index, 0) for index in sampler.rank_order(0)[:count]]
     return loader.preview(keys), loader.augment.mean, loader.augment.std
 
 
@@ -122,7 +122,7 @@ class Trainer:
         context = TrackerContext(
             self.cfg, Path(self.cfg.log_dir), self.global_step, self.steps_per_epoch,
             global_step=lambda: self.global_step,
-            augmented_images=partial(augmented_images, self.train_loader),
+            augmented_images=partial(augmented_images, self.train_loader, self.loaders.sampler),
         )  # fmt: skip
         return main_process_trackers(self.cfg, self.dist, context)
 

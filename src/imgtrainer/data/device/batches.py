@@ -307,6 +307,9 @@ class DeviceBatches:
         return self.audit.epoch_results(), self.audit.switch_due()
 
     def preview(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The augmented, normalised images of these (index, epoch) keys, as in training."""
-        batch = collate_samples([self.loader.dataset[key] for key in keys])
+        """The augmented, normalised images of these (index, epoch) keys, as in training (read
+        as a loader batch is: from an object store, at once)."""
+        dataset = self.loader.dataset
+        many = getattr(dataset, "__getitems__", None)
+        batch = collate_samples(many(list(keys)) if many else [dataset[key] for key in keys])
         return self.apply(*batch)[0].float()  # float32 for image writers, whatever trains

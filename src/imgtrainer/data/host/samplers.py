@@ -62,6 +62,16 @@ class EpochSampler(Sampler):
         end = self.steps_per_epoch * self.global_batch
         return rank_share(self.epoch_order()[:end], self.position, self.rank, self.world_size)
 
+    def rank_order(self, epoch: int) -> list[int]:
+        """This rank's share of the whole of ``epoch`` (what its loader reads ahead by,
+        and the first images it trains on)."""
+        both = self.epoch, self.position
+        self.set_epoch(epoch)
+        try:
+            return self.indices()
+        finally:
+            self.epoch, self.position = both
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         for index in self.indices():
             yield index, self.epoch
@@ -174,15 +184,6 @@ class WindowSampler(EpochSampler):
         keys = torch.randperm(total, generator=generator).numpy()
         lanes = rows[np.lexsort((keys, window, lane))].reshape(self.lanes, self.steps_per_epoch, -1)
         return lanes.transpose(1, 0, 2).reshape(-1).tolist()
-
-    def rank_order(self, epoch: int) -> list[int]:
-        """This rank's share of the whole of ``epoch`` (what its loader reads ahead by)."""
-        both = self.epoch, self.position
-        self.set_epoch(epoch)
-        try:
-            return self.indices()
-        finally:
-            self.epoch, self.position = both
 
     def indices(self) -> list[int]:
         if self.position % self.global_batch:
