@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from imgtrainer.config import TRAIN_FIELDS, TrainConfig
+from imgtrainer.data import data_reading
 from imgtrainer.events import LAUNCHER_EVENTS
 from imgtrainer.files import atomic_write
 from imgtrainer.reports.history import read_history
@@ -108,6 +110,17 @@ def best_predictions(path: Path, history: dict[str, Any] | None) -> tuple[Predic
 # ----------------------------------------------------------------------------- the page
 
 
+def run_reading(files: RunFiles):
+    """How the run read its data (its byte cache in the log folder, the options it wrote), so
+    that the pictures of images in a bucket come from the bytes the run read; None for a
+    config of another shape."""
+    try:
+        known = {name: files.config[name] for name in TRAIN_FIELDS if name in files.config}
+        return data_reading(replace(TrainConfig(**known), log_dir=str(files.log_dir)))
+    except (TypeError, ValueError):
+        return None
+
+
 def build_run_report(log_dir: Path) -> str:
     files = RunFiles.read(log_dir)
     history = files.history
@@ -117,7 +130,8 @@ def build_run_report(log_dir: Path) -> str:
     if files.predictions is not None:
         counts = history.get("train_class_counts") if history else None
         sections.append(classes_section(files.predictions, counts))
-        images = DataImages(files.config.get("val_dir"), files.predictions.class_names)
+        names, reading = files.predictions.class_names, run_reading(files)
+        images = DataImages(files.config.get("val_dir"), names, reading=reading)
         sections.append(mistakes_section(files.predictions, images, files.predictions_note))
     else:
         sections.append(no_predictions_section(files))

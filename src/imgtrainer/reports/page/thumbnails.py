@@ -36,8 +36,10 @@ class DataImages:
     """``ImageReader`` of the images of ``spec`` (a --val_data value): files by their path,
     other layouts through their table, opened on the first image that is not a file."""
 
-    def __init__(self, spec: str | None, class_names: list[str] | None = None, table=None):
-        self.spec, self.class_names = spec, class_names
+    def __init__(
+        self, spec: str | None, class_names: list[str] | None = None, table=None, reading=None
+    ):
+        self.spec, self.class_names, self.reading = spec, class_names, reading
         self._index: dict[str, int] | None = None
         self._table = table  # the data's table, when it is open already
 
@@ -59,7 +61,10 @@ class DataImages:
             if self.spec or self._table is not None:
                 try:
                     if self._table is None:
-                        self._table = open_table(self.spec, "validation", self.class_names)
+                        chosen = {"reading": self.reading} if self.reading else {}
+                        self._table = open_table(
+                            self.spec, "validation", self.class_names, **chosen
+                        )
                     locate = self._table.location
                     self._index = {locate(i): i for i in range(len(self._table))}
                 except (UserError, OSError) as err:
