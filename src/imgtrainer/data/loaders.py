@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -272,7 +271,7 @@ def window_sampler(cfg: TrainConfig, table: ImageTable, args: tuple) -> WindowSa
     """--sampler window over ``table``'s groups (shards, row groups, groups of rows), with
     one line saying how it reads; ``UserError`` for a window larger than the data."""
     groups = table.groups()
-    count = len(np.unique(groups))
+    count = int(groups.max()) + 1
     if cfg.shuffle_window is not None and cfg.shuffle_window > count:
         raise UserError(
             f"--shuffle_window {cfg.shuffle_window} is more than the training data's {count} "

@@ -140,8 +140,7 @@ class RangeCache:
         if obj is None:
             return False
         self._refresh(obj)
-        held = (offset, size) in obj.ranges or self._span(obj, offset, max(0, size)) is not None
-        return held
+        return (offset, size) in obj.ranges or self._span(obj, offset, max(0, size)) is not None
 
     def claim(self, key: str, offset: int) -> bool:
         """Whether this process may fetch ``key``'s range at ``offset`` now: True unless a live

@@ -16,8 +16,6 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from imgtrainer.data.layouts.table import ImageTable
-from imgtrainer.errors import UserError
-from imgtrainer.storage import problem
 
 READ_AHEAD = 16  # samples a loader worker reads at once from an object store
 FETCHES = 8  # groups a loader worker fetches at once
@@ -84,7 +82,6 @@ class _Worker:
     where: np.ndarray | None = None  # each index's position in the rank's order (-1: none)
     upcoming: np.ndarray | None = None  # the rank's order of groups, one per sample
     last: np.ndarray | None = None  # each group's last position in the rank's order
-    rows: tuple[np.ndarray, np.ndarray] | None = None  # the rows by group, each group's start
     read_ahead: int = 0  # samples of the rank's order whose groups are fetched ahead
     pending: dict[int, Future] = field(default_factory=dict)  # group -> its fetch's URLs
     done: dict[int, list[str]] = field(default_factory=dict)  # fetched this epoch -> URLs
@@ -102,19 +99,15 @@ class _Worker:
         groups = ahead[np.sort(np.unique(ahead, return_index=True)[1])]
         for group in groups.tolist():
             if group not in self.pending and group not in self.done:
-                self.pending[group] = self.fetches.submit(self.hold, table, int(group))
+                self.pending[group] = self.fetches.submit(table.hold_group, int(group))
         for group in np.unique(self.upcoming[at : at + len(keys)]).tolist():
             if group in self.pending:
                 self.done[group] = self.pending.pop(group).result()
         self.retire(table, at)
 
     def start_epoch(self, table: ImageTable, order: Sampler, epoch: int) -> None:
-        group = np.unique(table.groups(), return_inverse=True)[1].reshape(-1)
-        if self.rows is None:
-            by_group = np.argsort(group, kind="stable")
-            self.rows = by_group, np.searchsorted(group[by_group], np.arange(group.max() + 2))
-            per_group = len(table) / (group.max() + 1)
-            self.read_ahead = getattr(order, "read_ahead", None) or int(2 * per_group)
+        group = table.groups()
+        self.read_ahead = getattr(order, "read_ahead", None) or 2 * len(table) // (group.max() + 1)
         ranks = np.asarray(order.rank_order(epoch), dtype=np.int64)
         self.where = np.full(len(table), -1, dtype=np.int64)
         self.where[ranks] = np.arange(len(ranks))
@@ -122,21 +115,6 @@ class _Worker:
         self.last = np.full(group.max() + 1, -1, dtype=np.int64)
         np.maximum.at(self.last, self.upcoming, np.arange(len(ranks)))
         self.epoch, self.done = epoch, {}  # the cache may have dropped last epoch's
-
-    def hold(self, table: ImageTable, group: int) -> list[str]:
-        """Fetch the group's pieces into the cache (``Store.hold``); the objects they are of.
-        One line for an object gone or cut short since the run listed it."""
-        by_group, starts = self.rows
-        pieces = table.kind.pieces(table, by_group[starts[group] : starts[group + 1]])
-        for url, offset, size in pieces:
-            try:
-                table.store.hold(url, offset, size)
-            except Exception as err:
-                raise UserError(
-                    f"training data changed during the run: {problem(err, url)}; restore it, "
-                    "or start the run again to index the data anew"
-                ) from None
-        return sorted({url for url, _, _ in pieces})
 
     def retire(self, table: ImageTable, at: int) -> None:
         """Objects of groups the rank's order has passed (and no group to come) go first when

@@ -135,7 +135,7 @@ DEFAULT_WINDOW = 16  # --shuffle_window when not given (at most the data's group
 
 class WindowSampler(EpochSampler):
     """``--sampler window``: an order that reads whole shards (``groups[i]``: row i's shard,
-    Parquet row group or group of rows), a function of (seed, epoch, groups, global batch,
+    Parquet row group or group of rows, numbered from 0), a function of (seed, epoch, groups, global batch,
     ``window``) only, so a resume at any step and any world size continues it exactly.
 
     The groups are drawn in a seeded order, laid end to end and cut into ``lanes`` equal runs
@@ -151,7 +151,7 @@ class WindowSampler(EpochSampler):
         window: int = DEFAULT_WINDOW,
     ):  # fmt: skip
         super().__init__(len(groups), rank, world_size, seed, global_batch)
-        self.group = np.unique(np.asarray(groups), return_inverse=True)[1].reshape(-1)
+        self.group = np.asarray(groups, dtype=np.int64)  # numbered from 0 (``table.groups``)
         self.window = window
         self.lanes = max(d for d in range(1, window + 1) if self.global_batch % d == 0)
         self.lane_groups = -(-window // self.lanes)

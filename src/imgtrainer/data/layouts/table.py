@@ -12,6 +12,7 @@ import logging
 import mmap
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import IO, Any
 
 import numpy as np
@@ -19,8 +20,8 @@ from PIL import Image
 
 from imgtrainer import heartbeat
 from imgtrainer.data.layouts.image_files import image_problem, open_rgb
-from imgtrainer.errors import first_line
-from imgtrainer.storage import LOCAL, Store, is_url
+from imgtrainer.errors import UserError, first_line
+from imgtrainer.storage import LOCAL, Store, is_url, problem
 
 log = logging.getLogger(__name__)
 
@@ -172,22 +173,40 @@ class ImageTable:
         """The encoded image's bytes."""
         return self.kind.read(self, i)
 
+    @cached_property
+    def reading_units(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's reading unit (its shard, Parquet row group or group of rows) numbered from
+        0, the rows sorted by unit, and where each unit's rows start in them (a last end)."""
+        unit = np.unique(self.kind.groups(self), return_inverse=True)[1].reshape(-1)
+        by_unit = np.argsort(unit, kind="stable")
+        count = int(unit.max()) + 1 if len(unit) else 0
+        return unit, by_unit, np.searchsorted(unit[by_unit], np.arange(count + 1))
+
     def groups(self) -> np.ndarray:
-        """Each row's reading unit: its shard, Parquet row group or group of rows."""
-        return self.kind.groups(self)
+        """Each row's reading unit, numbered from 0: its shard, Parquet row group or group of
+        rows."""
+        return self.reading_units[0]
+
+    def hold_group(self, group: int) -> list[str]:
+        """Fetch the group's bytes into the store's cache ahead of their reads (``Store.hold``);
+        the objects they are of. ``UserError`` for an object gone or cut short since the run
+        listed it."""
+        _, by_unit, starts = self.reading_units
+        pieces = self.kind.pieces(self, by_unit[starts[group] : starts[group + 1]])
+        for url, offset, size in pieces:
+            try:
+                self.store.hold(url, offset, size)
+            except Exception as err:
+                raise UserError(
+                    f"training data changed during the run: {problem(err, url)}; restore it, "
+                    "or start the run again to index the data anew"
+                ) from None
+        return sorted({url for url, _, _ in pieces})
 
     def fetch_groups(self, rows: Collection[int]) -> list[str]:
-        """Fetch the whole groups that ``rows`` are in into the store's cache ahead of their
-        reads (``Store.hold``); the objects they are of."""
-        groups = self.groups()
-        pieces = [
-            piece
-            for group in np.unique(groups[np.asarray(rows, dtype=np.int64)])
-            for piece in self.kind.pieces(self, np.flatnonzero(groups == group))
-        ]
-        for url, offset, size in pieces:
-            self.store.hold(url, offset, size)
-        return sorted({url for url, _, _ in pieces})
+        """Fetch the whole groups that ``rows`` are in (``hold_group``); the objects they are of."""
+        groups = np.unique(self.groups()[np.asarray(rows, dtype=np.int64)]).tolist()
+        return sorted({url for group in groups for url in self.hold_group(group)})
 
     def open_rgb(self, i: int, draft: int | None = None) -> Image.Image:
         """The image as upright RGB (``image_files.open_rgb``)."""
