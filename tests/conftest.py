@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(ROOT))  # dev/: the repository's own tools (doc generators, the floors)
 
 import torch  # noqa: E402
 

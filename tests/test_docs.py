@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
+from dev import flag_docs
+
 from conftest import ROOT
-from imgtrainer.run import flag_docs
 
 FLAGS_MD = ROOT / "docs" / "flags.md"
 STALE = f"docs/flags.md differs from the flag parsers; regenerate it with: {flag_docs.REGENERATE}"
@@ -61,7 +62,7 @@ def _anchors(page) -> set[str]:
 def test_the_package_map_is_generated_from_the_docstrings() -> None:
     """docs/development.md's package map lists every module with its docstring's first
     sentence, short enough for two lines of the map."""
-    from imgtrainer.run import module_map
+    from dev import module_map
 
     doc = module_map.DOC_PATH.read_text(encoding="utf-8")
     stale = f"docs/development.md's package map is stale; regenerate it: {module_map.REGENERATE}"
@@ -80,7 +81,7 @@ def test_the_package_map_is_generated_from_the_docstrings() -> None:
 
 
 def test_the_map_check_reports_a_stale_map(tmp_path, monkeypatch, capsys) -> None:
-    from imgtrainer.run import module_map
+    from dev import module_map
 
     doc = tmp_path / "development.md"
     doc.write_text(

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from imgtrainer.run import module_map
+from dev import module_map
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PARAMS = 6

@@ -1,7 +1,7 @@
 """docs/flags.md, the reference of every flag, generated from the parsers that ``--help`` prints.
 
-    PYTHONPATH=src python -m imgtrainer.run.flag_docs           # rewrite docs/flags.md
-    PYTHONPATH=src python -m imgtrainer.run.flag_docs --check   # exit 1 when it is out of date
+    PYTHONPATH=src python -m dev.flag_docs           # rewrite docs/flags.md
+    PYTHONPATH=src python -m dev.flag_docs --check   # exit 1 when it is out of date
 
 The groups, option strings, help and choices come from ``build_parser()`` of the launcher and of
 the trainer; the trainer's defaults from the ``TrainConfig`` fields. Nothing is copied here, so a
@@ -21,8 +21,8 @@ from typing import Any
 from imgtrainer import config
 from imgtrainer.run import launcher
 
-DOC_PATH = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
-REGENERATE = "PYTHONPATH=src python -m imgtrainer.run.flag_docs"
+DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
+REGENERATE = "PYTHONPATH=src python -m dev.flag_docs"
 
 # The "(default: X)" that ends a help string; the table has a column for it.
 _DEFAULT_SUFFIX = re.compile(r"\s*\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)$")
