@@ -150,8 +150,8 @@ class Store:
 
     def _fetch(self, url: str, offset: int, size: int) -> bytes:
         fs = filesystem(url, self.options)
-        if size < 0:
-            return fs.cat_file(url)
+        if size < 0:  # from byte 0 on: one request (s3fs asks for the size first without it)
+            return b"" if _SEEN.get(url, (-1,))[0] == 0 else fs.cat_file(url, start=0)
         data = fs.cat_file(url, start=offset, end=offset + size)
         if len(data) != size:
             raise OSError(f"{url} is shorter than its index says ({len(data)} of {size} bytes)")
@@ -296,9 +296,10 @@ class Store:
             tmp.unlink(missing_ok=True)
 
     def copy(self, source: str, url: str) -> None:
-        """A copy inside the store (no bytes through this machine)."""
+        """A copy inside the store (no bytes through this machine), object to object: no
+        listing of either as a folder first (fsspec's ``copy`` lists both)."""
         fs = filesystem(url, self.options)
-        retried(lambda: fs.copy(source, url))
+        retried(lambda: fs.cp_file(source, url))
 
     def remove(self, url: str) -> None:
         fs = filesystem(url, self.options)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from imgtrainer.data.layouts.files import folder_table, list_table
 from imgtrainer.data.layouts.folder_checks import check_data_folders, class_difference, find_classes
-from imgtrainer.data.layouts.names import PLAIN, Reading, read_class_names
+from imgtrainer.data.layouts.names import PLAIN, Reading, read_class_names, url_folder
 from imgtrainer.data.layouts.parquet import parquet_table
 from imgtrainer.data.layouts.shards import shard_table
 from imgtrainer.data.layouts.table import ImageTable
@@ -45,24 +45,18 @@ def layout_of(spec: str, store: Store = LOCAL) -> str:
     return FOLDER
 
 
-_FOLDER_LAYOUTS: dict[str, str] = {}  # a URL folder's layout, listed once per process
-
-
 def url_folder_layout(spec: str, store: Store) -> str:
-    """Parquet or shards, by what an object store holds under ``spec``: a folder of class
-    folders is read from a disk only."""
-    if spec not in _FOLDER_LAYOUTS:
-        found = store.listing(spec, recursive=True)
-        if any(url.endswith(".parquet") for url in found):
-            _FOLDER_LAYOUTS[spec] = PARQUET
-        elif any(url.endswith(".tar") for url in found):
-            _FOLDER_LAYOUTS[spec] = SHARDS
-        else:
-            raise UserError(
-                f"{spec} holds no .parquet or .tar files: from object storage, train on Parquet, "
-                "tar shards or a list file of image URLs (class folders are read from a disk)"
-            )
-    return _FOLDER_LAYOUTS[spec]
+    """Parquet or shards, by what an object store holds under ``spec`` (``url_folder``): a
+    folder of class folders is read from a disk only."""
+    found = url_folder(spec, store)
+    if any(url.endswith(".parquet") for url in found):
+        return PARQUET
+    if any(url.endswith(".tar") for url in found):
+        return SHARDS
+    raise UserError(
+        f"{spec} holds no .parquet or .tar files: from object storage, train on Parquet, "
+        "tar shards or a list file of image URLs (class folders are read from a disk)"
+    )
 
 
 def open_table(

@@ -50,10 +50,21 @@ def expand_pattern(spec: str, suffix: str, store: Store = LOCAL) -> list[str]:
     return found
 
 
+_LISTED: dict[str, list[str]] = {}  # a URL folder's objects, listed once per process
+
+
+def url_folder(spec: str, store: Store) -> list[str]:
+    """The objects under a URL folder (``spec``), listed once per process: its layout and its
+    files come from the same listing."""
+    if spec not in _LISTED:
+        _LISTED[spec] = store.listing(spec, recursive=True)
+    return _LISTED[spec]
+
+
 def expand_url(spec: str, suffix: str, store: Store) -> list[str]:
     names = expand_braces(spec)
     if len(names) == 1 and not glob.has_magic(spec) and not spec.endswith(suffix):
-        return [url for url in store.listing(spec, recursive=True) if url.endswith(suffix)]
+        return [url for url in url_folder(spec, store) if url.endswith(suffix)]
     found, named = [], []
     for name in names:
         if glob.has_magic(name):

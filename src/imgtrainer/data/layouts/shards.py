@@ -14,6 +14,7 @@ import json
 import os
 import tarfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from imgtrainer.process import process_map
 from imgtrainer.storage import LOCAL, Store, is_url, join, parent
 
 INDEX_SUFFIX = ".imgtrainer-index"
+REMOTE_INDICES = 32  # shard indices in an object store read at once (a request each)
 INDEX_VERSION = "imgtrainer-tar-index 2"  # 2: member names JSON-quoted (any bytes)
 CLASSES_FILE = "classes.txt"
 
@@ -333,7 +335,10 @@ def shard_table(
             "name a line, in index order) or pass --class_names FILE"
         )
     scan = partial(shard_arrays, index_dir=reading.index_dir, reading=reading)
-    if reading.threads > 1 and len(shards) > 1:  # Python-bound (headers, index lines): processes
+    if is_url(shards[0]):  # a round trip each: all of them at once
+        with ThreadPoolExecutor(min(REMOTE_INDICES, len(shards))) as pool:
+            parts = list(pool.map(scan, shards))
+    elif reading.threads > 1 and len(shards) > 1:  # Python-bound (headers, lines): processes
         parts = process_map(scan, shards, min(reading.threads, len(shards)))
     else:
         parts = [scan(shard) for shard in shards]
