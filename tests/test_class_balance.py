@@ -127,7 +127,7 @@ def test_imbalance_note_names_the_classes_and_the_flags():
 
 
 def test_a_run_logs_the_counts_and_builds_its_sampler_and_loss(tmp_path: Path, caplog):
-    from imgtrainer.data.loaders import build_loaders
+    from imgtrainer.data.loaders import open_data
     from imgtrainer.training.build import build_run_parts
 
     train = write_image_folder(tmp_path / "train", ["big", "small"], 1)
@@ -135,7 +135,7 @@ def test_a_run_logs_the_counts_and_builds_its_sampler_and_loss(tmp_path: Path, c
     val = write_image_folder(tmp_path / "val", ["big", "small"], 1, seed=2)
     cfg = data_config(train, val, image_size=16, batch_size=4, num_workers=0)
     with caplog.at_level(logging.WARNING):
-        build_loaders(cfg, ONE_CPU_PROCESS)
+        open_data(cfg, ONE_CPU_PROCESS).loaders()
     assert "12.0x the images of the smallest (images per class: small 1, big 12)" in caplog.text
     assert "--sampler balanced" in caplog.text
 
@@ -144,7 +144,7 @@ def test_a_run_logs_the_counts_and_builds_its_sampler_and_loss(tmp_path: Path, c
         train, val, image_size=16, batch_size=4, sampler="balanced", class_weights="balanced"
     )
     with caplog.at_level(logging.WARNING):
-        built = build_loaders(cfg, ONE_CPU_PROCESS)
+        built = open_data(cfg, ONE_CPU_PROCESS).loaders()
     loader, sampler, names = built.train, built.sampler, built.class_names
     assert isinstance(sampler, BalancedClassSampler) and "may help" not in caplog.text
     assert "corrects the imbalance twice" in caplog.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from imgtrainer.data.device.jpeg import shrink, shrink_group
-from imgtrainer.data.host.ragged import Ragged
+from imgtrainer.data.host.ragged import BOX, Ragged, gather_boxes, whole_boxes
 
 
 def images(count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -49,7 +49,10 @@ def test_boxes_are_gathered_from_each_image_onto_one_canvas():
         w = int(torch.randint(1, width - left + 1, (1,), generator=g))
         boxes.append([top, left, h, w])
         crops.append(p[:, top : top + h, left : left + w])
-    got = Ragged.of(pieces).crops(torch.tensor(boxes))
+    ragged = Ragged.of(pieces)
+    table = whole_boxes(ragged.sizes)
+    table[:, BOX] = torch.tensor(boxes)
+    got = gather_boxes(ragged.data, table)
     assert torch.equal(got, padded(crops))
 
 

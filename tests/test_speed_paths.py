@@ -188,7 +188,7 @@ def test_loader_workers_rule():
 
 
 def test_the_loader_workers_follow_the_cores_and_the_source(tmp_path, monkeypatch, caplog):
-    """build_loaders reads the cores this process may use, shares them with the node's other
+    """The loaders (``open_data``) read the cores this process may use, shares them with the node's other
     processes, and logs its choice."""
     import logging
 
@@ -202,12 +202,12 @@ def test_the_loader_workers_follow_the_cores_and_the_source(tmp_path, monkeypatc
     flags = ["--train_dir", str(tmp_path / "train"), "--val_dir", str(tmp_path / "val")]
     flags += ["--image_size", "16", "--batch_size", "4", "--log_dir", str(tmp_path / "logs")]
     with caplog.at_level(logging.INFO, logger="imgtrainer"):
-        train, *_ = loaders.build_loaders(
+        train, *_ = loaders.open_data(
             parse_config([*flags, "--cache_images", "none"]), two_on_node
-        )
-        cached, *_ = loaders.build_loaders(
+        ).loaders()
+        cached, *_ = loaders.open_data(
             parse_config([*flags, "--cache_images", "ram"]), two_on_node
-        )
+        ).loaders()
     assert (train.num_workers, cached.num_workers) == (4, 0)
     assert "Loader: 4 worker(s) per process, images from files (8 CPU core(s)" in caplog.text
     assert "Loader: 0 worker(s) per process, images from ram" in caplog.text

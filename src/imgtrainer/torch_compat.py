@@ -44,7 +44,6 @@ foreach_lerp_ = torch._foreach_lerp_
 foreach_sub = torch._foreach_sub
 foreach_mul_ = torch._foreach_mul_
 foreach_add_ = torch._foreach_add_
-foreach_zero_ = torch._foreach_zero_
 
 
 # How memory exhaustion reads when it is not torch's own OutOfMemoryError, lower-cased: the CPU

@@ -358,7 +358,7 @@ def audit_run(
     flags += ["--batch_size", str(batch), "--cache_images", source, "--optimizer", "sgd"]
     flags += ["--log_dir", str(train.parent / "logs"), *extra_flags]
     cfg = parse_config(flags)
-    built = loaders.build_loaders(cfg, dist)
+    built = loaders.open_data(cfg, dist).loaders()
     train_loader, sampler, class_names = built.train, built.sampler, built.class_names
     parts = build_run_parts(cfg, dist, len(class_names), len(train_loader))
     if precision != "fp32":

@@ -98,12 +98,6 @@ class RunData:
         )
 
 
-def build_loaders(cfg: TrainConfig, dist: DistInfo) -> Loaders:
-    """The run's loaders (``open_data``), the training batches augmented whole. Every rank
-    must call this."""
-    return open_data(cfg, dist).loaders()
-
-
 def open_data(cfg: TrainConfig, dist: DistInfo) -> RunData:
     """The run's data, its training batches not yet made. Every rank must call this. In order:
     the flags this device cannot run are refused; the augmentation is split into its host and

@@ -36,7 +36,7 @@ def lr_scale(lr_scaling: str, accum_steps: int, world_size: int) -> float:
 def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
     lr = cfg.learning_rate * lr_scale(cfg.lr_scaling, cfg.accum_steps, world_size)
     groups = param_groups(cfg, unwrap_model(model), lr)
-    fused = fused_kernels_exist(next(model.parameters()).device)
+    fused = torch_compat.fused_optimizer_kernels_exist(next(model.parameters()).device)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             groups,
@@ -46,12 +46,6 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, world_size: int) -> torc
             fused=fused or None,
         )
     return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay, fused=fused or None)
-
-
-def fused_kernels_exist(device: torch.device) -> bool:
-    """AdamW's and SGD's fused kernels: on CUDA, and on the CPU since torch 2.4, where they are
-    several times faster than the default (foreach) kernels."""
-    return torch_compat.fused_optimizer_kernels_exist(device)
 
 
 def param_groups(cfg: TrainConfig, model: nn.Module, lr: float) -> list[dict[str, Any]]:

@@ -51,13 +51,6 @@ class Ragged:
         """(N, 3, H, W) with each image at the top left, zeros elsewhere; H, W the largest."""
         return gather_boxes(self.data, whole_boxes(self.sizes))
 
-    def crops(self, boxes: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) with each image's box (``boxes``: (N, 4) top, left, height, width, on
-        the host) at the top left, zeros elsewhere; H, W the largest box's."""
-        table = whole_boxes(self.sizes)
-        table[:, BOX] = boxes
-        return gather_boxes(self.data, table)
-
 
 def whole_boxes(sizes: torch.Tensor) -> torch.Tensor:
     """The box table (N, 7) of images packed one after another, each box the whole image."""

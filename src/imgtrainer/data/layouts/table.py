@@ -308,10 +308,6 @@ class TableImages:
     def targets(self) -> np.ndarray:
         return self.table.labels
 
-    @property
-    def root(self) -> str:
-        return self.table.source
-
     def reference(self) -> TableImages:
         """Its images as the data audit makes them again: these, read and decoded by PIL."""
         return self

@@ -28,10 +28,6 @@ SMALLEST_SIDE = 64
 ImageReader = Callable[[str], Image.Image | None]
 
 
-def no_images(location: str) -> None:
-    return None
-
-
 class DataImages:
     """``ImageReader`` of the images of ``spec`` (a --val_data value): files by their path,
     other layouts through their table, opened on the first image that is not a file."""
