@@ -612,6 +612,13 @@ def test_shards_and_parquet_in_a_bucket_train_as_on_the_disk_to_the_bit(
     # --sampler random reads them). Two to spare for a request tried again.
     shard_reads = [r for r in proxy.request_lines if r.startswith("GET ") and ".tar HTTP" in r]
     assert len(shard_reads) <= 4 + 4 + 2, "\n".join(proxy.request_lines)
+    # A small object read whole (a shard's index, classes.txt) is one GET, once, not a HEAD for
+    # its size first; a copy in the bucket (latest to best) lists no folder.
+    small = [r for r in proxy.request_lines if "index" in r or "classes.txt" in r]
+    assert small and all(r.startswith("GET ") for r in small), "\n".join(small)
+    assert len(small) == len(set(small)), "\n".join(small)
+    copies = [r for r in proxy.request_lines if "prefix=to-the-bit%2Fcheckpoint" in r]
+    assert all("max-keys=1" in r for r in copies), copies  # (the first: is latest there yet?)
     assert epoch_figures(history_of(tmp_path)) == epoch_figures(history_of(hub_data.reference))
     keys = s3.keys(f"{hub_data.url}/to-the-bit")
     assert {"checkpoint_latest.pth", "checkpoint_latest.prev.pth", "checkpoint_best.pth"} | {
