@@ -264,8 +264,7 @@ def build_train_sampler(
 def window_sampler(cfg: TrainConfig, table: ImageTable, args: tuple) -> WindowSampler:
     """--sampler window over ``table``'s groups (shards, row groups, groups of rows), with
     one line saying how it reads; ``UserError`` for a window larger than the data."""
-    groups = table.groups()
-    count = int(groups.max()) + 1
+    groups, count = table.groups(), table.num_groups
     if cfg.shuffle_window is not None and cfg.shuffle_window > count:
         raise UserError(
             f"--shuffle_window {cfg.shuffle_window} is more than the training data's {count} "

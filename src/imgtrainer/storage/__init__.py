@@ -145,8 +145,8 @@ class Store:
 
     def retire(self, url: str) -> None:
         """The object is no longer needed this epoch: the first the cache drops."""
-        if self._cache():
-            self._cache().retire(self.cache_key(url))
+        if cache := self._cache():
+            cache.retire(self.cache_key(url))
 
     def _fetch(self, url: str, offset: int, size: int) -> bytes:
         fs = filesystem(url, self.options)

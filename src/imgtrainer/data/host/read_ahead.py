@@ -106,13 +106,13 @@ class _Worker:
         self.retire(table, at)
 
     def start_epoch(self, table: ImageTable, order: Sampler, epoch: int) -> None:
-        group = table.groups()
-        self.read_ahead = getattr(order, "read_ahead", None) or 2 * len(table) // (group.max() + 1)
+        group, count = table.groups(), table.num_groups
+        self.read_ahead = getattr(order, "read_ahead", None) or 2 * len(table) // count
         ranks = np.asarray(order.rank_order(epoch), dtype=np.int64)
         self.where = np.full(len(table), -1, dtype=np.int64)
         self.where[ranks] = np.arange(len(ranks))
         self.upcoming = group[ranks]
-        self.last = np.full(group.max() + 1, -1, dtype=np.int64)
+        self.last = np.full(count, -1, dtype=np.int64)
         np.maximum.at(self.last, self.upcoming, np.arange(len(ranks)))
         self.epoch, self.done = epoch, {}  # the cache may have dropped last epoch's
 

@@ -152,13 +152,11 @@ class WindowSampler(EpochSampler):
     ):  # fmt: skip
         super().__init__(len(groups), rank, world_size, seed, global_batch)
         self.group = np.asarray(groups, dtype=np.int64)  # numbered from 0 (``table.groups``)
+        self.num_groups = int(self.group.max()) + 1 if len(self.group) else 0
         self.window = window
         self.lanes = max(d for d in range(1, window + 1) if self.global_batch % d == 0)
         self.lane_groups = -(-window // self.lanes)
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.group.max()) + 1 if len(self.group) else 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its order): built once
 
     @property
     def read_ahead(self) -> int:
@@ -168,6 +166,16 @@ class WindowSampler(EpochSampler):
         return math.ceil(self.lane_groups * per_group * self.lanes / self.world_size)
 
     def epoch_order(self) -> list[int]:
+        return self.order_array().tolist()
+
+    def order_array(self) -> np.ndarray:
+        """The epoch's order (``epoch_order``) as an array, built once per epoch: the loader,
+        its read-ahead and the preview each ask for it."""
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = self.epoch, self._build_order()
+        return self._order[1]
+
+    def _build_order(self) -> np.ndarray:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         place = np.argsort(torch.randperm(self.num_groups, generator=generator).numpy())
         total = self.steps_per_epoch * self.global_batch
@@ -183,13 +191,13 @@ class WindowSampler(EpochSampler):
         window = (piece - piece[lane * per_lane]) // self.lane_groups
         keys = torch.randperm(total, generator=generator).numpy()
         lanes = rows[np.lexsort((keys, window, lane))].reshape(self.lanes, self.steps_per_epoch, -1)
-        return lanes.transpose(1, 0, 2).reshape(-1).tolist()
+        return lanes.transpose(1, 0, 2).reshape(-1)
 
     def indices(self) -> list[int]:
         if self.position % self.global_batch:
             raise ValueError(f"position {self.position} is not a step's start")
         share = self.global_batch // self.world_size
-        batches = np.asarray(self.epoch_order(), dtype=np.int64).reshape(-1, self.global_batch)
+        batches = self.order_array().reshape(-1, self.global_batch)
         block = batches[self.position // self.global_batch :, self.rank * share :]
         return block[:, :share].reshape(-1).tolist()
 

@@ -182,6 +182,11 @@ class ImageTable:
         count = int(unit.max()) + 1 if len(unit) else 0
         return unit, by_unit, np.searchsorted(unit[by_unit], np.arange(count + 1))
 
+    @property
+    def num_groups(self) -> int:
+        """How many reading units the table's rows are in."""
+        return len(self.reading_units[2]) - 1
+
     def groups(self) -> np.ndarray:
         """Each row's reading unit, numbered from 0: its shard, Parquet row group or group of
         rows."""
