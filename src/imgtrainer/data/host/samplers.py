@@ -175,6 +175,9 @@ class WindowSampler(EpochSampler):
             self._order = self.epoch, self._build_order()
         return self._order[1]
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_order": None}  # a spawned worker builds its own
+
     def _build_order(self) -> np.ndarray:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         place = np.argsort(torch.randperm(self.num_groups, generator=generator).numpy())
