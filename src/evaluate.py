@@ -1,7 +1,6 @@
 """Evaluate a checkpoint on an ImageFolder and write a report of where the model fails.
 
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval --report
-    python src/evaluate.py --compare a.pth b.pth --data_dir data/val
 
 A thin script over ``imgtrainer.tools.evaluate`` (this folder is on ``sys.path`` when it runs).
 """

@@ -1,28 +1,18 @@
 """The report page's pieces without a training run: the page of a hand-written log folder, the
-choice of pictures by loss, McNemar's exact test and Wilson's interval against values worked
-out by hand, and the size and build time of the page at 1,000 classes."""
+choice of pictures by loss, and the size and build time of the page at 1,000 classes."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
-from fractions import Fraction
 from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
 
 import imgtrainer.reports.page.run_report as run_report
-from imgtrainer.reports.page.compare import (
-    Comparison,
-    build_comparison_page,
-    mcnemar_exact,
-    wilson_interval,
-)
 from imgtrainer.reports.page.report_page import GALLERY_IMAGES, classes_section, mistakes_section
 from imgtrainer.reports.page.run_report import build_run_report
 from imgtrainer.reports.page.svg_chart import (
@@ -104,56 +94,6 @@ def predictions_of(targets, predicted, loss, classes) -> Predictions:
         np.full(n, 0.5, dtype=np.float32),
         np.asarray(loss, dtype=np.float32),
     )
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def exact_mcnemar(b: int, c: int) -> float:
-    n = b + c
-    tail = sum(Fraction(math.comb(n, k), 2**n) for k in range(min(b, c) + 1))
-    return float(min(Fraction(1), 2 * tail))
-
-
-def test_mcnemars_exact_test_gives_the_binomial_tail():
-    assert mcnemar_exact(1, 9) == pytest.approx(22 / 1024, rel=1e-12)  # 2 (1 + 10) / 2^10
-    assert mcnemar_exact(0, 5) == pytest.approx(2 / 32, rel=1e-12)
-    assert mcnemar_exact(12, 2) == pytest.approx(212 / 16384, rel=1e-12)  # 2 (1+14+91) / 2^14
-    assert mcnemar_exact(3, 3) == mcnemar_exact(0, 0) == 1.0
-    assert mcnemar_exact(0, 1) == 1.0
-    for b, c in [(40, 60), (7, 23), (300, 352), (1000, 1100)]:
-        assert mcnemar_exact(b, c) == pytest.approx(exact_mcnemar(b, c), rel=1e-9)
-        assert mcnemar_exact(b, c) == mcnemar_exact(c, b)
-
-
-def test_wilson_interval_matches_its_formula_worked_by_hand():
-    low, high = wilson_interval(8, 10)
-    assert (low, high) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))
-    assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0
-    assert wilson_interval(0, 0) == (0.0, 1.0)
-
-
-def test_a_comparison_counts_the_images_only_one_model_gets_right():
-    classes = ["a", "b"]
-    targets = [0, 0, 0, 1, 1, 1]
-    a = predictions_of(targets, [0, 0, 1, 1, 0, 0], [0.1] * 6, classes)
-    b = predictions_of(targets, [0, 1, 0, 1, 1, 1], [0.1] * 6, classes)
-    comparison = Comparison(a, b, ("A.pth", "B.pth"))
-    assert comparison.only_a.tolist() == [1] and comparison.only_b.tolist() == [2, 4, 5]
-    s = comparison.summary()
-    assert s["top1_a"] == pytest.approx(3 / 6) and s["top1_b"] == pytest.approx(5 / 6)
-    assert s["mcnemar_exact_p"] == pytest.approx(mcnemar_exact(1, 3))
-    assert {r["class"]: r["diff"] for r in s["per_class"]} == {
-        "a": pytest.approx(0.0),
-        "b": pytest.approx(2 / 3),
-    }
-    page = Page(build_comparison_page(comparison, noise_image))
-    assert len(page.captions["gallery-only-a"]) == 1 and len(page.captions["gallery-only-b"]) == 3
-    assert page.rows["per-class"] == 2
-    same = build_comparison_page(Comparison(a, a, ("A.pth", "A.pth")), noise_image)
-    assert "None: B gets right every image A gets right." in same
-    with pytest.raises(ValueError, match="same images"):
-        Comparison(a, predictions_of([1] * 6, [1] * 6, [0.1] * 6, classes), ("A", "B"))
 
 
 def test_chart_ticks_are_round_and_cover_the_values():

@@ -1,6 +1,5 @@
 """The report of a real run: written when the run ends, again by ``src/utils.py --report``
-without torch, the same page from ``src/evaluate.py --report``, and two checkpoints compared
-image by image with ``--compare``."""
+without torch, and the same page from ``src/evaluate.py --report``."""
 
 from __future__ import annotations
 
@@ -10,10 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from conftest import SRC, run_main, write_image_folder
-from imgtrainer.reports.page.compare import mcnemar_exact
 from imgtrainer.reports.predictions import BEST_PREDICTIONS, Predictions
 from imgtrainer.tools.evaluate import main as evaluate_main
 from test_report_page import Page
@@ -97,15 +93,13 @@ def test_utils_report_rebuilds_the_page_without_torch(trained_run, tmp_path: Pat
     assert page.rows["per-class"] == 3 and pictures(page) == 15
 
 
-def test_evaluate_report_and_compare_score_two_checkpoints_on_the_same_images(
-    trained_run, tmp_path: Path, capsys
-):
-    # Pixels that tell no class apart: the two checkpoints disagree on some of them.
+def test_evaluate_report_shows_the_per_class_table_and_the_mistakes(trained_run, tmp_path: Path):
+    # Pixels that tell no class apart: the model gets some of them wrong.
     data = write_image_folder(tmp_path / "noise", ["cat", "dog", "fox"], 10, coloured=False)
-    best, latest = trained_run.best, trained_run.best.with_name("checkpoint_latest.pth")
     common = ["--data_dir", data, "--device", "cpu", "--num_workers", "0"]
     code = run_main(
-        evaluate_main, ["--checkpoint", best, "--report", "--output", tmp_path / "one", *common]
+        evaluate_main,
+        ["--checkpoint", trained_run.best, "--report", "--output", tmp_path / "one", *common],
     )
     assert code == 0
     page = Page((tmp_path / "one" / "report.html").read_text())
@@ -114,26 +108,7 @@ def test_evaluate_report_and_compare_score_two_checkpoints_on_the_same_images(
     rows = [min(8, c["images"] - c["correct"]) for c in metrics["per_class"].values()]
     assert pictures(page) == 24 + sum(rows)
 
-    capsys.readouterr()
-    code = run_main(
-        evaluate_main, ["--compare", best, latest, "--output", tmp_path / "two", *common]
-    )
-    assert code == 0
-    out = capsys.readouterr().out
-    summary = json.loads((tmp_path / "two" / "compare.json").read_text())
-    assert summary["images"] == 30 and summary["top1_a"] == metrics["top1"]
-    a, b = summary["only_a_right"], summary["only_b_right"]
-    assert summary["mcnemar_exact_p"] == mcnemar_exact(a, b)
-    assert summary["difference"] == summary["top1_b"] - summary["top1_a"]
-    assert np.isclose(summary["difference"] * 30, b - a)
-    assert f"McNemar's exact p = {summary['mcnemar_exact_p']:.4g}" in out
-    compare = Page((tmp_path / "two" / "compare.html").read_text())
-    assert len(compare.captions["gallery-only-a"]) == min(a, 24)
-    assert len(compare.captions["gallery-only-b"]) == min(b, 24)
-    assert compare.rows["per-class"] == 3
 
-
-def test_evaluate_needs_one_checkpoint_or_two_to_compare(trained_run, capsys):
-    for argv in ([], ["--checkpoint", trained_run.best, "--compare", "a.pth", "b.pth"]):
-        assert run_main(evaluate_main, argv) == 2
-        assert "give --checkpoint FILE, or --compare A.pth B.pth" in capsys.readouterr().err
+def test_evaluate_needs_a_checkpoint(capsys):
+    assert run_main(evaluate_main, []) == 2
+    assert "the following arguments are required: --checkpoint" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Progress beats for the hang watchdog: each process stores its progress in its own file.
 
 Each rank and loader worker owns a small memory-mapped file in $IMGTRAINER_HEARTBEAT_DIR and
-stores its progress there (a counter, the step, the phase, the file being read): memory stores,
+stores its progress there (a counter, the step, the phase): memory stores,
 no system call, no collective. Another process (``run.watchdog``, in the launcher) reads the
 files, so a frozen process is seen by one that is not. No torch here: the launcher reads them.
 """
@@ -67,11 +67,9 @@ WAITS_FOR = {
 }
 
 # beat (phase changes: the same sequence on every rank), ticks (any other progress, such as a
-# validation batch), global step, phase, reads (odd while a file is read), length of the path.
-_HEAD = struct.Struct("<qqqqqH")
-_READS = 32  # the offset of ``reads``
-PATH_BYTES = 1024
-SLOT_BYTES = _HEAD.size + PATH_BYTES
+# validation batch), global step, phase.
+_HEAD = struct.Struct("<qqqq")
+SLOT_BYTES = _HEAD.size
 
 
 @dataclass(frozen=True)
@@ -123,12 +121,6 @@ class Beat:
     ticks: int
     step: int
     phase: Phase
-    reads: int
-    path: str
-
-    @property
-    def reading(self) -> bool:
-        return self.reads % 2 == 1
 
 
 class Slot:
@@ -141,7 +133,7 @@ class Slot:
             f.write(bytes(SLOT_BYTES))
         with open(self.path, "r+b") as f:
             self.map = mmap.mmap(f.fileno(), SLOT_BYTES)
-        self.beat = self.ticks = self.step = self.reads = 0
+        self.beat = self.ticks = self.step = 0
         self.phase = Phase.NOT_STARTED
 
     def _store(self) -> None:
@@ -159,17 +151,6 @@ class Slot:
         self.ticks += 1
         struct.pack_into("<q", self.map, 8, self.ticks)
 
-    def read_started(self, path: str) -> None:
-        data = os.fsencode(path)[-PATH_BYTES:]
-        self.map[_HEAD.size : _HEAD.size + len(data)] = data
-        self.reads += 1 if self.reads % 2 == 0 else 2
-        struct.pack_into("<qH", self.map, _READS, self.reads, len(data))
-
-    def read_done(self) -> None:
-        if self.reads % 2 == 1:
-            self.reads += 1
-            struct.pack_into("<q", self.map, _READS, self.reads)
-
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
             self.map.close()
@@ -184,13 +165,12 @@ def read_slot(path: Path) -> Beat | None:
         return None
     if len(data) < SLOT_BYTES:
         return None
-    beat, ticks, step, phase, reads, length = _HEAD.unpack_from(data)
+    beat, ticks, step, phase = _HEAD.unpack_from(data)
     try:
         phase = Phase(phase)
     except ValueError:  # a torn read: treated as progress by whoever compares beats
         phase = Phase.NOT_STARTED
-    path_text = os.fsdecode(data[_HEAD.size : _HEAD.size + min(length, PATH_BYTES)])
-    return Beat(beat, ticks, step, phase, reads, path_text)
+    return Beat(beat, ticks, step, phase)
 
 
 # ----------------------------------------------------------------------------- this process
@@ -254,16 +234,3 @@ def phase(name: Phase) -> Iterator[None]:
         yield
     finally:
         mark(before)
-
-
-@contextlib.contextmanager
-def reading(path: str) -> Iterator[None]:
-    """The file this process is reading, for the report of a loader worker that hangs on it."""
-    if not _slot:
-        yield
-        return
-    _slot[0].read_started(path)
-    try:
-        yield
-    finally:
-        _slot[0].read_done()

@@ -242,24 +242,26 @@ def wait_until_stopped(rank: int) -> None:
 
 def freeze_worker_in_read(rank: int, reads: int, kind: str, say) -> None:
     """Worker 0 of this rank's training loader (``kind`` "w") or validation loader ("v") stops
-    itself inside its ``reads``-th file read (forked after this, the workers inherit the
+    itself inside its ``reads``-th image read (forked after this, the workers inherit the
     patch; the validation loader's at the attempt's first validation)."""
     from imgtrainer import heartbeat
+    from imgtrainer.data.layouts.table import TableImages
 
-    real, count = heartbeat.reading, [0]
+    real, count = TableImages.open_rgb, [0]
     who = "loader worker 0" if kind == "w" else "validation loader worker 0"
 
-    def reading(path):
+    def open_rgb(images, i):
         slot = heartbeat._slot[0] if heartbeat._slot else None
         if slot is not None and slot.path.name.split(".")[2] == f"{kind}0":
             count[0] += 1
             if count[0] == reads:
-                slot.read_started(path)
-                say(f"{FREEZE_ENV}: freezing {who} of rank {rank} reading {path}")
+                say(
+                    f"{FREEZE_ENV}: freezing {who} of rank {rank} reading {images.table.location(i)}"
+                )
                 os.kill(os.getpid(), signal.SIGSTOP)
-        return real(path)
+        return real(images, i)
 
-    heartbeat.reading = reading
+    TableImages.open_rgb = open_rgb
 
 
 # The slot letter of each process a rank can freeze (``heartbeat.SlotName.kind``), by WHO.

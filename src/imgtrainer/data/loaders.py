@@ -397,8 +397,8 @@ def quiet_loader_worker(worker_id: int, kind: str = heartbeat.TRAIN_WORKER) -> N
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     env = TorchrunEnv.read()
-    # Its own heartbeat slot (``kind``: of a training or an evaluation loader): the file it
-    # reads, for the launcher's hang watchdog.
+    # Its own heartbeat slot (``kind``: of a training or an evaluation loader): how the
+    # launcher's hang watchdog finds it, and judges it when its rank waits for data.
     heartbeat.open_slot(env.rank, env.restart_count, worker_id, kind)
 
 

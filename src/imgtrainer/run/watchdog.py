@@ -74,12 +74,10 @@ class Seen:
 @dataclass(frozen=True)
 class Verdict:
     """The stuck process (``culprit``: a rank or a process of its own), its rank's slot, how
-    long the stale rank (or the culprit's read) made no progress, and every rank's process (for
-    their stacks)."""
+    long the stale rank made no progress, and every rank's process (for their stacks)."""
 
     culprit: SlotName
     rank_beat: Beat
-    culprit_beat: Beat
     seconds: float
     ranks: tuple[SlotName, ...]
 
@@ -112,21 +110,11 @@ class HangJudge:
                 del self.seen[name]
         for name, beat in slots.items():
             last = self.seen.get(name)
-            progress = (beat.beat, beat.ticks, beat.reads)
-            if last is None or (last.beat.beat, last.beat.ticks, last.beat.reads) != progress:
+            if last is None or (last.beat.beat, last.beat.ticks) != (beat.beat, beat.ticks):
                 self.seen[name] = Seen(beat, now)
             else:
                 last.beat = beat
         ranks = {n: s for n, s in self.seen.items() if n.is_rank}
-        stale_reads = [
-            n
-            for n, s in self.seen.items()
-            if s.beat.reading and now - s.changed_at >= self.timeout and self._watched(n, ranks)
-        ]
-        if stale_reads:
-            # Keys of numbers only: two slots never compare themselves (they have no order).
-            first = min(stale_reads, key=lambda n: (self.seen[n].changed_at, order(n)))
-            return self._verdict(first, ranks, now - self.seen[first].changed_at)
         stale = [
             n for n, s in ranks.items() if watched(s.beat) and now - s.changed_at >= self.timeout
         ]
@@ -172,24 +160,11 @@ class HangJudge:
         best = min(parts, key=lambda n: (scores[n], order(n)), default=None)
         return best if best is not None and scores[best] < len(SUSPECT_STATES) else None
 
-    def _watched(self, name: SlotName, ranks: dict[SlotName, Seen]) -> bool:
-        """A worker's read is watched while its rank trains."""
-        owner = next(
-            (s for n, s in ranks.items() if (n.rank, n.attempt) == (name.rank, name.attempt)), None
-        )
-        return owner is not None and watched(owner.beat)
-
     def _verdict(self, culprit: SlotName, ranks: dict[SlotName, Seen], seconds: float) -> Verdict:
-        """``seconds``: how long what was judged (the stale rank, or the read) made no progress:
-        a process of the rank's may have been stopped long before its rank waited for it."""
+        """``seconds``: how long the stale rank made no progress."""
         owner = next(n for n in ranks if (n.rank, n.attempt) == (culprit.rank, culprit.attempt))
-        return Verdict(
-            culprit,
-            ranks[owner].beat,
-            self.seen[culprit].beat,
-            seconds,
-            tuple(sorted(ranks, key=lambda n: (n != owner, n.rank))),
-        )
+        ranks_first = tuple(sorted(ranks, key=lambda n: (n != owner, n.rank)))
+        return Verdict(culprit, ranks[owner].beat, seconds, ranks_first)
 
 
 def watched(beat: Beat) -> bool:
@@ -216,13 +191,8 @@ def hang_line(verdict: Verdict, host: str, stacks: Path) -> str:
         f"rank {culprit.rank} (host {host}, pid {rank_pid(verdict)}) made no progress for "
         f"{verdict.seconds:.0f} s after global step {beat.step}, phase {beat.phase.words}"
     )
-    if not culprit.is_rank or verdict.culprit_beat.reading:
-        read = verdict.culprit_beat
-        if read.reading:
-            doing = f"is stuck reading {read.path}"
-        else:
-            doing = f"is stuck (last read {read.path})" if read.path else "is stuck"
-        where += f"; {culprit.part} (pid {culprit.pid}) {doing}"
+    if not culprit.is_rank:
+        where += f"; {culprit.part} (pid {culprit.pid}) is stuck"
     return f"{where}; stacks: {stacks}"
 
 

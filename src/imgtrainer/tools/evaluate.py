@@ -2,7 +2,6 @@
 
     python src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val --output logs/eval --report
     torchrun --nproc_per_node=2 src/evaluate.py --checkpoint checkpoints/checkpoint_best.pth --data_dir data/val
-    python src/evaluate.py --compare a.pth b.pth --data_dir data/val
 
 Writes metrics.json, confusion_matrix.csv, misclassified.csv, a confusion drawing and with
 --report report.html to OUTPUT. Under torchrun each image is evaluated by one process: exact.
@@ -61,14 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="evaluate.py",
         description="Evaluate a checkpoint on an ImageFolder: metrics.json, "
         "confusion_matrix.png, misclassified.csv and the worst classes (--report: a page with "
-        "the images it gets wrong); or compare two checkpoints on the same images (--compare).",
+        "the images it gets wrong).",
     )
     add_inference_arguments(
         parser,
         64,
         "images per batch per process",
         "loader workers per process (default: min(4, cores per process))",
-        checkpoint_required=False,  # --compare names two instead
     )
     parser.add_argument(
         "--data_dir",
@@ -89,23 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write OUTPUT/report.html: one page with the per-class table, the confusion "
         "matrix and the images it gets wrong as pictures",
     )
-    parser.add_argument(
-        "--compare",
-        nargs=2,
-        type=Path,
-        metavar=("A.pth", "B.pth"),
-        help="score two checkpoints on the same images of --data_dir: each top-1 with its "
-        "confidence interval, the difference with McNemar's exact test, per-class differences "
-        "and the images one gets right and the other wrong (OUTPUT/compare.html)",
-    )
     return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.checkpoint is None) == (args.compare is None):
-        parser.error("give --checkpoint FILE, or --compare A.pth B.pth (not both)")
     check_inference_arguments(args)
     return args
 
@@ -209,10 +196,6 @@ class ReportWriter:
 
 def run(args: argparse.Namespace, dist: DistInfo) -> int:
     with logging_for_run(args.output, dist, name="evaluate"):
-        if args.compare:
-            from imgtrainer.tools.compare import compare_and_report
-
-            return compare_and_report(args, dist)
         return evaluate_and_report(args, dist)
 
 

@@ -189,13 +189,12 @@ def add_inference_arguments(
     batch_size: int,
     batch_size_help: str,
     num_workers_help: str,
-    checkpoint_required: bool = True,
 ) -> None:
     """The flags src/evaluate.py and src/predict.py share, with the same meaning."""
     parser.add_argument(
         "--checkpoint",
         type=Path,
-        required=checkpoint_required,
+        required=True,
         help="checkpoint written by src/train_ddp.py",
     )
     add_device_argument(parser)

@@ -1,8 +1,7 @@
 """Scoring a checkpoint on a set of images: every image's prediction, gathered from every rank.
 
 The images of any layout (a folder may hold only some of the checkpoint's classes), each seen
-as the checkpoint's training evaluated it, by exactly one rank: the same images and indices for
-any checkpoint, so two can be compared image by image.
+as the checkpoint's training evaluated it, by exactly one rank.
 """
 
 from __future__ import annotations

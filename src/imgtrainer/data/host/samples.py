@@ -18,7 +18,6 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from imgtrainer import heartbeat
 from imgtrainer.data.host.collate import JpegBytes
 from imgtrainer.data.host.image_cache import DecodedImageCache
 from imgtrainer.data.host.sample_row import crop_of, set_key, set_whole_crop
@@ -179,8 +178,7 @@ class TrainingSamples(Dataset):
         if self.images.states.array[index] == UNREADABLE:
             return None
         try:
-            with heartbeat.reading(table.location(index)):
-                data = table.read(index)
+            data = table.read(index)
         except Exception:  # gone or damaged: the CPU path gives the next image in its place
             data = b""
         size = nvjpeg_size(data)

@@ -18,7 +18,6 @@ from typing import IO, Any
 import numpy as np
 from PIL import Image
 
-from imgtrainer import heartbeat
 from imgtrainer.data.layouts.image_files import image_problem, open_rgb
 from imgtrainer.errors import UserError, first_line
 from imgtrainer.storage import LOCAL, Store, is_url, problem
@@ -334,6 +333,4 @@ class TableImages:
         return image
 
     def open_rgb(self, i: int) -> tuple[Image.Image, int]:
-        # Named by the hang watchdog if this read hangs (a hung network file system).
-        with heartbeat.reading(self.table.location(i)):
-            return self.table.open_rgb(i), self.table.label(i)
+        return self.table.open_rgb(i), self.table.label(i)
