@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import torchvision
 
 from conftest import launch_on_cpu, start_launcher, tiny_run_flags
-from imgtrainer.models import ResNet18Classifier
 
 
 def check_run_outputs(workdir: Path, world_size: int) -> None:
@@ -86,7 +86,7 @@ def test_checkpoint_loads_into_plain_models(trained_run):
     state = torch.load(trained_run.best, weights_only=True)
     weights = state["model_state_dict"]
 
-    ours = ResNet18Classifier(num_classes=3)
+    ours = timm.create_model("resnet18", num_classes=3)  # as docs/usage.md loads it
     ours.load_state_dict(weights, strict=True)
     reference = torchvision.models.resnet18(num_classes=3)
     reference.load_state_dict(weights, strict=True)

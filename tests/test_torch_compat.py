@@ -13,12 +13,11 @@ from imgtrainer.models import unwrap_model
 
 
 def test_version_and_feature_checks():
-    assert torch_compat.TORCH_VERSION >= (2, 3)
-    assert torch_compat.torch_at_least(2, 3) and not torch_compat.torch_at_least(99, 0)
+    assert torch_compat.TORCH_VERSION >= (2, 5)
+    assert torch_compat.torch_at_least(2, 5) and not torch_compat.torch_at_least(99, 0)
     assert torch_compat.fused_optimizer_kernels_exist(torch.device("cuda"))
-    assert torch_compat.fused_optimizer_kernels_exist(torch.device("cpu")) == (
-        torch_compat.TORCH_VERSION >= (2, 4)
-    )
+    assert torch_compat.fused_optimizer_kernels_exist(torch.device("cpu"))
+    assert not torch_compat.fused_optimizer_kernels_exist(torch.device("mps"))
     assert set(torch_compat.no_forward_buffer_sync()) <= {
         "forward_sync_buffers",
         "broadcast_buffers",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import timm
 import torch
-from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 from imgtrainer import torch_compat
@@ -18,24 +17,6 @@ log = logging.getLogger(__name__)
 
 
 MODEL_HUB_HOST = "huggingface.co"
-
-
-class ResNet18Classifier(ResNet):
-    """timm's ResNet18 with a ``num_classes`` head: load ``checkpoint_best.pth`` into it in plain
-    code. Its state dict has the same keys as ``timm.create_model("resnet18")`` and
-    ``torchvision.models.resnet18``."""
-
-    def __init__(
-        self, num_classes: int, pretrained: bool = False, pretrained_path: str | None = None
-    ):
-        super().__init__(block=BasicBlock, layers=(2, 2, 2, 2), num_classes=num_classes)
-        if pretrained:
-            raise UserError(
-                f"{type(self).__name__}(pretrained=True) cannot download weights "
-                "here; pass pretrained_path=FILE with a local resnet18 state dict"
-            )
-        if pretrained_path:
-            load_pretrained_weights(self, Path(pretrained_path))
 
 
 def build_model(

@@ -28,7 +28,7 @@ TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].spli
 COMPILED_MODULE_ATTR = "_orig_mod"
 
 # DDP's private state that a redone step resets (see ``reset_ddp_after_failed_attempt``):
-# (owner, attribute). requirements.txt allows torch 2.3 to 2.14; these exist in all of them.
+# (owner, attribute). requirements.txt allows torch 2.5 to 2.14; these exist in all of them.
 DDP_INTERNALS = (
     ("reducer", "_reset_state"),
     ("ddp", "_has_rebuilt_buckets"),
@@ -169,16 +169,14 @@ def torch_at_least(major: int, minor: int) -> bool:
 
 
 def fused_optimizer_kernels_exist(device: torch.device) -> bool:
-    """AdamW's and SGD's fused kernels: on CUDA, and on the CPU since torch 2.4."""
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and torch_at_least(2, 4)
+    """AdamW's and SGD's fused kernels: on CUDA and the CPU."""
+    return device.type in ("cuda", "cpu")
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:
     """DDP's switch for "no buffer broadcast at every forward": torch 2.14 renamed
     ``broadcast_buffers`` to ``forward_sync_buffers`` and warns at every use of the old name;
-    older releases (down to the 2.3 that requirements.txt allows) know only the old one."""
+    older releases (down to the 2.5 that requirements.txt allows) know only the old one."""
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
@@ -242,7 +240,7 @@ def check_ddp_internals(ddp: DistributedDataParallel | None) -> None:
         "DistributedDataParallel",
         ((owners[owner], name, f"{owner}.{name}") for owner, name in DDP_INTERNALS),
         "the out-of-memory retry of --low_memory / --auto_micro_batch resets under "
-        "DDP; use a torch release from 2.3 to 2.14, or turn the retry off "
+        "DDP; use a torch release from 2.5 to 2.14, or turn the retry off "
         "(--max_memory_gb without --low_memory)",
     )
 

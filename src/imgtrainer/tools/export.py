@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from imgtrainer import torch_compat
 from imgtrainer.data import open_rgb
 from imgtrainer.data.host.transforms import eval_resize_side, normalize_batch
 from imgtrainer.errors import UserError, exit_on_user_error, first_line
@@ -175,29 +174,18 @@ def default_check_folder(config: dict[str, Any]) -> Path | None:
 
 
 def onnx_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
-    """The model as an ONNX file, with a dynamic batch size: torch.export's exporter (torch
-    2.5 and later; the default since 2.9), else the TorchScript-based one."""
-    if torch_compat.torch_at_least(2, 5):
-        program = torch.onnx.export(
-            model,
-            (example,),
-            dynamo=True,
-            input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
-            dynamic_shapes=({0: torch.export.Dim("batch")},),
-            verbose=False,
-        )
-        return program.model_proto.SerializeToString()
-    buffer = io.BytesIO()
-    torch.onnx.export(
+    """The model as an ONNX file, with a dynamic batch size, from torch.export's exporter (the
+    default since torch 2.9)."""
+    program = torch.onnx.export(
         model,
         (example,),
-        buffer,
+        dynamo=True,
         input_names=[INPUT_NAME],
         output_names=[OUTPUT_NAME],
-        dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        verbose=False,
     )
-    return buffer.getvalue()
+    return program.model_proto.SerializeToString()
 
 
 def torchscript_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
