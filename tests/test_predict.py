@@ -10,9 +10,6 @@ import torch
 
 from conftest import (
     CLASSES,
-    SRC,
-    assert_user_error,
-    run_cli,
     run_main,
     user_error_line,
     write_image_folder,
@@ -90,16 +87,6 @@ def test_missing_checkpoint_in_process(tmp_path: Path, capsys):
     photos = write_image_folder(tmp_path / "photos", ["x"], 1)
     line = error_line(["--checkpoint", tmp_path / "missing.pth", photos], capsys)
     assert "missing.pth" in line and "does not exist" in line
-
-
-@pytest.mark.slow
-def test_missing_checkpoint(tmp_path: Path):
-    """The same from a new interpreter: exit code 2."""
-    photos = write_image_folder(tmp_path / "photos", ["x"], 1)
-    result = run_cli(
-        [SRC / "predict.py", "--checkpoint", tmp_path / "missing.pth", photos], cwd=tmp_path
-    )
-    assert_user_error(result, "missing.pth", "does not exist")
 
 
 def test_checkpoint_of_another_tool(tmp_path: Path, capsys):

@@ -159,6 +159,9 @@ def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, 
         epoch, stopped = saved_step(latest)
         # Stopped inside the first epoch, at an agreed step (after the one it resumed at).
         assert epoch == 0 and step < stopped < 15, (step, stopped)
+        for rank in (0, 1):  # both ranks stopped cleanly, at that step
+            log = (tmp_path / "logs" / f"train_rank_{rank}.log").read_text()
+            assert f"Stopped at epoch 1, step {stopped}" in log, log[-2000:]
         step = stopped
         assert "on 3 classes" in out  # __MACOSX and .cache are not classes
 
@@ -169,6 +172,8 @@ def test_sigterm_then_sigint_to_the_launcher_each_save_and_resume(stop_dataset, 
     assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
     assert f"checkpoint_latest.pth: epoch 1, step {step} of 15" in resumed.stdout
     assert saved_step(latest) == (2, 0)
+    history = json.loads((tmp_path / "logs" / "training_history.json").read_text())
+    assert [r["epoch"] for r in history["epochs"]] == [1, 2]  # each epoch once
 
 
 def test_sigterm_to_every_process_of_the_job(stop_dataset, tmp_path: Path):
