@@ -110,6 +110,20 @@ def test_ranks_stale_at_the_same_point_name_the_stopped_one():
     assert hang.observe({RANK0: beat(10), RANK1: beat(10)}).culprit == RANK1
 
 
+def test_a_rank_stopped_after_another_went_stale_is_named_once_stale_itself():
+    """Rank 1, slowed down, stopped after rank 0 began to wait for it: rank 0 is stale first,
+    yet the stopped rank is the one named, after its own timeout."""
+    hang, clock = judge({101: "T"})
+    hang.observe({RANK0: beat(10, Phase.VALIDATION), RANK1: beat(9)})
+    clock.now = 1.0  # rank 1 comes to validation, and stops there
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10, Phase.VALIDATION)}) is None
+    clock.now = 3.5  # rank 0: 3.5 s without progress; rank 1, stopped: 2.5 s
+    assert hang.observe({RANK0: beat(10), RANK1: beat(10)}) is None
+    clock.now = 4.0
+    verdict = hang.observe({RANK0: beat(10), RANK1: beat(10)})
+    assert verdict.culprit == RANK1 and verdict.seconds == 3.0
+
+
 def test_on_several_nodes_ranks_asleep_at_the_same_point_name_nobody():
     """They may wait for a rank of another node, whose own watchdog names it."""
     hang, clock = judge(whole_job=False)

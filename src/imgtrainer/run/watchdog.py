@@ -120,7 +120,11 @@ class HangJudge:
         ]
         if not stale:
             return None
-        states = {n: self.state_of(n.pid) for n in stale}
+        states = {n: self.state_of(n.pid) for n in ranks if watched(ranks[n].beat)}
+        if any(stopped(state) for n, state in states.items() if n not in stale):
+            # A rank stopped since less than the timeout: the stale ones may wait for it (it
+            # came to its stop late, on a busy machine). It is named once it is stale itself.
+            return None
         rank = min(
             stale,
             key=lambda n: (

@@ -347,9 +347,6 @@ class RangedFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.pos
-
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: self.length}[whence]
         self.pos = max(0, base + offset)
