@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -258,9 +259,16 @@ class TrainedRun:
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> TrainedRun:
-    root = tmp_path_factory.mktemp("trained_run")
-    train_dir, val_dir = write_tiny_dataset(root)
-    run = TrainedRun(root, train_dir, val_dir)
-    code = run_train([*run.flags, "--epochs", "2"], cwd=root)
-    assert code == 0
+    """Trained once per session: under pytest-xdist the first test process to need it trains it
+    in the session's folder, and the other waits for it and reads it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "trained_run"
+    with FileLock(str(shared / "trained_run.lock")):
+        if (root / "trained").exists():
+            return TrainedRun(root, root / "data" / "train", root / "data" / "val")
+        shutil.rmtree(root, ignore_errors=True)  # what a failed try left
+        run = TrainedRun(root, *write_tiny_dataset(root))
+        assert run_train([*run.flags, "--epochs", "2"], cwd=root) == 0
+        (root / "trained").touch()
     return run
