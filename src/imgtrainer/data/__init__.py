@@ -19,7 +19,6 @@ _EXPORTS = {
     "layouts": ("FOLDER", "layout_of", "open_datasets", "open_table"),
     "layouts.folder_checks": (
         "check_data_folders",
-        "check_no_empty_class_folder",
         "class_difference",
         "count_images",
     ),
@@ -58,7 +57,6 @@ if TYPE_CHECKING:  # the same names, imported where static readers can follow th
     from imgtrainer.data.layouts import FOLDER, layout_of, open_datasets, open_table
     from imgtrainer.data.layouts.folder_checks import (
         check_data_folders,
-        check_no_empty_class_folder,
         class_difference,
         count_images,
     )

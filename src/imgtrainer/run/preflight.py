@@ -16,7 +16,6 @@ from imgtrainer.data import (
     check_batch_fits,
     check_data_folders,
     check_device_options,
-    check_no_empty_class_folder,
     count_images,
     data_reading,
     layout_of,
@@ -56,8 +55,4 @@ def launcher_checks(cfg: TrainConfig, device_type: str, world_size: int) -> None
     # Counted only as far as the checks need: a start does not wait for a million files here.
     enough = Layout.of(cfg, world_size).global_batch
     train_counts = count_images(Path(cfg.train_dir), classes, enough)
-    check_no_empty_class_folder(Path(cfg.train_dir), train_counts, "training")
-    check_no_empty_class_folder(
-        Path(cfg.val_dir), count_images(Path(cfg.val_dir), classes, enough=0), "validation"
-    )
     check_batch_fits(sum(train_counts.values()), cfg, world_size)

@@ -12,7 +12,7 @@ from typing import IO
 
 import numpy as np
 
-from imgtrainer.data.layouts.folder_checks import find_classes, refuse_empty_classes
+from imgtrainer.data.layouts.folder_checks import find_classes
 from imgtrainer.data.layouts.image_files import is_image_file, walk_once
 from imgtrainer.data.layouts.names import PLAIN, Reading, labels_of
 from imgtrainer.data.layouts.table import ImageTable, RowKind, Strings
@@ -71,10 +71,7 @@ def folder_table(root: Path, role: str, names: list[str] | None, threads: int = 
         "labels": np.repeat(np.array([label for label, _, _ in folders], dtype=np.int64), counts),
     }
     present = {i for i, name in enumerate(names) if (root / name).is_dir()}
-    table = ImageTable.build(FILES, str(root), names, rows, present=present)
-    if role != "evaluation":  # a run's class folder without an image file: before any step
-        refuse_empty_classes(root, table.empty_classes(), role)
-    return table
+    return ImageTable.build(FILES, str(root), names, rows, present=present)
 
 
 def list_table(path: str, names: list[str] | None, reading: Reading = PLAIN) -> ImageTable:

@@ -32,7 +32,8 @@ def find_classes(folder: Path, role: str) -> list[str]:
 
 
 def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
-    """The class names shared by both folders; any problem is one line naming the fix."""
+    """The class names shared by both folders; any problem is one line naming the fix (a class
+    folder without an image file too: found before a run builds anything)."""
     if not train_dir.exists() and not val_dir.exists():
         raise UserError(
             f"no dataset found: looked for {train_dir.resolve()} and {val_dir.resolve()}. "
@@ -47,6 +48,8 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
             f"the class folders of {train_dir} and {val_dir} differ: "
             + class_difference(train_classes, val_classes, ("training", "validation"))
         )
+    for folder, role in ((train_dir, "training"), (val_dir, "validation")):
+        check_no_empty_class_folder(folder, count_images(folder, train_classes, enough=0), role)
     return train_classes
 
 
