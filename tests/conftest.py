@@ -5,6 +5,7 @@ trained run shared by the tests that need one."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import subprocess
@@ -194,6 +195,34 @@ def restored_process_state() -> Iterator[None]:
 def _restore_process_state() -> Iterator[None]:
     with restored_process_state():
         yield
+
+
+def share_of_the_cores() -> set[int]:
+    """This test process's share of the cores under pytest-xdist (pytest.ini), all of them
+    without it."""
+    cores = os.sched_getaffinity(0)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker is None:
+        return cores
+    ordered, count = sorted(cores), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    index = int(worker.removeprefix("gw"))
+    return set(ordered[index::count]) or {ordered[index % len(ordered)]}
+
+
+# Each test process, and every process it starts, works on its share of the cores, as runs
+# started side by side with taskset would: the trainer and the tools take as many threads and
+# loader workers as their process has cores (``cpu_cores_available``). Two test processes that
+# each took both cores ran twice as many torch threads as there are cores (the quick suite 1.4x
+# slower). Set before any fixture, so that a run in a fixture and the run a test compares it
+# with use the same threads (their float sums then agree to the bit).
+os.sched_setaffinity(0, share_of_the_cores())
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def pytest_unconfigure(config) -> None:
+    """The test process is done: what it imported (torch, timm, moto, ...) is frozen out of the
+    garbage collector, whose passes at the interpreter's teardown took 3 s of every run."""
+    gc.freeze()
 
 
 def run_main(main: Callable[[list[str]], int], argv: Sequence, cwd: Path | None = None) -> int:

@@ -13,7 +13,7 @@ import timm
 import torch
 from torch import nn
 
-from conftest import RESNET18, TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
+from conftest import TINY_FLAGS, run_main, run_train, user_error_line, write_image_folder
 from imgtrainer.checkpoints.files import CHECKPOINT_SCHEMA, CheckpointError
 from imgtrainer.hooks import StepInfo
 from imgtrainer.tools.evaluate import main as evaluate_main
@@ -208,7 +208,7 @@ def ema_run(tmp_path_factory) -> tuple[Path, list[str]]:
     # --cache_images none: training's evaluation reads the files as evaluate.py does (the RAM
     # cache decodes and resizes them its own way, which moves the loss in the 4th digit).
     flags = ["--train_dir", train, "--val_dir", val, *TINY_FLAGS, "--no_tensorboard"]
-    flags += ["--cache_images", "none", *RESNET18]  # loaded into timm's resnet18
+    flags += ["--cache_images", "none"]
     assert run_train([*flags, "--epochs", "1", "--model_ema"], cwd=root) == 0
     return root, flags
 
@@ -231,11 +231,13 @@ def test_the_checkpoint_carries_the_ema(ema_run):
         all(state["state_dict_ema"][k].data_ptr() == ema[k].data_ptr() for k in ema)
         and state["state_dict_ema"].keys() == ema.keys()
     )
-    plain = timm.create_model("resnet18", num_classes=3)
+    plain = timm.create_model("test_resnet", num_classes=3)
     plain.load_state_dict(ema)  # strict
     # timm's own loader prefers the EMA weights.
     via_timm = timm.create_model(
-        "resnet18", num_classes=3, checkpoint_path=str(root / "checkpoints" / "checkpoint_best.pth")
+        "test_resnet",
+        num_classes=3,
+        checkpoint_path=str(root / "checkpoints" / "checkpoint_best.pth"),
     )
     assert torch.equal(via_timm.fc.weight, ema["fc.weight"])
 

@@ -229,26 +229,14 @@ def test_mid_epoch_resume_with_the_recipe_and_other_num_workers_is_exact(resume_
     assert [r["epoch"] for r in history] == [1, 2] and "val_acc_ema" in history[1]
 
 
-def test_history_drops_records_after_the_checkpoint(trained_run, tmp_path: Path):
-    workdir = trained_run.copy_to(tmp_path)
-    # Resume from the checkpoint of epoch 1 (the previous latest): epoch 2 is redone, not doubled.
-    prev = workdir / "checkpoints" / "checkpoint_latest.prev.pth"
-    assert torch.load(prev, weights_only=True)["epoch"] == 1
-    assert run_train([*trained_run.flags, "--epochs", "2", "--resume", prev], cwd=workdir) == 0
-    history = json.loads((workdir / "logs" / "training_history.json").read_text())
-    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
-    assert (
-        history["epochs"][0]
-        == json.loads((trained_run.root / "logs" / "training_history.json").read_text())["epochs"][
-            0
-        ]
-    )
-
-
-def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, capsys):
+def test_corrupt_latest_falls_back_to_previous_and_the_history_drops_what_followed_it(
+    trained_run, tmp_path: Path, capsys
+):
     workdir = trained_run.copy_to(tmp_path)
     latest_path = workdir / "checkpoints" / "checkpoint_latest.pth"
     latest_path.write_bytes(latest_path.read_bytes()[:5000])  # a truncated write
+    prev = workdir / "checkpoints" / "checkpoint_latest.prev.pth"
+    assert torch.load(prev, weights_only=True)["epoch"] == 1
     capsys.readouterr()
     # The previous checkpoint holds epoch 1: epoch 2 is trained again.
     assert run_train([*trained_run.flags, "--epochs", "2", "--resume", "auto"], cwd=workdir) == 0
@@ -257,6 +245,11 @@ def test_corrupt_latest_falls_back_to_previous(trained_run, tmp_path: Path, caps
     assert "falling back to the previous checkpoint" in out
     assert "Resumed from checkpoints/checkpoint_latest.pth: epoch 2, step 0" in out
     assert latest(workdir)["epoch"] == 2
+    # Epoch 2 is redone, not doubled: the history keeps epoch 1's record as it was.
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())
+    before = json.loads((trained_run.root / "logs" / "training_history.json").read_text())
+    assert [r["epoch"] for r in history["epochs"]] == [1, 2]
+    assert history["epochs"][0] == before["epochs"][0]
 
 
 def test_corrupt_checkpoint_without_fallback_is_one_clear_error_in_process(
