@@ -214,9 +214,25 @@ def share_of_the_cores() -> set[int]:
 # loader workers as their process has cores (``cpu_cores_available``). Two test processes that
 # each took both cores ran twice as many torch threads as there are cores (the quick suite 1.4x
 # slower). Set before any fixture, so that a run in a fixture and the run a test compares it
-# with use the same threads (their float sums then agree to the bit).
-os.sched_setaffinity(0, share_of_the_cores())
-torch.set_num_threads(len(os.sched_getaffinity(0)))
+# with use the same threads (their float sums then agree to the bit). A test marked
+# ``all_cores`` times the processes it starts against each other (a hang named within a
+# margin): they run on all the cores, as a user's would.
+ALL_CORES, SHARE = os.sched_getaffinity(0), share_of_the_cores()
+os.sched_setaffinity(0, SHARE)
+torch.set_num_threads(len(SHARE))
+
+
+@pytest.fixture(autouse=True)
+def _all_cores_for_the_processes_it_times(request) -> Iterator[None]:
+    if request.node.get_closest_marker("all_cores") is None or SHARE == ALL_CORES:
+        yield
+        return
+    os.sched_setaffinity(0, ALL_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, SHARE)
+        torch.set_num_threads(len(SHARE))
 
 
 def pytest_unconfigure(config) -> None:

@@ -28,7 +28,7 @@ from imgtrainer.events import LAUNCHER_EVENTS, read_events
 from imgtrainer.reports.page.run_report import build_run_report
 from support.harness import descendants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.all_cores]
 
 HANG_TIMEOUT = 3.0
 # The watcher polls every timeout/4; a contended machine adds a little.
