@@ -59,7 +59,9 @@ class ReadAhead(Dataset):
         if self.worker is None or self.worker.pid != os.getpid():  # a worker's own threads
             self.worker = _Worker(os.getpid())
         if self.order is not None and keys and len(self.dataset) == len(self.table):
-            self.worker.fetch(self.table, self.order, keys)  # (rows left out: its own order)
+            # (rows left out: an order of its own) Held in the cache: read as from a disk.
+            if self.worker.fetch(self.table, self.order, keys):
+                return [self.dataset[key] for key in keys]
         return list(self.worker.reads.map(self.dataset.__getitem__, keys))
 
     def __getattr__(self, name: str):
@@ -86,24 +88,28 @@ class _Worker:
     pending: dict[int, Future] = field(default_factory=dict)  # group -> its fetch's URLs
     done: dict[int, list[str]] = field(default_factory=dict)  # fetched this epoch -> URLs
 
-    def fetch(self, table: ImageTable, order: Sampler, keys: list) -> None:
+    def fetch(self, table: ImageTable, order: Sampler, keys: list) -> bool:
         """Fetch what ``keys`` (a batch: ``(index, epoch)`` or indices) and the rank's next
-        samples read, and wait for the batch's groups; one line for a group that cannot be."""
+        samples read, and wait for the batch's groups; whether the cache holds them all. One
+        line for a group that cannot be fetched."""
         first, epoch = keys[0] if isinstance(keys[0], tuple) else (keys[0], 0)
         if epoch != self.epoch:
             self.start_epoch(table, order, epoch)
         at = int(self.where[first])
         if at < 0:
-            return  # not of this order
+            return False  # not of this order
         ahead = self.upcoming[at : at + len(keys) + self.read_ahead]
         groups = ahead[np.sort(np.unique(ahead, return_index=True)[1])]
         for group in groups.tolist():
             if group not in self.pending and group not in self.done:
                 self.pending[group] = self.fetches.submit(table.hold_group, int(group))
+        held = True
         for group in np.unique(self.upcoming[at : at + len(keys)]).tolist():
             if group in self.pending:
                 self.done[group] = self.pending.pop(group).result()
+            held = held and bool(self.done.get(group))
         self.retire(table, at)
+        return held
 
     def start_epoch(self, table: ImageTable, order: Sampler, epoch: int) -> None:
         group, count = table.groups(), table.num_groups

@@ -127,14 +127,16 @@ class DecodeCheck:
         mine = (np.arange(start, stop) % self.world_size) == self.rank
         problems = {i: self.cache.problem(role, i) for i in range(start, stop) if known[i - start]}
         checked = [i for i in range(start, stop) if mine[i - start] and not known[i - start]]
-        if table.remote:  # whole shards first where the cache can hold them, else many at once
-            fetched = _fetched(table, checked)
+        # Remote: whole shards into the cache first, then read there as from a disk; where the
+        # cache cannot hold them, each image is a request: many at once.
+        fetched = _fetched(table, checked) if table.remote else []
+        if table.remote and not fetched:
             with ThreadPoolExecutor(REMOTE_READS) as pool:
                 problems.update(zip(checked, pool.map(table.problem, checked), strict=True))
-            for url in fetched:  # the first the cache drops: training reads in its own order
-                table.store.retire(url)
         else:
             problems.update((i, table.problem(i)) for i in checked)
+        for url in fetched:  # the first the cache drops: training reads in its own order
+            table.store.retire(url)
         problems = {i: why for i, why in problems.items() if why is not None}
         return stats, known | mine, problems
 

@@ -193,22 +193,24 @@ class ImageTable:
 
     def hold_group(self, group: int) -> list[str]:
         """Fetch the group's bytes into the store's cache ahead of their reads (``Store.hold``);
-        the objects they are of. ``UserError`` for an object gone or cut short since the run
-        listed it."""
+        the objects they are of, now held there (none when the store keeps no cache: each read
+        is then a request). ``UserError`` for an object gone or cut short since the run listed
+        it."""
         _, by_unit, starts = self.reading_units
         pieces = self.kind.pieces(self, by_unit[starts[group] : starts[group + 1]])
+        held = True
         for url, offset, size in pieces:
             try:
-                self.store.hold(url, offset, size)
+                held = self.store.hold(url, offset, size) and held
             except Exception as err:
                 raise UserError(
                     f"training data changed during the run: {problem(err, url)}; restore it, "
                     "or start the run again to index the data anew"
                 ) from None
-        return sorted({url for url, _, _ in pieces})
+        return sorted({url for url, _, _ in pieces}) if held else []
 
     def fetch_groups(self, rows: Collection[int]) -> list[str]:
-        """Fetch the whole groups that ``rows`` are in (``hold_group``); the objects they are of."""
+        """Fetch the whole groups that ``rows`` are in (``hold_group``); the objects held."""
         groups = np.unique(self.groups()[np.asarray(rows, dtype=np.int64)]).tolist()
         return sorted({url for group in groups for url in self.hold_group(group)})
 
