@@ -17,8 +17,9 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,47 @@ def test_the_window_order_reads_whole_shards_ahead_and_names_one_gone_or_cut_sho
     with pytest.raises(UserError, match="training data changed during the run: .* restore it"):
         for start in range(6, len(keys), 6):
             reads.__getitems__(keys[start : start + 6])
+    proxy.stop()
+
+
+@dataclass(frozen=True)
+class ThreadedSamples(RawSamples):
+    """``RawSamples`` that note the thread reading each sample."""
+
+    threads: list = field(default_factory=list)
+
+    def __getitem__(self, key: tuple[int, int]) -> bytes:
+        self.threads.append(threading.get_ident())
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("cache_bytes", [1 << 30, 0])
+def test_a_window_held_in_the_cache_is_read_as_from_a_disk_else_many_requests_at_once(
+    s3, tmp_path, monkeypatch, cache_bytes
+):
+    """Whole shards held in the cache: the worker reads a batch's images there itself, one
+    after the other, as from a disk (threads would only add their cost). No cache to hold
+    them (--remote_cache_gb 0): each image is a request, a batch's in threads at once."""
+    train, _ = write_data(tmp_path)
+    url = new_bucket(s3)
+    pack_folder(train, tmp_path / "tar", "shards", shard_size=3)
+    s3.upload(tmp_path / "tar", f"{url}/tar")
+    proxy, endpoint = proxied(s3, delay=0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    store = Store(cache_dir=str(tmp_path / "cache"), cache_bytes=cache_bytes)
+    table, _ = open_datasets(f"{url}/tar/", f"{url}/tar/", reading=Reading(store))
+    order = WindowSampler(table.groups(), 0, 1, seed=0, global_batch=6, window=2)
+    samples = ThreadedSamples(table)
+    keys = [(i, 0) for i in order.indices()][:6]
+    before = proxy.requests
+    assert ReadAhead(samples, table, order).__getitems__(keys) == [table.read(i) for i, _ in keys]
+    readers = set(samples.threads[: len(keys)])
+    if cache_bytes:
+        assert readers == {threading.get_ident()}
+        assert proxy.requests - before == 4  # the batch's 2 shards and the next 2, whole
+    else:
+        assert threading.get_ident() not in readers and len(readers) > 1
+        assert proxy.requests - before == 2 * len(keys)  # each image, then read again above
     proxy.stop()
 
 
