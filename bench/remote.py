@@ -21,7 +21,9 @@ The +20 ms row writes its checkpoint to the bucket (uploaded in the background);
 row then continues that run for a second epoch on an empty disk (``--resume auto`` downloads
 the checkpoint), and the checkpoint's download is timed on its own through the same proxy.
 Rows from the bucket train in its default order (--sampler window: whole shards read ahead of
-need); the ", random" row reads one request per image, as every order did before it. The
+need); the ", random" row has no order of shards to fetch ahead: its loader requests image by
+image, many at once, and finds in the byte cache what the decode check (which fetches whole
+shards) holds by then. The
 "loader alone" rows read the training loader's first epoch with no model (the
 ``step_clock:loader_clock`` hook): images/s, and images per CPU-second of the process and its
 workers (what one core feeds). CPU ms/img: the training command's CPU (its workers too) per
@@ -147,7 +149,7 @@ def one_round(args, data: tuple[Path, Path, int], server: S3Server, url: str, wo
     ms = args.latencies_ms[0]
     s3_rows = [(f"s3 +{m} ms", m, ["--checkpoint_dir", run_url] if m == ms else [], False)
                for m in args.latencies_ms]  # fmt: skip
-    s3_rows.append((f"s3 +{ms} ms, random", ms, ["--sampler", "random"], False))  # per image
+    s3_rows.append((f"s3 +{ms} ms, random", ms, ["--sampler", "random"], False))  # no read-ahead
     if args.loader_rows:
         rows["local loader alone"] = run_row(
             "local loader", work / "local_loader", local, {}, loader_only=True

@@ -1,9 +1,10 @@
-"""Object-store reads in a loader worker: a batch's images in threads; the shards ahead, whole.
+"""Object-store reads in a loader worker: shards fetched whole ahead; lone requests in threads.
 
 In the order of ``--sampler window``, the shards the rank needs next are fetched whole ahead of
 need. The order is a function of (seed, epoch, data), so each worker knows from a batch's keys where
 its rank is in the epoch and which groups (shards, Parquet row groups) come next; the node's
-processes share the fetched bytes through the store's cache and its claims.
+processes share the fetched bytes through the store's cache and its claims. A batch whose groups
+the cache holds is read there as from a disk, in the worker's own thread.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ReadAhead(Dataset):
     With ``order`` (a sampler that reads in groups: ``rank_order(epoch)``, the rank's indices,
     and ``read_ahead``), the groups of ``table`` (shards, row groups) of the batch and of the
     rank's next ``read_ahead`` samples are first fetched into the store's cache, ``FETCHES`` at
-    once, and the batch's own waited for: its samples are then read there."""
+    once, and the batch's own waited for: its samples are then read there, one after another
+    (threads would only add their cost to a read from the disk)."""
 
     def __init__(self, dataset: Dataset, table: ImageTable, order: Sampler | None = None):
         self.dataset, self.table, self.order = dataset, table, order
