@@ -37,7 +37,7 @@ class ParquetRows(RowKind):
 
     def read(self, table: ImageTable, i: int) -> bytes:
         path, row = table.containers[int(table.container[i])], int(table.offsets[i])
-        value = _ROW_GROUPS.cell(table.store, path, table.column, row)
+        value = _ROW_GROUPS.cell(table.store, path, table.column, row, int(table.sizes[i]))
         return image_bytes(value, f"{path}[row {row}]", parent(path), table.store)
 
     def groups(self, table: ImageTable) -> np.ndarray:
@@ -91,12 +91,11 @@ class ParquetRowGroups:
                 self.files[path] = known
         return known
 
-    def cell(self, store: Store, path: str, column: str, row: int) -> Any:
-        """The value of ``column`` in ``row`` of the Parquet file at ``path``."""
+    def cell(self, store: Store, path: str, column: str, row: int, group: int) -> Any:
+        """``column`` of ``row``, in row group ``group``, of the Parquet file at ``path``."""
         import pyarrow.parquet as pq
 
         meta, starts = self.metadata(store, path)
-        group = int(np.searchsorted(starts, row, side="right")) - 1
         key = (path, column, group)
         with self.lock:
             values = self.groups.get(key)
