@@ -187,10 +187,6 @@ def previous_run_files(checkpoint_dir: Path, log_dir: Path) -> list[Path]:
     return [path for path in found if path.is_file()]
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path.resolve().parent == folder.resolve()
-
-
 def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overwrite: bool) -> None:
     """A run may write into folders holding an earlier run's results only if it continues that
     run (``--resume auto`` finding a checkpoint there, or ``--resume`` one of that folder's
@@ -205,7 +201,7 @@ def check_new_run(checkpoint_dir: Path, log_dir: Path, resume: str | None, overw
         resume == "auto"
         and any(path.name in CHECKPOINT_FILES[:2] for path in checkpoints)
         or resume not in (None, "auto")
-        and _inside(Path(resume), checkpoint_dir)
+        and Path(resume).resolve().parent == checkpoint_dir.resolve()
     )
     if continues or not found:
         return

@@ -156,7 +156,7 @@ class HistoryWriter:
             self.written, self._pending = list(self.records), False
             self._write()
         table = metrics_csv(self.records).encode()
-        atomic_write(self.csv_path, lambda f: f.write(table), lambda: len(table))
+        atomic_write(self.path.parent / METRICS_CSV, lambda f: f.write(table), lambda: len(table))
         if self._pending:  # an event came while the file was being written
             self.write_events()
 
@@ -184,10 +184,6 @@ class HistoryWriter:
         head = {**self.header, **live, "epochs": self.written, "events": list(self.events.items)}
         text = redact.text(json.dumps(head, indent=2, default=str)).encode()
         atomic_write(self.path, lambda f: f.write(text), lambda: len(text))
-
-    @property
-    def csv_path(self) -> Path:
-        return self.path.parent / METRICS_CSV
 
 
 def read_history(path: Path) -> dict[str, Any]:

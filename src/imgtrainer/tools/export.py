@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise UserError(f"--atol and --rtol must be 0 or more, got {args.atol} and {args.rtol}")
     if args.check_images is not None and not args.check_images.is_dir():
         raise UserError(f"--check_images {args.check_images} is not a folder")
-    args.output = args.output or default_output(args.checkpoint, args.format)
+    args.output = args.output or args.checkpoint.with_suffix(SUFFIXES[args.format])
     if args.output.is_dir():
         raise UserError(f"--output {args.output} is a folder; give the file to write")
     if args.output.resolve() == args.checkpoint.resolve():
@@ -125,10 +125,6 @@ def require_packages(fmt: str) -> None:
             f"--format {fmt} needs the package(s) {', '.join(missing)}, not installed: "
             "pip install -r requirements-export.txt"
         )
-
-
-def default_output(checkpoint: Path, fmt: str) -> Path:
-    return checkpoint.with_suffix(SUFFIXES[fmt])
 
 
 def preprocessing_path(output: Path) -> Path:

@@ -99,7 +99,7 @@ class BestTracker:
         is_best = self.update(record)
         if distributed:
             main_state, is_best = all_gather_objects((self.to_plain(), is_best))[0]
-            self.from_plain(main_state)
+            self.state = BestState(**main_state)
         return is_best
 
     @property
@@ -164,6 +164,3 @@ class BestTracker:
 
     def to_plain(self) -> dict[str, Any]:
         return asdict(self.state)
-
-    def from_plain(self, values: Mapping[str, Any]) -> None:
-        self.state = BestState(**values)
