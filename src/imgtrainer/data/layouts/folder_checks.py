@@ -49,7 +49,8 @@ def check_data_folders(train_dir: Path, val_dir: Path) -> list[str]:
             + class_difference(train_classes, val_classes, ("training", "validation"))
         )
     for folder, role in ((train_dir, "training"), (val_dir, "validation")):
-        check_no_empty_class_folder(folder, count_images(folder, train_classes, enough=0), role)
+        counts = count_images(folder, train_classes, enough=0)
+        refuse_empty_classes(folder, [name for name, n in counts.items() if n == 0], role)
     return train_classes
 
 
@@ -86,10 +87,6 @@ def count_images(folder: Path, classes: list[str], enough: int | None = None) ->
         if needed is not None:
             needed -= counts[name]
     return counts
-
-
-def check_no_empty_class_folder(folder: Path, counts: dict[str, int], role: str) -> None:
-    refuse_empty_classes(folder, [name for name, n in counts.items() if n == 0], role)
 
 
 def refuse_empty_classes(

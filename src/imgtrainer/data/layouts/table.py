@@ -132,13 +132,14 @@ class ImageTable:
         ``sizes`` as the kind needs), ``containers`` the container names."""
         n = len(rows["labels"])
         labels = np.asarray(rows["labels"], dtype=np.int64)
+        members = rows.get("members", [""] * n)
         unused = np.broadcast_to(np.int64(0), (n,))  # a column this kind does not use: no memory
         return cls(
             kind=kind,
             classes=list(classes),
             containers=list(rows["containers"]),
             container=np.asarray(rows["container"], dtype=np.int32),
-            members=_strings(rows.get("members", [""] * n)),
+            members=members if isinstance(members, Strings) else Strings.of(members),
             offsets=np.asarray(rows.get("offsets", unused), dtype=np.int64),
             sizes=np.asarray(rows.get("sizes", unused), dtype=np.int64),
             labels=labels,
@@ -253,10 +254,6 @@ class ImageTable:
         labels = self.labels if rows is None else self.labels[rows]
         counts = np.bincount(labels, minlength=len(self.classes))
         return [self.classes[c] for c in sorted(self.present) if counts[c] == 0]
-
-
-def _strings(members: Strings | Sequence[str]) -> Strings:
-    return members if isinstance(members, Strings) else Strings.of(members)
 
 
 UNKNOWN, READABLE, UNREADABLE = 0, 1, 2  # what is known of whether an image decodes
