@@ -145,12 +145,6 @@ def checksums_hold(blocks: list[bytes]) -> bool:
     return bool((np.array([int(field, 8) for field in stored], np.int64) == sums).all())
 
 
-def tarfile_members(file) -> list[Member]:
-    file.seek(0)
-    with tarfile.open(fileobj=file, mode="r:") as tar:
-        return [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
-
-
 def _pread_of(file) -> Callable[[int, int], bytes]:
     """``pread(size, offset)`` on an open file: a local one's descriptor, else seek and read
     (an object read from start to end in large requests)."""
@@ -177,7 +171,10 @@ def scan_shard(path: str, store: Store = LOCAL, label_field: str = "") -> list[I
         with store.open(path) as file:
             pread = _pread_of(file)
             members = ustar_members(pread)
-            members = tarfile_members(file) if members is None else members
+            if members is None:  # not plain ustar headers: the tarfile module reads them
+                file.seek(0)
+                with tarfile.open(fileobj=file, mode="r:") as tar:
+                    members = [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
             for name, offset, size in members:
                 key, ext = split_key(name)
                 if key not in images and key not in labels:
