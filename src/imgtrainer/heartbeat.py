@@ -136,16 +136,13 @@ class Slot:
         self.beat = self.ticks = self.step = 0
         self.phase = Phase.NOT_STARTED
 
-    def _store(self) -> None:
-        struct.pack_into("<q", self.map, 0, self.beat)
-        struct.pack_into("<qq", self.map, 16, self.step, self.phase)
-
     def mark(self, phase: Phase, step: int | None = None) -> None:
         self.beat += 1
         self.phase = phase
         if step is not None:
             self.step = step
-        self._store()
+        struct.pack_into("<q", self.map, 0, self.beat)
+        struct.pack_into("<qq", self.map, 16, self.step, self.phase)
 
     def tick(self) -> None:
         self.ticks += 1

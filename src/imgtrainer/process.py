@@ -168,16 +168,12 @@ def process_map(function, items: Sequence, workers: int, chunksize: int = 1) -> 
     """``[function(item) for item in items]`` in ``workers`` forked processes (``ForkedMap``),
     ``chunksize`` items per task."""
     chunks = [items[i : i + chunksize] for i in range(0, len(items), chunksize)]
-    forked = ForkedMap(functools.partial(_each, function), chunks, workers)
+    forked = ForkedMap(lambda chunk: [function(item) for item in chunk], chunks, workers)
     try:
         done = dict(forked.results())
     finally:
         forked.close()
     return [result for i in range(len(chunks)) for result in done[i]]
-
-
-def _each(function, chunk: Sequence) -> list:
-    return [function(item) for item in chunk]
 
 
 class ForkedMap:
