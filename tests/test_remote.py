@@ -278,6 +278,28 @@ def test_a_forked_process_reads_with_the_api_models_its_parent_parsed(s3):
     os.close(read)
 
 
+def test_validation_shards_in_the_bucket_are_opened_beside_the_training_shards(s3, tmp_path):
+    """Both in the bucket, the validation shards are opened while the training shards are
+    (their round trips at once), and labelled as before: by their own classes.txt, else by
+    the training classes; classes that differ are still one line."""
+    train, val = write_data(tmp_path)
+    url = new_bucket(s3)
+    for name, folder in (("train", train), ("val", val)):
+        pack_folder(folder, tmp_path / name, "shards")
+        s3.upload(tmp_path / name, f"{url}/{name}")
+    expected = [label for _, label in entries_of(val)[0]]
+    bucket, client = url.removeprefix("s3://"), s3.client()
+    for own_names in (True, False):
+        if not own_names:
+            client.delete_object(Bucket=bucket, Key="val/classes.txt")
+        tables = open_datasets(f"{url}/train/", f"{url}/val/", reading=Reading(Store()))
+        assert tables[1].classes == tables[0].classes == CLASSES
+        assert tables[1].labels.tolist() == expected
+    client.put_object(Bucket=bucket, Key="val/classes.txt", Body=b"x\ny\nz\n")
+    with pytest.raises(UserError, match="the classes of .* differ"):
+        open_datasets(f"{url}/train/", f"{url}/val/", reading=Reading(Store()))
+
+
 def test_transient_failures_are_tried_again_with_backoff_and_the_others_raised_at_once(
     monkeypatch,
 ):

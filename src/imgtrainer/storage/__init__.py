@@ -193,6 +193,10 @@ class Store:
             return Path(path).read_text()
         return as_user_error(lambda: self._fetch(path, 0, -1), path).decode()
 
+    def connect(self, url: str) -> None:
+        """This process's client of ``url``'s store, made and probed now (``UserError``)."""
+        filesystem(url, self.options)
+
     # -- what there is ----------------------------------------------------------------------
     def info(self, url: str) -> dict[str, Any]:
         """An object's size and version (one request, remembered); ``UserError`` if missing."""

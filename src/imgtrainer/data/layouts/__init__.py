@@ -7,6 +7,7 @@ training and validation tables with the same classes; any problem is one ``UserE
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,6 +121,10 @@ def open_datasets(
         return tables
     if layout_of(train) == FOLDER and not Path(train).is_dir():
         raise UserError(f"training data {train} does not exist (a folder, list, Parquet or shards)")
+    early = None  # one store, probed first: the validation data's round trips beside these
+    if is_url(train) and is_url(val) and train.partition("://")[0] == val.partition("://")[0]:
+        store.connect(train)
+        early = ThreadPoolExecutor(1).submit(open_table, val, "validation", given, None, reading)
     train_table = open_table(train, "training", given, reading=reading)
     if layout_of(val, store) == FOLDER:
         theirs = find_classes(Path(val), "validation")
@@ -128,7 +133,10 @@ def open_datasets(
                 f"the classes of {train} and the class folders of {val} differ: "
                 + class_difference(train_table.classes, theirs, ("training", "validation"))
             )
-    val_table = open_table(val, "validation", given, train_table.classes, reading)
+    if early is not None and early.exception() is None:  # labelled by class names of its own
+        val_table = early.result()
+    else:  # else by the training classes, or the one line of what is wrong
+        val_table = open_table(val, "validation", given, train_table.classes, reading)
     if val_table.classes != train_table.classes:
         raise UserError(
             f"the classes of {train} and {val} differ: "
