@@ -5,29 +5,36 @@ every request, as a distant store's round trip. Side by side in one run, on the 
 
     python bench/remote.py                                  # 2,048 images at 32 px, ResNet18
     python bench/remote.py --images 512 --latencies_ms 20   # quicker
-    python bench/remote.py --repeat 3                       # medians of 3 rounds (a busy machine)
+    python bench/remote.py --repeat 5                       # medians of 5 rounds (a busy machine)
 
 Each row is ``python src/train_ddp.py`` (1 process, its default loader workers and threads) for
 one epoch, timed by a hook (bench/instrument/step_clock.py) at each optimizer step's end:
   * first step: seconds from starting the command to the end of the first step (the imports,
     the shard indices, the model, the first batch's reads);
   * images/s: the steps after the first ``--warmup`` to the epoch's last;
+  * CPU ms/img: the CPU of the training command's processes (its loader workers, its decode
+    check) per image over those same steps; "run CPU ms/img": over the whole command (its
+    imports, the S3 client made in each process, validation, the checkpoint's upload), per
+    image read;
   * requests per image: the requests the proxy saw over the run, per image read (training and
     validation), and the bytes the run's byte cache (<log_dir>/remote_cache) holds at its end;
   * store CPU: the seconds of CPU this process (the S3 server and the proxy, in threads) took
-    during the row, on the same cores as the training: a real store's server runs elsewhere,
-    and moto closes the connection after each answer, so each request is a new connection.
+    during the row, on the same cores as the training, kept out of the CPU columns: a real
+    store's server runs elsewhere, and moto closes the connection after each answer, so each
+    request is a new connection.
+Each round runs the local row before and after the rows from the bucket at each latency, and
+compares those with the mean of the two: the machine's drift during a round falls out. "vs
+local" and the targets are the medians of these per-round ratios; each round's ratios are
+printed as it ends, and the targets' lines give their lowest and highest.
 The +20 ms row writes its checkpoint to the bucket (uploaded in the background); the restart
 row then continues that run for a second epoch on an empty disk (``--resume auto`` downloads
 the checkpoint), and the checkpoint's download is timed on its own through the same proxy.
 Rows from the bucket train in its default order (--sampler window: whole shards read ahead of
 need); the ", random" row has no order of shards to fetch ahead: its loader requests image by
 image, many at once, and finds in the byte cache what the decode check (which fetches whole
-shards) holds by then. The
-"loader alone" rows read the training loader's first epoch with no model (the
-``step_clock:loader_clock`` hook): images/s, and images per CPU-second of the process and its
-workers (what one core feeds). CPU ms/img: the training command's CPU (its workers too) per
-image read; the store's CPU is the server's and the proxy's, kept out of it.
+shards) holds by then. The "loader alone" rows read the training loader's first epoch with no
+model (the ``step_clock:loader_clock`` hook): images/s, and images per CPU-second of the
+process and its workers (what one core feeds).
 Targets at each latency: first step within 1.2x of local shards, images/s at least 0.95x,
 CPU per image within 1.1x, at most 0.02 requests per image read.
 """
@@ -64,6 +71,8 @@ TARGET_IMAGES_PER_SEC = 0.95  # at least this share of local shards' steady imag
 TARGET_CPU = 1.1  # at most this many times local shards' CPU per image (the trainer's)
 TARGET_REQUESTS = 0.02  # requests per image read, at most
 SHARD_IMAGES = 256
+FORMS = (">10.2f", ">7.1f", ">10.1f", ">14.1f")  # the table's columns of figures
+BRACKET = ("local shards", "local shards, again")  # run before and after the rows to compare
 
 
 def write_data(root: Path, images: int, classes: int, size: int) -> tuple[Path, Path, int]:
@@ -127,6 +136,13 @@ def images_per_sec(steps: list[tuple], warmup: int, batch: int) -> float:
     return (len(timed) - 1) * batch / (timed[-1][0] - timed[0][0])
 
 
+def steady_cpu_ms(steps: list[tuple], warmup: int, batch: int) -> float:
+    """Milliseconds of CPU (the run's processes: its loader workers, its decode check) per
+    image over the same steps as ``images_per_sec``."""
+    timed = steps[warmup:]
+    return 1000 * (timed[-1][3] - timed[0][3]) / ((len(timed) - 1) * batch)
+
+
 def cache_bytes(work: Path) -> int:
     """What the run's byte cache of remote reads holds on the disk."""
     folder = work / "logs" / "remote_cache"
@@ -134,6 +150,8 @@ def cache_bytes(work: Path) -> int:
 
 
 def one_round(args, data: tuple[Path, Path, int], server: S3Server, url: str, work: Path) -> dict:
+    """The rows of one round. The local row runs before and after the rows the targets compare
+    with it (``BRACKET``): the machine's drift in between falls out of their mean."""
     train, val, images = data
     shards = f"shard-{{000000..{len(list(train.glob('*.tar'))) - 1:06d}}}.tar"
     flags = [
@@ -143,22 +161,15 @@ def one_round(args, data: tuple[Path, Path, int], server: S3Server, url: str, wo
     ]
     rows: dict[str, dict] = {}
     local = [*flags, "--train_data", f"{train}/{shards}", "--val_data", str(val)]
-    rows["local shards"] = {**run_row("local", work / "local", local, {}), "images": images}
     remote = [*flags, "--train_data", f"{url}/train/{shards}", "--val_data", f"{url}/val/"]
     run_url = f"{url}/run-{work.name}"
     ms = args.latencies_ms[0]
-    s3_rows = [(f"s3 +{m} ms", m, ["--checkpoint_dir", run_url] if m == ms else [], False)
-               for m in args.latencies_ms]  # fmt: skip
-    s3_rows.append((f"s3 +{ms} ms, random", ms, ["--sampler", "random"], False))  # no read-ahead
-    if args.loader_rows:
-        rows["local loader alone"] = run_row(
-            "local loader", work / "local_loader", local, {}, loader_only=True
-        )
-        s3_rows.append((f"s3 +{ms} ms loader alone", ms, [], True))
-    # The +20 ms run continued for a second epoch on an empty disk (downloads the checkpoint).
-    restart = ["--checkpoint_dir", run_url, "--resume", "auto", "--epochs", "2"]
-    s3_rows.append((f"restart from s3 +{ms} ms", ms, restart, False))
-    for name, delay, extra, alone in s3_rows:
+
+    def local_row(name: str, alone: bool = False) -> None:
+        folder = work / name.replace(" ", "_").replace(",", "")
+        rows[name] = {**run_row(name, folder, local, {}, loader_only=alone), "images": images}
+
+    def s3_row(name: str, delay: int, extra: list[str], alone: bool = False) -> None:
         proxy, endpoint = proxied(server, delay / 1000)
         env = {**server.env(), "AWS_ENDPOINT_URL": endpoint}
         folder = work / name.replace(" ", "_").replace(",", "").replace("+", "")
@@ -168,6 +179,18 @@ def one_round(args, data: tuple[Path, Path, int], server: S3Server, url: str, wo
         row.update(requests=proxy.requests, shard_reads=shard_reads, images=images)
         rows[name] = {**row, "cached": cache_bytes(folder)}
         proxy.stop()
+
+    local_row(BRACKET[0])
+    for m in args.latencies_ms:  # the first latency's run keeps its checkpoint in the bucket
+        s3_row(f"s3 +{m} ms", m, ["--checkpoint_dir", run_url] if m == ms else [])
+    local_row(BRACKET[1])
+    if args.loader_rows:
+        local_row("local loader alone", alone=True)
+        s3_row(f"s3 +{ms} ms loader alone", ms, [], alone=True)
+    s3_row(f"s3 +{ms} ms, random", ms, ["--sampler", "random"])  # no shards to read ahead
+    # The +20 ms run continued for a second epoch on an empty disk (downloads the checkpoint).
+    restart = ["--checkpoint_dir", run_url, "--resume", "auto", "--epochs", "2"]
+    s3_row(f"restart from s3 +{ms} ms", ms, restart)
     rows["download"] = timed_download(server, run_url, ms, work / "download")
     return rows
 
@@ -192,68 +215,86 @@ def median(rounds: list[dict], row: str, figure) -> float:
     return statistics.median(figure(r[row]) for r in rounds)
 
 
-def report(args, rounds: list[dict]) -> None:
+def ratios(rounds: list[dict], row: str, figure) -> list[float]:
+    """``row``'s figure over the local row's in the same round (the mean of its two runs)."""
+    return [figure(r[row]) / statistics.mean(figure(r[b]) for b in BRACKET) for r in rounds]
+
+
+def row_figures(args) -> dict:
+    """What the table gives of each row (and the targets compare with the local rows')."""
     batch, warmup = args.batch_size, args.warmup
-    rate = lambda row: images_per_sec(row["steps"], warmup, batch)  # noqa: E731
-    first = lambda row: row["first_step"]  # noqa: E731
-    per_image = lambda row: 1000 * row["client_cpu"] / row["images"]  # noqa: E731
-    base = {
-        "first": median(rounds, "local shards", first),
-        "rate": median(rounds, "local shards", rate),
+    return {
+        "first step": lambda row: row["first_step"],
+        "images/s": lambda row: images_per_sec(row["steps"], warmup, batch),
+        "CPU per image": lambda row: steady_cpu_ms(row["steps"], warmup, batch),
+        "run CPU per image": lambda row: 1000 * row["client_cpu"] / row["images"],
     }
-    base["cpu"] = median(rounds, "local shards", per_image)
+
+
+def round_line(args, rows: dict) -> str:
+    """One round's figures over its local rows', at each latency: the spread behind a median."""
+    return "; ".join(
+        f"+{ms} ms: " + ", ".join(f"{what} {ratios([rows], f's3 +{ms} ms', fn)[0]:.2f}x"
+                                 for what, fn in row_figures(args).items())
+        for ms in args.latencies_ms
+    )  # fmt: skip
+
+
+def report(args, rounds: list[dict]) -> None:
+    batch, figures = args.batch_size, row_figures(args)
     print(
         f"\nLocal tar shards vs the same shards in S3 (moto on 127.0.0.1 behind a proxy adding "
         f"latency per request): {args.model} at {args.image_size} px, batch {batch}, "
         f"{args.images} images in shards of {SHARD_IMAGES}, 1 epoch, 1 process on the CPU"
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
+        + "; vs local: each round's row over its local rows' mean"
     )
-    header = f"{'source':<28} {'first step':>10} {'vs local':>8} {'img/s':>8} {'vs local':>8}"
-    print(header + f" {'CPU ms/img':>10} {'vs local':>8} {'req/image':>9} {'shard GETs':>10} "
-          f"{'cached MiB':>10} {'store CPU s':>11}")  # fmt: skip
+    header = f"{'source':<28} {'first s':>10} {'vs local':>8} {'img/s':>7} {'vs local':>8}"
+    print(header + f" {'CPU ms/img':>10} {'vs local':>8} {'run CPU ms/img':>14} {'vs local':>8} "
+          f"{'req/image':>9} {'shard GETs':>10} {'cached MiB':>10} {'store CPU s':>11}")  # fmt: skip
     for name in rounds[0]:
         if name == "download" or "loader alone" in name:
             continue
-        figures = {f: median(rounds, name, fn) for f, fn in
-                   (("first", first), ("rate", rate), ("cpu", per_image))}  # fmt: skip
-        remote = "requests" in rounds[0][name]
+        cells = [
+            format(median(rounds, name, fn), form)
+            + f" {statistics.median(ratios(rounds, name, fn)):>8.2f}"
+            for fn, form in zip(figures.values(), FORMS, strict=True)
+        ]
         requests, gets, cached = ("-", "-", "-")
-        if remote:
+        if "requests" in rounds[0][name]:
             requests = f"{median(rounds, name, lambda r: r['requests'] / r['images']):.3f}"
             gets = f"{median(rounds, name, lambda r: r['shard_reads']):.0f}"
             cached = f"{median(rounds, name, lambda r: r['cached']) / 2**20:.1f}"
         print(
-            f"{name:<28} {figures['first']:>9.2f}s {figures['first'] / base['first']:>8.2f} "
-            f"{figures['rate']:>8.1f} {figures['rate'] / base['rate']:>8.2f} "
-            f"{figures['cpu']:>10.1f} {figures['cpu'] / base['cpu']:>8.2f} {requests:>9} "
-            f"{gets:>10} {cached:>10} {median(rounds, name, lambda r: r['store_cpu']):>11.1f}"
+            f"{name:<28} {' '.join(cells)} {requests:>9} {gets:>10} {cached:>10} "
+            f"{median(rounds, name, lambda r: r['store_cpu']):>11.1f}"
         )
-    loader_rows(args, rounds, rate)
+    loader_rows(args, rounds, figures["images/s"])
     ms = args.latencies_ms[0]
     download = rounds[-1]["download"]
     print(
         f"restart: the checkpoint ({download['bytes'] / 2**20:.1f} MiB) downloaded in "
         f"{median(rounds, 'download', lambda r: r['seconds']):.2f} s through +{ms} ms "
         f"({download['requests']} requests); the restarted run's first step "
-        f"{median(rounds, f'restart from s3 +{ms} ms', first):.2f} s from the command"
+        f"{median(rounds, f'restart from s3 +{ms} ms', figures['first step']):.2f} s from the "
+        "command"
     )
+    targets = {"first step": (TARGET_FIRST_STEP, "at most"),
+               "images/s": (TARGET_IMAGES_PER_SEC, "at least"),
+               "CPU per image": (TARGET_CPU, "at most")}  # fmt: skip
+    spread = "" if len(rounds) == 1 else " [{:.2f}-{:.2f}]"
     for ms in args.latencies_ms:
-        at = f"s3 +{ms} ms"
-        ratios = {
-            "first step": (median(rounds, at, first) / base["first"], TARGET_FIRST_STEP, "at most"),
-            "images/s": (
-                median(rounds, at, rate) / base["rate"],
-                TARGET_IMAGES_PER_SEC,
-                "at least",
-            ),
-            "CPU per image": (median(rounds, at, per_image) / base["cpu"], TARGET_CPU, "at most"),
-        }
+        at, verdicts = f"s3 +{ms} ms", []
+        for what, fn in figures.items():
+            each = ratios(rounds, at, fn)
+            value = statistics.median(each)
+            text = f"{what} {value:.2f}x local" + spread.format(min(each), max(each))
+            if what in targets:
+                target, bound = targets[what]
+                held = value <= target if bound == "at most" else value >= target
+                text += f" ({bound} {target}x: {'met' if held else 'MISSED'})"
+            verdicts.append(text)
         per = median(rounds, at, lambda r: r["requests"] / r["images"])
-        verdicts = [
-            f"{what} {value:.2f}x local ({bound} {target}x: "
-            f"{'met' if (value <= target) == (bound == 'at most') else 'MISSED'})"
-            for what, (value, target, bound) in ratios.items()
-        ]
         verdicts.append(f"requests per image {per:.3f} (at most {TARGET_REQUESTS}: "
                         f"{'met' if per <= TARGET_REQUESTS else 'MISSED'})")  # fmt: skip
         print(f"targets at +{ms} ms: " + "; ".join(verdicts))
@@ -319,6 +360,7 @@ def main() -> None:
         for number in range(args.repeat):
             print(f"--- round {number + 1} of {args.repeat}", flush=True)
             rounds.append(one_round(args, data, server, url, Path(tmp) / f"round{number}"))
+            print(round_line(args, rounds[-1]), flush=True)
         report(args, rounds)
 
 

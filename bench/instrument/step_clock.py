@@ -1,11 +1,15 @@
 """Each optimizer step's end, for bench/remote.py: named in $IMGTRAINER_HOOKS as
-``step_clock:step_clock`` with this folder on PYTHONPATH, it appends "time epoch step" to the
-file $BENCH_STEP_CLOCK names, one line a step, before the step's checkpoint
-(``step_clock:loader_clock``: a line per batch of the training loader read alone)."""
+``step_clock:step_clock`` with this folder on PYTHONPATH, it appends "time epoch step cpu" to the
+file $BENCH_STEP_CLOCK names, one line a step, before the step's checkpoint (cpu: the seconds of
+CPU of the run's processes so far, ``process_cpu``; ``step_clock:loader_clock``: a line per
+batch of the training loader read alone).
+"""
 
 from __future__ import annotations
 
+import glob
 import os
+import resource
 import time
 
 CLOCK_ENV = "BENCH_STEP_CLOCK"
@@ -21,6 +25,21 @@ def clock_env(path: os.PathLike | str, loader_only: bool = False) -> dict[str, s
     return {CLOCK_ENV: str(path), HOOKS_ENV: hook, "PYTHONPATH": python_path}
 
 
+def process_cpu() -> float:
+    """CPU seconds of this process, its finished children and its live ones (the loader
+    workers, the decode check)."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    seconds = sum(u.ru_utime + u.ru_stime for u in usage)
+    for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        for pid in open(listing).read().split():
+            try:  # utime and stime, in clock ticks, after the command's parenthesis
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended since the listing: counted in RUSAGE_CHILDREN
+            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
 def step_clock(trainer):
     from imgtrainer.hooks import Hook
 
@@ -30,8 +49,9 @@ def step_clock(trainer):
         before_checkpoint = True
 
         def on_step_end(self, info) -> bool:
+            line = f"{time.time():.6f} {trainer.epoch + 1} {info.step} {process_cpu():.3f}\n"
             with open(path, "a") as clock:
-                clock.write(f"{time.time():.6f} {trainer.epoch + 1} {info.step}\n")
+                clock.write(line)
             return False
 
     return StepClock()
@@ -40,30 +60,13 @@ def step_clock(trainer):
 def loader_clock(trainer):
     """The training loader alone (``BENCH_LOADER_ONLY``): its first epoch read to the end on
     the host (no device copy, no model), a clock line per batch, then the process ends."""
-    import glob
-    import resource
-
-    def cpu() -> float:  # this process, its finished children and its live ones (the workers)
-        usage = [
-            resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        ]
-        seconds = sum(u.ru_utime + u.ru_stime for u in usage)
-        for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-            for pid in open(listing).read().split():
-                try:  # utime and stime, in clock ticks, after the command's parenthesis
-                    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue  # ended since the listing: counted in RUSAGE_CHILDREN
-                seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return seconds
-
     path = os.environ[CLOCK_ENV]
     trainer.loaders.sampler.set_epoch(0)
-    started, images = cpu(), 0
+    started, images = process_cpu(), 0
     with open(path, "a") as clock:
         for step, batch in enumerate(trainer.train_loader.loader, 1):
             images += len(batch[-1])
             clock.write(f"{time.time():.6f} 1 {step}\n")
     with open(f"{path}.cpu", "w") as out:
-        out.write(f"{cpu() - started:.3f} {images}\n")
+        out.write(f"{process_cpu() - started:.3f} {images}\n")
     os._exit(0)  # the run's files are not the point: nothing trained, nothing to save
