@@ -27,17 +27,23 @@ def clock_env(path: os.PathLike | str, loader_only: bool = False) -> dict[str, s
 
 def process_cpu() -> float:
     """CPU seconds of this process, its finished children and its live ones (the loader
-    workers, the decode check)."""
-    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    seconds = sum(u.ru_utime + u.ru_stime for u in usage)
-    for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        for pid in open(listing).read().split():
-            try:  # utime and stime, in clock ticks, after the command's parenthesis
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # ended since the listing: counted in RUSAGE_CHILDREN
-            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return seconds
+    workers, the decode check); read again if a child was reaped between the two counts."""
+    while True:
+        finished = _times(resource.getrusage(resource.RUSAGE_CHILDREN))
+        live = 0.0
+        for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+            for pid in open(listing).read().split():
+                try:  # utime and stime, in clock ticks, after the command's parenthesis
+                    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # reaped since the listing: the next count holds it
+                live += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if _times(resource.getrusage(resource.RUSAGE_CHILDREN)) == finished:
+            return _times(resource.getrusage(resource.RUSAGE_SELF)) + finished + live
+
+
+def _times(usage) -> float:
+    return usage.ru_utime + usage.ru_stime
 
 
 def step_clock(trainer):
