@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # support/: what the tests and the benchmarks share
 sys.path.insert(0, str(Path(__file__).parent / "instrument"))
 
-from step_clock import clock_env  # noqa: E402
+from step_clock import clock_env, cpu_seconds  # noqa: E402
 
 from imgtrainer.data.layouts.files import folder_table  # noqa: E402
 from imgtrainer.tools.pack_data import write_shards  # noqa: E402
@@ -127,8 +127,7 @@ def run_row(
 
 def _children_cpu() -> float:
     """CPU seconds of this process's finished children (and theirs: the loader workers)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return cpu_seconds(resource.getrusage(resource.RUSAGE_CHILDREN))
 
 
 def images_per_sec(steps: list[tuple], warmup: int, batch: int) -> float:

@@ -29,7 +29,7 @@ def process_cpu() -> float:
     """CPU seconds of this process, its finished children and its live ones (the loader
     workers, the decode check); read again if a child was reaped between the two counts."""
     while True:
-        finished = _times(resource.getrusage(resource.RUSAGE_CHILDREN))
+        finished = cpu_seconds(resource.getrusage(resource.RUSAGE_CHILDREN))
         live = 0.0
         for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
             for pid in open(listing).read().split():
@@ -38,11 +38,12 @@ def process_cpu() -> float:
                 except OSError:
                     continue  # reaped since the listing: the next count holds it
                 live += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        if _times(resource.getrusage(resource.RUSAGE_CHILDREN)) == finished:
-            return _times(resource.getrusage(resource.RUSAGE_SELF)) + finished + live
+        if cpu_seconds(resource.getrusage(resource.RUSAGE_CHILDREN)) == finished:
+            return cpu_seconds(resource.getrusage(resource.RUSAGE_SELF)) + finished + live
 
 
-def _times(usage) -> float:
+def cpu_seconds(usage: resource.struct_rusage) -> float:
+    """The user and system CPU seconds of a ``getrusage`` answer."""
     return usage.ru_utime + usage.ru_stime
 
 
